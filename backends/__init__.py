@@ -1,0 +1,1 @@
+"""One module per accelerator. Importing this package imports no device SDK."""

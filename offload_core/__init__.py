@@ -1,0 +1,41 @@
+"""offload-core: move KV-cache blocks between accelerator and host memory, in order, on any accelerator.
+
+Importing this package imports neither torch's device SDKs nor any backend: backends
+are loaded when first probed or selected.
+"""
+
+from offload_core.backend import Backend, Direction, Event, Stream
+from offload_core.errors import BackendUnavailableError, InvalidSpecError, OffloadError, UnknownBackendError
+from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
+from offload_core.plan import CopyBatch, Geometry, Planner
+from offload_core.queue import TransferQueue, TransferResult
+from offload_core.registry import availability, backend_names, get_backend, register_backend
+from offload_core.worker import OffloadWorker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "CopyBatch",
+    "DeviceBlocks",
+    "Direction",
+    "Event",
+    "Geometry",
+    "HostBlocks",
+    "InvalidSpecError",
+    "KVCacheRef",
+    "KVCacheTensor",
+    "KVCaches",
+    "OffloadError",
+    "OffloadWorker",
+    "Planner",
+    "Stream",
+    "TransferQueue",
+    "TransferResult",
+    "UnknownBackendError",
+    "availability",
+    "backend_names",
+    "get_backend",
+    "register_backend",
+]

@@ -1,0 +1,3 @@
+from offload_core.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""The backend interface: everything the core needs from an accelerator, and nothing more.
+
+Streams and events are whatever the device library returns (``torch.cuda.Stream``,
+``torch.npu.Event``, ...): they satisfy the small protocols below without wrapping.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Direction(str, enum.Enum):
+    """Which way a transfer goes. The value is what `TransferResult.direction` reports."""
+
+    STORE = "store"  # device -> host
+    LOAD = "load"  # host -> device
+
+
+class Event(Protocol):
+    def record(self, stream: "Stream") -> None: ...  # mark the stream's current position
+
+    def query(self) -> bool: ...  # has the marked work completed? Raises if it failed.
+
+    def synchronize(self) -> None: ...  # block the host until it has; raises if it failed
+
+    def elapsed_time(self, end: "Event") -> float: ...  # milliseconds from this event to `end`
+
+
+class Stream(Protocol):
+    def wait_event(self, event: Event) -> None: ...  # later work waits for the event; host does not block
+
+    def wait_stream(self, stream: "Stream") -> None: ...  # later work waits for all work queued on `stream`
+
+
+class Backend(abc.ABC):
+    """An accelerator: streams, events, host memory it can copy from, and a batched copy.
+
+    Subclasses set `name` (registry key, equal to the torch device type), `priority`
+    (automatic selection prefers higher) and `install_hint`, and implement the abstract
+    methods. The core never asks which backend it talks to.
+    """
+
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0
+    install_hint: ClassVar[str] = ""
+
+    @classmethod
+    @abc.abstractmethod
+    def probe(cls) -> str | None:
+        """Say whether this backend can run here, without creating a device context.
+
+        Cheap, idempotent and fork-safe: it may import the device SDK, never allocate.
+
+        Returns:
+            None when usable, else one sentence saying why not.
+        """
+
+    def __init__(self, device_index: int = 0):
+        self.device_index = device_index
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> "torch.device":
+        """The torch device whose tensors this backend copies to and from."""
+
+    @abc.abstractmethod
+    def new_stream(self) -> Stream:
+        """A new stream for copies, distinct from the compute stream."""
+
+    @abc.abstractmethod
+    def new_event(self) -> Event:
+        """A new event that supports timing (`elapsed_time`)."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The caller's current (compute) stream on this device."""
+
+    @abc.abstractmethod
+    def alloc_host(self, nbytes: int) -> "torch.Tensor":
+        """Zero-filled host memory the device copies to and from asynchronously.
+
+        Returns:
+            A 1-D uint8 CPU tensor of `nbytes`, pinned (page-locked) where the backend
+            supports it.
+        """
+
+    def host_register(self, tensor: "torch.Tensor") -> bool:
+        """Make host memory allocated elsewhere fast to copy (e.g. cudaHostRegister).
+
+        Returns:
+            True if registered; False if this backend has nothing to register.
+        """
+        return False
+
+    def host_unregister(self, tensor: "torch.Tensor") -> None:
+        """Undo `host_register`."""
+
+    @abc.abstractmethod
+    def copy_batch(
+        self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream: Stream
+    ) -> None:
+        """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes, for every i, on `stream`.
+
+        Enqueue only: never wait for the copies. The arrays are int64 addresses and byte
+        counts, at least one descriptor, validated by the caller to lie inside registered
+        buffers; they stay alive and unchanged until an event recorded after this call
+        completes. Copies within one batch may run in any order and must not overlap.
+
+        Raises:
+            Exception: anything that stops the copies from being enqueued; the core turns it
+                into a failed submission.
+        """
+
+    def synchronize(self) -> None:
+        """Block until all work on this device has finished."""

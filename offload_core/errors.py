@@ -1,0 +1,38 @@
+"""The exceptions offload-core raises."""
+
+from __future__ import annotations
+
+
+class OffloadError(Exception):
+    """Base class of every error raised by offload-core."""
+
+
+class UnknownBackendError(OffloadError, LookupError):
+    """A backend name that is neither built in nor registered."""
+
+    def __init__(self, name: str, known: tuple[str, ...]):
+        self.name = name
+        self.known = known
+        super().__init__(f"unknown offload backend {name!r}; known backends: {', '.join(known)}")
+
+
+class BackendUnavailableError(OffloadError, RuntimeError):
+    """A known backend that cannot run here (missing SDK, no device, ...).
+
+    Attributes:
+        name: the backend's registry name.
+        reason: one sentence saying why it is unavailable.
+    """
+
+    def __init__(self, name: str, reason: str, hint: str = ""):
+        self.name = name
+        self.reason = reason
+        message = f"offload backend {name!r} is unavailable: {reason}"
+        if hint:
+            message += f" ({hint})"
+        message += "; set OFFLOAD_CORE_BACKEND=cpu to use the host-memory reference backend"
+        super().__init__(message)
+
+
+class InvalidSpecError(OffloadError, ValueError):
+    """Input that would make a transfer read or write outside its buffers, or is malformed."""

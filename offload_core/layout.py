@@ -1,0 +1,175 @@
+"""What the caller describes: the device KV cache, and the blocks of one transfer.
+
+A KV cache is a list of device tensors whose first dimension is the block index
+(`KVCacheTensor`), and per KV-cache group the list of layers that read them
+(`KVCacheRef`). A transfer names device blocks (`DeviceBlocks`) and host blocks
+(`HostBlocks`); the planner turns the pair into copy descriptors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from offload_core.errors import InvalidSpecError
+
+if TYPE_CHECKING:  # torch is only needed for type names here
+    import torch
+
+
+@dataclass(frozen=True)
+class KVCacheTensor:
+    """One device tensor of the KV cache, seen as int8 pages, one per block.
+
+    Args:
+        tensor: a contiguous device tensor whose first dimension is the block index.
+        page_size_bytes: bytes per block in `tensor` (the padded page: row pitch).
+
+    Raises:
+        InvalidSpecError: the tensor is not contiguous, has no blocks, or its size is not
+            ``num_blocks * page_size_bytes``.
+    """
+
+    tensor: "torch.Tensor"
+    page_size_bytes: int
+
+    def __post_init__(self) -> None:
+        t = self.tensor
+        if t.dim() < 1 or t.shape[0] < 1:
+            raise InvalidSpecError(f"KV tensor needs a leading block dimension, got shape {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise InvalidSpecError("KV tensor must be contiguous (its pages are addressed as data_ptr + block * page)")
+        if self.page_size_bytes <= 0 or t.numel() * t.element_size() != t.shape[0] * self.page_size_bytes:
+            raise InvalidSpecError(
+                f"KV tensor of {t.numel() * t.element_size()} bytes is not {t.shape[0]} pages "
+                f"of page_size_bytes={self.page_size_bytes}"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.tensor.shape[0])
+
+
+@dataclass(frozen=True)
+class KVCacheRef:
+    """One layer's use of a KV tensor: it copies `page_size_bytes` from the start of each page.
+
+    Args:
+        tensor_idx: index into `KVCaches.tensors`.
+        page_size_bytes: bytes of each page that hold data (the unpadded page).
+        mapping: the canonical page mapping of the tensor-parallel layout; reserved, must be None.
+    """
+
+    tensor_idx: int
+    page_size_bytes: int
+    mapping: Any = None
+
+
+@dataclass(frozen=True)
+class KVCaches:
+    """Everything a worker transfers.
+
+    Args:
+        tensors: the device KV tensors.
+        group_refs: ``group_refs[g]`` lists the refs of KV-cache group ``g``.
+
+    Raises:
+        InvalidSpecError: no tensors, a ref to a missing tensor, a ref larger than its
+            tensor's page, tensors on different devices, or a ref with a mapping (not supported yet).
+    """
+
+    tensors: Sequence[KVCacheTensor]
+    group_refs: Sequence[Sequence[KVCacheRef]]
+
+    def __post_init__(self) -> None:
+        if not self.tensors:
+            raise InvalidSpecError("KVCaches needs at least one tensor")
+        if not self.group_refs:
+            raise InvalidSpecError("KVCaches needs at least one KV-cache group")
+        devices = {t.tensor.device for t in self.tensors}
+        if len(devices) != 1:
+            raise InvalidSpecError(f"KV tensors live on several devices: {sorted(map(str, devices))}")
+        for g, refs in enumerate(self.group_refs):
+            for ref in refs:
+                if not 0 <= ref.tensor_idx < len(self.tensors):
+                    raise InvalidSpecError(f"group {g}: ref to tensor {ref.tensor_idx}, but there are {len(self.tensors)}")
+                page = self.tensors[ref.tensor_idx].page_size_bytes
+                if not 0 < ref.page_size_bytes <= page:
+                    raise InvalidSpecError(
+                        f"group {g}: ref copies {ref.page_size_bytes} bytes of tensor {ref.tensor_idx}, "
+                        f"whose page is {page} bytes"
+                    )
+                if ref.mapping is not None:
+                    raise InvalidSpecError("KVCacheRef.mapping (canonical layout) is not supported yet")
+
+    @property
+    def device(self) -> "torch.device":
+        return self.tensors[0].tensor.device
+
+
+def _ids(values: Any, what: str) -> np.ndarray:
+    """`values` as a 1-D int64 array; raises InvalidSpecError for any other dtype or shape."""
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise InvalidSpecError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise InvalidSpecError(f"{what} must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+@dataclass(frozen=True, init=False)
+class DeviceBlocks:
+    """Device side of a transfer: block ids concatenated in KV-cache group order.
+
+    Args:
+        block_ids: device block ids, group 0 first.
+        group_sizes: how many ids belong to each group (0 allowed); None means one group.
+        block_indices: per group, the logical index within the request of the group's
+            first block; ``block_indices[g] % blocks_per_chunk`` sub-pages of the group's
+            first host chunk are skipped. None means all zero.
+
+    Raises:
+        InvalidSpecError: non-integer or non-1-D ids, negative sizes or indices, sizes that
+            do not add up to the number of ids, or lengths of sizes and indices that differ.
+    """
+
+    block_ids: np.ndarray
+    group_sizes: np.ndarray
+    block_indices: np.ndarray
+
+    def __init__(self, block_ids: Any, group_sizes: Any = None, block_indices: Any = None):
+        ids = _ids(block_ids, "DeviceBlocks.block_ids")
+        sizes = np.array([ids.size], dtype=np.int64) if group_sizes is None else _ids(group_sizes, "group_sizes")
+        if block_indices is None:
+            indices = np.zeros(sizes.size, dtype=np.int64)
+        else:
+            indices = _ids(block_indices, "block_indices")
+        if indices.size != sizes.size:
+            raise InvalidSpecError(f"{sizes.size} group sizes but {indices.size} block indices")
+        if sizes.size and (sizes.min() < 0 or indices.min() < 0):
+            raise InvalidSpecError("group sizes and block indices must be non-negative")
+        if int(sizes.sum()) != ids.size:
+            raise InvalidSpecError(f"group sizes add up to {int(sizes.sum())}, but there are {ids.size} block ids")
+        object.__setattr__(self, "block_ids", ids)
+        object.__setattr__(self, "group_sizes", sizes)
+        object.__setattr__(self, "block_indices", indices)
+
+
+@dataclass(frozen=True, init=False)
+class HostBlocks:
+    """Host side of a transfer: host block (chunk) ids, concatenated in group order.
+
+    Group ``g`` consumes ``ceil((group_sizes[g] + skip_g) / blocks_per_chunk)`` ids.
+
+    Raises:
+        InvalidSpecError: non-integer or non-1-D ids.
+    """
+
+    block_ids: np.ndarray = field()
+
+    def __init__(self, block_ids: Any):
+        object.__setattr__(self, "block_ids", _ids(block_ids, "HostBlocks.block_ids"))

@@ -1,0 +1,168 @@
+"""An ordered, asynchronous transfer queue for one direction. It only talks to the Backend ABC.
+
+All jobs of a queue run on one copy stream, so a job starts only after the previous
+one has finished on the device; every job first waits for the caller's compute stream
+(a store must read the KV cache after the model wrote it; a load must land after any
+pending work on its destination blocks, such as zeroing of fresh blocks). Completions
+are reported from the head of the queue, so in submission order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, NamedTuple
+
+import numpy as np
+
+from offload_core.backend import Backend, Direction, Event
+from offload_core.plan import CopyBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """One finished job.
+
+    Attributes:
+        job_id: the caller's id.
+        success: False when the device reported an error for this job.
+        transfer_size: bytes the job copies (also set, as attempted bytes, when it failed).
+        transfer_time: seconds between the job's start and end events on the device.
+        direction: ``"store"`` (device to host) or ``"load"`` (host to device).
+    """
+
+    job_id: int
+    success: bool
+    transfer_size: int
+    transfer_time: float
+    direction: str
+
+
+class _Job(NamedTuple):
+    job_id: int
+    start: Event
+    end: Event
+    nbytes: int
+    scratch: np.ndarray | None  # descriptor memory the device may still read
+
+
+class TransferQueue:
+    """Runs copy batches of one direction in submission order.
+
+    Not thread-safe: call it from one thread, as an engine's worker does.
+
+    Args:
+        backend: the device to copy on.
+        direction: STORE or LOAD; recorded in results and passed to the backend.
+    """
+
+    def __init__(self, backend: Backend, direction: Direction):
+        self.backend = backend
+        self.direction = direction
+        self._stream = backend.new_stream()
+        self._jobs: deque[_Job] = deque()
+        self._ids: set[int] = set()
+        self._free_events: list[Event] = []
+        self._free_scratch: list[np.ndarray] = []
+
+    def __contains__(self, job_id: int) -> bool:
+        return job_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def scratch(self, descriptors: int) -> np.ndarray:
+        """A pooled int64 ``(3, >= descriptors)`` buffer for the planner to write into."""
+        for i, buf in enumerate(self._free_scratch):
+            if buf.shape[1] >= descriptors:
+                return self._free_scratch.pop(i)
+        return np.empty((3, max(descriptors, 256)), dtype=np.int64)
+
+    def submit(self, job_id: int, batch: CopyBatch, scratch: np.ndarray | None = None) -> None:
+        """Enqueue one job behind every earlier one and behind the compute stream.
+
+        Args:
+            job_id: reported back in the job's `TransferResult`.
+            batch: the descriptors; `scratch` (if they live in it) is held until the job completes.
+
+        Raises:
+            Exception: whatever the backend raised while enqueueing; the job is then not queued.
+        """
+        start, end = self._event(), self._event()
+        stream = self._stream
+        try:
+            stream.wait_stream(self.backend.current_stream())
+            start.record(stream)
+            if len(batch):
+                self.backend.copy_batch(batch.src, batch.dst, batch.sizes, self.direction, stream)
+            end.record(stream)
+        except Exception:
+            # Part of the batch may be queued already: keep the descriptors alive until the
+            # stream has passed them. If even that fails the device is lost; drop them all.
+            try:
+                end.record(stream)
+                end.synchronize()
+            except Exception:
+                scratch = None
+            if scratch is not None:
+                self._free_scratch.append(scratch)
+            raise
+        self._jobs.append(_Job(job_id, start, end, batch.nbytes, scratch))
+        self._ids.add(job_id)
+
+    def poll(self) -> list[TransferResult]:
+        """Results of the jobs completed so far, from the head of the queue, without blocking."""
+        results = []
+        while self._jobs:
+            job = self._jobs[0]
+            try:
+                if not job.end.query():
+                    break
+                elapsed = job.start.elapsed_time(job.end) / 1e3
+                ok = True
+            except Exception as exc:  # a device fault fails this job, not the caller's loop
+                log.error("%s job %s failed on the device: %r", self.direction.value, job.job_id, exc)
+                ok, elapsed = False, 0.0
+            self._jobs.popleft()
+            self._ids.discard(job.job_id)
+            if ok:  # events that saw a fault are not trusted again
+                self._free_events += (job.start, job.end)
+            if job.scratch is not None:
+                self._free_scratch.append(job.scratch)
+            results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value))
+        return results
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until the named jobs (and so every job before them) have completed.
+
+        Results are not consumed: `poll` still reports them. Unknown ids are ignored.
+        """
+        wanted = set(job_ids) & self._ids
+        last = None
+        for job in self._jobs:
+            if job.job_id in wanted:
+                last = job
+        if last is not None:
+            _settle(last.end)
+
+    def drain(self) -> list[TransferResult]:
+        """Wait for every queued job and return all pending results."""
+        if self._jobs:
+            _settle(self._jobs[-1].end)
+        for job in self._jobs:  # a fault on one event may not have waited for the rest
+            _settle(job.end)
+        return self.poll()
+
+    def _event(self) -> Event:
+        return self._free_events.pop() if self._free_events else self.backend.new_event()
+
+
+def _settle(event: Event) -> None:
+    """Wait for an event; a failure is reported later by `poll`, not here."""
+    try:
+        event.synchronize()
+    except Exception:
+        pass

@@ -1,0 +1,194 @@
+"""Which backends exist, which can run here, and which one to use.
+
+Built-in backends are registered as lazy ``"module:Class"`` strings, so nothing is
+imported until a backend is probed or selected. Third-party packages add backends
+through the entry-point group ``offload_core.backends`` (set
+``OFFLOAD_CORE_PLUGINS=0`` to ignore them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from importlib.metadata import entry_points
+from typing import Union
+
+from offload_core.backend import Backend
+from offload_core.errors import BackendUnavailableError, UnknownBackendError
+
+log = logging.getLogger(__name__)
+
+ENV_BACKEND = "OFFLOAD_CORE_BACKEND"
+ENV_PLUGINS = "OFFLOAD_CORE_PLUGINS"
+ENTRY_POINT_GROUP = "offload_core.backends"
+
+Target = Union[str, "type[Backend]"]
+
+_BUILTIN: dict[str, str] = {
+    "cpu": "offload_core.backends.cpu:CpuBackend",
+    "cuda": "offload_core.backends.cuda:CudaBackend",
+    "npu": "offload_core.backends.npu:NpuBackend",
+    "xpu": "offload_core.backends.xpu:XpuBackend",
+}
+assert list(_BUILTIN) == sorted(_BUILTIN)
+
+_lock = threading.RLock()
+_targets: dict[str, Target] = dict(_BUILTIN)
+_plugins_loaded = False
+_instances: dict[tuple[str, int], Backend] = {}
+
+
+def register_backend(name: str, target: Target, *, clobber: bool = False) -> None:
+    """Register a backend under `name`.
+
+    Args:
+        name: registry key; by convention the torch device type it copies to.
+        target: a `Backend` subclass, or a lazy ``"package.module:Class"`` string.
+        clobber: replace an existing registration of the same name.
+
+    Raises:
+        ValueError: `name` is taken and `clobber` is False, or `target` is malformed.
+    """
+    if isinstance(target, str) and ":" not in target:
+        raise ValueError(f"lazy backend target must look like 'module:Class', got {target!r}")
+    if not isinstance(target, str) and not (isinstance(target, type) and issubclass(target, Backend)):
+        raise ValueError(f"backend target must be a Backend subclass or 'module:Class', got {target!r}")
+    with _lock:
+        _load_plugins()
+        if name in _targets and not clobber:
+            raise ValueError(f"offload backend {name!r} is already registered (pass clobber=True to replace it)")
+        _targets[name] = target
+        for key in [k for k in _instances if k[0] == name]:
+            del _instances[key]
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every known backend name, usable here or not, sorted."""
+    with _lock:
+        _load_plugins()
+        return tuple(sorted(_targets))
+
+
+def backend_class(name: str) -> type[Backend]:
+    """Import and return the class registered under `name`.
+
+    Raises:
+        UnknownBackendError: no backend has that name.
+        BackendUnavailableError: its module cannot be imported.
+    """
+    with _lock:
+        _load_plugins()
+        if name not in _targets:
+            raise UnknownBackendError(name, tuple(sorted(_targets)))
+        target = _targets[name]
+    if not isinstance(target, str):
+        return target
+    module_name, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except Exception as exc:  # a broken plugin must not break the others
+        raise BackendUnavailableError(name, f"cannot import {target}: {exc!r}") from exc
+    with _lock:
+        if _targets.get(name) == target:
+            _targets[name] = cls
+    return cls
+
+
+def availability() -> dict[str, str | None]:
+    """Probe every backend.
+
+    Returns:
+        ``{name: None}`` for usable backends, ``{name: reason}`` for the others.
+    """
+    result: dict[str, str | None] = {}
+    for name in backend_names():
+        result[name] = _probe(name)
+    return result
+
+
+def _probe(name: str) -> str | None:
+    try:
+        reason = backend_class(name).probe()
+    except BackendUnavailableError as exc:
+        reason = exc.reason
+    except Exception as exc:  # a probe must never take the registry down
+        reason = f"probe raised {exc!r}"
+    if reason is not None:
+        log.debug("offload backend %s unavailable: %s", name, reason)
+    return reason
+
+
+def select_backend_name(name: str | None = None) -> str:
+    """The backend `get_backend` would use: `name`, else $OFFLOAD_CORE_BACKEND, else the best available.
+
+    Raises:
+        UnknownBackendError: an explicit or environment name that is not registered.
+        BackendUnavailableError: no backend at all is usable.
+    """
+    name = name or os.environ.get(ENV_BACKEND) or None
+    if name is not None:
+        backend_class(name)  # unknown names fail loudly here
+        return name
+    ranked = sorted(backend_names(), key=lambda n: (-_priority(n), n))
+    for candidate in ranked:
+        if _probe(candidate) is None:
+            return candidate
+    raise BackendUnavailableError("any", "no offload backend is usable")
+
+
+def _priority(name: str) -> int:
+    try:
+        return backend_class(name).priority
+    except BackendUnavailableError:
+        return -1
+
+
+def get_backend(name: str | None = None, *, device_index: int = 0) -> Backend:
+    """Return the backend instance for `name` and `device_index` (cached).
+
+    Selection: an explicit `name`, else the ``OFFLOAD_CORE_BACKEND`` environment
+    variable, else the highest-priority usable backend (ties broken by name).
+
+    Raises:
+        UnknownBackendError: the name is not registered.
+        BackendUnavailableError: the backend cannot run here; the message carries the
+            probe's reason and an install hint.
+    """
+    chosen = select_backend_name(name)
+    with _lock:
+        instance = _instances.get((chosen, device_index))
+        if instance is not None:
+            return instance
+    cls = backend_class(chosen)
+    reason = _probe(chosen)
+    if reason is not None:
+        raise BackendUnavailableError(chosen, reason, cls.install_hint)
+    with _lock:
+        return _instances.setdefault((chosen, device_index), cls(device_index))
+
+
+def _load_plugins() -> None:
+    """Add third-party backends from entry points, once, as lazy strings. Caller holds _lock."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    if os.environ.get(ENV_PLUGINS, "1") == "0":
+        return
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _targets:
+            log.warning("ignoring plugin backend %r from %s: the name is taken", ep.name, ep.value)
+            continue
+        _targets[ep.name] = ep.value
+
+
+def _reset_for_tests() -> None:
+    """Forget registrations, plugins and cached instances (tests only)."""
+    global _plugins_loaded
+    with _lock:
+        _targets.clear()
+        _targets.update(_BUILTIN)
+        _instances.clear()
+        _plugins_loaded = False
