@@ -125,6 +125,9 @@ class Planner:
                     may_coalesce=bool(np.any((size == dev_page) & (size == host_page) & ((bpc > 1) | (host_page == row)))),
                 )
             )
+        users = [t for refs in g.group_refs for t in {t for t, _ in refs}]
+        # Groups that share a tensor can collide on a destination page across groups.
+        self._groups_share_tensors = len(users) != len(set(users))
         self._refs_per_group = np.array([len(r) for r in g.group_refs], dtype=np.int64)
         self._bytes_per_group_block = np.array([int(x.copy_bytes.sum()) for x in self._groups], dtype=np.int64)
         self._arange = np.arange(1024, dtype=np.int64)
@@ -180,16 +183,22 @@ class Planner:
         row = self.host_row_bytes
         pos = d0 = h0 = 0
         coalesce = False
+        shared_keys = []
         for grp, n, skip, hc in zip(self._groups, sizes.tolist(), skips.tolist(), host_counts.tolist()):
             if n == 0:
                 continue
             dev_ids = device.block_ids[d0 : d0 + n]
-            hids = host_ids[h0 : h0 + hc]
             d0 += n
-            h0 += hc
             if dev_ids.min() < 0 or dev_ids.max() >= grp.device_limit:
                 _raise_out_of_range("device", dev_ids, grp.device_limit)
-            _check_unique(hids if store else dev_ids, "host" if store else "device")
+            q = self._arange[skip : skip + n]  # the group's sub-pages, counted from its first host block
+            group_hids = host_ids[h0 : h0 + hc]
+            h0 += hc
+            hids, sub = (group_hids, None) if bpc == 1 else (host_ids[h0 - hc + q // bpc], q % bpc)
+            if self._groups_share_tensors:
+                shared_keys.append(dev_ids if not store else hids * bpc + (0 if sub is None else sub))
+            else:
+                _check_unique(group_hids if store else dev_ids, "host block id" if store else "device block id")
             r = grp.copy_bytes.shape[0]
             if r == 0:
                 continue
@@ -198,15 +207,14 @@ class Planner:
             np.multiply.outer(grp.device_page, dev_ids, out=dev)
             dev += grp.device_base
             hst = out[host_row, pos:end].reshape(r, n)
-            if bpc == 1:
-                np.add.outer(grp.host_base, hids * row, out=hst)
-            else:
-                q = self._arange[skip : skip + n]
-                np.add.outer(grp.host_base, hids[q // bpc] * row, out=hst)
-                hst += grp.host_page * (q % bpc)
+            np.add.outer(grp.host_base, hids * row, out=hst)
+            if sub is not None:
+                hst += grp.host_page * sub
             out[2, pos:end].reshape(r, n)[:] = grp.copy_bytes
             coalesce |= grp.may_coalesce
             pos = end
+        if shared_keys:
+            _check_unique(np.concatenate(shared_keys), "device block id" if not store else "host sub-page")
         nbytes = int(sizes @ self._bytes_per_group_block)
         src, dst, size = out[0, :pos], out[1, :pos], out[2, :pos]
         if coalesce and pos > 1:
@@ -243,4 +251,4 @@ def _check_unique(ids: np.ndarray, side: str) -> None:
     s = np.sort(ids)
     dup = s[1:] == s[:-1]
     if dup.any():
-        raise InvalidSpecError(f"{side} block id {int(s[1:][dup][0])} is a destination twice in one group")
+        raise InvalidSpecError(f"{side} {int(s[1:][dup][0])} is the destination of two copies in one transfer")

@@ -1,0 +1,42 @@
+"""The `backend` fixture runs a test once per registered backend; unusable ones are skipped with their reason.
+
+OFFLOAD_CORE_TEST_BACKENDS=cuda,cpu narrows the set; OFFLOAD_CORE_REQUIRE_BACKENDS=cuda turns a
+skip of a listed backend into a failure, so a runner with a broken driver cannot pass green.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import settings
+
+from offload_core import registry
+
+settings.register_profile("ci", max_examples=60, deadline=None)
+settings.register_profile("thorough", max_examples=1000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _listed(var: str) -> set[str] | None:
+    value = os.environ.get(var, "").strip()
+    return {n.strip() for n in value.split(",") if n.strip()} if value else None
+
+
+def _backend_params():
+    chosen = _listed("OFFLOAD_CORE_TEST_BACKENDS")
+    for name in registry.backend_names():
+        if chosen is None or name in chosen:
+            marks = [getattr(pytest.mark, name)] if name in ("cpu", "cuda", "npu", "xpu") else []
+            yield pytest.param(name, marks=marks, id=name)
+
+
+@pytest.fixture(params=list(_backend_params()), scope="session")
+def backend(request):
+    name = request.param
+    reason = registry.availability()[name]
+    if reason is not None:
+        if name in (_listed("OFFLOAD_CORE_REQUIRE_BACKENDS") or ()):
+            pytest.fail(f"required backend {name} is unavailable: {reason}")
+        pytest.skip(f"{name}: {reason}")
+    return registry.get_backend(name)

@@ -1,0 +1,212 @@
+"""The planner against the page-at-a-time reference model, on plain numpy buffers (no device, no torch)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from offload_core import DeviceBlocks, Direction, Geometry, HostBlocks, InvalidSpecError, Planner
+from offload_core.plan import merge_contiguous
+from offload_core.testing.reference import reference_transfer
+
+
+class Model:
+    """Numpy device tensors and a host row buffer, with the geometry the planner sees."""
+
+    def __init__(self, pages, copy_sizes_per_group, bpc, device_blocks=16, host_blocks=12, seed=0):
+        rng = np.random.default_rng(seed)
+        self.pages, self.bpc = pages, bpc
+        self.device = [rng.integers(0, 256, (device_blocks, p), dtype=np.uint8) for p in pages]
+        self.offsets = list(np.cumsum([0] + [p * bpc for p in pages])[:-1])
+        self.host = rng.integers(0, 256, (host_blocks, sum(pages) * bpc), dtype=np.uint8)
+        self.group_refs = copy_sizes_per_group
+        self.geometry = Geometry(
+            device_base=[a.ctypes.data for a in self.device],
+            device_page=pages,
+            device_blocks=[device_blocks] * len(pages),
+            host_base=self.host.ctypes.data,
+            host_row_bytes=self.host.shape[1],
+            host_offset=self.offsets,
+            host_page=pages,
+            host_blocks=host_blocks,
+            group_refs=copy_sizes_per_group,
+            blocks_per_chunk=bpc,
+        )
+
+    def snapshot(self):
+        return [a.copy() for a in self.device], self.host.copy()
+
+    def buffers(self):
+        spans = [(a.ctypes.data, a.nbytes) for a in self.device] + [(self.host.ctypes.data, self.host.nbytes)]
+        return spans
+
+
+@st.composite
+def transfers(draw):
+    n_tensors = draw(st.integers(1, 4))
+    pages = [draw(st.integers(1, 48)) for _ in range(n_tensors)]
+    bpc = draw(st.integers(1, 8))
+    n_groups = draw(st.integers(1, 3))
+    group_refs = []
+    for _ in range(n_groups):
+        tidx = draw(st.lists(st.integers(0, n_tensors - 1), min_size=0, max_size=4, unique=True))
+        group_refs.append([(t, draw(st.integers(1, pages[t]))) for t in tidx])  # unpadded <= padded
+    device_blocks, host_blocks = 16, 12
+    sizes, indices, dev_ids, host_ids = [], [], [], []
+    free_host = list(draw(st.permutations(range(host_blocks))))
+    free_device = list(draw(st.permutations(range(device_blocks))))  # groups may share tensors
+    for _ in range(n_groups):
+        size = min(draw(st.integers(0, 6)), len(free_device))
+        index = draw(st.integers(0, 20))
+        need = -(-(size + index % bpc) // bpc) if size else 0
+        if need > len(free_host):
+            size, need = 0, 0
+        sizes.append(size)
+        indices.append(index)
+        dev_ids += [free_device.pop() for _ in range(size)]
+        host_ids += [free_host.pop() for _ in range(need)]
+    direction = draw(st.sampled_from(list(Direction)))
+    model = Model(pages, group_refs, bpc, device_blocks, host_blocks, seed=draw(st.integers(0, 2**16)))
+    return model, direction, DeviceBlocks(dev_ids, sizes, indices), HostBlocks(host_ids)
+
+
+def execute(batch):
+    for s, d, n in zip(batch.src.tolist(), batch.dst.tolist(), batch.sizes.tolist()):
+        ctypes.memmove(d, s, n)
+
+
+def inside(addr, n, spans):
+    return any(base <= addr and addr + n <= base + size for base, size in spans)
+
+
+@given(transfers())
+def test_plan_moves_the_same_bytes_as_the_reference(case):
+    model, direction, device, host = case
+    expected_dev, expected_host = model.snapshot()
+    reference_transfer(
+        direction, expected_dev, expected_host, model.offsets, model.group_refs, model.bpc,
+        device.block_ids, device.group_sizes, device.block_indices, host.block_ids,
+    )
+    batch = Planner(model.geometry).plan(direction, device, host)
+
+    spans = model.buffers()
+    for s, d, n in zip(batch.src.tolist(), batch.dst.tolist(), batch.sizes.tolist()):
+        assert n > 0 and inside(s, n, spans) and inside(d, n, spans)
+    order = np.argsort(batch.dst, kind="stable")
+    assert np.all(batch.dst[order][1:] >= (batch.dst + batch.sizes)[order][:-1]), "destinations overlap"
+    assert batch.nbytes == int(batch.sizes.sum()) == sum(
+        n * sum(c for _, c in refs) for n, refs in zip(device.group_sizes, model.group_refs)
+    )
+
+    execute(batch)
+    for got, exp in zip(model.device, expected_dev):
+        np.testing.assert_array_equal(got, exp)
+    np.testing.assert_array_equal(model.host, expected_host)
+
+
+@given(transfers())
+def test_merging_keeps_bytes_and_never_adds_descriptors(case):
+    model, direction, device, host = case
+    planner = Planner(model.geometry)
+    batch = planner.plan(direction, device, host)
+    assert len(batch) <= planner.max_descriptors(device)
+    src, dst, sizes = merge_contiguous(batch.src, batch.dst, batch.sizes)
+    assert len(sizes) == len(batch)  # planner output is already fully merged
+    assert int(sizes.sum()) == batch.nbytes
+
+
+def test_worked_example_from_vllm_load():
+    """bpc 4, group 0 over two 32 KiB tensors starting mid-chunk, group 1 a 16 KiB window."""
+    kib = 1024
+    model = Model([32 * kib, 32 * kib, 16 * kib], [[(0, 32 * kib), (1, 32 * kib)], [(2, 16 * kib)]], 4,
+                  device_blocks=302, host_blocks=56)
+    device = DeviceBlocks([105, 9, 33, 34, 71, 72, 300, 301], group_sizes=(6, 2), block_indices=(6, 10))
+    host = HostBlocks([40, 17, 55])
+    planner = Planner(model.geometry)
+    batch = planner.plan(Direction.LOAD, device, host)
+    assert planner.max_descriptors(device) == 14
+    assert batch.nbytes == 416 * kib
+    # 33,34 and 71,72 land in consecutive sub-pages of host block 17; 300,301 in block 55
+    assert len(batch) == 9
+    row = model.host.shape[1]
+    first = model.host.ctypes.data + 40 * row + 2 * 32 * kib
+    assert (batch.src[0], batch.dst[0], batch.sizes[0]) == (first, model.device[0].ctypes.data + 105 * 32 * kib, 32 * kib)
+
+
+def test_contiguous_blocks_of_one_tensor_become_one_copy():
+    model = Model([64], [[(0, 64)]], 4, device_blocks=16, host_blocks=8)
+    batch = Planner(model.geometry).plan(Direction.STORE, DeviceBlocks(range(2, 10)), HostBlocks([5, 6]))
+    assert len(batch) == 1 and batch.sizes[0] == 8 * 64
+    assert batch.dst[0] == model.host.ctypes.data + 5 * model.host.shape[1]
+
+
+def test_padding_is_never_copied():
+    model = Model([64, 64], [[(0, 60), (1, 64)]], 2)
+    batch = Planner(model.geometry).plan(Direction.STORE, DeviceBlocks([0, 1]), HostBlocks([3]))
+    assert sorted(batch.sizes.tolist()) == [60, 60, 128]
+
+
+@pytest.mark.parametrize(
+    "device, host, message",
+    [
+        (DeviceBlocks([0, 1], [1, 1]), HostBlocks([0, 1]), "2 groups"),
+        (DeviceBlocks([0, 16]), HostBlocks([0]), "device block id 16 out of range"),
+        (DeviceBlocks([-1]), HostBlocks([0]), "device block id -1 out of range"),
+        (DeviceBlocks([0]), HostBlocks([12]), "host block id 12 out of range"),
+        (DeviceBlocks([0, 1, 2]), HostBlocks([0]), "need 2"),
+        (DeviceBlocks([0]), HostBlocks([0, 1]), "need 1"),
+        (DeviceBlocks([0, 1], block_indices=[1]), HostBlocks([0]), "need 2"),
+        (DeviceBlocks([0, 1, 2, 3]), HostBlocks([4, 4]), "host block id 4 is the destination of two copies"),
+    ],
+)
+def test_bad_specs_are_rejected(device, host, message):
+    model = Model([32], [[(0, 32)]], 2)
+    with pytest.raises(InvalidSpecError, match=message):
+        Planner(model.geometry).plan(Direction.STORE, device, host)
+
+
+def test_duplicate_load_destination_is_rejected_but_duplicate_source_is_not():
+    model = Model([32], [[(0, 32)]], 1)
+    planner = Planner(model.geometry)
+    with pytest.raises(InvalidSpecError, match="device block id 3 is the destination of two copies"):
+        planner.plan(Direction.LOAD, DeviceBlocks([3, 3]), HostBlocks([0, 1]))
+    planner.plan(Direction.LOAD, DeviceBlocks([3, 4]), HostBlocks([0, 0]))
+    planner.plan(Direction.STORE, DeviceBlocks([3, 3]), HostBlocks([0, 1]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(block_ids=[[1, 2]]), "1-D"),
+        (dict(block_ids=[1.0, 2.0]), "integers"),
+        (dict(block_ids=[1, 2], group_sizes=[1]), "add up to 1"),
+        (dict(block_ids=[1, 2], group_sizes=[3, -1]), "non-negative"),
+        (dict(block_ids=[1, 2], group_sizes=[2], block_indices=[0, 0]), "1 group sizes but 2"),
+        (dict(block_ids=[1], block_indices=[-2]), "non-negative"),
+    ],
+)
+def test_malformed_device_blocks(kwargs, message):
+    with pytest.raises(InvalidSpecError, match=message):
+        DeviceBlocks(**kwargs)
+
+
+def test_empty_transfer_plans_nothing():
+    model = Model([32], [[(0, 32)], [(0, 16)]], 3)
+    batch = Planner(model.geometry).plan(Direction.STORE, DeviceBlocks([], [0, 0]), HostBlocks([]))
+    assert len(batch) == 0 and batch.nbytes == 0
+
+
+def test_groups_collide_only_through_a_shared_tensor():
+    disjoint = Planner(Model([32, 32], [[(0, 32)], [(1, 32)]], 2).geometry)
+    disjoint.plan(Direction.LOAD, DeviceBlocks([3, 3], [1, 1]), HostBlocks([0, 1]))
+    shared = Planner(Model([32, 32], [[(0, 32)], [(0, 32), (1, 32)]], 2).geometry)
+    with pytest.raises(InvalidSpecError, match="device block id 3 is the destination of two copies"):
+        shared.plan(Direction.LOAD, DeviceBlocks([3, 3], [1, 1]), HostBlocks([0, 1]))
+    # the same host block, different sub-pages: no collision
+    shared.plan(Direction.STORE, DeviceBlocks([3, 4], [1, 1], [0, 1]), HostBlocks([0, 0]))
+    with pytest.raises(InvalidSpecError, match="host sub-page 2 is the destination of two copies"):
+        shared.plan(Direction.STORE, DeviceBlocks([3, 4], [1, 1], [0, 0]), HostBlocks([1, 1]))
