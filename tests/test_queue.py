@@ -1,0 +1,164 @@
+"""Ordering, waiting, shutdown and failures, with a backend whose events complete when the test says so."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadError, OffloadWorker
+from offload_core.testing.fake import FakeBackend
+
+from helpers import small_kv
+
+
+@pytest.fixture
+def fake():
+    return FakeBackend()
+
+
+@pytest.fixture
+def worker(fake):
+    with OffloadWorker(small_kv(), 8, backend=fake) as w:
+        yield w
+
+
+def store(worker, job_id, block=0, host=0):
+    return worker.submit_store(job_id, DeviceBlocks([block]), HostBlocks([host]))
+
+
+def load(worker, job_id, host=0, block=0):
+    return worker.submit_load(job_id, HostBlocks([host]), DeviceBlocks([block]))
+
+
+def test_results_come_in_submission_order_even_when_a_later_job_finishes_first(worker, fake):
+    for job in (1, 2, 3):
+        assert store(worker, job, block=job, host=job)
+    ends = fake.job_ends(fake.streams[0])
+    fake.complete(ends[2])
+    fake.complete(ends[1])
+    assert worker.get_finished() == []
+    fake.complete(ends[0])
+    assert [r.job_id for r in worker.get_finished()] == [1, 2, 3]
+    assert worker.get_finished() == []
+
+
+def test_directions_are_independent_and_each_stays_ordered(worker, fake):
+    store(worker, 1, block=1, host=1)
+    load(worker, 2, host=2, block=2)
+    store(worker, 3, block=3, host=3)
+    fake.complete(fake.job_ends(fake.streams[1])[0])  # the load finishes first
+    results = worker.get_finished()
+    assert [(r.job_id, r.direction) for r in results] == [(2, "load")]
+    fake.complete_all()
+    assert [(r.job_id, r.direction) for r in worker.get_finished()] == [(1, "store"), (3, "store")]
+
+
+def test_every_job_waits_for_the_compute_stream_then_the_previous_job(worker, fake):
+    store(worker, 1, block=1)
+    load(worker, 2, block=2)
+    ops = [(op, s) for op, s, *_ in fake.log]
+    # per job: wait for compute, start event, copy, end event, all on the job's queue stream
+    assert ops == [
+        ("wait_stream", "s0"), ("record", "s0"), ("copy", "s0"), ("record", "s0"),
+        ("wait_stream", "s1"), ("record", "s1"), ("copy", "s1"), ("record", "s1"),
+    ]
+    assert {x[2] for x in fake.log if x[0] == "wait_stream"} == {"compute"}
+    # one stream per direction: later jobs run behind earlier ones by stream order
+    store(worker, 3, block=3)
+    assert fake.log[-1][:2] == ("record", "s0") and len(fake.streams) == 2
+
+
+def test_wait_blocks_until_done_without_consuming(worker, fake):
+    store(worker, 1, block=1, host=1)
+    store(worker, 2, block=2, host=2)
+    worker.wait({1, 99})  # unknown ids are ignored
+    ends = fake.job_ends(fake.streams[0])
+    assert ends[0].done and not ends[1].done
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    worker.wait([2])
+    worker.wait([2])
+    assert [r.job_id for r in worker.get_finished()] == [2]
+    worker.wait([1, 2])  # already reported: ignored
+    assert worker.get_finished() == []
+
+
+def test_transfer_size_and_time_are_reported(worker, fake):
+    worker.submit_store(1, DeviceBlocks([1, 2, 3]), HostBlocks([0, 1, 2]))
+    fake.complete_all()
+    (result,) = worker.get_finished()
+    assert result.success and result.transfer_size == 3 * (64 + 128) and result.transfer_time > 0
+
+
+def test_a_job_id_in_flight_is_rejected_in_either_direction(worker, fake):
+    store(worker, 7, block=1, host=1)
+    from offload_core import InvalidSpecError
+
+    with pytest.raises(InvalidSpecError, match="job id 7 is still in flight"):
+        load(worker, 7, host=2, block=2)
+    fake.complete_all()
+    worker.get_finished()
+    assert load(worker, 7, host=2, block=2)  # reported jobs free their id
+
+
+def test_shutdown_drains_jobs_in_flight_and_keeps_their_results(worker, fake):
+    store(worker, 1, block=1, host=1)
+    load(worker, 2, host=2, block=2)
+    worker.shutdown()
+    assert all(e.done for e in fake.recorded())
+    assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
+    worker.shutdown()  # harmless
+    assert worker.host_tensors == []
+    with pytest.raises(OffloadError, match="shut down"):
+        store(worker, 3)
+
+
+def test_a_device_fault_fails_that_job_only(worker, fake):
+    store(worker, 1, block=1, host=1)
+    store(worker, 2, block=2, host=2)
+    ends = fake.job_ends(fake.streams[0])
+    fake.complete(ends[0], error=RuntimeError("illegal address"))
+    fake.complete(ends[1])
+    results = worker.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(1, False), (2, True)]
+    assert store(worker, 3, block=3, host=3)
+    fake.complete_all()
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(3, True)]
+
+
+def test_wait_and_shutdown_survive_a_fault(worker, fake):
+    store(worker, 1, block=1, host=1)
+    fake.complete(fake.job_ends(fake.streams[0])[0], error=RuntimeError("ECC"))
+    worker.wait([1])
+    worker.shutdown()
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, False)]
+
+
+def test_an_enqueue_failure_returns_false_and_leaves_nothing_in_flight(worker, fake):
+    fake.fail_enqueue = RuntimeError("cuMemcpyBatchAsync failed at index 3")
+    assert store(worker, 1, block=1, host=1) is False
+    assert worker.get_finished() == []
+    worker.wait([1])
+    assert store(worker, 1, block=1, host=1)  # the id is free again
+    fake.complete_all()
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+
+
+def test_events_and_descriptor_buffers_are_reused(worker, fake):
+    created = []
+    original = fake.new_event
+    fake.new_event = lambda: created.append(1) or original()
+    for job in range(50):
+        store(worker, job, block=job % 16, host=job % 8)
+        fake.complete_all()
+        worker.get_finished()
+    assert len(created) <= 2
+    queue = worker._queues[Direction.STORE]
+    assert len(queue._free_scratch) == 1
+
+
+def test_empty_job_still_completes_in_order(worker, fake):
+    store(worker, 1, block=1, host=1)
+    assert worker.submit_store(2, DeviceBlocks([]), HostBlocks([]))
+    fake.complete_all()
+    results = worker.get_finished()
+    assert [(r.job_id, r.transfer_size) for r in results] == [(1, 192), (2, 0)]
+    assert sum(1 for x in fake.log if x[0] == "copy") == 1  # an empty batch never reaches the backend

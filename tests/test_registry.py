@@ -1,0 +1,143 @@
+"""Backend selection: explicit name, environment, priority, plugins, and the errors a user sees."""
+
+from __future__ import annotations
+
+import sys
+import types
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from offload_core import BackendUnavailableError, UnknownBackendError, registry
+from offload_core.backends.cpu import CpuBackend
+from offload_core.testing.fake import FakeBackend
+
+
+@pytest.fixture(autouse=True)
+def clean_registry(monkeypatch):
+    monkeypatch.delenv(registry.ENV_BACKEND, raising=False)
+    registry._reset_for_tests()
+    yield
+    registry._reset_for_tests()
+
+
+class Broken(FakeBackend):
+    name = "broken"
+    priority = 500
+    install_hint = "pip install broken-sdk"
+
+    @classmethod
+    def probe(cls):
+        return "the broken SDK is not installed"
+
+
+class Fast(FakeBackend):
+    name = "fast"
+    priority = 200
+
+
+def test_builtins_are_listed_without_importing_them():
+    assert set(registry.backend_names()) >= {"cpu", "cuda", "npu", "xpu"}
+
+
+def test_availability_gives_a_reason_for_every_unusable_backend():
+    avail = registry.availability()
+    assert avail["cpu"] is None
+    for name in ("cuda", "npu", "xpu"):
+        assert avail[name] is None or isinstance(avail[name], str) and avail[name]
+
+
+def test_explicit_name_then_environment_then_priority(monkeypatch):
+    registry.register_backend("fast", Fast)
+    assert registry.get_backend().name == "fast"  # highest usable priority
+    monkeypatch.setenv(registry.ENV_BACKEND, "cpu")
+    assert isinstance(registry.get_backend(), CpuBackend)
+    assert registry.get_backend("fast").name == "fast"  # explicit beats the environment
+
+
+def test_unusable_backends_are_passed_over_in_automatic_selection():
+    registry.register_backend("broken", Broken)
+    registry.register_backend("fast", Fast)
+    assert registry.select_backend_name() == "fast"
+
+
+def test_instances_are_cached_per_device_index():
+    a, b, c = registry.get_backend("cpu"), registry.get_backend("cpu"), registry.get_backend("cpu", device_index=1)
+    assert a is b and a is not c and c.device_index == 1
+
+
+def test_unknown_name_lists_the_known_ones(monkeypatch):
+    with pytest.raises(UnknownBackendError, match="unknown offload backend 'tpu'.*cpu, cuda, npu, xpu") as info:
+        registry.get_backend("tpu")
+    assert isinstance(info.value, LookupError)
+    monkeypatch.setenv(registry.ENV_BACKEND, "tpu")
+    with pytest.raises(UnknownBackendError):
+        registry.get_backend()
+
+
+def test_unavailable_name_carries_reason_and_install_hint():
+    registry.register_backend("broken", Broken)
+    with pytest.raises(BackendUnavailableError) as info:
+        registry.get_backend("broken")
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert err.name == "broken" and err.reason == "the broken SDK is not installed"
+    assert "pip install broken-sdk" in str(err) and "OFFLOAD_CORE_BACKEND=cpu" in str(err)
+
+
+def test_register_refuses_to_clobber_unless_asked():
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_backend("cpu", Fast)
+    registry.register_backend("cpu", Fast, clobber=True)
+    assert registry.get_backend("cpu").name == "fast"
+    with pytest.raises(ValueError, match="module:Class"):
+        registry.register_backend("x", "no_colon_here")
+    with pytest.raises(ValueError, match="Backend subclass"):
+        registry.register_backend("x", object)
+
+
+def test_lazy_string_is_imported_only_when_used(monkeypatch):
+    module = types.ModuleType("lazy_plugin_mod")
+    module.Plugin = Fast
+    registry.register_backend("lazy", "lazy_plugin_mod:Plugin")
+    monkeypatch.setitem(sys.modules, "lazy_plugin_mod", module)
+    assert registry.backend_class("lazy") is Fast
+
+
+def test_a_backend_that_fails_to_import_is_unavailable_not_fatal():
+    registry.register_backend("ghost", "no_such_module_anywhere:Ghost")
+    reason = registry.availability()["ghost"]
+    assert "cannot import no_such_module_anywhere:Ghost" in reason
+    assert registry.get_backend().name in {"cpu", "cuda", "npu", "xpu"}
+    with pytest.raises(BackendUnavailableError, match="cannot import"):
+        registry.get_backend("ghost")
+
+
+def test_entry_point_plugins_are_found(monkeypatch):
+    module = types.ModuleType("third_party_offload")
+    module.FastBackend = Fast
+    monkeypatch.setitem(sys.modules, "third_party_offload", module)
+    eps = [
+        EntryPoint("fast", "third_party_offload:FastBackend", registry.ENTRY_POINT_GROUP),
+        EntryPoint("cpu", "third_party_offload:FastBackend", registry.ENTRY_POINT_GROUP),  # cannot take a built-in name
+    ]
+    monkeypatch.setattr(registry, "entry_points", lambda group: eps if group == registry.ENTRY_POINT_GROUP else [])
+    registry._reset_for_tests()
+    assert "fast" in registry.backend_names()
+    assert registry.backend_class("cpu") is CpuBackend
+    assert registry.get_backend().name == "fast"
+    monkeypatch.setenv(registry.ENV_PLUGINS, "0")
+    registry._reset_for_tests()
+    assert "fast" not in registry.backend_names()
+
+
+def test_import_offload_core_loads_no_backend_or_device_sdk():
+    import subprocess
+
+    code = (
+        "import sys, offload_core; "
+        "bad = [m for m in sys.modules if m.startswith(('torch', 'offload_core.backends', 'triton', 'torch_npu'))]; "
+        "print(bad); raise SystemExit(bool(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

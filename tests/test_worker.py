@@ -1,0 +1,218 @@
+"""OffloadWorker on the cpu backend: real asynchronous copies, checked byte for byte."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload_core import (
+    DeviceBlocks,
+    Direction,
+    HostBlocks,
+    InvalidSpecError,
+    KVCacheRef,
+    KVCaches,
+    KVCacheTensor,
+    OffloadWorker,
+    get_backend,
+)
+from offload_core.testing.reference import reference_transfer
+
+from helpers import small_kv, snapshot
+
+pytestmark = pytest.mark.cpu
+
+
+def host_rows(worker):
+    return torch.cat(worker.host_tensors, dim=1).view(torch.uint8).numpy().copy()
+
+
+@st.composite
+def round_trips(draw):
+    n_tensors = draw(st.integers(1, 3))
+    pages = [draw(st.sampled_from([16, 48, 64, 100])) for _ in range(n_tensors)]
+    copy = [draw(st.integers(1, p)) for p in pages]
+    bpc = draw(st.integers(1, 4))
+    n_groups = draw(st.integers(1, 2))
+    groups = [draw(st.lists(st.integers(0, n_tensors - 1), max_size=3, unique=True)) for _ in range(n_groups)]
+    sizes = [draw(st.integers(0, 5)) for _ in groups]
+    indices = [draw(st.integers(0, 9)) for _ in groups]
+    blocks = 24
+    ids = draw(st.permutations(range(blocks)))
+    src, dst = ids[: sum(sizes)], ids[blocks - sum(sizes) :]
+    counts = [-(-(s + i % bpc) // bpc) if s else 0 for s, i in zip(sizes, indices)]
+    host = draw(st.permutations(range(12)))[: sum(counts)]
+    return pages, copy, bpc, groups, sizes, indices, src, dst, host
+
+
+@settings(max_examples=25, deadline=None)
+@given(round_trips())
+def test_store_then_load_into_other_blocks_matches_the_reference(case):
+    pages, copy, bpc, groups, sizes, indices, src, dst, host = case
+    kv = small_kv(pages, copy, blocks=24, groups=groups)
+    before = [t.numpy().view(np.uint8).copy() for t in snapshot(kv)]
+    with OffloadWorker(kv, 12, blocks_per_chunk=bpc, backend="cpu") as worker:
+        assert worker.submit_store(1, DeviceBlocks(src, sizes, indices), HostBlocks(host))
+        worker.wait([1])
+        assert worker.submit_load(2, HostBlocks(host), DeviceBlocks(dst, sizes, indices))
+        worker.wait([2])
+        results = worker.get_finished()
+        expected_bytes = sum(n * sum(copy[t] for t in g) for n, g in zip(sizes, groups))
+        assert [(r.job_id, r.success, r.transfer_size) for r in results] == [
+            (1, True, expected_bytes),
+            (2, True, expected_bytes),
+        ]
+        rows = np.zeros((12, sum(pages) * bpc), dtype=np.uint8)
+        offsets = list(np.cumsum([0] + [p * bpc for p in pages])[:-1])
+        plain = [[(t, copy[t]) for t in g] for g in groups]
+        for direction, ids in ((Direction.STORE, src), (Direction.LOAD, dst)):
+            reference_transfer(direction, before, rows, offsets, plain, bpc, ids, sizes, indices, host)
+        np.testing.assert_array_equal(host_rows(worker), rows)  # untouched host bytes stay zero
+        for t, exp in zip(kv.tensors, before):  # sources unchanged, untouched pages unchanged
+            np.testing.assert_array_equal(t.tensor.numpy().view(np.uint8), exp)
+
+
+def test_a_store_sees_what_the_compute_stream_writes_before_it():
+    kv = small_kv()
+    backend = get_backend("cpu")
+    with OffloadWorker(kv, 4, backend=backend) as worker:
+        def slow_kernel():
+            time.sleep(0.05)
+            for t in kv.tensors:
+                t.tensor[3] = 7
+
+        backend.current_stream().launch(slow_kernel)
+        assert worker.submit_store(1, DeviceBlocks([3]), HostBlocks([2]))
+        worker.wait([1])
+        assert all((h[2] == 7).all() for h in worker.host_tensors)
+
+
+def test_a_load_lands_after_pending_compute_on_its_blocks():
+    kv = small_kv()
+    backend = get_backend("cpu")
+    with OffloadWorker(kv, 4, backend=backend) as worker:
+        for h in worker.host_tensors:
+            h[1] = 5
+
+        def zero_fresh_block():  # vLLM #50696: zeroing new blocks must not overwrite a load
+            time.sleep(0.05)
+            for t in kv.tensors:
+                t.tensor[9] = 0
+
+        backend.current_stream().launch(zero_fresh_block)
+        assert worker.submit_load(1, HostBlocks([1]), DeviceBlocks([9]))
+        worker.wait([1])
+        backend.current_stream().synchronize()
+        assert all((t.tensor[9] == 5).all() for t in kv.tensors)
+
+
+def test_jobs_of_one_direction_run_in_order():
+    kv = small_kv(pages=(4096,), blocks=64)
+    with OffloadWorker(kv, 64, backend="cpu") as worker:
+        for job in range(20):  # each job overwrites host block 0 from another device block
+            assert worker.submit_store(job, DeviceBlocks([job]), HostBlocks([0]))
+        worker.wait([19])
+        assert torch.equal(worker.host_tensors[0][0], kv.tensors[0].tensor[19])
+        assert [r.job_id for r in worker.get_finished()] == list(range(20))
+
+
+def test_host_buffer_is_one_row_per_host_block():
+    kv = small_kv(pages=(64, 128))
+    with OffloadWorker(kv, 5, blocks_per_chunk=3, backend="cpu") as worker:
+        a, b = worker.host_tensors
+        assert a.shape == (5, 64 * 3) and b.shape == (5, 128 * 3)
+        assert worker.host_row_bytes == 3 * (64 + 128)
+        assert a.stride(0) == b.stride(0) == worker.host_row_bytes
+        assert b.data_ptr() - a.data_ptr() == 64 * 3
+
+
+BAD = [
+    ("store", DeviceBlocks([16]), HostBlocks([0]), "device block id 16 out of range"),
+    ("store", DeviceBlocks([0]), HostBlocks([8]), "host block id 8 out of range"),
+    ("load", HostBlocks([-1]), DeviceBlocks([0]), "host block id -1 out of range"),
+    ("store", DeviceBlocks([0, 1]), HostBlocks([0]), "need 2"),
+    ("store", DeviceBlocks([0, 1], [1, 1]), HostBlocks([0, 1]), "2 groups, the KV cache has 1"),
+    ("store", HostBlocks([0]), DeviceBlocks([0]), "needs DeviceBlocks and HostBlocks"),
+    ("load", DeviceBlocks([0]), HostBlocks([0]), "needs DeviceBlocks and HostBlocks"),
+    ("load", HostBlocks([1, 2]), DeviceBlocks([4, 4]), "device block id 4 is the destination of two copies"),
+]
+
+
+@pytest.mark.parametrize("direction, a, b, message", BAD)
+def test_invalid_specs_raise_and_move_nothing(direction, a, b, message):
+    kv = small_kv()
+    before = snapshot(kv)
+    with OffloadWorker(kv, 8, backend="cpu") as worker:
+        for h in worker.host_tensors:
+            h.fill_(3)
+        submit = worker.submit_store if direction == "store" else worker.submit_load
+        with pytest.raises(InvalidSpecError, match=message):
+            submit(1, a, b)
+        worker.backend.synchronize()
+        assert worker.get_finished() == []
+        assert all((h == 3).all() for h in worker.host_tensors)
+        assert all(torch.equal(t.tensor, b) for t, b in zip(kv.tensors, before))
+        assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([0]))  # still usable
+
+
+@pytest.mark.parametrize(
+    "ids, message", [([1.5], "integers"), ([[1]], "1-D"), (np.array([True]), "integers")]
+)
+def test_block_ids_must_be_1d_integers(ids, message):
+    with pytest.raises(InvalidSpecError, match=message):
+        DeviceBlocks(ids)
+    with pytest.raises(InvalidSpecError, match=message):
+        HostBlocks(ids)
+
+
+def test_ids_may_come_as_lists_arrays_or_tensors():
+    for ids in ([1, 2], np.array([1, 2], dtype=np.int32), torch.tensor([1, 2])):
+        assert DeviceBlocks(ids).block_ids.tolist() == [1, 2]
+        assert HostBlocks(ids).block_ids.dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: KVCacheTensor(torch.zeros(4, 16, dtype=torch.int8), 8), "not 4 pages"),
+        (lambda: KVCacheTensor(torch.zeros(16, 4, dtype=torch.int8).t(), 16), "contiguous"),
+        (lambda: KVCacheTensor(torch.zeros(0, 4, dtype=torch.int8), 4), "leading block dimension"),
+        (lambda: KVCaches([], [[]]), "at least one tensor"),
+        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(1, 8)]]), "ref to tensor 1"),
+        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 33)]]), "page is 32 bytes"),
+        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 8, mapping=object())]]), "not supported"),
+        (lambda: OffloadWorker(small_kv(), 0), "num_host_blocks"),
+        (lambda: OffloadWorker(small_kv(), 4, blocks_per_chunk=0), "blocks_per_chunk"),
+    ],
+)
+def test_invalid_layouts_are_rejected(make, message):
+    with pytest.raises(InvalidSpecError, match=message):
+        make()
+
+
+def test_bf16_tensors_are_viewed_as_bytes():
+    tensor = torch.randn(8, 16, 128, dtype=torch.bfloat16)  # 8 blocks of 16 tokens x 128
+    kv = KVCaches([KVCacheTensor(tensor, 16 * 128 * 2)], [[KVCacheRef(0, 16 * 128 * 2)]])
+    with OffloadWorker(kv, 4, backend="cpu") as worker:
+        worker.submit_store(1, DeviceBlocks([2]), HostBlocks([3]))
+        worker.wait([1])
+        worker.submit_load(2, HostBlocks([3]), DeviceBlocks([6]))
+        worker.wait([2])
+    assert torch.equal(tensor[6], tensor[2])
+
+
+def test_backend_must_copy_the_kv_tensors_device():
+    from offload_core.testing.fake import FakeBackend
+
+    class Elsewhere(FakeBackend):
+        @property
+        def device(self):
+            return torch.device("meta")
+
+    with pytest.raises(InvalidSpecError, match="KV tensors are on cpu"):
+        OffloadWorker(small_kv(), 4, backend=Elsewhere())
