@@ -10,9 +10,12 @@ Addressing (the data model of vLLM's offloading worker):
   host id ``q // blocks_per_chunk`` of the group's host ids, sub-page ``q % blocks_per_chunk``;
 * each ref of the group copies its ``copy_bytes`` from the start of the page.
 
-Descriptors are laid out group by group, ref by ref, block by block, then runs that
-are contiguous on both sides are merged. One `plan` call does a fixed number of numpy
-operations per KV-cache group, whatever the number of blocks or layers.
+The refs of a group are split once, at construction, into parts that share a page
+geometry (usually one part: every layer alike). Descriptors are laid out group by group,
+part by part, ref by ref, block by block. Where a part copies whole pages, runs of blocks
+that are contiguous on both sides become one descriptor, decided on the block offsets
+before any per-ref array exists. One `plan` call does a fixed number of numpy operations
+per group and part, whatever the number of blocks or layers.
 """
 
 from __future__ import annotations
@@ -68,14 +71,22 @@ class Geometry:
     blocks_per_chunk: int
 
 
+class _Part(NamedTuple):
+    """Refs of one group that share a page geometry: one numpy pass each for addresses and sizes."""
+
+    device_base: np.ndarray  # per ref, address of block 0
+    host_base: np.ndarray  # per ref, host_base + host_offset[t]
+    device_page: int
+    host_page: int
+    copy_bytes: int
+    full_pages: bool  # copies whole pages on both sides, so consecutive blocks may merge
+
+
 class _Group(NamedTuple):
-    device_base: np.ndarray  # per ref, (R, 1) so it broadcasts over blocks
-    device_page: np.ndarray  # per ref, (R,)
-    host_base: np.ndarray  # per ref, (R,): host_base + host_offset[t]
-    host_page: np.ndarray  # per ref, (R, 1)
-    copy_bytes: np.ndarray  # per ref, (R, 1)
-    device_limit: int  # block ids must be below this
-    may_coalesce: bool
+    parts: tuple[_Part, ...]
+    device_limit: int  # device block ids must be below this
+    refs: int
+    bytes_per_block: int
 
 
 class Planner:
@@ -106,30 +117,35 @@ class Planner:
                 raise InvalidSpecError(f"tensor {t}: host chunk does not fit in a host row of {row} bytes")
         self._groups: list[_Group] = []
         for refs in g.group_refs:
-            tidx = np.array([t for t, _ in refs], dtype=np.int64)
-            size = np.array([s for _, s in refs], dtype=np.int64)
-            dev_page = np.array([g.device_page[t] for t in tidx], dtype=np.int64)
-            host_page = np.array([g.host_page[t] for t in tidx], dtype=np.int64)
-            if np.any(size <= 0) or np.any(size > dev_page) or np.any(size > host_page):
-                raise InvalidSpecError("a ref copies more bytes than its tensor's page")
+            by_shape: dict[tuple[int, int, int], list[int]] = {}
+            for t, size in refs:
+                if not 0 < size <= min(g.device_page[t], g.host_page[t]):
+                    raise InvalidSpecError(f"a ref copies {size} bytes of tensor {t}, more than its page")
+                by_shape.setdefault((int(g.device_page[t]), int(g.host_page[t]), int(size)), []).append(t)
+            parts = tuple(
+                _Part(
+                    device_base=np.array([g.device_base[t] for t in ts], dtype=np.int64),
+                    host_base=np.array([g.host_base + g.host_offset[t] for t in ts], dtype=np.int64),
+                    device_page=dev_page,
+                    host_page=host_page,
+                    copy_bytes=size,
+                    full_pages=size == dev_page == host_page,
+                )
+                for (dev_page, host_page, size), ts in by_shape.items()
+            )
             self._groups.append(
                 _Group(
-                    device_base=np.array([g.device_base[t] for t in tidx], dtype=np.int64)[:, None],
-                    device_page=dev_page,
-                    host_base=np.array([g.host_base + g.host_offset[t] for t in tidx], dtype=np.int64),
-                    host_page=host_page[:, None],
-                    copy_bytes=size[:, None],
-                    device_limit=min((g.device_blocks[t] for t in tidx), default=min(g.device_blocks, default=0)),
-                    # Consecutive descriptors of one ref can only touch when the copy fills
-                    # the page on both sides and host sub-pages follow each other.
-                    may_coalesce=bool(np.any((size == dev_page) & (size == host_page) & ((bpc > 1) | (host_page == row)))),
+                    parts=parts,
+                    device_limit=min((g.device_blocks[t] for t, _ in refs), default=min(g.device_blocks, default=0)),
+                    refs=len(refs),
+                    bytes_per_block=sum(size for _, size in refs),
                 )
             )
         users = [t for refs in g.group_refs for t in {t for t, _ in refs}]
         # Groups that share a tensor can collide on a destination page across groups.
         self._groups_share_tensors = len(users) != len(set(users))
-        self._refs_per_group = np.array([len(r) for r in g.group_refs], dtype=np.int64)
-        self._bytes_per_group_block = np.array([int(x.copy_bytes.sum()) for x in self._groups], dtype=np.int64)
+        self._refs_per_group = np.array([grp.refs for grp in self._groups], dtype=np.int64)
+        self._bytes_per_group_block = np.array([grp.bytes_per_block for grp in self._groups], dtype=np.int64)
         self._arange = np.arange(1024, dtype=np.int64)
 
     @property
@@ -137,7 +153,7 @@ class Planner:
         return len(self._groups)
 
     def max_descriptors(self, device: DeviceBlocks) -> int:
-        """Descriptors `plan` writes before merging contiguous runs (the scratch size it needs)."""
+        """Descriptors `plan` writes at most (the scratch size it needs)."""
         return int(device.group_sizes @ self._refs_per_group) if device.group_sizes.size == self.num_groups else 0
 
     def plan(
@@ -153,11 +169,12 @@ class Planner:
                 returned arrays may be views into it.
 
         Returns:
-            The descriptors, merged where contiguous on both sides.
+            The descriptors; runs of consecutive blocks that are contiguous on both sides
+            are merged into one descriptor.
 
         Raises:
             InvalidSpecError: wrong group count, host ids that do not add up, a block id out
-                of range on either side, or a destination block named twice in one group.
+                of range on either side, or a destination page named twice in one transfer.
         """
         sizes = device.group_sizes
         if sizes.size != len(self._groups):
@@ -178,11 +195,10 @@ class Planner:
             out = np.empty((3, total), dtype=np.int64)
         if self._arange.size < sizes.max(initial=0) + bpc:
             self._arange = np.arange(2 * (int(sizes.max()) + bpc), dtype=np.int64)
-        dev_row, host_row = (0, 1) if direction is Direction.STORE else (1, 0)
         store = direction is Direction.STORE
+        dev_row, host_row = (0, 1) if store else (1, 0)
         row = self.host_row_bytes
         pos = d0 = h0 = 0
-        coalesce = False
         shared_keys = []
         for grp, n, skip, hc in zip(self._groups, sizes.tolist(), skips.tolist(), host_counts.tolist()):
             if n == 0:
@@ -191,35 +207,52 @@ class Planner:
             d0 += n
             if dev_ids.min() < 0 or dev_ids.max() >= grp.device_limit:
                 _raise_out_of_range("device", dev_ids, grp.device_limit)
-            q = self._arange[skip : skip + n]  # the group's sub-pages, counted from its first host block
             group_hids = host_ids[h0 : h0 + hc]
             h0 += hc
-            hids, sub = (group_hids, None) if bpc == 1 else (host_ids[h0 - hc + q // bpc], q % bpc)
+            if bpc == 1:
+                hids, sub = group_hids, None
+            else:  # the group's sub-pages, counted from its first host block
+                q = self._arange[skip : skip + n]
+                hids, sub = group_hids[q // bpc], q % bpc
             if self._groups_share_tensors:
                 shared_keys.append(dev_ids if not store else hids * bpc + (0 if sub is None else sub))
             else:
                 _check_unique(group_hids if store else dev_ids, "host block id" if store else "device block id")
-            r = grp.copy_bytes.shape[0]
-            if r == 0:
-                continue
-            end = pos + r * n
-            dev = out[dev_row, pos:end].reshape(r, n)
-            np.multiply.outer(grp.device_page, dev_ids, out=dev)
-            dev += grp.device_base
-            hst = out[host_row, pos:end].reshape(r, n)
-            np.add.outer(grp.host_base, hids * row, out=hst)
-            if sub is not None:
-                hst += grp.host_page * sub
-            out[2, pos:end].reshape(r, n)[:] = grp.copy_bytes
-            coalesce |= grp.may_coalesce
-            pos = end
+            host_rows = hids * row
+            for part in grp.parts:
+                dev_off = dev_ids * part.device_page
+                host_off = host_rows if sub is None else host_rows + sub * part.host_page
+                run_bytes = part.copy_bytes
+                if part.full_pages and n > 1:
+                    dev_off, host_off, run_bytes = _merge_blocks(dev_off, host_off, part.copy_bytes)
+                m = dev_off.size
+                end = pos + part.device_base.size * m
+                np.add.outer(part.device_base, dev_off, out=out[dev_row, pos:end].reshape(-1, m))
+                np.add.outer(part.host_base, host_off, out=out[host_row, pos:end].reshape(-1, m))
+                out[2, pos:end].reshape(-1, m)[:] = run_bytes
+                pos = end
         if shared_keys:
             _check_unique(np.concatenate(shared_keys), "device block id" if not store else "host sub-page")
         nbytes = int(sizes @ self._bytes_per_group_block)
-        src, dst, size = out[0, :pos], out[1, :pos], out[2, :pos]
-        if coalesce and pos > 1:
-            src, dst, size = merge_contiguous(src, dst, size)
-        return CopyBatch(src, dst, size, nbytes)
+        return CopyBatch(out[0, :pos], out[1, :pos], out[2, :pos], nbytes)
+
+
+def _merge_blocks(dev_off: np.ndarray, host_off: np.ndarray, page: int):
+    """Merge runs of blocks that follow each other on both sides (whole-page copies only).
+
+    Decided once per group from block offsets, not per descriptor: every ref of a part
+    shares the page geometry, so they merge at the same places.
+
+    Returns:
+        Offsets of each run's first block, and each run's length in bytes (or `page` when
+        nothing merges).
+    """
+    follows = (dev_off[1:] == dev_off[:-1] + page) & (host_off[1:] == host_off[:-1] + page)
+    if not follows.any():
+        return dev_off, host_off, page
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    run_blocks = np.diff(np.append(starts, dev_off.size))
+    return dev_off[starts], host_off[starts], run_blocks * page
 
 
 def merge_contiguous(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

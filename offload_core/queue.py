@@ -41,6 +41,16 @@ class TransferResult:
     direction: str
 
 
+@dataclass
+class QueueStats:
+    """Counters since the queue was made: jobs queued, their bytes and copy descriptors, jobs that failed."""
+
+    jobs: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    failed: int = 0
+
+
 class _Job(NamedTuple):
     job_id: int
     start: Event
@@ -67,6 +77,7 @@ class TransferQueue:
         self._ids: set[int] = set()
         self._free_events: list[Event] = []
         self._free_scratch: list[np.ndarray] = []
+        self.stats = QueueStats()
 
     def __contains__(self, job_id: int) -> bool:
         return job_id in self._ids
@@ -112,6 +123,9 @@ class TransferQueue:
             raise
         self._jobs.append(_Job(job_id, start, end, batch.nbytes, scratch))
         self._ids.add(job_id)
+        self.stats.jobs += 1
+        self.stats.bytes += batch.nbytes
+        self.stats.descriptors += len(batch)
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs completed so far, from the head of the queue, without blocking."""
@@ -132,6 +146,7 @@ class TransferQueue:
                 self._free_events += (job.start, job.end)
             if job.scratch is not None:
                 self._free_scratch.append(job.scratch)
+            self.stats.failed += not ok
             results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value))
         return results
 

@@ -10,7 +10,7 @@ from offload_core.backend import Backend, Direction
 from offload_core.errors import InvalidSpecError, OffloadError
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches
 from offload_core.plan import Geometry, Planner
-from offload_core.queue import TransferQueue, TransferResult
+from offload_core.queue import QueueStats, TransferQueue, TransferResult
 from offload_core.registry import ENV_BACKEND, get_backend
 
 log = logging.getLogger(__name__)
@@ -135,6 +135,10 @@ class OffloadWorker:
             log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
             return False
         return True
+
+    def stats(self) -> dict[str, QueueStats]:
+        """Counters per direction (``"store"``, ``"load"``): jobs, bytes, descriptors after merging, failures."""
+        return {d.value: q.stats for d, q in self._queues.items()}
 
     def get_finished(self) -> list[TransferResult]:
         """Results of completed jobs: stores, then loads, each in submission order. Never blocks."""
