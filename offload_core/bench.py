@@ -62,11 +62,13 @@ def build_kv_caches(preset: Preset, num_blocks: int, backend: Backend, seed: int
 def _limit_gbps(backend: Backend, nbytes: int, host, device) -> dict[str, float]:
     """One copy of `nbytes` each way: the most this backend can do for a job of that size."""
     out = {}
+    host.fill_(1)  # fault every page in first: untouched memory would read as the shared zero page
+    device.fill_(1)
     one = np.ones(1, dtype=np.int64)
     stream = backend.new_stream()
     for direction, src, dst in ((Direction.STORE, device, host), (Direction.LOAD, host, device)):
         best = float("inf")
-        for _ in range(3):
+        for _ in range(5):
             stream.wait_stream(backend.current_stream())
             start, end = backend.new_event(), backend.new_event()
             t0 = time.perf_counter()
