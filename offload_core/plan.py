@@ -144,8 +144,6 @@ class Planner:
         users = [t for refs in g.group_refs for t in {t for t, _ in refs}]
         # Groups that share a tensor can collide on a destination page across groups.
         self._groups_share_tensors = len(users) != len(set(users))
-        self._refs_per_group = np.array([grp.refs for grp in self._groups], dtype=np.int64)
-        self._bytes_per_group_block = np.array([grp.bytes_per_block for grp in self._groups], dtype=np.int64)
         self._arange = np.arange(1024, dtype=np.int64)
 
     @property
@@ -154,7 +152,9 @@ class Planner:
 
     def max_descriptors(self, device: DeviceBlocks) -> int:
         """Descriptors `plan` writes at most (the scratch size it needs)."""
-        return int(device.group_sizes @ self._refs_per_group) if device.group_sizes.size == self.num_groups else 0
+        if device.group_sizes.size != self.num_groups:
+            return 0
+        return sum(n * grp.refs for n, grp in zip(device.group_sizes.tolist(), self._groups))
 
     def plan(
         self, direction: Direction, device: DeviceBlocks, host: HostBlocks, out: np.ndarray | None = None
@@ -176,31 +176,32 @@ class Planner:
             InvalidSpecError: wrong group count, host ids that do not add up, a block id out
                 of range on either side, or a destination page named twice in one transfer.
         """
-        sizes = device.group_sizes
-        if sizes.size != len(self._groups):
-            raise InvalidSpecError(f"DeviceBlocks has {sizes.size} groups, the KV cache has {len(self._groups)}")
+        # Per-group bookkeeping is a handful of Python ints: cheaper than numpy calls on tiny arrays.
+        sizes = device.group_sizes.tolist()
+        if len(sizes) != len(self._groups):
+            raise InvalidSpecError(f"DeviceBlocks has {len(sizes)} groups, the KV cache has {len(self._groups)}")
         bpc = self.blocks_per_chunk
-        skips = device.block_indices % bpc
-        host_counts = np.where(sizes > 0, -(-(sizes + skips) // bpc), 0)
+        skips = [i % bpc for i in device.block_indices.tolist()]
+        host_counts = [-(-(n + skip) // bpc) if n else 0 for n, skip in zip(sizes, skips)]
         host_ids = host.block_ids
-        if int(host_counts.sum()) != host_ids.size:
+        if sum(host_counts) != host_ids.size:
             raise InvalidSpecError(
-                f"{host_ids.size} host block ids given, the device blocks need {int(host_counts.sum())} "
-                f"(per group: {host_counts.tolist()}, blocks_per_chunk={bpc})"
+                f"{host_ids.size} host block ids given, the device blocks need {sum(host_counts)} "
+                f"(per group: {host_counts}, blocks_per_chunk={bpc})"
             )
         if host_ids.size and (host_ids.min() < 0 or host_ids.max() >= self.host_blocks):
             _raise_out_of_range("host", host_ids, self.host_blocks)
-        total = self.max_descriptors(device)
+        total = sum(n * grp.refs for n, grp in zip(sizes, self._groups))
         if out is None or out.shape[1] < total:
             out = np.empty((3, total), dtype=np.int64)
-        if self._arange.size < sizes.max(initial=0) + bpc:
-            self._arange = np.arange(2 * (int(sizes.max()) + bpc), dtype=np.int64)
+        if self._arange.size < max(sizes, default=0) + bpc:
+            self._arange = np.arange(2 * (max(sizes) + bpc), dtype=np.int64)
         store = direction is Direction.STORE
         dev_row, host_row = (0, 1) if store else (1, 0)
         row = self.host_row_bytes
         pos = d0 = h0 = 0
         shared_keys = []
-        for grp, n, skip, hc in zip(self._groups, sizes.tolist(), skips.tolist(), host_counts.tolist()):
+        for grp, n, skip, hc in zip(self._groups, sizes, skips, host_counts):
             if n == 0:
                 continue
             dev_ids = device.block_ids[d0 : d0 + n]
@@ -233,7 +234,7 @@ class Planner:
                 pos = end
         if shared_keys:
             _check_unique(np.concatenate(shared_keys), "device block id" if not store else "host sub-page")
-        nbytes = int(sizes @ self._bytes_per_group_block)
+        nbytes = sum(n * grp.bytes_per_block for n, grp in zip(sizes, self._groups))
         return CopyBatch(out[0, :pos], out[1, :pos], out[2, :pos], nbytes)
 
 
