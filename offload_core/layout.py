@@ -111,7 +111,10 @@ class KVCaches:
 
 def _ids(values: Any, what: str) -> np.ndarray:
     """`values` as a 1-D int64 array; raises InvalidSpecError for any other dtype or shape."""
-    arr = np.asarray(values)
+    try:
+        arr = np.asarray(values)
+    except Exception as exc:  # e.g. a device tensor: ids must live on the host
+        raise InvalidSpecError(f"{what} must be host integers (list, numpy array or CPU tensor): {exc}") from exc
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.ndim != 1:
