@@ -12,7 +12,8 @@ Addressing (the data model of vLLM's offloading worker):
 
 The refs of a group are split once, at construction, into parts that share a page
 geometry (usually one part: every layer alike). Descriptors are laid out group by group,
-part by part, ref by ref, block by block. Where a part copies whole pages, runs of blocks
+part by part, block by block, ref by ref: the order of the host rows, so that a backend can
+find host-contiguous runs (a block's pages of all layers) among neighbours. Where a part copies whole pages, runs of blocks
 that are contiguous on both sides become one descriptor, decided on the block offsets
 before any per-ref array exists. One `plan` call does a fixed number of numpy operations
 per group and part, whatever the number of blocks or layers.
@@ -228,9 +229,9 @@ class Planner:
                     dev_off, host_off, run_bytes = _merge_blocks(dev_off, host_off, part.copy_bytes)
                 m = dev_off.size
                 end = pos + part.device_base.size * m
-                np.add.outer(part.device_base, dev_off, out=out[dev_row, pos:end].reshape(-1, m))
-                np.add.outer(part.host_base, host_off, out=out[host_row, pos:end].reshape(-1, m))
-                out[2, pos:end].reshape(-1, m)[:] = run_bytes
+                np.add.outer(dev_off, part.device_base, out=out[dev_row, pos:end].reshape(m, -1))
+                np.add.outer(host_off, part.host_base, out=out[host_row, pos:end].reshape(m, -1))
+                out[2, pos:end].reshape(m, -1)[:] = np.reshape(run_bytes, (-1, 1))
                 pos = end
         if shared_keys:
             _check_unique(np.concatenate(shared_keys), "device block id" if not store else "host sub-page")
