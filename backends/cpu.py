@@ -162,8 +162,9 @@ class CpuBackend(Backend):
 
     def copy_batch(
         self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream: CpuStream
-    ) -> None:
+    ) -> str:
         stream.launch(lambda: _memmove_all(src, dst, sizes))
+        return "memmove"
 
     def synchronize(self) -> None:
         for stream in list(self._streams):

@@ -105,13 +105,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def copy_batch(
         self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream: Stream
-    ) -> None:
+    ) -> str | None:
         """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes, for every i, on `stream`.
 
         Enqueue only: never wait for the copies. The arrays are int64 addresses and byte
         counts, at least one descriptor, validated by the caller to lie inside registered
         buffers; they stay alive and unchanged until an event recorded after this call
         completes. Copies within one batch may run in any order and must not overlap.
+
+        Returns:
+            The name of the mechanism that carries the copies (reported in results and
+            stats), or None for a backend with only one.
 
         Raises:
             Exception: anything that stops the copies from being enqueued; the core turns it

@@ -10,8 +10,8 @@ are reported from the head of the queue, so in submission order.
 from __future__ import annotations
 
 import logging
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
 import numpy as np
@@ -32,6 +32,7 @@ class TransferResult:
         transfer_size: bytes the job copies (also set, as attempted bytes, when it failed).
         transfer_time: seconds between the job's start and end events on the device.
         direction: ``"store"`` (device to host) or ``"load"`` (host to device).
+        mechanism: how the backend copied it (e.g. ``"ce_batch"``), or ``""``.
     """
 
     job_id: int
@@ -39,6 +40,7 @@ class TransferResult:
     transfer_size: int
     transfer_time: float
     direction: str
+    mechanism: str = ""
 
 
 @dataclass
@@ -49,6 +51,7 @@ class QueueStats:
     bytes: int = 0
     descriptors: int = 0
     failed: int = 0
+    mechanisms: Counter = field(default_factory=Counter)  # jobs per mechanism
 
 
 class _Job(NamedTuple):
@@ -57,6 +60,7 @@ class _Job(NamedTuple):
     end: Event
     nbytes: int
     scratch: np.ndarray | None  # descriptor memory the device may still read
+    mechanism: str
 
 
 class TransferQueue:
@@ -86,11 +90,16 @@ class TransferQueue:
         return len(self._jobs)
 
     def scratch(self, descriptors: int) -> np.ndarray:
-        """A pooled int64 ``(3, >= descriptors)`` buffer for the planner to write into."""
+        """A pooled int64 ``(3, >= descriptors)`` buffer for the planner to write into.
+
+        It comes from the backend's host memory (pinned where the backend pins), so a
+        backend may read descriptors from the device or upload them asynchronously.
+        """
         for i, buf in enumerate(self._free_scratch):
             if buf.shape[1] >= descriptors:
                 return self._free_scratch.pop(i)
-        return np.empty((3, max(descriptors, 256)), dtype=np.int64)
+        n = max(descriptors, 256)
+        return self.backend.alloc_host(3 * n * 8).numpy().view(np.int64).reshape(3, n)
 
     def submit(self, job_id: int, batch: CopyBatch, scratch: np.ndarray | None = None) -> None:
         """Enqueue one job behind every earlier one and behind the compute stream.
@@ -107,8 +116,9 @@ class TransferQueue:
         try:
             stream.wait_stream(self.backend.current_stream())
             start.record(stream)
+            mechanism = None
             if len(batch):
-                self.backend.copy_batch(batch.src, batch.dst, batch.sizes, self.direction, stream)
+                mechanism = self.backend.copy_batch(batch.src, batch.dst, batch.sizes, self.direction, stream)
             end.record(stream)
         except Exception:
             # Part of the batch may be queued already: keep the descriptors alive until the
@@ -121,11 +131,13 @@ class TransferQueue:
             if scratch is not None:
                 self._free_scratch.append(scratch)
             raise
-        self._jobs.append(_Job(job_id, start, end, batch.nbytes, scratch))
+        mechanism = mechanism or ""
+        self._jobs.append(_Job(job_id, start, end, batch.nbytes, scratch, mechanism))
         self._ids.add(job_id)
         self.stats.jobs += 1
         self.stats.bytes += batch.nbytes
         self.stats.descriptors += len(batch)
+        self.stats.mechanisms[mechanism] += 1
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs completed so far, from the head of the queue, without blocking."""
@@ -147,7 +159,7 @@ class TransferQueue:
             if job.scratch is not None:
                 self._free_scratch.append(job.scratch)
             self.stats.failed += not ok
-            results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value))
+            results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism))
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
