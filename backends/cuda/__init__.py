@@ -1,0 +1,273 @@
+"""The cuda backend: NVIDIA GPUs, with four ways to move a batch, chosen per job.
+
+* ``ce_batch``: one ``cuMemcpyBatchAsync`` on the copy engines (source order STREAM for
+  stores, which read the live KV cache; ANY for loads, which read stable host memory);
+* ``sm_gather``: one Triton kernel reading and writing pinned host memory through its
+  unified address; fast for small fragments, but it occupies SMs;
+* ``staged``: gather the fragments on the device into a staging buffer (or scatter them out
+  of it), so that the link sees only host-contiguous runs: a block's pages of all layers;
+* ``ce_loop``: one ``cuMemcpyAsync`` per descriptor, for drivers without the batch API.
+
+``mechanism="auto"`` (the default) asks a cost model (`select.CostModel`) per job; a
+profile saved by ``offload-core calibrate`` replaces its H200 defaults. Force a mechanism with
+``CudaBackend(mechanism=...)`` or ``OFFLOAD_CORE_CUDA_MECHANISM``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from contextlib import nullcontext
+
+import numpy as np
+
+from offload_core.backend import Backend, Direction
+from offload_core.backends.cuda import kernels
+from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver
+from offload_core.backends.cuda.select import MECHANISMS, CostModel, profile_path
+
+log = logging.getLogger(__name__)
+
+ENV_MECHANISM = "OFFLOAD_CORE_CUDA_MECHANISM"
+ENV_SM_PROGRAMS = "OFFLOAD_CORE_CUDA_SM_PROGRAMS"
+ENV_MAX_BATCH = "OFFLOAD_CORE_CUDA_MAX_BATCH"
+ENV_STAGING_MB = "OFFLOAD_CORE_CUDA_STAGING_MB"
+_REGISTER_THRESHOLD = 64 << 20  # larger host buffers: exact-size cudaHostRegister, not the rounding pinned cache
+
+
+class CudaBackend(Backend):
+    """NVIDIA GPUs through torch.cuda streams and events and the CUDA driver.
+
+    Args:
+        device_index: the GPU.
+        mechanism: ``"auto"`` or one of ``ce_batch``, ``sm_gather``, ``staged``, ``ce_loop``;
+            default ``$OFFLOAD_CORE_CUDA_MECHANISM`` or ``"auto"``.
+        max_programs: cap on the copy kernel's programs (SMs it may occupy); default
+            ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS`` or 32.
+        staging_bytes: staging memory per stream for ``staged``; default
+            ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 64 MiB.
+        max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 for no limit; default
+            ``$OFFLOAD_CORE_CUDA_MAX_BATCH`` or 0.
+        cost_model: the selection model; default the calibrated profile of this GPU model if
+            one is saved, else H200 defaults.
+
+    Raises:
+        ValueError: an unknown or unavailable forced mechanism.
+        OSError: no NVIDIA driver library.
+    """
+
+    name = "cuda"
+    priority = 100
+    install_hint = "needs an NVIDIA GPU, its driver, and a CUDA build of torch"
+
+    @classmethod
+    def probe(cls) -> str | None:
+        try:
+            import torch
+        except Exception as exc:
+            return f"torch is not importable: {exc}"
+        if torch.version.cuda is None:
+            return f"torch {torch.__version__} is built without CUDA"
+        if not torch.cuda.is_available():
+            return "torch.cuda.is_available() is False: no usable NVIDIA GPU or driver"
+        return None
+
+    def __init__(
+        self,
+        device_index: int = 0,
+        *,
+        mechanism: str | None = None,
+        max_programs: int | None = None,
+        staging_bytes: int | None = None,
+        max_batch: int | None = None,
+        cost_model: CostModel | None = None,
+    ):
+        import torch
+
+        super().__init__(device_index)
+        self._torch = torch
+        self._device = torch.device("cuda", device_index)
+        self.driver = Driver.load()
+        self.max_programs = max_programs or int(os.environ.get(ENV_SM_PROGRAMS, 32))
+        self.staging_bytes = staging_bytes or int(os.environ.get(ENV_STAGING_MB, 64)) << 20
+        self.max_batch = max_batch if max_batch is not None else int(os.environ.get(ENV_MAX_BATCH, 0))
+        self.cost = cost_model or self._saved_profile()
+        self.available_mechanisms = tuple(m for m in MECHANISMS if self.why_unavailable(m) is None)
+        self.mechanism = mechanism or os.environ.get(ENV_MECHANISM) or "auto"
+        if self.mechanism != "auto":
+            reason = self.why_unavailable(self.mechanism)
+            if reason:
+                raise ValueError(f"cuda mechanism {self.mechanism!r} cannot be used: {reason}")
+        self._host_ranges: dict[int, tuple[int, int]] = {}  # device-addressable host memory
+        self._staging: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    # ---- what the core needs ---------------------------------------------
+
+    @property
+    def device(self):
+        return self._device
+
+    def new_stream(self):
+        return self._torch.cuda.Stream(device=self._device)
+
+    def new_event(self):
+        return self._torch.cuda.Event(enable_timing=True)
+
+    def current_stream(self):
+        return self._torch.cuda.current_stream(self._device)
+
+    def alloc_host(self, nbytes: int):
+        torch = self._torch
+        if nbytes < _REGISTER_THRESHOLD:
+            tensor = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._track(tensor)
+        else:
+            tensor = torch.zeros(nbytes, dtype=torch.uint8)
+            if not self.host_register(tensor):
+                log.warning("cudaHostRegister of %d bytes failed: host copies will be pageable and slow", nbytes)
+        return tensor
+
+    def host_register(self, tensor) -> bool:
+        """Page-lock `tensor`'s memory (``cudaHostRegister``) so copies and kernels reach it directly."""
+        cudart = self._torch.cuda.cudart()
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._on_device():
+            err = cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            return False
+        self._track(tensor)
+        weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
+        return True
+
+    def host_unregister(self, tensor) -> None:
+        self._host_ranges.pop(tensor.data_ptr(), None)
+        self._torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+    def synchronize(self) -> None:
+        self._torch.cuda.synchronize(self._device)
+
+    def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
+        src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
+        mechanism = self.mechanism if self.mechanism != "auto" else self.choose(src, dst, sizes, direction)
+        with self._on_device():
+            getattr(self, f"_{mechanism}")(src, dst, sizes, direction, stream)
+        return mechanism
+
+    # ---- choosing ----------------------------------------------------------
+
+    def why_unavailable(self, mechanism: str) -> str | None:
+        """None if `mechanism` can run here, else why not."""
+        if mechanism not in MECHANISMS:
+            return f"unknown mechanism; choose one of {', '.join(MECHANISMS)} or auto"
+        if mechanism == "ce_batch" and self.driver.memcpy_batch is None:
+            return "the driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)"
+        if mechanism in ("sm_gather", "staged"):
+            return kernels.available()
+        return None
+
+    def choose(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction) -> str:
+        """The mechanism ``auto`` picks for this batch."""
+        host = dst if direction is Direction.STORE else src
+        # ce_loop is a fallback: it only competes where the batch API is missing
+        candidates = [m for m in self.available_mechanisms if m != "ce_loop" or "ce_batch" not in self.available_mechanisms]
+        if "sm_gather" in candidates and not self.addressable(host, sizes):
+            candidates.remove("sm_gather")
+        return self.cost.choose(
+            direction.value, len(sizes), int(sizes.sum()), tuple(candidates), lambda: host_runs(host, sizes)[0].size
+        )
+
+    def addressable(self, host: np.ndarray, sizes: np.ndarray) -> bool:
+        """Whether every host range lies in pinned or registered memory the GPU can dereference."""
+        lo, hi = int(host.min()), int((host + sizes).max())
+        return any(start <= lo and hi <= end for start, end in self._host_ranges.values())
+
+    # ---- the mechanisms ----------------------------------------------------
+
+    def _ce(self, dst, src, sizes, order, stream) -> None:
+        if self.driver.memcpy_batch is not None:
+            self.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, self.max_batch)
+        else:
+            self.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
+
+    def _ce_batch(self, src, dst, sizes, direction, stream) -> None:
+        order = SRC_ACCESS_ORDER_STREAM if direction is Direction.STORE else SRC_ACCESS_ORDER_ANY
+        self.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, self.max_batch)
+
+    def _ce_loop(self, src, dst, sizes, direction, stream) -> None:
+        self.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
+
+    def _sm_gather(self, src, dst, sizes, direction, stream) -> None:
+        if not self.addressable(dst if direction is Direction.STORE else src, sizes):
+            raise ValueError("sm_gather needs host memory from alloc_host or host_register (device-addressable)")
+        kernels.launch(src, dst, sizes, stream, self._device, self.max_programs)
+
+    def _staged(self, src, dst, sizes, direction, stream) -> None:
+        """Device-side gather (store) or scatter (load) through a staging buffer, in pieces.
+
+        The link moves host-contiguous runs; fragments too large to gain from staging go
+        straight through the copy engines.
+        """
+        cap = self.staging_bytes
+        big = sizes > cap // 4
+        if big.any():
+            self._ce_batch(src[big], dst[big], sizes[big], direction, stream)
+            keep = ~big
+            src, dst, sizes = src[keep], dst[keep], sizes[keep]
+            if not sizes.size:
+                return
+        store = direction is Direction.STORE
+        host, dev = (dst, src) if store else (src, dst)
+        staging = self._staging_buffer(stream).data_ptr()
+        offsets = np.cumsum(sizes) - sizes
+        cuts = np.flatnonzero(np.diff(offsets // cap)) + 1  # pieces start where the offset passes k * cap
+        for a, b in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [sizes.size])).tolist()):
+            stage = staging + (offsets[a:b] - offsets[a])  # < 1.25 cap: no fragment exceeds cap / 4
+            starts, run_bytes = host_runs(host[a:b], sizes[a:b])
+            if store:
+                kernels.launch(dev[a:b], stage, sizes[a:b], stream, self._device, self.max_programs)
+                self._ce(host[a:b][starts], stage[starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream)
+            else:
+                self._ce(stage[starts], host[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream)
+                kernels.launch(stage, dev[a:b], sizes[a:b], stream, self._device, self.max_programs)
+
+    # ---- helpers -----------------------------------------------------------
+
+    def _staging_buffer(self, stream):
+        buf = self._staging.get(stream)
+        if buf is None:
+            with self._torch.cuda.stream(stream):  # its memory is then ordered on this stream
+                buf = self._torch.empty(self.staging_bytes + self.staging_bytes // 4, dtype=self._torch.uint8, device=self._device)
+            self._staging[stream] = buf
+        return buf
+
+    def release_staging(self) -> None:
+        """Free the staging buffers (they are reallocated on next use)."""
+        self._staging.clear()
+
+    def _track(self, tensor) -> None:
+        start = tensor.data_ptr()
+        if self.driver.device_pointer(start) != start:
+            return  # the device sees this memory at another address: keep kernels off it
+        self._host_ranges[start] = (start, start + tensor.numel() * tensor.element_size())
+        weakref.finalize(tensor, self._host_ranges.pop, start, None)
+
+    def _on_device(self):
+        torch = self._torch
+        return nullcontext() if torch.cuda.current_device() == self.device_index else torch.cuda.device(self._device)
+
+    def _saved_profile(self) -> CostModel:
+        path = profile_path(self._torch.cuda.get_device_name(self._device))
+        if path.exists():
+            try:
+                return CostModel.load(path)
+            except (OSError, ValueError) as exc:
+                log.warning("ignoring unreadable cuda profile %s: %s", path, exc)
+        return CostModel()
+
+
+def host_runs(host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where runs of descriptors that are contiguous on the host start, and their bytes."""
+    follows = host[1:] == host[:-1] + sizes[:-1]
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    return starts, np.add.reduceat(sizes, starts)

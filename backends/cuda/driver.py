@@ -1,0 +1,165 @@
+"""The few CUDA driver entry points the cuda backend calls directly, resolved at run time.
+
+They are called through ctypes with numpy arrays, so a batch of any size costs one
+foreign call and no Python object per descriptor. Entry points come from
+``cuGetProcAddress`` with an explicit ABI version: CUDA 13 headers rename
+``cuMemcpyBatchAsync`` to an 8-argument ``_v2`` without ``failIdx``, and asking for the
+12.8 version keeps the 9-argument form whatever the toolkit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable
+
+import numpy as np
+
+CUresult = ctypes.c_int
+
+
+class CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
+
+
+class CUmemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_uint),
+        ("srcLocHint", CUmemLocation),
+        ("dstLocHint", CUmemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+SRC_ACCESS_ORDER_STREAM = 1  # read the source in stream order (it may still be written before us)
+SRC_ACCESS_ORDER_ANY = 3  # the source is stable: the driver may read it whenever it likes
+POINTER_ATTRIBUTE_DEVICE_POINTER = 3
+BATCH_ABI_VERSION = 12080
+
+# CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+#     CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream)
+MEMCPY_BATCH = ctypes.CFUNCTYPE(
+    CUresult, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+    ctypes.POINTER(CUmemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
+    ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+)
+# CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream)
+MEMCPY = ctypes.CFUNCTYPE(CUresult, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+# CUresult cuPointerGetAttribute(void *data, CUpointer_attribute, CUdeviceptr)
+POINTER_GET_ATTRIBUTE = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed; `code` is the CUresult."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class Driver:
+    """Entry points of one loaded libcuda.
+
+    Args:
+        lib: the loaded library (``ctypes.CDLL("libcuda.so.1")``), or a stand-in with
+            ``cuGetProcAddress_v2`` and ``cuGetErrorName`` for tests.
+
+    Attributes:
+        memcpy_batch: ``cuMemcpyBatchAsync`` (12.8 ABI), or None on drivers before 12.8.
+        memcpy: ``cuMemcpyAsync``.
+    """
+
+    def __init__(self, lib: Any):
+        self._lib = lib
+        self._get_proc = lib.cuGetProcAddress_v2
+        self._error_name = lib.cuGetErrorName
+        try:  # a real CDLL function: declare the prototype once
+            self._get_proc.argtypes = [
+                ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                ctypes.POINTER(ctypes.c_int),
+            ]
+            self._get_proc.restype = CUresult
+            self._error_name.argtypes = [CUresult, ctypes.POINTER(ctypes.c_char_p)]
+            self._error_name.restype = CUresult
+        except AttributeError:
+            pass
+        self.memcpy_batch = self.resolve("cuMemcpyBatchAsync", BATCH_ABI_VERSION, MEMCPY_BATCH)
+        self.memcpy = self.resolve("cuMemcpyAsync", 4000, MEMCPY)
+        self.pointer_get_attribute = self.resolve("cuPointerGetAttribute", 4000, POINTER_GET_ATTRIBUTE)
+        if self.memcpy is None:
+            raise OSError("libcuda has no cuMemcpyAsync")
+
+    @classmethod
+    def load(cls) -> "Driver":
+        """Load the system's libcuda.
+
+        Raises:
+            OSError: no NVIDIA driver library here.
+        """
+        return cls(ctypes.CDLL("libcuda.so.1"))
+
+    def resolve(self, name: str, version: int, prototype: Callable) -> Callable | None:
+        """The entry point `name` at ABI `version`, or None where the driver lacks it."""
+        pfn = ctypes.c_void_p()
+        status = ctypes.c_int()
+        result = self._get_proc(name.encode(), ctypes.byref(pfn), version, 0, ctypes.byref(status))
+        if result != 0 or not pfn.value:
+            return None
+        return prototype(pfn.value)
+
+    def error_name(self, code: int) -> str:
+        name = ctypes.c_char_p()
+        if self._error_name(code, ctypes.byref(name)) != 0 or not name.value:
+            return f"CUDA error {code}"
+        return name.value.decode()
+
+    def check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise CudaDriverError(f"{what} failed: {self.error_name(code)}", code)
+
+    def memcpy_batch_async(
+        self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, order: int, stream: int, max_batch: int = 0
+    ) -> None:
+        """Enqueue one ``cuMemcpyBatchAsync`` per `max_batch` descriptors (0: all in one call).
+
+        Raises:
+            CudaDriverError: naming the index of the failing copy within the whole batch.
+        """
+        if self.memcpy_batch is None:
+            raise CudaDriverError("cuMemcpyBatchAsync needs a CUDA 12.8 driver", 0)
+        if not stream:  # the legacy default stream is rejected with INVALID_VALUE
+            raise CudaDriverError("cuMemcpyBatchAsync cannot run on the legacy default stream", 1)
+        attrs = CUmemcpyAttributes(srcAccessOrder=order)
+        first = ctypes.c_size_t(0)  # attrsIdxs: the one attribute set applies from copy 0 on
+        fail = ctypes.c_size_t(0)
+        n = len(sizes)
+        step = max_batch if max_batch > 0 else n
+        for start in range(0, n, step):
+            count = min(step, n - start)
+            fail.value = 0
+            code = self.memcpy_batch(
+                dst.ctypes.data + 8 * start, src.ctypes.data + 8 * start, sizes.ctypes.data + 8 * start, count,
+                ctypes.byref(attrs), ctypes.byref(first), 1, ctypes.byref(fail), stream,
+            )
+            if code != 0:
+                where = f"at index {start + fail.value} of {n}" if fail.value < count else f"in copies {start}..{start + count - 1}"
+                raise CudaDriverError(f"cuMemcpyBatchAsync failed {where}: {self.error_name(code)}", code)
+
+    def memcpy_loop_async(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        """One ``cuMemcpyAsync`` per descriptor: the fallback without the batch API.
+
+        Raises:
+            CudaDriverError: naming the failing descriptor.
+        """
+        memcpy = self.memcpy
+        for i, (d, s, n) in enumerate(zip(dst.tolist(), src.tolist(), sizes.tolist())):
+            code = memcpy(d, s, n, stream)
+            if code != 0:
+                raise CudaDriverError(f"cuMemcpyAsync failed at index {i} of {len(sizes)}: {self.error_name(code)}", code)
+
+    def device_pointer(self, host_address: int) -> int | None:
+        """The device's address for host memory, or None if the device cannot address it."""
+        if self.pointer_get_attribute is None:
+            return None
+        out = ctypes.c_uint64()
+        code = self.pointer_get_attribute(ctypes.addressof(out), POINTER_ATTRIBUTE_DEVICE_POINTER, host_address)
+        return out.value if code == 0 else None

@@ -1,0 +1,88 @@
+"""Which mechanism moves a job fastest: a small cost model, H200 defaults, and calibration profiles.
+
+Per job, from its direction, descriptor count, bytes and (for ``staged``) how many
+host-contiguous runs its descriptors form:
+
+* ``ce_batch``: ``n * max(c_desc, mean_size / bw_ce + c_tail) + launch``: copy engines pay a
+  fixed cost per descriptor, or move at link speed plus a small per-copy tail, whichever is
+  slower (this fits the H200's batch figures from 256 B to 2 MiB within 15%);
+* ``sm_gather``: ``bytes / bw_sm + upload + launch`` (SMs hide the per-descriptor cost);
+* ``staged``: ``bytes / bw_gather`` on the device, then ``runs`` copy-engine copies;
+* ``ce_loop``: a host call per descriptor: only where nothing else exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from dataclasses import asdict, dataclass, field
+
+MECHANISMS = ("ce_batch", "sm_gather", "staged", "ce_loop")
+
+
+@dataclass
+class CostModel:
+    """Seconds a job takes, per mechanism. Defaults: NVIDIA H200, PCIe Gen5 (shared/measurements-h200.md)."""
+
+    ce_desc_s: dict = field(default_factory=lambda: {"store": 107e-9, "load": 116e-9})  # 256 B batches: 2.4 / 2.2 GB/s
+    ce_gbps: dict = field(default_factory=lambda: {"store": 55.2, "load": 55.1})
+    ce_tail_s: float = 46e-9  # what a 16 KiB copy costs beyond its bytes at link speed
+    sm_gbps: dict = field(default_factory=lambda: {"store": 51.4, "load": 48.9})
+    gather_gbps: float = 1500.0  # device-side gather of scattered pages into staging
+    launch_s: float = 8e-6  # a kernel launch or a batch call
+    upload_s_per_desc: float = 10e-9  # descriptors through pinned memory to the device
+    loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
+    source: str = "defaults: NVIDIA H200 (PCIe Gen5), 2026-11-29"
+
+    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None) -> float:
+        """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total."""
+        ce_bw = self.ce_gbps[direction] * 1e9
+        if mechanism == "ce_batch":
+            return n * self._ce_per_copy(direction, nbytes / n) + self.launch_s
+        if mechanism == "sm_gather":
+            return nbytes / (self.sm_gbps[direction] * 1e9) + n * self.upload_s_per_desc + self.launch_s
+        if mechanism == "staged":
+            runs = n if runs is None else runs
+            link = runs * self._ce_per_copy(direction, nbytes / runs)
+            return link + nbytes / (self.gather_gbps * 1e9) + n * self.upload_s_per_desc + 2 * self.launch_s
+        if mechanism == "ce_loop":
+            return n * self.loop_s_per_desc + nbytes / ce_bw
+        raise ValueError(f"unknown mechanism {mechanism!r}")
+
+    def _ce_per_copy(self, direction: str, size: float) -> float:
+        return max(self.ce_desc_s[direction], size / (self.ce_gbps[direction] * 1e9) + self.ce_tail_s)
+
+    def choose(self, direction: str, n: int, nbytes: int, available: tuple[str, ...], runs=None) -> str:
+        """The cheapest available mechanism. `runs` may be a callable, evaluated only if ``staged`` competes."""
+        best, best_t = available[0], float("inf")
+        for mech in available:
+            r = runs() if (mech == "staged" and callable(runs)) else runs
+            t = self.estimate(mech, direction, n, nbytes, r)
+            if t < best_t * 0.98:  # ties go to the earlier (copy-engine) mechanism: it leaves SMs alone
+                best, best_t = mech, t
+        return best
+
+    # ---- profiles ----------------------------------------------------------
+
+    def save(self, path: pathlib.Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: pathlib.Path) -> "CostModel":
+        """A saved profile; fields it lacks keep their defaults.
+
+        Raises:
+            OSError, ValueError: unreadable or malformed file.
+        """
+        data = json.loads(path.read_text())
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def profile_path(device_name: str) -> pathlib.Path:
+    """Where `offload-core calibrate` saves this device model's profile."""
+    root = os.environ.get("OFFLOAD_CORE_PROFILE_DIR") or pathlib.Path.home() / ".cache" / "offload-core"
+    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+    return pathlib.Path(root) / f"cuda-{slug}.json"

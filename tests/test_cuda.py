@@ -1,0 +1,128 @@
+"""The cuda backend on a GPU: every mechanism bit-exact, ordering against compute. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadWorker
+from offload_core.backends.cuda import CudaBackend
+from offload_core.backends.cuda.select import MECHANISMS
+from offload_core.testing.conformance import BackendConformance
+
+from helpers import small_kv
+
+REASON = CudaBackend.probe()
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(REASON is not None, reason=f"cuda: {REASON}")]
+
+
+def mechanisms():
+    if REASON is not None:
+        return list(MECHANISMS)
+    probe = CudaBackend()
+    return [m if probe.why_unavailable(m) is None else pytest.param(m, marks=pytest.mark.skip(probe.why_unavailable(m)))
+            for m in MECHANISMS]
+
+
+@pytest.fixture(scope="module", params=mechanisms())
+def forced(request):
+    return CudaBackend(mechanism=request.param)
+
+
+class TestEveryMechanism(BackendConformance):
+    @pytest.fixture
+    def backend(self, forced):
+        return forced
+
+
+def random_fragments(rng, count, space, max_size):
+    """Sizes from 1 B to `max_size`, log-uniform, at unaligned offsets, without overlap on either side."""
+    sizes = np.exp(rng.uniform(0, np.log(max_size), count)).astype(np.int64) + rng.integers(0, 3, count)
+    sizes = np.minimum(sizes, max_size)
+    def places():
+        gaps = rng.integers(0, 17, count)
+        order = rng.permutation(count)
+        ends = np.cumsum(sizes[order] + gaps[order])
+        assert ends[-1] <= space
+        out = np.empty(count, dtype=np.int64)
+        out[order] = ends - sizes[order]
+        return out
+    return sizes, places(), places()
+
+
+@pytest.mark.parametrize("max_size", [256, 64 * 1024, 4 << 20])
+def test_round_trip_is_bit_exact_for_random_fragments(forced, max_size):
+    import torch
+
+    rng = np.random.default_rng(max_size)
+    count = 400 if max_size < (1 << 20) else 60
+    space = 160 << 20
+    sizes, dev_off, host_off = random_fragments(rng, count, space, max_size)
+    source = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8))
+    device = source.to(forced.device)
+    back = torch.zeros(space, dtype=torch.uint8, device=forced.device)
+    host = forced.alloc_host(space)
+    stream, done = forced.new_stream(), forced.new_event()
+    d, h = device.data_ptr() + dev_off, host.data_ptr() + host_off
+    used = forced.copy_batch(d, h, sizes, Direction.STORE, stream)
+    forced.copy_batch(h, back.data_ptr() + dev_off, sizes, Direction.LOAD, stream)
+    done.record(stream)
+    done.synchronize()
+    assert used == forced.mechanism
+    expected_host = np.zeros(space, dtype=np.uint8)
+    expected_back = np.zeros(space, dtype=np.uint8)
+    src = source.numpy()
+    for s, do, ho in zip(sizes.tolist(), dev_off.tolist(), host_off.tolist()):
+        expected_host[ho : ho + s] = src[do : do + s]
+        expected_back[do : do + s] = src[do : do + s]
+    np.testing.assert_array_equal(host.numpy(), expected_host)
+    np.testing.assert_array_equal(back.cpu().numpy(), expected_back)
+
+
+def test_auto_reports_its_choice_per_job():
+    backend = CudaBackend(mechanism="auto")
+    kv = small_kv(pages=(256,) * 8, blocks=64, device=backend.device)
+    with OffloadWorker(kv, 64, backend=backend) as worker:
+        worker.submit_store(1, DeviceBlocks(np.arange(32)), HostBlocks(np.arange(32)))
+        worker.wait([1])
+        (result,) = worker.get_finished()
+        assert result.mechanism in MECHANISMS
+        assert worker.stats()["store"].mechanisms[result.mechanism] == 1
+
+
+def test_a_store_sees_what_a_running_kernel_writes(forced):
+    import torch
+
+    kv = small_kv(pages=(1 << 20,), blocks=8, device=forced.device)
+    with OffloadWorker(kv, 4, backend=forced) as worker:
+        torch.cuda._sleep(50_000_000)  # the compute stream is busy for tens of milliseconds ...
+        kv.tensors[0].tensor[3].fill_(7)  # ... before the model writes the block
+        assert worker.submit_store(1, DeviceBlocks([3]), HostBlocks([2]))
+        worker.wait([1])
+        assert (worker.host_tensors[0][2] == 7).all()
+
+
+def test_a_load_lands_after_pending_work_on_its_block(forced):
+    import torch
+
+    kv = small_kv(pages=(1 << 20,), blocks=8, device=forced.device)
+    with OffloadWorker(kv, 4, backend=forced) as worker:
+        worker.host_tensors[0][1].fill_(5)
+        torch.cuda._sleep(50_000_000)
+        kv.tensors[0].tensor[6].zero_()  # zeroing of a fresh block, still queued on the compute stream
+        assert worker.submit_load(1, HostBlocks([1]), DeviceBlocks([6]))
+        worker.wait([1])
+        torch.cuda.synchronize()
+        assert (kv.tensors[0].tensor[6] == 5).all()
+
+
+def test_copies_run_on_a_non_default_current_stream(forced):
+    import torch
+
+    kv = small_kv(pages=(4096,) * 4, blocks=16, device=forced.device)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side), OffloadWorker(kv, 16, backend=forced) as worker:
+        kv.tensors[0].tensor[5].fill_(9)  # written on the side stream, which is now current
+        assert worker.submit_store(1, DeviceBlocks([5]), HostBlocks([0]))
+        worker.wait([1])
+        assert (worker.host_tensors[0][0] == 9).all()

@@ -1,0 +1,168 @@
+"""The cuda backend's host side, without a GPU: driver ABI, batching, selection, fallbacks."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import numpy as np
+import pytest
+
+from offload_core.backends.cuda import host_runs, kernels
+from offload_core.backends.cuda import driver as drv
+from offload_core.backends.cuda.select import MECHANISMS, CostModel, profile_path
+
+
+def test_memcpy_attributes_has_the_driver_layout():
+    assert ctypes.sizeof(drv.CUmemcpyAttributes) == 24
+    assert drv.CUmemcpyAttributes.srcLocHint.offset == 4
+    assert drv.CUmemcpyAttributes.dstLocHint.offset == 12
+    assert drv.CUmemcpyAttributes.flags.offset == 20
+
+
+class FakeLib:
+    """A libcuda stand-in whose entry points are Python callbacks behind real C function pointers."""
+
+    def __init__(self, with_batch=True, fail_at=None):
+        self.calls = []
+        self.fail_at = fail_at
+        self._keep = {}
+
+        def batch(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, fail_idx, stream):
+            d = np.ctypeslib.as_array(ctypes.cast(dsts, ctypes.POINTER(ctypes.c_int64)), (count,)).copy()
+            s = np.ctypeslib.as_array(ctypes.cast(srcs, ctypes.POINTER(ctypes.c_int64)), (count,)).copy()
+            n = np.ctypeslib.as_array(ctypes.cast(sizes, ctypes.POINTER(ctypes.c_int64)), (count,)).copy()
+            self.calls.append(("batch", d, s, n, attrs.contents.srcAccessOrder, attr_idxs[0], num_attrs, stream))
+            if self.fail_at is not None and self.fail_at < count:
+                fail_idx[0] = self.fail_at
+                return 1  # CUDA_ERROR_INVALID_VALUE
+            return 0
+
+        def memcpy(dst, src, size, stream):
+            self.calls.append(("memcpy", dst, src, size, stream))
+            return 0
+
+        if with_batch:
+            self._keep["cuMemcpyBatchAsync"] = drv.MEMCPY_BATCH(batch)
+        self._keep["cuMemcpyAsync"] = drv.MEMCPY(memcpy)
+
+    def cuGetProcAddress_v2(self, symbol, pfn, version, flags, status):
+        fn = self._keep.get(symbol.decode())
+        if fn is None:
+            return 500  # CUDA_ERROR_NOT_FOUND
+        pfn._obj.value = ctypes.cast(fn, ctypes.c_void_p).value
+        return 0
+
+    def cuGetErrorName(self, code, out):
+        out._obj.value = b"CUDA_ERROR_INVALID_VALUE"
+        return 0
+
+
+def arrays(n):
+    return np.arange(n, dtype=np.int64) * 10 + 1000, np.arange(n, dtype=np.int64) * 10 + 5000, np.full(n, 8, np.int64)
+
+
+def test_batch_passes_destinations_first_and_one_attribute_set():
+    lib = FakeLib()
+    driver = drv.Driver(lib)
+    dst, src, sizes = arrays(5)
+    driver.memcpy_batch_async(dst, src, sizes, drv.SRC_ACCESS_ORDER_ANY, stream=0x1234)
+    (call,) = lib.calls
+    _, d, s, n, order, first_idx, num_attrs, stream = call
+    assert d.tolist() == dst.tolist() and s.tolist() == src.tolist() and n.tolist() == sizes.tolist()
+    assert (order, first_idx, num_attrs, stream) == (3, 0, 1, 0x1234)
+
+
+def test_batch_is_split_and_a_failure_names_its_global_index():
+    lib = FakeLib()
+    driver = drv.Driver(lib)
+    dst, src, sizes = arrays(10)
+    driver.memcpy_batch_async(dst, src, sizes, drv.SRC_ACCESS_ORDER_STREAM, stream=1, max_batch=4)
+    assert [len(c[1]) for c in lib.calls] == [4, 4, 2]
+    assert lib.calls[1][1][0] == dst[4]
+    lib.calls.clear()
+    lib.fail_at = 1  # the second copy of each call fails
+    with pytest.raises(drv.CudaDriverError, match="at index 1 of 10: CUDA_ERROR_INVALID_VALUE"):
+        driver.memcpy_batch_async(dst, src, sizes, drv.SRC_ACCESS_ORDER_STREAM, stream=1, max_batch=4)
+
+
+def test_batch_refuses_the_legacy_stream_and_old_drivers():
+    dst, src, sizes = arrays(2)
+    with pytest.raises(drv.CudaDriverError, match="legacy default stream"):
+        drv.Driver(FakeLib()).memcpy_batch_async(dst, src, sizes, 1, stream=0)
+    old = drv.Driver(FakeLib(with_batch=False))
+    assert old.memcpy_batch is None
+    with pytest.raises(drv.CudaDriverError, match="12.8"):
+        old.memcpy_batch_async(dst, src, sizes, 1, stream=1)
+    old.memcpy_loop_async(dst, src, sizes, stream=7)  # the fallback: one call per copy
+    assert [c[1:] for c in old._lib.calls] == [(1000, 5000, 8, 7), (1010, 5010, 8, 7)]
+
+
+def test_missing_driver_library_is_an_os_error(monkeypatch):
+    def no_lib(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(drv.ctypes, "CDLL", no_lib)
+    with pytest.raises(OSError):
+        drv.Driver.load()
+
+
+def test_probe_explains_a_machine_without_cuda():
+    from offload_core.backends.cuda import CudaBackend
+
+    import torch
+
+    reason = CudaBackend.probe()
+    if torch.cuda.is_available():
+        assert reason is None
+    else:
+        assert "without CUDA" in reason or "is_available() is False" in reason
+
+
+def test_missing_triton_takes_kernel_mechanisms_away(monkeypatch):
+    kernels.available.cache_clear()
+    monkeypatch.setitem(sys.modules, "triton", None)
+    try:
+        assert "triton is not importable" in kernels.available()
+    finally:
+        kernels.available.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "direction, n, size, available, expected",
+    [
+        ("load", 4096, 256, MECHANISMS, "sm_gather"),  # tiny fragments: copy engines pay per descriptor
+        ("store", 1024, 16 * 1024, MECHANISMS, "sm_gather"),
+        ("store", 16, 2 << 20, MECHANISMS, "ce_batch"),  # large: link speed, no SMs
+        ("load", 256, 64 * 1024, MECHANISMS, "ce_batch"),
+        ("store", 4096, 256, ("ce_batch", "ce_loop"), "ce_batch"),  # no triton
+        ("store", 64, 4096, ("ce_loop",), "ce_loop"),
+    ],
+)
+def test_cost_model_choices(direction, n, size, available, expected):
+    assert CostModel().choose(direction, n, n * size, available, runs=n) == expected
+
+
+def test_staging_wins_when_small_fragments_form_few_host_runs():
+    model = CostModel()
+    no_sm = ("ce_batch", "staged")
+    assert model.choose("store", 8192, 8192 * 4096, no_sm, runs=lambda: 16) == "staged"
+    assert model.choose("store", 8192, 8192 * 4096, no_sm, runs=lambda: 8192) == "ce_batch"
+
+
+def test_profiles_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CORE_PROFILE_DIR", str(tmp_path))
+    path = profile_path("NVIDIA H200 NVL")
+    assert path == tmp_path / "cuda-nvidia-h200-nvl.json"
+    model = CostModel(sm_gbps={"store": 40.0, "load": 30.0}, source="calibrated")
+    model.save(path)
+    loaded = CostModel.load(path)
+    assert loaded.sm_gbps == {"store": 40.0, "load": 30.0} and loaded.source == "calibrated"
+    assert loaded.ce_gbps == CostModel().ce_gbps
+
+
+def test_host_runs_follow_contiguous_host_ranges():
+    host = np.array([100, 132, 164, 500, 532, 900], dtype=np.int64)
+    sizes = np.full(6, 32, dtype=np.int64)
+    starts, run_bytes = host_runs(host, sizes)
+    assert starts.tolist() == [0, 3, 5] and run_bytes.tolist() == [96, 64, 32]
