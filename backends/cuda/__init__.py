@@ -33,7 +33,6 @@ ENV_MECHANISM = "OFFLOAD_CORE_CUDA_MECHANISM"
 ENV_SM_PROGRAMS = "OFFLOAD_CORE_CUDA_SM_PROGRAMS"
 ENV_MAX_BATCH = "OFFLOAD_CORE_CUDA_MAX_BATCH"
 ENV_STAGING_MB = "OFFLOAD_CORE_CUDA_STAGING_MB"
-_REGISTER_THRESHOLD = 64 << 20  # larger host buffers: exact-size cudaHostRegister, not the rounding pinned cache
 
 
 class CudaBackend(Backend):
@@ -118,26 +117,23 @@ class CudaBackend(Backend):
         return self._torch.cuda.current_stream(self._device)
 
     def alloc_host(self, nbytes: int):
-        torch = self._torch
-        if nbytes < _REGISTER_THRESHOLD:
-            tensor = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
-            self._track(tensor)
-        else:
-            tensor = torch.zeros(nbytes, dtype=torch.uint8)
-            if not self.host_register(tensor):
-                log.warning("cudaHostRegister of %d bytes failed: host copies will be pageable and slow", nbytes)
+        # torch's pinned allocator owns the lifetime (it frees only after pending copies);
+        # it rounds large requests up, which PYTORCH_CUDA_ALLOC_CONF can tune.
+        tensor = self._torch.zeros(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        self._track(tensor)
         return tensor
 
     def host_register(self, tensor) -> bool:
-        """Page-lock `tensor`'s memory (``cudaHostRegister``) so copies and kernels reach it directly."""
-        cudart = self._torch.cuda.cudart()
+        """Page-lock `tensor`'s memory (``cudaHostRegister``) so copies and kernels reach it directly.
+
+        The caller keeps the memory alive and calls `host_unregister` before freeing it.
+        """
         nbytes = tensor.numel() * tensor.element_size()
         with self._on_device():
-            err = cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            err = self._torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
         if int(err) != 0:
             return False
         self._track(tensor)
-        weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
         return True
 
     def host_unregister(self, tensor) -> None:
