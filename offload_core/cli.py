@@ -96,6 +96,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if result["verified"] else 1
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    backend = registry.get_backend(args.backend)
+    calibrate = getattr(backend, "calibrate", None)
+    if calibrate is None:
+        print(f"backend {backend.name} has nothing to calibrate")
+        return 0
+    model = calibrate()
+    from offload_core.backends.cuda.select import profile_path
+
+    path = profile_path(backend._torch.cuda.get_device_name(backend.device))
+    if not args.dry_run:
+        model.save(path)
+    from dataclasses import asdict
+
+    print(json.dumps({"profile": str(path), "saved": not args.dry_run, **asdict(model)}, indent=1))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="offload-core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5, help="iterations; the best is reported")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("calibrate", help="measure this accelerator's copy costs and save a selection profile")
+    p.add_argument("--backend", help="backend name (default: the best available)")
+    p.add_argument("--dry-run", action="store_true", help="measure and print, do not save")
+    p.set_defaults(func=cmd_calibrate)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections import deque
 from contextlib import nullcontext
 
 import numpy as np
@@ -99,6 +100,7 @@ class CudaBackend(Backend):
             if reason:
                 raise ValueError(f"cuda mechanism {self.mechanism!r} cannot be used: {reason}")
         self._host_ranges: dict[int, tuple[int, int]] = {}  # device-addressable host memory
+        self._keepalive: deque = deque()  # (event, objects) the driver may still read
         self._staging: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # ---- what the core needs ---------------------------------------------
@@ -146,8 +148,14 @@ class CudaBackend(Backend):
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
         mechanism = self.mechanism if self.mechanism != "auto" else self.choose(src, dst, sizes, direction)
+        while self._keepalive and self._keepalive[0][0].query():
+            self._keepalive.popleft()
         with self._on_device():
-            getattr(self, f"_{mechanism}")(src, dst, sizes, direction, stream)
+            held = getattr(self, f"_{mechanism}")(src, dst, sizes, direction, stream)
+            if held:
+                event = self._torch.cuda.Event()
+                event.record(stream)
+                self._keepalive.append((event, held))
         return mechanism
 
     # ---- choosing ----------------------------------------------------------
@@ -180,15 +188,17 @@ class CudaBackend(Backend):
 
     # ---- the mechanisms ----------------------------------------------------
 
-    def _ce(self, dst, src, sizes, order, stream) -> None:
-        if self.driver.memcpy_batch is not None:
-            self.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, self.max_batch)
-        else:
-            self.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
+    # Each mechanism returns what must outlive its enqueue (or None).
 
-    def _ce_batch(self, src, dst, sizes, direction, stream) -> None:
+    def _ce(self, dst, src, sizes, order, stream) -> tuple | None:
+        if self.driver.memcpy_batch is not None:
+            return self.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, self.max_batch)
+        self.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
+        return None
+
+    def _ce_batch(self, src, dst, sizes, direction, stream) -> tuple:
         order = SRC_ACCESS_ORDER_STREAM if direction is Direction.STORE else SRC_ACCESS_ORDER_ANY
-        self.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, self.max_batch)
+        return self.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, self.max_batch)
 
     def _ce_loop(self, src, dst, sizes, direction, stream) -> None:
         self.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
@@ -198,20 +208,21 @@ class CudaBackend(Backend):
             raise ValueError("sm_gather needs host memory from alloc_host or host_register (device-addressable)")
         kernels.launch(src, dst, sizes, stream, self._device, self.max_programs)
 
-    def _staged(self, src, dst, sizes, direction, stream) -> None:
+    def _staged(self, src, dst, sizes, direction, stream) -> list:
         """Device-side gather (store) or scatter (load) through a staging buffer, in pieces.
 
         The link moves host-contiguous runs; fragments too large to gain from staging go
         straight through the copy engines.
         """
         cap = self.staging_bytes
+        held = []
         big = sizes > cap // 4
         if big.any():
-            self._ce_batch(src[big], dst[big], sizes[big], direction, stream)
+            held.append(self._ce_batch(src[big], dst[big], sizes[big], direction, stream))
             keep = ~big
             src, dst, sizes = src[keep], dst[keep], sizes[keep]
             if not sizes.size:
-                return
+                return held
         store = direction is Direction.STORE
         host, dev = (dst, src) if store else (src, dst)
         staging = self._staging_buffer(stream).data_ptr()
@@ -222,10 +233,53 @@ class CudaBackend(Backend):
             starts, run_bytes = host_runs(host[a:b], sizes[a:b])
             if store:
                 kernels.launch(dev[a:b], stage, sizes[a:b], stream, self._device, self.max_programs)
-                self._ce(host[a:b][starts], stage[starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream)
+                held.append(self._ce(host[a:b][starts], stage[starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
             else:
-                self._ce(stage[starts], host[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream)
+                held.append(self._ce(stage[starts], host[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
                 kernels.launch(stage, dev[a:b], sizes[a:b], stream, self._device, self.max_programs)
+        return held
+
+    def calibrate(self) -> CostModel:
+        """Measure this GPU's copy costs (a few seconds) and return them as a cost model.
+
+        The caller saves it with ``model.save(profile_path(name))``; `offload-core calibrate` does.
+        """
+        from offload_core.backends.cuda import measure
+
+        torch = self._torch
+        span = 256 << 20
+        device = torch.zeros(2 * span, dtype=torch.uint8, device=self._device)
+        host = self.alloc_host(span)
+        model = CostModel(source=f"offload-core calibrate on {torch.cuda.get_device_name(self._device)}")
+        one = np.ones(1, dtype=np.int64)
+        for direction in Direction:
+            d = direction.value
+
+            def run(mechanism, n, size, seed=0):
+                dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr(), seed=seed)
+                src, dst = (dev, hst) if direction is Direction.STORE else (hst, dev)
+                return measure.time_copy(self, mechanism, src, dst, sizes, direction, busy=True)["event_s"]
+
+            whole = measure.time_copy(
+                self, "ce_batch", *((one * device.data_ptr(), one * host.data_ptr()) if direction is Direction.STORE
+                                    else (one * host.data_ptr(), one * device.data_ptr())), one * span, direction, busy=True
+            )["event_s"]
+            model.ce_gbps[d] = span / whole / 1e9
+            if "ce_batch" in self.available_mechanisms:
+                model.ce_desc_s[d] = run("ce_batch", 65536, 256) / 65536
+                model.ce_tail_s = max(0.0, run("ce_batch", 16384, 16384) / 16384 - 16384 / (model.ce_gbps[d] * 1e9))
+            if "sm_gather" in self.available_mechanisms:
+                model.sm_gbps[d] = span / run("sm_gather", 4096, 65536) / 1e9
+        if kernels.available() is None:
+            dev_a, dev_b, sizes = measure.fragments(16384, 16384, device.data_ptr(), device.data_ptr() + span)
+            stream, start, end = self.new_stream(), self.new_event(), self.new_event()
+            for _ in range(2):  # the first launch compiles
+                start.record(stream)
+                kernels.launch(dev_a, dev_b, sizes, stream, self._device, self.max_programs)
+                end.record(stream)
+                end.synchronize()
+            model.gather_gbps = span / (start.elapsed_time(end) / 1e3) / 1e9
+        return model
 
     # ---- helpers -----------------------------------------------------------
 

@@ -118,8 +118,12 @@ class Driver:
 
     def memcpy_batch_async(
         self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, order: int, stream: int, max_batch: int = 0
-    ) -> None:
+    ) -> tuple:
         """Enqueue one ``cuMemcpyBatchAsync`` per `max_batch` descriptors (0: all in one call).
+
+        Returns:
+            What the caller must keep alive until the stream has passed the copies: the
+            driver does not promise to have read its argument arrays when it returns.
 
         Raises:
             CudaDriverError: naming the index of the failing copy within the whole batch.
@@ -143,6 +147,7 @@ class Driver:
             if code != 0:
                 where = f"at index {start + fail.value} of {n}" if fail.value < count else f"in copies {start}..{start + count - 1}"
                 raise CudaDriverError(f"cuMemcpyBatchAsync failed {where}: {self.error_name(code)}", code)
+        return (dst, src, sizes, attrs, first, fail)
 
     def memcpy_loop_async(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         """One ``cuMemcpyAsync`` per descriptor: the fallback without the batch API.

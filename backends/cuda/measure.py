@@ -1,0 +1,79 @@
+"""Timing copies on the GPU, shared by `offload-core calibrate` and benchmarks/transfer_bench.py.
+
+A *busy* measurement first puts a sleep kernel on the copy stream, so the host has enqueued
+everything before the copies start and the events time the device alone; an *idle* one
+enqueues on an idle stream and also reports wall-clock time from submission to completion.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from offload_core.backend import Direction
+
+SLEEP_CYCLES = 100_000_000  # about 50 ms: longer than enqueueing the largest batch we time
+
+
+def time_copy(backend, mechanism: str, src, dst, sizes, direction: Direction, *, busy: bool, reps: int = 3) -> dict:
+    """Best of `reps`: device seconds (events) and wall seconds (submit to completion)."""
+    torch = backend._torch
+    stream = backend.new_stream()
+    saved, backend.mechanism = backend.mechanism, mechanism
+    best = {"event_s": float("inf"), "wall_s": float("inf"), "mechanism": mechanism}
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            start, end = backend.new_event(), backend.new_event()
+            if busy:
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(SLEEP_CYCLES)
+            t0 = time.perf_counter()
+            start.record(stream)
+            best["mechanism"] = backend.copy_batch(src, dst, sizes, direction, stream)
+            end.record(stream)
+            end.synchronize()
+            wall = time.perf_counter() - t0
+            best["event_s"] = min(best["event_s"], start.elapsed_time(end) / 1e3)
+            best["wall_s"] = min(best["wall_s"], wall)
+    finally:
+        backend.mechanism = saved
+    return best
+
+
+def time_both(backend, mechanism: str, store_args, load_args, reps: int = 3) -> float:
+    """Best seconds for a store and a load started together on two streams (device time)."""
+    torch = backend._torch
+    gate_stream, s1, s2 = backend.new_stream(), backend.new_stream(), backend.new_stream()
+    saved, backend.mechanism = backend.mechanism, mechanism
+    best = float("inf")
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            gate, e1, e2 = backend.new_event(), backend.new_event(), backend.new_event()
+            with torch.cuda.stream(gate_stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+            gate.record(gate_stream)
+            for stream, args, end in ((s1, store_args, e1), (s2, load_args, e2)):
+                stream.wait_event(gate)
+                backend.copy_batch(*args, stream)
+                end.record(stream)
+            e1.synchronize()
+            e2.synchronize()
+            best = min(best, max(gate.elapsed_time(e1), gate.elapsed_time(e2)) / 1e3)
+    finally:
+        backend.mechanism = saved
+    return best
+
+
+def fragments(n: int, size: int, device_base: int, host_base: int, row_bytes: int = 2 << 20, seed: int = 0):
+    """`n` fragments of `size` bytes: device side scattered over 2n slots; host side in rows of
+    `row_bytes` filled in order (a host block holds one block's pages of all layers), rows shuffled."""
+    rng = np.random.default_rng(seed)
+    dev = device_base + rng.permutation(2 * n)[:n].astype(np.int64) * size
+    per_row = max(1, row_bytes // size)
+    rows = rng.permutation(-(-n // per_row)).astype(np.int64)
+    k = np.arange(n, dtype=np.int64)
+    host = host_base + rows[k // per_row] * per_row * size + (k % per_row) * size
+    return dev, host, np.full(n, size, dtype=np.int64)

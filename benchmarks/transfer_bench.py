@@ -1,0 +1,212 @@
+"""Host <-> device transfer speed of the cuda backend, per mechanism, next to the link's limit.
+
+One command, one run, on a GPU:
+
+    python benchmarks/transfer_bench.py --out DIR
+
+writes DIR/transfer.json, DIR/transfer.md (the tables for docs/benchmarks.md) and
+DIR/transfer.png (GB/s against fragment size per mechanism). Sections:
+
+1. the limit: one 256 MiB pinned copy each way, and both ways at once;
+2. fragments of 256 B .. 2 MiB, device side scattered, host side in 2 MiB rows: GB/s of each
+   mechanism and of auto, store / load / both at once, with the copy stream busy (device
+   time) and idle (device time and wall-clock from submit to completion), as ratios to (1);
+3. end to end through OffloadWorker for two model presets;
+4. compute interference: slowdown of a warmed-up bf16 matmul loop while each mechanism copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import numpy as np
+import torch
+
+from offload_core import bench
+from offload_core.backend import Direction
+from offload_core.backends.cuda import CudaBackend, measure
+
+KIB, MIB = 1024, 1 << 20
+SIZES = [256, KIB, 4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 2 * MIB]
+SPAN = 256 * MIB
+
+
+def gbps(nbytes, seconds):
+    return nbytes / seconds / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=".", help="folder for transfer.json, transfer.md, transfer.png")
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    be = CudaBackend()
+    mechs = [m for m in ("ce_batch", "sm_gather", "staged", "ce_loop") if m in be.available_mechanisms] + ["auto"]
+    dev_a = torch.zeros(2 * SPAN, dtype=torch.uint8, device=be.device)
+    dev_b = torch.zeros(2 * SPAN, dtype=torch.uint8, device=be.device)
+    host_a, host_b = be.alloc_host(SPAN), be.alloc_host(SPAN)
+    host_a.fill_(1)
+    host_b.fill_(2)
+    report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "driver_batch_api": be.driver.memcpy_batch is not None, "mechanisms": mechs}
+
+    # 1. the limit
+    one = np.ones(1, dtype=np.int64)
+    store1 = (one * dev_a.data_ptr(), one * host_a.data_ptr(), one * SPAN, Direction.STORE)
+    load1 = (one * host_b.data_ptr(), one * dev_b.data_ptr(), one * SPAN, Direction.LOAD)
+    limit = {
+        "store": gbps(SPAN, measure.time_copy(be, "ce_batch", *store1, busy=True)["event_s"]),
+        "load": gbps(SPAN, measure.time_copy(be, "ce_batch", *load1, busy=True)["event_s"]),
+        "both": gbps(2 * SPAN, measure.time_both(be, "ce_batch", store1, load1)),
+    }
+    report["limit_gbps"] = limit
+    print("limit", limit, flush=True)
+
+    # 2. fragments
+    rows = []
+    for size in SIZES:
+        n = min(SPAN // size, 65536)
+        nbytes = n * size
+        dev_s, host_s, sizes = measure.fragments(n, size, dev_a.data_ptr(), host_a.data_ptr(), seed=1)
+        dev_l, host_l, _ = measure.fragments(n, size, dev_b.data_ptr(), host_b.data_ptr(), seed=2)
+        st = (dev_s, host_s, sizes, Direction.STORE)
+        ld = (host_l, dev_l, sizes, Direction.LOAD)
+        for mech in mechs:
+            if mech == "ce_loop" and n > 4096:
+                continue  # one host call per copy: hopeless below 64 KiB, and slow to wait for
+            row = {"size": size, "n": n, "bytes": nbytes, "mechanism": mech}
+            for name, a in (("store", st), ("load", ld)):
+                busy = measure.time_copy(be, mech, *a, busy=True)
+                idle = measure.time_copy(be, mech, *a, busy=False)
+                row[f"{name}_chosen"] = busy["mechanism"]
+                row[f"{name}_busy_gbps"] = gbps(nbytes, busy["event_s"])
+                row[f"{name}_idle_gbps"] = gbps(nbytes, idle["event_s"])
+                row[f"{name}_idle_wall_gbps"] = gbps(nbytes, idle["wall_s"])
+                row[f"{name}_ratio"] = row[f"{name}_busy_gbps"] / limit[name]
+            row["both_gbps"] = gbps(2 * nbytes, measure.time_both(be, mech, st[:3] + (Direction.STORE,), ld[:3] + (Direction.LOAD,)))
+            row["both_ratio"] = row["both_gbps"] / limit["both"]
+            rows.append(row)
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    report["fragments"] = rows
+
+    # 3. end to end through OffloadWorker
+    e2e = []
+    for preset, blocks, per_job in (("llama-8b", 256, 64), ("llama-8b-cross-layer", 256, 64)):
+        for mech in mechs:
+            if mech == "ce_loop" and preset == "llama-8b":
+                continue
+            r = bench.run(CudaBackend(mechanism=mech), preset=preset, blocks=blocks, blocks_per_job=per_job, iters=3)
+            e2e.append({"preset": preset, "mechanism": mech, "verified": r["verified"],
+                        "store_gbps": r["store_gbps"], "load_gbps": r["load_gbps"],
+                        "store_device_gbps": r["store_device_gbps"], "load_device_gbps": r["load_device_gbps"],
+                        "store_ratio": r["store_gbps"] / limit["store"], "load_ratio": r["load_gbps"] / limit["load"],
+                        "descriptors_per_job": r["store_descriptors_per_job"], "plan_submit_us": r["plan_submit_us_per_job"]})
+            print(e2e[-1], flush=True)
+    report["end_to_end"] = e2e
+
+    # 4. compute interference: 16 KiB fragments (the small-fragment case), store and load
+    a = torch.randn(8192, 8192, device=be.device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=be.device, dtype=torch.bfloat16)
+
+    def matmuls(count=30):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            torch.mm(a, b)
+        end.record()
+        return start, end
+
+    for _ in range(3):
+        matmuls()
+    torch.cuda.synchronize()
+    alone = []
+    for _ in range(3):
+        s, e = matmuls()
+        e.synchronize()
+        alone.append(s.elapsed_time(e))
+    t_alone = min(alone)
+    n = 16384
+    dev_s, host_s, sizes = measure.fragments(n, 16 * KIB, dev_a.data_ptr(), host_a.data_ptr(), seed=3)
+    interference = []
+    for mech in mechs:
+        if mech == "ce_loop":
+            continue
+        for direction in Direction:
+            src, dst = (dev_s, host_s) if direction is Direction.STORE else (host_s, dev_s)
+            stream = be.new_stream()
+            saved, be.mechanism = be.mechanism, mech
+            copies = 8  # 8 x 256 MiB: longer than the matmul loop
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(measure.SLEEP_CYCLES // 5)  # let the matmuls start first
+            for _ in range(copies):
+                be.copy_batch(src, dst, sizes, direction, stream)
+            s, e = matmuls()
+            e.synchronize()
+            torch.cuda.synchronize()
+            be.mechanism = saved
+            t_with = s.elapsed_time(e)
+            interference.append({"mechanism": mech, "direction": direction.value, "matmul_ms_alone": t_alone,
+                                 "matmul_ms_with_copies": t_with, "slowdown": t_with / t_alone - 1})
+            print(interference[-1], flush=True)
+    report["interference"] = interference
+
+    (out / "transfer.json").write_text(json.dumps(report, indent=1))
+    (out / "transfer.md").write_text(markdown(report))
+    plot(report, out / "transfer.png")
+    print(markdown(report))
+
+
+def markdown(r: dict) -> str:
+    lim = r["limit_gbps"]
+    lines = [f"Limit: store {lim['store']:.1f} GB/s, load {lim['load']:.1f} GB/s, both at once {lim['both']:.1f} GB/s.", ""]
+    lines.append("| fragment | mechanism | store GB/s (of limit) | load GB/s (of limit) | both GB/s (of limit) | store idle: device / wall GB/s | load idle: device / wall GB/s | auto chose |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for x in r["fragments"]:
+        size = f"{x['size'] // 1024} KiB" if x["size"] >= 1024 else f"{x['size']} B"
+        if x["size"] >= 1 << 20:
+            size = f"{x['size'] >> 20} MiB"
+        chose = f"{x['store_chosen']} / {x['load_chosen']}" if x["mechanism"] == "auto" else ""
+        lines.append(
+            f"| {size} | {x['mechanism']} | {x['store_busy_gbps']:.1f} ({x['store_ratio']:.0%}) | {x['load_busy_gbps']:.1f} ({x['load_ratio']:.0%}) "
+            f"| {x['both_gbps']:.1f} ({x['both_ratio']:.0%}) | {x['store_idle_gbps']:.1f} / {x['store_idle_wall_gbps']:.1f} "
+            f"| {x['load_idle_gbps']:.1f} / {x['load_idle_wall_gbps']:.1f} | {chose} |")
+    lines += ["", "| preset | mechanism | verified | store GB/s (of limit) | load GB/s (of limit) | descriptors/job | plan+submit µs |", "|---|---|---|---|---|---|---|"]
+    for x in r["end_to_end"]:
+        lines.append(f"| {x['preset']} | {x['mechanism']} | {x['verified']} | {x['store_gbps']:.1f} ({x['store_ratio']:.0%}) "
+                     f"| {x['load_gbps']:.1f} ({x['load_ratio']:.0%}) | {x['descriptors_per_job']:.0f} | {x['plan_submit_us']:.0f} |")
+    lines += ["", "| mechanism | direction | matmul ms alone | with copies | slowdown |", "|---|---|---|---|---|"]
+    for x in r["interference"]:
+        lines.append(f"| {x['mechanism']} | {x['direction']} | {x['matmul_ms_alone']:.1f} | {x['matmul_ms_with_copies']:.1f} | {x['slowdown']:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: pathlib.Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), sharey=True)
+    for ax, d in zip(axes, ("store", "load", "both")):
+        for mech in r["mechanisms"]:
+            pts = [(x["size"], x[f"{d}_busy_gbps" if d != "both" else "both_gbps"]) for x in r["fragments"] if x["mechanism"] == mech]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=mech)
+        ax.axhline(r["limit_gbps"][d], color="k", linestyle="--", label="limit")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("fragment bytes")
+        ax.set_title(f"{d} ({r['device']})")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
