@@ -47,14 +47,14 @@ def build_kv_caches(preset: Preset, num_blocks: int, backend: Backend, seed: int
     """Random KV tensors shaped like `preset` on the backend's device."""
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=backend.device).manual_seed(seed)  # random bytes made where they live
     if preset.cross_layer:
         shapes = [(num_blocks, 2 * preset.layers * preset.page_bytes)]
     else:
         shapes = [(num_blocks, preset.page_bytes)] * (2 * preset.layers)
     tensors = []
     for shape in shapes:
-        data = torch.randint(-128, 128, shape, dtype=torch.int8, generator=gen).to(backend.device)
+        data = torch.randint(-128, 128, shape, dtype=torch.int8, generator=gen, device=backend.device)
         tensors.append(KVCacheTensor(data, shape[1]))
     return KVCaches(tensors, [[KVCacheRef(i, t.page_size_bytes) for i, t in enumerate(tensors)]])
 
