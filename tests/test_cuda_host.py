@@ -166,3 +166,11 @@ def test_host_runs_follow_contiguous_host_ranges():
     sizes = np.full(6, 32, dtype=np.int64)
     starts, run_bytes = host_runs(host, sizes)
     assert starts.tolist() == [0, 3, 5] and run_bytes.tolist() == [96, 64, 32]
+
+
+def test_an_idle_stream_steers_small_copies_off_the_batch_api():
+    model = CostModel()
+    assert model.choose("load", 4096, 4096 * 65536, MECHANISMS, runs=4096) == "ce_batch"
+    # staging's own copy runs behind its gather kernel, so it never meets an idle stream
+    assert model.choose("load", 4096, 4096 * 65536, MECHANISMS, runs=4096, idle=True) in ("sm_gather", "staged")
+    assert model.choose("load", 64, 64 * (2 << 20), MECHANISMS, runs=64, idle=True) == "ce_batch"

@@ -101,7 +101,10 @@ class CudaBackend(Backend):
                 raise ValueError(f"cuda mechanism {self.mechanism!r} cannot be used: {reason}")
         self._host_ranges: dict[int, tuple[int, int]] = {}  # device-addressable host memory
         self._keepalive: deque = deque()  # (event, objects) the driver may still read
-        self._staging: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # staging buffers by stream handle, with the stream itself so the handle stays ours
+        self._staging: dict[int, tuple[object, object]] = {}
+        sms = torch.cuda.get_device_properties(self._device).multi_processor_count
+        self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
 
     # ---- what the core needs ---------------------------------------------
 
@@ -147,7 +150,7 @@ class CudaBackend(Backend):
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
-        mechanism = self.mechanism if self.mechanism != "auto" else self.choose(src, dst, sizes, direction)
+        mechanism = self.mechanism if self.mechanism != "auto" else self.choose(src, dst, sizes, direction, stream)
         while self._keepalive and self._keepalive[0][0].query():
             self._keepalive.popleft()
         with self._on_device():
@@ -170,15 +173,17 @@ class CudaBackend(Backend):
             return kernels.available()
         return None
 
-    def choose(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction) -> str:
-        """The mechanism ``auto`` picks for this batch."""
+    def choose(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream=None) -> str:
+        """The mechanism ``auto`` picks for this batch (on `stream`, whose idleness matters)."""
         host = dst if direction is Direction.STORE else src
         # ce_loop is a fallback: it only competes where the batch API is missing
         candidates = [m for m in self.available_mechanisms if m != "ce_loop" or "ce_batch" not in self.available_mechanisms]
         if "sm_gather" in candidates and not self.addressable(host, sizes):
             candidates.remove("sm_gather")
+        # On an idle stream the batch API may copy inside the call, at a fraction of the link.
+        idle = stream is not None and stream.query()
         return self.cost.choose(
-            direction.value, len(sizes), int(sizes.sum()), tuple(candidates), lambda: host_runs(host, sizes)[0].size
+            direction.value, len(sizes), int(sizes.sum()), tuple(candidates), lambda: host_runs(host, sizes)[0].size, idle
         )
 
     def addressable(self, host: np.ndarray, sizes: np.ndarray) -> bool:
@@ -232,11 +237,11 @@ class CudaBackend(Backend):
             stage = staging + (offsets[a:b] - offsets[a])  # < 1.25 cap: no fragment exceeds cap / 4
             starts, run_bytes = host_runs(host[a:b], sizes[a:b])
             if store:
-                kernels.launch(dev[a:b], stage, sizes[a:b], stream, self._device, self.max_programs)
+                kernels.launch(dev[a:b], stage, sizes[a:b], stream, self._device, self.gather_programs)
                 held.append(self._ce(host[a:b][starts], stage[starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
             else:
                 held.append(self._ce(stage[starts], host[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
-                kernels.launch(stage, dev[a:b], sizes[a:b], stream, self._device, self.max_programs)
+                kernels.launch(stage, dev[a:b], sizes[a:b], stream, self._device, self.gather_programs)
         return held
 
     def calibrate(self) -> CostModel:
@@ -284,12 +289,12 @@ class CudaBackend(Backend):
     # ---- helpers -----------------------------------------------------------
 
     def _staging_buffer(self, stream):
-        buf = self._staging.get(stream)
-        if buf is None:
+        entry = self._staging.get(stream.cuda_stream)
+        if entry is None:
             with self._torch.cuda.stream(stream):  # its memory is then ordered on this stream
                 buf = self._torch.empty(self.staging_bytes + self.staging_bytes // 4, dtype=self._torch.uint8, device=self._device)
-            self._staging[stream] = buf
-        return buf
+            entry = self._staging[stream.cuda_stream] = (stream, buf)
+        return entry[1]
 
     def release_staging(self) -> None:
         """Free the staging buffers (they are reallocated on next use)."""

@@ -28,6 +28,7 @@ class CostModel:
     ce_desc_s: dict = field(default_factory=lambda: {"store": 107e-9, "load": 116e-9})  # 256 B batches: 2.4 / 2.2 GB/s
     ce_gbps: dict = field(default_factory=lambda: {"store": 55.2, "load": 55.1})
     ce_tail_s: float = 46e-9  # what a 16 KiB copy costs beyond its bytes at link speed
+    ce_idle_s: float = 1e-6  # extra per copy when the stream is idle: the batch call then copies inline
     sm_gbps: dict = field(default_factory=lambda: {"store": 51.4, "load": 48.9})
     gather_gbps: float = 1500.0  # device-side gather of scattered pages into staging
     launch_s: float = 8e-6  # a kernel launch or a batch call
@@ -35,11 +36,13 @@ class CostModel:
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
     source: str = "defaults: NVIDIA H200 (PCIe Gen5), 2026-11-29"
 
-    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None) -> float:
+    def estimate(
+        self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None, idle: bool = False
+    ) -> float:
         """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total."""
         ce_bw = self.ce_gbps[direction] * 1e9
         if mechanism == "ce_batch":
-            return n * self._ce_per_copy(direction, nbytes / n) + self.launch_s
+            return n * (self._ce_per_copy(direction, nbytes / n) + (self.ce_idle_s if idle else 0.0)) + self.launch_s
         if mechanism == "sm_gather":
             return nbytes / (self.sm_gbps[direction] * 1e9) + n * self.upload_s_per_desc + self.launch_s
         if mechanism == "staged":
@@ -53,12 +56,14 @@ class CostModel:
     def _ce_per_copy(self, direction: str, size: float) -> float:
         return max(self.ce_desc_s[direction], size / (self.ce_gbps[direction] * 1e9) + self.ce_tail_s)
 
-    def choose(self, direction: str, n: int, nbytes: int, available: tuple[str, ...], runs=None) -> str:
+    def choose(
+        self, direction: str, n: int, nbytes: int, available: tuple[str, ...], runs=None, idle: bool = False
+    ) -> str:
         """The cheapest available mechanism. `runs` may be a callable, evaluated only if ``staged`` competes."""
         best, best_t = available[0], float("inf")
         for mech in available:
             r = runs() if (mech == "staged" and callable(runs)) else runs
-            t = self.estimate(mech, direction, n, nbytes, r)
+            t = self.estimate(mech, direction, n, nbytes, r, idle)
             if t < best_t * 0.98:  # ties go to the earlier (copy-engine) mechanism: it leaves SMs alone
                 best, best_t = mech, t
         return best
