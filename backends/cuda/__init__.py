@@ -275,15 +275,21 @@ class CudaBackend(Backend):
                 model.ce_tail_s = max(0.0, run("ce_batch", 16384, 16384) / 16384 - 16384 / (model.ce_gbps[d] * 1e9))
             if "sm_gather" in self.available_mechanisms:
                 model.sm_gbps[d] = span / run("sm_gather", 4096, 65536) / 1e9
+                model.sm_desc_s[d] = run("sm_gather", 65536, 256) / 65536
         if kernels.available() is None:
-            dev_a, dev_b, sizes = measure.fragments(16384, 16384, device.data_ptr(), device.data_ptr() + span)
             stream, start, end = self.new_stream(), self.new_event(), self.new_event()
-            for _ in range(2):  # the first launch compiles
-                start.record(stream)
-                kernels.launch(dev_a, dev_b, sizes, stream, self._device, self.max_programs)
-                end.record(stream)
-                end.synchronize()
-            model.gather_gbps = span / (start.elapsed_time(end) / 1e3) / 1e9
+
+            def gather_s(n, size):
+                dev_a, dev_b, sizes = measure.fragments(n, size, device.data_ptr(), device.data_ptr() + span)
+                for _ in range(2):  # the first launch compiles
+                    start.record(stream)
+                    kernels.launch(dev_a, dev_b, sizes, stream, self._device, self.gather_programs)
+                    end.record(stream)
+                    end.synchronize()
+                return start.elapsed_time(end) / 1e3
+
+            model.gather_gbps = span / gather_s(16384, 16384) / 1e9
+            model.gather_desc_s = max(0.0, gather_s(65536, 256) / 65536 - 256 / (model.gather_gbps * 1e9))
         return model
 
     # ---- helpers -----------------------------------------------------------

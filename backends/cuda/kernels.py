@@ -13,6 +13,8 @@ import numpy as np
 
 PIECE_BYTES = 64 * 1024  # one work item: large copies are split so that all programs share them
 BLOCK = 1024  # elements moved per program per loop step (8 KiB of 64-bit words)
+SMALL_BYTES = 4096  # up to this size, copies go through the tiled kernel
+TILE_WORDS = 4096  # words in flight per program per step in the tiled kernel
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,7 +54,35 @@ def _compile():
                     tl.store(dst_b + o, tl.load(src_b + o, mask=m), mask=m)
             item += tl.num_programs(0)
 
-    return copy_kernel
+    @triton.jit
+    def copy_small_kernel(desc_ptr, n, D: tl.constexpr, W: tl.constexpr):
+        # Small copies are bound by latency, not bytes: each program moves a tile of D copies
+        # at once, W 64-bit words (or bytes, for the unaligned rest) of each per step.
+        rows = tl.arange(0, D)
+        cols = tl.arange(0, W)
+        for first in range(tl.program_id(0) * D, n, tl.num_programs(0) * D):
+            i = first + rows
+            ok = i < n
+            src = tl.load(desc_ptr + i, mask=ok, other=0)
+            dst = tl.load(desc_ptr + n + i, mask=ok, other=0)
+            size = tl.load(desc_ptr + 2 * n + i, mask=ok, other=0)
+            words = tl.where(((src | dst) & 7) == 0, size // 8, 0)
+            src_w = src.to(tl.pointer_type(tl.int64))
+            dst_w = dst.to(tl.pointer_type(tl.int64))
+            for w in range(0, tl.max(words, axis=0), W):
+                o = w + cols
+                m = o[None, :] < words[:, None]
+                tl.store(dst_w[:, None] + o[None, :], tl.load(src_w[:, None] + o[None, :], mask=m), mask=m)
+            done = words * 8
+            left = size - done
+            src_b = (src + done).to(tl.pointer_type(tl.int8))
+            dst_b = (dst + done).to(tl.pointer_type(tl.int8))
+            for b in range(0, tl.max(left, axis=0), W):
+                o = b + cols
+                m = o[None, :] < left[:, None]
+                tl.store(dst_b[:, None] + o[None, :], tl.load(src_b[:, None] + o[None, :], mask=m), mask=m)
+
+    return copy_kernel, copy_small_kernel
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,10 +104,16 @@ def launch(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream, device, 
     import torch
 
     n = len(sizes)
-    pieces = max(1, -(-int(sizes.max()) // PIECE_BYTES))
+    largest = int(sizes.max())
     host = torch.from_numpy(np.concatenate((src, dst, sizes))).pin_memory()
+    copy_kernel, copy_small_kernel = _compile()
     with torch.cuda.stream(stream):
         desc = torch.empty(3 * n, dtype=torch.int64, device=device)
         desc.copy_(host, non_blocking=True)
-        grid = (max(1, min(max_programs, n * pieces)),)
-        _compile()[grid](desc, n, pieces, PIECE=PIECE_BYTES, BLOCK=BLOCK)
+        if largest <= SMALL_BYTES:
+            width = 32 if largest <= 256 else 128  # words per copy per step: little masked waste
+            rows = TILE_WORDS // width
+            copy_small_kernel[(max(1, min(max_programs, -(-n // rows))),)](desc, n, D=rows, W=width)
+        else:
+            pieces = -(-largest // PIECE_BYTES)
+            copy_kernel[(max(1, min(max_programs, n * pieces)),)](desc, n, pieces, PIECE=PIECE_BYTES, BLOCK=BLOCK)

@@ -6,8 +6,10 @@ host-contiguous runs its descriptors form:
 * ``ce_batch``: ``n * max(c_desc, mean_size / bw_ce + c_tail) + launch``: copy engines pay a
   fixed cost per descriptor, or move at link speed plus a small per-copy tail, whichever is
   slower (this fits the H200's batch figures from 256 B to 2 MiB within 15%);
-* ``sm_gather``: ``bytes / bw_sm + upload + launch`` (SMs hide the per-descriptor cost);
-* ``staged``: ``bytes / bw_gather`` on the device, then ``runs`` copy-engine copies;
+* ``sm_gather``: ``max(bytes / bw_sm, n * c_sm) + min(...) / 2 + upload + launch``: the
+  kernel's per-copy cost (descriptor reads, short loops) overlaps its link time only in part;
+* ``staged``: the device-side gather (``bytes / bw_gather + n * c_gather``), then ``runs``
+  copy-engine copies, one after the other on the stream;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
 """
 
@@ -18,23 +20,27 @@ import os
 import pathlib
 from dataclasses import asdict, dataclass, field
 
-MECHANISMS = ("ce_batch", "sm_gather", "staged", "ce_loop")
+# In order of preference on a tie: copy engines first, then staging (SMs for a moment), then
+# the SM kernel (SMs for the whole transfer), then the per-copy loop.
+MECHANISMS = ("ce_batch", "staged", "sm_gather", "ce_loop")
 
 
 @dataclass
 class CostModel:
     """Seconds a job takes, per mechanism. Defaults: NVIDIA H200, PCIe Gen5 (shared/measurements-h200.md)."""
 
-    ce_desc_s: dict = field(default_factory=lambda: {"store": 107e-9, "load": 116e-9})  # 256 B batches: 2.4 / 2.2 GB/s
-    ce_gbps: dict = field(default_factory=lambda: {"store": 55.2, "load": 55.1})
-    ce_tail_s: float = 46e-9  # what a 16 KiB copy costs beyond its bytes at link speed
+    ce_desc_s: dict = field(default_factory=lambda: {"store": 228e-9, "load": 271e-9})  # 256 B copies: 1.1 / 0.9 GB/s
+    ce_gbps: dict = field(default_factory=lambda: {"store": 55.3, "load": 55.3})
+    ce_tail_s: float = 1e-9  # what a 16 KiB copy costs beyond its bytes at link speed
     ce_idle_s: float = 1e-6  # extra per copy when the stream is idle: the batch call then copies inline
-    sm_gbps: dict = field(default_factory=lambda: {"store": 51.4, "load": 48.9})
+    sm_gbps: dict = field(default_factory=lambda: {"store": 52.4, "load": 51.1})
+    sm_desc_s: dict = field(default_factory=lambda: {"store": 20e-9, "load": 55e-9})  # 256 B copies: 13 / 4.8 GB/s
     gather_gbps: float = 1500.0  # device-side gather of scattered pages into staging
+    gather_desc_s: float = 1.5e-9
     launch_s: float = 8e-6  # a kernel launch or a batch call
-    upload_s_per_desc: float = 10e-9  # descriptors through pinned memory to the device
+    upload_s_per_desc: float = 2e-9  # descriptors through pinned memory to the device
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
-    source: str = "defaults: NVIDIA H200 (PCIe Gen5), 2026-11-29"
+    source: str = "defaults: NVIDIA H200 (PCIe Gen5), benchmarks/transfer_bench.py, 2026-11-29"
 
     def estimate(
         self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None, idle: bool = False
@@ -44,11 +50,13 @@ class CostModel:
         if mechanism == "ce_batch":
             return n * (self._ce_per_copy(direction, nbytes / n) + (self.ce_idle_s if idle else 0.0)) + self.launch_s
         if mechanism == "sm_gather":
-            return nbytes / (self.sm_gbps[direction] * 1e9) + n * self.upload_s_per_desc + self.launch_s
+            link, per_copy = nbytes / (self.sm_gbps[direction] * 1e9), n * self.sm_desc_s[direction]
+            return max(link, per_copy) + min(link, per_copy) / 2 + n * self.upload_s_per_desc + self.launch_s
         if mechanism == "staged":
             runs = n if runs is None else runs
             link = runs * self._ce_per_copy(direction, nbytes / runs)
-            return link + nbytes / (self.gather_gbps * 1e9) + n * self.upload_s_per_desc + 2 * self.launch_s
+            gather = nbytes / (self.gather_gbps * 1e9) + n * self.gather_desc_s
+            return link + gather + n * self.upload_s_per_desc + 2 * self.launch_s
         if mechanism == "ce_loop":
             return n * self.loop_s_per_desc + nbytes / ce_bw
         raise ValueError(f"unknown mechanism {mechanism!r}")
