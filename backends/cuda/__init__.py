@@ -253,7 +253,8 @@ class CudaBackend(Backend):
 
         torch = self._torch
         span = 256 << 20
-        device = torch.zeros(2 * span, dtype=torch.uint8, device=self._device)
+        device = torch.zeros(2 * span, dtype=torch.uint8, device=self._device)  # fragments scatter over 2x
+        staging = torch.zeros(span, dtype=torch.uint8, device=self._device)
         host = self.alloc_host(span)
         model = CostModel(source=f"offload-core calibrate on {torch.cuda.get_device_name(self._device)}")
         one = np.ones(1, dtype=np.int64)
@@ -280,7 +281,7 @@ class CudaBackend(Backend):
             stream, start, end = self.new_stream(), self.new_event(), self.new_event()
 
             def gather_s(n, size):
-                dev_a, dev_b, sizes = measure.fragments(n, size, device.data_ptr(), device.data_ptr() + span)
+                dev_a, dev_b, sizes = measure.fragments(n, size, device.data_ptr(), staging.data_ptr())
                 for _ in range(2):  # the first launch compiles
                     start.record(stream)
                     kernels.launch(dev_a, dev_b, sizes, stream, self._device, self.gather_programs)
