@@ -45,8 +45,8 @@ class CudaBackend(Backend):
             default ``$OFFLOAD_CORE_CUDA_MECHANISM`` or ``"auto"``.
         max_programs: cap on the copy kernel's programs (SMs it may occupy); default
             ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS`` or 32.
-        staging_bytes: staging memory per stream for ``staged``; default
-            ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 64 MiB.
+        staging_bytes: the piece size of ``staged``, which keeps two buffers of 1.25 times
+            this per stream; default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 8 MiB.
         max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 for no limit; default
             ``$OFFLOAD_CORE_CUDA_MAX_BATCH`` or 0.
         cost_model: the selection model; default the calibrated profile of this GPU model if
@@ -90,7 +90,7 @@ class CudaBackend(Backend):
         self._device = torch.device("cuda", device_index)
         self.driver = Driver.load()
         self.max_programs = max_programs or int(os.environ.get(ENV_SM_PROGRAMS, 32))
-        self.staging_bytes = staging_bytes or int(os.environ.get(ENV_STAGING_MB, 64)) << 20
+        self.staging_bytes = staging_bytes or int(os.environ.get(ENV_STAGING_MB, 8)) << 20
         self.max_batch = max_batch if max_batch is not None else int(os.environ.get(ENV_MAX_BATCH, 0))
         self.cost = cost_model or self._saved_profile()
         self.available_mechanisms = tuple(m for m in MECHANISMS if self.why_unavailable(m) is None)
@@ -101,8 +101,8 @@ class CudaBackend(Backend):
                 raise ValueError(f"cuda mechanism {self.mechanism!r} cannot be used: {reason}")
         self._host_ranges: dict[int, tuple[int, int]] = {}  # device-addressable host memory
         self._keepalive: deque = deque()  # (event, objects) the driver may still read
-        # staging buffers by stream handle, with the stream itself so the handle stays ours
-        self._staging: dict[int, tuple[object, object]] = {}
+        # by stream handle: (the stream, so the handle stays ours; its kernel stream; two buffers)
+        self._staging: dict[int, tuple] = {}
         sms = torch.cuda.get_device_properties(self._device).multi_processor_count
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
 
@@ -214,11 +214,15 @@ class CudaBackend(Backend):
         kernels.launch(src, dst, sizes, stream, self._device, self.max_programs)
 
     def _staged(self, src, dst, sizes, direction, stream) -> list:
-        """Device-side gather (store) or scatter (load) through a staging buffer, in pieces.
+        """Device-side gather (store) or scatter (load) through two staging buffers, pipelined.
 
-        The link moves host-contiguous runs; fragments too large to gain from staging go
+        Pieces of about `staging_bytes` alternate between the buffers: while the copy
+        engines move piece k over the link on `stream`, the kernel gathers piece k+1 (or
+        scatters piece k-1) on a companion stream, so the link sees only host-contiguous runs
+        and the kernel's time hides behind it. Fragments too large to gain from staging go
         straight through the copy engines.
         """
+        torch = self._torch
         cap = self.staging_bytes
         held = []
         big = sizes > cap // 4
@@ -230,81 +234,50 @@ class CudaBackend(Backend):
                 return held
         store = direction is Direction.STORE
         host, dev = (dst, src) if store else (src, dst)
-        staging = self._staging_buffer(stream).data_ptr()
+        kernel_stream, buffers = self._staging_for(stream)
+        kernel_stream.wait_stream(stream)  # the job's own waits (compute, earlier jobs) hold for the kernel too
         offsets = np.cumsum(sizes) - sizes
         cuts = np.flatnonzero(np.diff(offsets // cap)) + 1  # pieces start where the offset passes k * cap
-        for a, b in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [sizes.size])).tolist()):
-            stage = staging + (offsets[a:b] - offsets[a])  # < 1.25 cap: no fragment exceeds cap / 4
+        free = [None, None]  # per buffer: the event after which it may be overwritten
+        for k, (a, b) in enumerate(zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [sizes.size])).tolist())):
+            stage = buffers[k % 2].data_ptr() + (offsets[a:b] - offsets[a])  # < 1.25 cap: no fragment exceeds cap / 4
             starts, run_bytes = host_runs(host[a:b], sizes[a:b])
             if store:
-                kernels.launch(dev[a:b], stage, sizes[a:b], stream, self._device, self.gather_programs)
+                if free[k % 2] is not None:
+                    kernel_stream.wait_event(free[k % 2])
+                kernels.launch(dev[a:b], stage, sizes[a:b], kernel_stream, self._device, self.gather_programs)
+                stream.wait_event(_recorded(torch, kernel_stream))
                 held.append(self._ce(host[a:b][starts], stage[starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
+                free[k % 2] = _recorded(torch, stream)
             else:
+                if free[k % 2] is not None:
+                    stream.wait_event(free[k % 2])
                 held.append(self._ce(stage[starts], host[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
-                kernels.launch(stage, dev[a:b], sizes[a:b], stream, self._device, self.gather_programs)
+                kernel_stream.wait_event(_recorded(torch, stream))
+                kernels.launch(stage, dev[a:b], sizes[a:b], kernel_stream, self._device, self.gather_programs)
+                free[k % 2] = _recorded(torch, kernel_stream)
+        if not store:  # the job ends when its last scatter has landed
+            stream.wait_event(free[k % 2])
         return held
-
-    def calibrate(self) -> CostModel:
-        """Measure this GPU's copy costs (a few seconds) and return them as a cost model.
-
-        The caller saves it with ``model.save(profile_path(name))``; `offload-core calibrate` does.
-        """
-        from offload_core.backends.cuda import measure
-
-        torch = self._torch
-        span = 256 << 20
-        device = torch.zeros(2 * span, dtype=torch.uint8, device=self._device)  # fragments scatter over 2x
-        staging = torch.zeros(span, dtype=torch.uint8, device=self._device)
-        host = self.alloc_host(span)
-        model = CostModel(source=f"offload-core calibrate on {torch.cuda.get_device_name(self._device)}")
-        one = np.ones(1, dtype=np.int64)
-        for direction in Direction:
-            d = direction.value
-
-            def run(mechanism, n, size, seed=0):
-                dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr(), seed=seed)
-                src, dst = (dev, hst) if direction is Direction.STORE else (hst, dev)
-                return measure.time_copy(self, mechanism, src, dst, sizes, direction, busy=True)["event_s"]
-
-            whole = measure.time_copy(
-                self, "ce_batch", *((one * device.data_ptr(), one * host.data_ptr()) if direction is Direction.STORE
-                                    else (one * host.data_ptr(), one * device.data_ptr())), one * span, direction, busy=True
-            )["event_s"]
-            model.ce_gbps[d] = span / whole / 1e9
-            if "ce_batch" in self.available_mechanisms:
-                model.ce_desc_s[d] = run("ce_batch", 65536, 256) / 65536
-                model.ce_tail_s = max(0.0, run("ce_batch", 16384, 16384) / 16384 - 16384 / (model.ce_gbps[d] * 1e9))
-            if "sm_gather" in self.available_mechanisms:
-                model.sm_gbps[d] = span / run("sm_gather", 4096, 65536) / 1e9
-                model.sm_desc_s[d] = run("sm_gather", 65536, 256) / 65536
-        if kernels.available() is None:
-            stream, start, end = self.new_stream(), self.new_event(), self.new_event()
-
-            def gather_s(n, size):
-                dev_a, dev_b, sizes = measure.fragments(n, size, device.data_ptr(), staging.data_ptr())
-                for _ in range(2):  # the first launch compiles
-                    start.record(stream)
-                    kernels.launch(dev_a, dev_b, sizes, stream, self._device, self.gather_programs)
-                    end.record(stream)
-                    end.synchronize()
-                return start.elapsed_time(end) / 1e3
-
-            model.gather_gbps = span / gather_s(16384, 16384) / 1e9
-            model.gather_desc_s = max(0.0, gather_s(65536, 256) / 65536 - 256 / (model.gather_gbps * 1e9))
-        return model
 
     # ---- helpers -----------------------------------------------------------
 
-    def _staging_buffer(self, stream):
+    def _staging_for(self, stream):
+        """The companion kernel stream and the two staging buffers of `stream`, made on first use."""
         entry = self._staging.get(stream.cuda_stream)
         if entry is None:
-            with self._torch.cuda.stream(stream):  # its memory is then ordered on this stream
-                buf = self._torch.empty(self.staging_bytes + self.staging_bytes // 4, dtype=self._torch.uint8, device=self._device)
-            entry = self._staging[stream.cuda_stream] = (stream, buf)
-        return entry[1]
+            torch = self._torch
+            kernel_stream = torch.cuda.Stream(device=self._device)
+            with torch.cuda.stream(kernel_stream):  # their memory is ordered on the stream that writes it
+                buffers = [torch.empty(self.staging_bytes * 5 // 4, dtype=torch.uint8, device=self._device) for _ in range(2)]
+            entry = self._staging[stream.cuda_stream] = (stream, kernel_stream, buffers)
+        return entry[1], entry[2]
 
     def release_staging(self) -> None:
         """Free the staging buffers (they are reallocated on next use)."""
+        for stream, kernel_stream, _ in self._staging.values():
+            stream.synchronize()
+            kernel_stream.synchronize()
         self._staging.clear()
 
     def _track(self, tensor) -> None:
@@ -326,6 +299,12 @@ class CudaBackend(Backend):
             except (OSError, ValueError) as exc:
                 log.warning("ignoring unreadable cuda profile %s: %s", path, exc)
         return CostModel()
+
+
+def _recorded(torch, stream):
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def host_runs(host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -8,8 +8,8 @@ host-contiguous runs its descriptors form:
   slower (this fits the H200's batch figures from 256 B to 2 MiB within 15%);
 * ``sm_gather``: ``max(bytes / bw_sm, n * c_sm) + min(...) / 2 + upload + launch``: the
   kernel's per-copy cost (descriptor reads, short loops) overlaps its link time only in part;
-* ``staged``: the device-side gather (``bytes / bw_gather + n * c_gather``), then ``runs``
-  copy-engine copies, one after the other on the stream;
+* ``staged``: the device-side gather (``bytes / bw_gather + n * c_gather``) and ``runs``
+  copy-engine copies, pipelined: the slower of the two, plus a little of the other;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
 """
 
@@ -56,7 +56,7 @@ class CostModel:
             runs = n if runs is None else runs
             link = runs * self._ce_per_copy(direction, nbytes / runs)
             gather = nbytes / (self.gather_gbps * 1e9) + n * self.gather_desc_s
-            return link + gather + n * self.upload_s_per_desc + 2 * self.launch_s
+            return max(link, gather) + min(link, gather) / 8 + n * self.upload_s_per_desc + 2 * self.launch_s
         if mechanism == "ce_loop":
             return n * self.loop_s_per_desc + nbytes / ce_bw
         raise ValueError(f"unknown mechanism {mechanism!r}")
