@@ -42,8 +42,14 @@ class FakeLib:
             self.calls.append(("memcpy", dst, src, size, stream))
             return 0
 
+        def stream_create(handle, flags):
+            self.calls.append(("stream_create", flags))
+            handle[0] = 0xBEEF
+            return 0
+
         if with_batch:
             self._keep["cuMemcpyBatchAsync"] = drv.MEMCPY_BATCH(batch)
+        self._keep["cuStreamCreate"] = drv.STREAM_CREATE(stream_create)
         self._keep["cuMemcpyAsync"] = drv.MEMCPY(memcpy)
 
     def cuGetProcAddress_v2(self, symbol, pfn, version, flags, status):
@@ -174,3 +180,9 @@ def test_an_idle_stream_steers_small_copies_off_the_batch_api():
     # staging's own copy runs behind its gather kernel, so it never meets an idle stream
     assert model.choose("load", 4096, 4096 * 65536, MECHANISMS, runs=4096, idle=True) in ("sm_gather", "staged")
     assert model.choose("load", 64, 64 * (2 << 20), MECHANISMS, runs=64, idle=True) == "ce_batch"
+
+
+def test_streams_are_created_non_blocking():
+    lib = FakeLib()
+    assert drv.Driver(lib).new_stream() == 0xBEEF
+    assert lib.calls == [("stream_create", drv.STREAM_NON_BLOCKING)]

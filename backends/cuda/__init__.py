@@ -113,7 +113,11 @@ class CudaBackend(Backend):
         return self._device
 
     def new_stream(self):
-        return self._torch.cuda.Stream(device=self._device)
+        """A dedicated stream. torch's pool hands out its 32 streams round robin, so a pooled
+        copy stream could be the caller's compute stream or the other direction's, which would
+        silently serialize them. These streams live as long as the process."""
+        with self._on_device():
+            return self._torch.cuda.ExternalStream(self.driver.new_stream(), device=self._device)
 
     def new_event(self):
         return self._torch.cuda.Event(enable_timing=True)
@@ -260,6 +264,55 @@ class CudaBackend(Backend):
             stream.wait_event(free[k % 2])
         return held
 
+    def calibrate(self) -> CostModel:
+        """Measure this GPU's copy costs (a few seconds) and return them as a cost model.
+
+        The caller saves it with ``model.save(profile_path(name))``; `offload-core calibrate` does.
+        """
+        from offload_core.backends.cuda import measure
+
+        torch = self._torch
+        span = 256 << 20
+        device = torch.zeros(2 * span, dtype=torch.uint8, device=self._device)  # fragments scatter over 2x
+        staging = torch.zeros(span, dtype=torch.uint8, device=self._device)
+        host = self.alloc_host(span)
+        model = CostModel(source=f"offload-core calibrate on {torch.cuda.get_device_name(self._device)}")
+        one = np.ones(1, dtype=np.int64)
+        for direction in Direction:
+            d = direction.value
+
+            def run(mechanism, n, size, seed=0):
+                dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr(), seed=seed)
+                src, dst = (dev, hst) if direction is Direction.STORE else (hst, dev)
+                return measure.time_copy(self, mechanism, src, dst, sizes, direction, busy=True)["event_s"]
+
+            whole = measure.time_copy(
+                self, "ce_batch", *((one * device.data_ptr(), one * host.data_ptr()) if direction is Direction.STORE
+                                    else (one * host.data_ptr(), one * device.data_ptr())), one * span, direction, busy=True
+            )["event_s"]
+            model.ce_gbps[d] = span / whole / 1e9
+            if "ce_batch" in self.available_mechanisms:
+                model.ce_desc_s[d] = run("ce_batch", 65536, 256) / 65536
+                model.ce_tail_s = max(0.0, run("ce_batch", 16384, 16384) / 16384 - 16384 / (model.ce_gbps[d] * 1e9))
+            if "sm_gather" in self.available_mechanisms:
+                model.sm_gbps[d] = span / run("sm_gather", 4096, 65536) / 1e9
+                model.sm_desc_s[d] = run("sm_gather", 65536, 256) / 65536
+        if kernels.available() is None:
+            stream, start, end = self.new_stream(), self.new_event(), self.new_event()
+
+            def gather_s(n, size):
+                dev_a, dev_b, sizes = measure.fragments(n, size, device.data_ptr(), staging.data_ptr())
+                for _ in range(2):  # the first launch compiles
+                    start.record(stream)
+                    kernels.launch(dev_a, dev_b, sizes, stream, self._device, self.gather_programs)
+                    end.record(stream)
+                    end.synchronize()
+                return start.elapsed_time(end) / 1e3
+
+            model.gather_gbps = span / gather_s(16384, 16384) / 1e9
+            model.gather_desc_s = max(0.0, gather_s(65536, 256) / 65536 - 256 / (model.gather_gbps * 1e9))
+        return model
+
     # ---- helpers -----------------------------------------------------------
 
     def _staging_for(self, stream):
@@ -267,7 +320,7 @@ class CudaBackend(Backend):
         entry = self._staging.get(stream.cuda_stream)
         if entry is None:
             torch = self._torch
-            kernel_stream = torch.cuda.Stream(device=self._device)
+            kernel_stream = self.new_stream()
             with torch.cuda.stream(kernel_stream):  # their memory is ordered on the stream that writes it
                 buffers = [torch.empty(self.staging_bytes * 5 // 4, dtype=torch.uint8, device=self._device) for _ in range(2)]
             entry = self._staging[stream.cuda_stream] = (stream, kernel_stream, buffers)

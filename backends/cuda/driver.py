@@ -44,6 +44,9 @@ MEMCPY_BATCH = ctypes.CFUNCTYPE(
 )
 # CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream)
 MEMCPY = ctypes.CFUNCTYPE(CUresult, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+# CUresult cuStreamCreate(CUstream *phStream, unsigned int flags)
+STREAM_CREATE = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
+STREAM_NON_BLOCKING = 1  # no implicit ordering with the legacy default stream
 # CUresult cuPointerGetAttribute(void *data, CUpointer_attribute, CUdeviceptr)
 POINTER_GET_ATTRIBUTE = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
 
@@ -85,6 +88,7 @@ class Driver:
         self.memcpy_batch = self.resolve("cuMemcpyBatchAsync", BATCH_ABI_VERSION, MEMCPY_BATCH)
         self.memcpy = self.resolve("cuMemcpyAsync", 4000, MEMCPY)
         self.pointer_get_attribute = self.resolve("cuPointerGetAttribute", 4000, POINTER_GET_ATTRIBUTE)
+        self.stream_create = self.resolve("cuStreamCreate", 2000, STREAM_CREATE)
         if self.memcpy is None:
             raise OSError("libcuda has no cuMemcpyAsync")
 
@@ -160,6 +164,16 @@ class Driver:
             code = memcpy(d, s, n, stream)
             if code != 0:
                 raise CudaDriverError(f"cuMemcpyAsync failed at index {i} of {len(sizes)}: {self.error_name(code)}", code)
+
+    def new_stream(self) -> int:
+        """A new non-blocking stream of the current context, never shared with anyone.
+
+        Raises:
+            CudaDriverError: the driver refused.
+        """
+        handle = ctypes.c_void_p()
+        self.check(self.stream_create(ctypes.byref(handle), STREAM_NON_BLOCKING), "cuStreamCreate")
+        return handle.value
 
     def device_pointer(self, host_address: int) -> int | None:
         """The device's address for host memory, or None if the device cannot address it."""
