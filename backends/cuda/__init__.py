@@ -117,6 +117,7 @@ class CudaBackend(Backend):
         copy stream could be the caller's compute stream or the other direction's, which would
         silently serialize them. These streams live as long as the process."""
         with self._on_device():
+            self._torch.cuda.current_stream(self._device).query()  # a runtime call: makes the context current here
             return self._torch.cuda.ExternalStream(self.driver.new_stream(), device=self._device)
 
     def new_event(self):
