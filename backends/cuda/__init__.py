@@ -243,23 +243,31 @@ class CudaBackend(Backend):
         kernel_stream.wait_stream(stream)  # the job's own waits (compute, earlier jobs) hold for the kernel too
         offsets = np.cumsum(sizes) - sizes
         cuts = np.flatnonzero(np.diff(offsets // cap)) + 1  # pieces start where the offset passes k * cap
+        firsts = np.concatenate(([0], cuts))
+        lasts = np.concatenate((cuts, [sizes.size]))
+        piece = np.repeat(np.arange(firsts.size), lasts - firsts)
+        bases = np.array([buffers[0].data_ptr(), buffers[1].data_ptr()], dtype=np.int64)
+        stage = bases[piece % 2] + offsets - offsets[firsts][piece]  # < 1.25 cap: no fragment exceeds cap / 4
+        # Upload every piece's kernel descriptors at once, before any data moves: an upload
+        # per piece would queue behind the previous piece's host-to-device copy.
+        desc = kernels.upload((dev, stage, sizes) if store else (stage, dev, sizes), kernel_stream, self._device)
+        largest = int(sizes.max())
         free = [None, None]  # per buffer: the event after which it may be overwritten
-        for k, (a, b) in enumerate(zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [sizes.size])).tolist())):
-            stage = buffers[k % 2].data_ptr() + (offsets[a:b] - offsets[a])  # < 1.25 cap: no fragment exceeds cap / 4
+        for k, (a, b) in enumerate(zip(firsts.tolist(), lasts.tolist())):
             starts, run_bytes = host_runs(host[a:b], sizes[a:b])
             if store:
                 if free[k % 2] is not None:
                     kernel_stream.wait_event(free[k % 2])
-                kernels.launch(dev[a:b], stage, sizes[a:b], kernel_stream, self._device, self.gather_programs)
+                kernels.run(desc, a, b, largest, kernel_stream, self.gather_programs)
                 stream.wait_event(_recorded(torch, kernel_stream))
-                held.append(self._ce(host[a:b][starts], stage[starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
+                held.append(self._ce(host[a:b][starts], stage[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
                 free[k % 2] = _recorded(torch, stream)
             else:
                 if free[k % 2] is not None:
                     stream.wait_event(free[k % 2])
-                held.append(self._ce(stage[starts], host[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
+                held.append(self._ce(stage[a:b][starts], host[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
                 kernel_stream.wait_event(_recorded(torch, stream))
-                kernels.launch(stage, dev[a:b], sizes[a:b], kernel_stream, self._device, self.gather_programs)
+                kernels.run(desc, a, b, largest, kernel_stream, self.gather_programs)
                 free[k % 2] = _recorded(torch, kernel_stream)
         if not store:  # the job ends when its last scatter has landed
             stream.wait_event(free[k % 2])

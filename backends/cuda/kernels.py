@@ -23,19 +23,18 @@ def _compile():
     import triton.language as tl
 
     @triton.jit
-    def copy_kernel(desc_ptr, n, pieces, PIECE: tl.constexpr, BLOCK: tl.constexpr):
-        # desc_ptr holds [src[0:n], dst[0:n], size[0:n]] as int64. Work item t is piece
-        # t % pieces of copy t // pieces; programs stride over the items.
+    def copy_kernel(src_ptr, dst_ptr, size_ptr, n, pieces, PIECE: tl.constexpr, BLOCK: tl.constexpr):
+        # Work item t is piece t % pieces of copy t // pieces; programs stride over the items.
         offs = tl.arange(0, BLOCK)
         total = n * pieces
         item = tl.program_id(0)
         while item < total:
             i = item // pieces
             start = (item % pieces).to(tl.int64) * PIECE
-            size = tl.load(desc_ptr + 2 * n + i)
+            size = tl.load(size_ptr + i)
             if start < size:
-                src = tl.load(desc_ptr + i)
-                dst = tl.load(desc_ptr + n + i)
+                src = tl.load(src_ptr + i)
+                dst = tl.load(dst_ptr + i)
                 end = tl.minimum(start + PIECE, size)
                 # 64-bit words where both ends are 8-byte aligned, bytes for the rest
                 w0 = start // 8
@@ -55,7 +54,7 @@ def _compile():
             item += tl.num_programs(0)
 
     @triton.jit
-    def copy_small_kernel(desc_ptr, n, D: tl.constexpr, W: tl.constexpr):
+    def copy_small_kernel(src_ptr, dst_ptr, size_ptr, n, D: tl.constexpr, W: tl.constexpr):
         # Small copies are bound by latency, not bytes: each program moves a tile of D copies
         # at once, W 64-bit words (or bytes, for the unaligned rest) of each per step.
         rows = tl.arange(0, D)
@@ -63,9 +62,9 @@ def _compile():
         for first in range(tl.program_id(0) * D, n, tl.num_programs(0) * D):
             i = first + rows
             ok = i < n
-            src = tl.load(desc_ptr + i, mask=ok, other=0)
-            dst = tl.load(desc_ptr + n + i, mask=ok, other=0)
-            size = tl.load(desc_ptr + 2 * n + i, mask=ok, other=0)
+            src = tl.load(src_ptr + i, mask=ok, other=0)
+            dst = tl.load(dst_ptr + i, mask=ok, other=0)
+            size = tl.load(size_ptr + i, mask=ok, other=0)
             words = tl.where(((src | dst) & 7) == 0, size // 8, 0)
             src_w = src.to(tl.pointer_type(tl.int64))
             dst_w = dst.to(tl.pointer_type(tl.int64))
@@ -95,25 +94,42 @@ def available() -> str | None:
     return None
 
 
-def launch(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream, device, max_programs: int) -> None:
-    """Enqueue the copy kernel on `stream` for addresses the device can dereference.
+def upload(columns, stream, device):
+    """Descriptor columns to the device in one copy on `stream`: an int64 ``(len(columns), n)`` tensor.
 
-    The descriptors go up through torch's pinned host allocator, which keeps the staging
-    copy alive until the upload has run; the device copy belongs to `stream`.
+    The host side goes through torch's pinned allocator, which keeps it alive until the copy
+    has run; the device tensor's memory is ordered on `stream`.
     """
     import torch
 
-    n = len(sizes)
-    largest = int(sizes.max())
-    host = torch.from_numpy(np.concatenate((src, dst, sizes))).pin_memory()
+    host = torch.from_numpy(np.stack(columns)).pin_memory()
+    with torch.cuda.stream(stream):
+        desc = torch.empty(host.shape, dtype=torch.int64, device=device)
+        desc.copy_(host, non_blocking=True)
+    return desc
+
+
+def run(desc, a: int, b: int, largest: int, stream, max_programs: int) -> None:
+    """Enqueue the copy kernel on `stream` for descriptors ``[a, b)`` of an uploaded table.
+
+    Every address must be one the device can dereference; `largest` is the largest size.
+    """
+    import torch
+
+    n = b - a
     copy_kernel, copy_small_kernel = _compile()
     with torch.cuda.stream(stream):
-        desc = torch.empty(3 * n, dtype=torch.int64, device=device)
-        desc.copy_(host, non_blocking=True)
+        src, dst, size = desc[0, a:b], desc[1, a:b], desc[2, a:b]
         if largest <= SMALL_BYTES:
             width = 32 if largest <= 256 else 128  # words per copy per step: little masked waste
             rows = TILE_WORDS // width
-            copy_small_kernel[(max(1, min(max_programs, -(-n // rows))),)](desc, n, D=rows, W=width)
+            copy_small_kernel[(max(1, min(max_programs, -(-n // rows))),)](src, dst, size, n, D=rows, W=width)
         else:
             pieces = -(-largest // PIECE_BYTES)
-            copy_kernel[(max(1, min(max_programs, n * pieces)),)](desc, n, pieces, PIECE=PIECE_BYTES, BLOCK=BLOCK)
+            grid = (max(1, min(max_programs, n * pieces)),)
+            copy_kernel[grid](src, dst, size, n, pieces, PIECE=PIECE_BYTES, BLOCK=BLOCK)
+
+
+def launch(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream, device, max_programs: int) -> None:
+    """Upload the descriptors and enqueue the copy kernel on `stream`."""
+    run(upload((src, dst, sizes), stream, device), 0, len(sizes), int(sizes.max()), stream, max_programs)
