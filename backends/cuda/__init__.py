@@ -34,6 +34,7 @@ ENV_MECHANISM = "OFFLOAD_CORE_CUDA_MECHANISM"
 ENV_SM_PROGRAMS = "OFFLOAD_CORE_CUDA_SM_PROGRAMS"
 ENV_MAX_BATCH = "OFFLOAD_CORE_CUDA_MAX_BATCH"
 ENV_STAGING_MB = "OFFLOAD_CORE_CUDA_STAGING_MB"
+_MIN_PIECE = 4 << 20
 
 
 class CudaBackend(Backend):
@@ -45,8 +46,8 @@ class CudaBackend(Backend):
             default ``$OFFLOAD_CORE_CUDA_MECHANISM`` or ``"auto"``.
         max_programs: cap on the copy kernel's programs (SMs it may occupy); default
             ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS`` or 32.
-        staging_bytes: the piece size of ``staged``, which keeps two buffers of 1.25 times
-            this per stream; default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 8 MiB.
+        staging_bytes: the largest piece of ``staged``, which keeps two buffers of 1.25 times
+            this per stream; default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 32 MiB.
         max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 for no limit; default
             ``$OFFLOAD_CORE_CUDA_MAX_BATCH`` or 0.
         cost_model: the selection model; default the calibrated profile of this GPU model if
@@ -90,7 +91,7 @@ class CudaBackend(Backend):
         self._device = torch.device("cuda", device_index)
         self.driver = Driver.load()
         self.max_programs = max_programs or int(os.environ.get(ENV_SM_PROGRAMS, 32))
-        self.staging_bytes = staging_bytes or int(os.environ.get(ENV_STAGING_MB, 8)) << 20
+        self.staging_bytes = staging_bytes or int(os.environ.get(ENV_STAGING_MB, 32)) << 20
         self.max_batch = max_batch if max_batch is not None else int(os.environ.get(ENV_MAX_BATCH, 0))
         self.cost = cost_model or self._saved_profile()
         self.available_mechanisms = tuple(m for m in MECHANISMS if self.why_unavailable(m) is None)
@@ -221,16 +222,15 @@ class CudaBackend(Backend):
     def _staged(self, src, dst, sizes, direction, stream) -> list:
         """Device-side gather (store) or scatter (load) through two staging buffers, pipelined.
 
-        Pieces of about `staging_bytes` alternate between the buffers: while the copy
+        Pieces (a sixth of the job, 4 MiB to `staging_bytes`) alternate between the buffers: while the copy
         engines move piece k over the link on `stream`, the kernel gathers piece k+1 (or
         scatters piece k-1) on a companion stream, so the link sees only host-contiguous runs
         and the kernel's time hides behind it. Fragments too large to gain from staging go
         straight through the copy engines.
         """
         torch = self._torch
-        cap = self.staging_bytes
         held = []
-        big = sizes > cap // 4
+        big = sizes > self.staging_bytes // 4
         if big.any():
             held.append(self._ce_batch(src[big], dst[big], sizes[big], direction, stream))
             keep = ~big
@@ -242,12 +242,16 @@ class CudaBackend(Backend):
         kernel_stream, buffers = self._staging_for(stream)
         kernel_stream.wait_stream(stream)  # the job's own waits (compute, earlier jobs) hold for the kernel too
         offsets = np.cumsum(sizes) - sizes
+        # About six pieces a job: enough to overlap kernel and link, few enough that the
+        # host's per-piece work (a launch, a batch call, events) stays behind the link.
+        cap = int(min(self.staging_bytes, max(_MIN_PIECE, (offsets[-1] + sizes[-1]) // 6)))
         cuts = np.flatnonzero(np.diff(offsets // cap)) + 1  # pieces start where the offset passes k * cap
         firsts = np.concatenate(([0], cuts))
         lasts = np.concatenate((cuts, [sizes.size]))
         piece = np.repeat(np.arange(firsts.size), lasts - firsts)
         bases = np.array([buffers[0].data_ptr(), buffers[1].data_ptr()], dtype=np.int64)
-        stage = bases[piece % 2] + offsets - offsets[firsts][piece]  # < 1.25 cap: no fragment exceeds cap / 4
+        # a piece holds < cap + staging_bytes / 4 <= 1.25 staging_bytes: the buffer size
+        stage = bases[piece % 2] + offsets - offsets[firsts][piece]
         # Upload every piece's kernel descriptors at once, before any data moves: an upload
         # per piece would queue behind the previous piece's host-to-device copy.
         desc = kernels.upload((dev, stage, sizes) if store else (stage, dev, sizes), kernel_stream, self._device)
