@@ -156,7 +156,7 @@ class CudaBackend(Backend):
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
-        mechanism = self.mechanism if self.mechanism != "auto" else self.choose(src, dst, sizes, direction, stream)
+        mechanism = self.mechanism if self.mechanism != "auto" else self.choose(src, dst, sizes, direction)
         while self._keepalive and self._keepalive[0][0].query():
             self._keepalive.popleft()
         with self._on_device():
@@ -179,17 +179,15 @@ class CudaBackend(Backend):
             return kernels.available()
         return None
 
-    def choose(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream=None) -> str:
-        """The mechanism ``auto`` picks for this batch (on `stream`, whose idleness matters)."""
+    def choose(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction) -> str:
+        """The mechanism ``auto`` picks for this batch."""
         host = dst if direction is Direction.STORE else src
         # ce_loop is a fallback: it only competes where the batch API is missing
         candidates = [m for m in self.available_mechanisms if m != "ce_loop" or "ce_batch" not in self.available_mechanisms]
         if "sm_gather" in candidates and not self.addressable(host, sizes):
             candidates.remove("sm_gather")
-        # On an idle stream the batch API may copy inside the call, at a fraction of the link.
-        idle = stream is not None and stream.query()
         return self.cost.choose(
-            direction.value, len(sizes), int(sizes.sum()), tuple(candidates), lambda: host_runs(host, sizes)[0].size, idle
+            direction.value, len(sizes), int(sizes.sum()), tuple(candidates), lambda: host_runs(host, sizes)[0].size
         )
 
     def addressable(self, host: np.ndarray, sizes: np.ndarray) -> bool:

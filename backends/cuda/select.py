@@ -1,7 +1,9 @@
 """Which mechanism moves a job fastest: a small cost model, H200 defaults, and calibration profiles.
 
 Per job, from its direction, descriptor count, bytes and (for ``staged``) how many
-host-contiguous runs its descriptors form:
+host-contiguous runs its descriptors form. A job costs the larger of its device time and
+the host time it takes to enqueue: ``cuMemcpyBatchAsync`` spends about 0.85 us of host time
+per copy, so below about 48 KiB a batch of many copies is bound by the host, not the link.
 
 * ``ce_batch``: ``n * max(c_desc, mean_size / bw_ce + c_tail) + launch``: copy engines pay a
   fixed cost per descriptor, or move at link speed plus a small per-copy tail, whichever is
@@ -32,7 +34,9 @@ class CostModel:
     ce_desc_s: dict = field(default_factory=lambda: {"store": 228e-9, "load": 271e-9})  # 256 B copies: 1.1 / 0.9 GB/s
     ce_gbps: dict = field(default_factory=lambda: {"store": 55.3, "load": 55.3})
     ce_tail_s: float = 1e-9  # what a 16 KiB copy costs beyond its bytes at link speed
-    ce_idle_s: float = 1e-6  # extra per copy when the stream is idle: the batch call then copies inline
+    ce_host_s: float = 0.85e-6  # host time per copy inside the batch call (idle-stream wall time, 16 KiB)
+    sm_host_s: tuple = (300e-6, 10e-9)  # host time of sm_gather: per job, per copy
+    staged_host_s: tuple = (1.0e-3, 40e-9)  # host time of staged: per job (six pieces), per copy
     sm_gbps: dict = field(default_factory=lambda: {"store": 52.4, "load": 51.1})
     sm_desc_s: dict = field(default_factory=lambda: {"store": 20e-9, "load": 55e-9})  # 256 B copies: 13 / 4.8 GB/s
     gather_gbps: float = 1500.0  # device-side gather of scattered pages into staging
@@ -42,21 +46,22 @@ class CostModel:
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
     source: str = "defaults: NVIDIA H200 (PCIe Gen5), benchmarks/transfer_bench.py, 2026-11-29"
 
-    def estimate(
-        self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None, idle: bool = False
-    ) -> float:
+    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None) -> float:
         """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total."""
         ce_bw = self.ce_gbps[direction] * 1e9
         if mechanism == "ce_batch":
-            return n * (self._ce_per_copy(direction, nbytes / n) + (self.ce_idle_s if idle else 0.0)) + self.launch_s
+            device = n * self._ce_per_copy(direction, nbytes / n) + self.launch_s
+            return max(device, n * self.ce_host_s)
         if mechanism == "sm_gather":
             link, per_copy = nbytes / (self.sm_gbps[direction] * 1e9), n * self.sm_desc_s[direction]
-            return max(link, per_copy) + min(link, per_copy) / 2 + n * self.upload_s_per_desc + self.launch_s
+            device = max(link, per_copy) + min(link, per_copy) / 2 + n * self.upload_s_per_desc + self.launch_s
+            return max(device, self.sm_host_s[0] + n * self.sm_host_s[1])
         if mechanism == "staged":
             runs = n if runs is None else runs
             link = runs * self._ce_per_copy(direction, nbytes / runs)
             gather = nbytes / (self.gather_gbps * 1e9) + n * self.gather_desc_s
-            return max(link, gather) + min(link, gather) / 8 + n * self.upload_s_per_desc + 2 * self.launch_s
+            device = max(link, gather) + min(link, gather) / 6 + n * self.upload_s_per_desc + 2 * self.launch_s
+            return max(device, self.staged_host_s[0] + n * self.staged_host_s[1] + runs * self.ce_host_s)
         if mechanism == "ce_loop":
             return n * self.loop_s_per_desc + nbytes / ce_bw
         raise ValueError(f"unknown mechanism {mechanism!r}")
@@ -64,14 +69,12 @@ class CostModel:
     def _ce_per_copy(self, direction: str, size: float) -> float:
         return max(self.ce_desc_s[direction], size / (self.ce_gbps[direction] * 1e9) + self.ce_tail_s)
 
-    def choose(
-        self, direction: str, n: int, nbytes: int, available: tuple[str, ...], runs=None, idle: bool = False
-    ) -> str:
+    def choose(self, direction: str, n: int, nbytes: int, available: tuple[str, ...], runs=None) -> str:
         """The cheapest available mechanism. `runs` may be a callable, evaluated only if ``staged`` competes."""
         best, best_t = available[0], float("inf")
         for mech in available:
             r = runs() if (mech == "staged" and callable(runs)) else runs
-            t = self.estimate(mech, direction, n, nbytes, r, idle)
+            t = self.estimate(mech, direction, n, nbytes, r)
             if t < best_t * 0.98:  # ties go to the earlier (copy-engine) mechanism: it leaves SMs alone
                 best, best_t = mech, t
         return best
