@@ -102,15 +102,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if calibrate is None:
         print(f"backend {backend.name} has nothing to calibrate")
         return 0
-    model = calibrate()
-    from offload_core.backends.cuda.select import profile_path
-
-    path = profile_path(backend._torch.cuda.get_device_name(backend.device))
-    if not args.dry_run:
-        model.save(path)
-    from dataclasses import asdict
-
-    print(json.dumps({"profile": str(path), "saved": not args.dry_run, **asdict(model)}, indent=1))
+    print(json.dumps(calibrate(save=not args.dry_run), indent=1))
     return 0
 
 

@@ -84,3 +84,8 @@ def test_python_dash_m_runs_the_command():
     out = subprocess.run([sys.executable, "-m", "offload_core", "backends", "--json"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "cpu" in json.loads(out.stdout)["backends"]
+
+
+def test_calibrate_on_a_backend_without_costs(capsys):
+    assert main(["calibrate", "--backend", "cpu"]) == 0
+    assert "nothing to calibrate" in capsys.readouterr().out

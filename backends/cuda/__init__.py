@@ -20,6 +20,7 @@ import os
 import weakref
 from collections import deque
 from contextlib import nullcontext
+from dataclasses import asdict
 
 import numpy as np
 
@@ -275,11 +276,20 @@ class CudaBackend(Backend):
             stream.wait_event(free[k % 2])
         return held
 
-    def calibrate(self) -> CostModel:
-        """Measure this GPU's copy costs (a few seconds) and return them as a cost model.
+    def calibrate(self, save: bool = True) -> dict:
+        """Measure this GPU's copy costs (a few seconds), use them, and save them as its profile.
 
-        The caller saves it with ``model.save(profile_path(name))``; `offload-core calibrate` does.
+        Returns:
+            The measured cost model as a dict, with ``profile`` (the file) and ``saved``.
         """
+        model = self._measure_costs()
+        path = profile_path(self._torch.cuda.get_device_name(self._device))
+        if save:
+            model.save(path)
+        self.cost = model
+        return {"profile": str(path), "saved": save, **asdict(model)}
+
+    def _measure_costs(self) -> CostModel:
         from offload_core.backends.cuda import measure
 
         torch = self._torch
