@@ -5,10 +5,12 @@ are loaded when first probed or selected.
 """
 
 from offload_core.backend import Backend, Direction, Event, Stream
+from offload_core.canonical import CanonicalPageMapping, CopyRun, verify_tiling
 from offload_core.errors import BackendUnavailableError, InvalidSpecError, OffloadError, UnknownBackendError
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
 from offload_core.plan import CopyBatch, Geometry, Planner
 from offload_core.queue import TransferQueue, TransferResult
+from offload_core.region import SharedHostRegion
 from offload_core.registry import availability, backend_names, get_backend, register_backend
 from offload_core.worker import OffloadWorker
 
@@ -17,6 +19,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "CanonicalPageMapping",
+    "CopyRun",
     "CopyBatch",
     "DeviceBlocks",
     "Direction",
@@ -30,6 +34,7 @@ __all__ = [
     "OffloadError",
     "OffloadWorker",
     "Planner",
+    "SharedHostRegion",
     "Stream",
     "TransferQueue",
     "TransferResult",
@@ -38,4 +43,5 @@ __all__ = [
     "backend_names",
     "get_backend",
     "register_backend",
+    "verify_tiling",
 ]

@@ -59,7 +59,8 @@ class KVCacheRef:
     Args:
         tensor_idx: index into `KVCaches.tensors`.
         page_size_bytes: bytes of each page that hold data (the unpadded page).
-        mapping: the canonical page mapping of the tensor-parallel layout; reserved, must be None.
+        mapping: where this rank's page goes in the canonical (TP-independent) host page, used
+            by ``OffloadWorker(..., canonical_layout=True)``; see `offload_core.canonical`.
     """
 
     tensor_idx: int
@@ -77,7 +78,7 @@ class KVCaches:
 
     Raises:
         InvalidSpecError: no tensors, a ref to a missing tensor, a ref larger than its
-            tensor's page, tensors on different devices, or a ref with a mapping (not supported yet).
+            tensor's page, tensors on different devices, or a mapping of another page size.
     """
 
     tensors: Sequence[KVCacheTensor]
@@ -101,8 +102,11 @@ class KVCaches:
                         f"group {g}: ref copies {ref.page_size_bytes} bytes of tensor {ref.tensor_idx}, "
                         f"whose page is {page} bytes"
                     )
-                if ref.mapping is not None:
-                    raise InvalidSpecError("KVCacheRef.mapping (canonical layout) is not supported yet")
+                if ref.mapping is not None and getattr(ref.mapping, "local_page_size_bytes", None) != ref.page_size_bytes:
+                    raise InvalidSpecError(
+                        f"group {g}: ref to tensor {ref.tensor_idx} copies {ref.page_size_bytes} bytes, "
+                        f"its mapping expects a CanonicalPageMapping of that local page"
+                    )
 
     @property
     def device(self) -> "torch.device":

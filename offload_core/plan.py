@@ -22,7 +22,7 @@ per group and part, whatever the number of blocks or layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -56,7 +56,8 @@ class Geometry:
         host_offset: per tensor, offset of its chunk within a host row.
         host_page: per tensor, bytes between consecutive sub-pages of a host chunk.
         host_blocks: number of host blocks.
-        group_refs: per group, ``(tensor_idx, copy_bytes)`` for each ref.
+        group_refs: per group, ``(tensor_idx, copy_bytes)`` or ``(tensor_idx, copy_bytes, mapping)``
+            for each ref; a `CanonicalPageMapping` scatters the page into the host page.
         blocks_per_chunk: device blocks per host block.
     """
 
@@ -81,13 +82,13 @@ class _Part(NamedTuple):
     host_page: int
     copy_bytes: int
     full_pages: bool  # copies whole pages on both sides, so consecutive blocks may merge
+    mapping: Any  # a CanonicalPageMapping: its fragments scatter the page into the host page
 
 
 class _Group(NamedTuple):
     parts: tuple[_Part, ...]
     device_limit: int  # device block ids must be below this
-    refs: int
-    bytes_per_block: int
+    descriptors_per_block: int
 
 
 class Planner:
@@ -118,11 +119,16 @@ class Planner:
                 raise InvalidSpecError(f"tensor {t}: host chunk does not fit in a host row of {row} bytes")
         self._groups: list[_Group] = []
         for refs in g.group_refs:
-            by_shape: dict[tuple[int, int, int], list[int]] = {}
-            for t, size in refs:
-                if not 0 < size <= min(g.device_page[t], g.host_page[t]):
+            by_shape: dict[tuple, list[int]] = {}
+            for t, size, *mapping in refs:
+                mapping = mapping[0] if mapping else None
+                if not 0 < size <= g.device_page[t] or (mapping is None and size > g.host_page[t]):
                     raise InvalidSpecError(f"a ref copies {size} bytes of tensor {t}, more than its page")
-                by_shape.setdefault((int(g.device_page[t]), int(g.host_page[t]), int(size)), []).append(t)
+                if mapping is not None and (
+                    mapping.local_page_size_bytes != size or mapping.canonical_page_size_bytes > g.host_page[t]
+                ):
+                    raise InvalidSpecError(f"tensor {t}: mapping does not fit the ref's page or the host page")
+                by_shape.setdefault((int(g.device_page[t]), int(g.host_page[t]), int(size), mapping), []).append(t)
             parts = tuple(
                 _Part(
                     device_base=np.array([g.device_base[t] for t in ts], dtype=np.int64),
@@ -130,19 +136,21 @@ class Planner:
                     device_page=dev_page,
                     host_page=host_page,
                     copy_bytes=size,
-                    full_pages=size == dev_page == host_page,
+                    full_pages=mapping is None and size == dev_page == host_page,
+                    mapping=mapping,
                 )
-                for (dev_page, host_page, size), ts in by_shape.items()
+                for (dev_page, host_page, size, mapping), ts in by_shape.items()
             )
             self._groups.append(
                 _Group(
                     parts=parts,
-                    device_limit=min((g.device_blocks[t] for t, _ in refs), default=min(g.device_blocks, default=0)),
-                    refs=len(refs),
-                    bytes_per_block=sum(size for _, size in refs),
+                    device_limit=min((g.device_blocks[r[0]] for r in refs), default=min(g.device_blocks, default=0)),
+                    descriptors_per_block=sum(
+                        len(p.device_base) * (1 if p.mapping is None else p.mapping.fragments[2].size) for p in parts
+                    ),
                 )
             )
-        users = [t for refs in g.group_refs for t in {t for t, _ in refs}]
+        users = [t for refs in g.group_refs for t in {r[0] for r in refs}]
         # Groups that share a tensor can collide on a destination page across groups.
         self._groups_share_tensors = len(users) != len(set(users))
         self._arange = np.arange(1024, dtype=np.int64)
@@ -155,7 +163,7 @@ class Planner:
         """Descriptors `plan` writes at most (the scratch size it needs)."""
         if device.group_sizes.size != self.num_groups:
             return 0
-        return sum(n * grp.refs for n, grp in zip(device.group_sizes.tolist(), self._groups))
+        return sum(n * grp.descriptors_per_block for n, grp in zip(device.group_sizes.tolist(), self._groups))
 
     def plan(
         self, direction: Direction, device: DeviceBlocks, host: HostBlocks, out: np.ndarray | None = None
@@ -192,7 +200,7 @@ class Planner:
             )
         if host_ids.size and (host_ids.min() < 0 or host_ids.max() >= self.host_blocks):
             _raise_out_of_range("host", host_ids, self.host_blocks)
-        total = sum(n * grp.refs for n, grp in zip(sizes, self._groups))
+        total = sum(n * grp.descriptors_per_block for n, grp in zip(sizes, self._groups))
         if out is None or out.shape[1] < total:
             out = np.empty((3, total), dtype=np.int64)
         if self._arange.size < max(sizes, default=0) + bpc:
@@ -200,7 +208,7 @@ class Planner:
         store = direction is Direction.STORE
         dev_row, host_row = (0, 1) if store else (1, 0)
         row = self.host_row_bytes
-        pos = d0 = h0 = 0
+        pos = d0 = h0 = nbytes = 0
         shared_keys = []
         for grp, n, skip, hc in zip(self._groups, sizes, skips, host_counts):
             if n == 0:
@@ -224,6 +232,11 @@ class Planner:
             for part in grp.parts:
                 dev_off = dev_ids * part.device_page
                 host_off = host_rows if sub is None else host_rows + sub * part.host_page
+                if part.mapping is not None:
+                    pos, moved = self._plan_mapped(part, dev_off, host_off, hids, sub, store, out, pos)
+                    nbytes += moved
+                    continue
+                nbytes += n * len(part.device_base) * part.copy_bytes
                 run_bytes = part.copy_bytes
                 if part.full_pages and n > 1:
                     dev_off, host_off, run_bytes = _merge_blocks(dev_off, host_off, part.copy_bytes)
@@ -235,8 +248,29 @@ class Planner:
                 pos = end
         if shared_keys:
             _check_unique(np.concatenate(shared_keys), "device block id" if not store else "host sub-page")
-        nbytes = sum(n * grp.bytes_per_block for n, grp in zip(sizes, self._groups))
         return CopyBatch(out[0, :pos], out[1, :pos], out[2, :pos], nbytes)
+
+    def _plan_mapped(self, part, dev_off, host_off, hids, sub, store, out, pos) -> tuple[int, int]:
+        """Descriptors of a part whose pages go through a canonical mapping: one per (block, ref,
+        fragment). On store, only the pages this rank is elected to write.
+
+        Returns:
+            The next free descriptor position and the bytes planned.
+        """
+        mapping = part.mapping
+        if store and mapping.num_writers > 1:
+            # the global canonical page id: every rank computes the same election for a page
+            page_ids = hids * self.blocks_per_chunk + (0 if sub is None else sub)
+            mine = page_ids % mapping.num_writers == mapping.writer_index
+            dev_off, host_off = dev_off[mine], host_off[mine]
+        local, canon, sizes = mapping.fragments
+        m, r, f = dev_off.size, part.device_base.size, sizes.size
+        end = pos + m * r * f
+        dev_row, host_row = (0, 1) if store else (1, 0)
+        np.add.outer(np.add.outer(dev_off, part.device_base), local, out=out[dev_row, pos:end].reshape(m, r, f))
+        np.add.outer(np.add.outer(host_off, part.host_base), canon, out=out[host_row, pos:end].reshape(m, r, f))
+        out[2, pos:end].reshape(m, r, f)[:] = sizes
+        return end, m * r * part.copy_bytes
 
 
 def _merge_blocks(dev_off: np.ndarray, host_off: np.ndarray, page: int):

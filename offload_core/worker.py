@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from offload_core.backend import Backend, Direction
 from offload_core.errors import InvalidSpecError, OffloadError
@@ -12,6 +12,9 @@ from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches
 from offload_core.plan import Geometry, Planner
 from offload_core.queue import QueueStats, TransferQueue, TransferResult
 from offload_core.registry import ENV_BACKEND, get_backend
+
+if TYPE_CHECKING:
+    from offload_core.region import SharedHostRegion
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +32,16 @@ class OffloadWorker:
         blocks_per_chunk: device blocks per host block.
         backend: a `Backend`, a registry name, or None for the backend of the KV tensors'
             device type (or ``$OFFLOAD_CORE_BACKEND`` when set).
+        canonical_layout: lay host pages out as the unsharded model would (each ref's
+            `mapping` places this rank's page; refs without one are copied whole), so that ranks
+            share one copy of replicated bytes and any TP size can load what another stored.
+            A tensor's host page is the largest canonical page among the refs into it.
+        host_region: a `SharedHostRegion` to use instead of private host memory; this rank's
+            slot, or the canonical area. The region outlives the worker.
 
     Raises:
-        InvalidSpecError: bad sizes, or KV tensors on a device the backend does not copy.
+        InvalidSpecError: bad sizes, KV tensors on a device the backend does not copy, or a
+            region that is too small or laid out for the other layout.
         UnknownBackendError, BackendUnavailableError: the backend cannot be had.
     """
 
@@ -42,6 +52,8 @@ class OffloadWorker:
         *,
         blocks_per_chunk: int = 1,
         backend: Backend | str | None = None,
+        canonical_layout: bool = False,
+        host_region: "SharedHostRegion | None" = None,
     ):
         if not isinstance(kv_caches, KVCaches):
             raise InvalidSpecError(f"kv_caches must be KVCaches, got {type(kv_caches).__name__}")
@@ -63,22 +75,36 @@ class OffloadWorker:
         self.num_host_blocks = int(num_host_blocks)
 
         pages = [t.page_size_bytes for t in kv_caches.tensors]
-        offsets = [sum(pages[:i]) * bpc for i in range(len(pages))]
-        row = sum(pages) * bpc
-        self._host = backend.alloc_host(self.num_host_blocks * row)
-        rows = self._host.view(self.num_host_blocks, row).view(torch.int8)
-        self.host_tensors = [rows[:, off : off + page * bpc] for off, page in zip(offsets, pages)]
+        host_pages = _canonical_pages(kv_caches) if canonical_layout else pages
+        offsets = [sum(host_pages[:i]) * bpc for i in range(len(pages))]
+        row = sum(host_pages) * bpc
+        self._region = host_region
+        self._registered = False
+        if host_region is None:
+            self._host = backend.alloc_host(self.num_host_blocks * row)
+            rows, stride, slot = self._host.view(self.num_host_blocks, row), row, 0
+        else:
+            _check_region(host_region, self.num_host_blocks, row, canonical_layout)
+            self._host = host_region.tensor
+            rows, stride, slot = self._host, host_region.row_stride, host_region.slot_offset
+            self._registered = backend.host_register(self._host)
+        rows = rows.view(torch.int8)
+        self.host_tensors = [rows[:, slot + off : slot + off + hp * bpc] for off, hp in zip(offsets, host_pages)]
+        refs = [
+            [(r.tensor_idx, r.page_size_bytes) + ((r.mapping,) if canonical_layout and r.mapping else ()) for r in g]
+            for g in kv_caches.group_refs
+        ]
         self._planner = Planner(
             Geometry(
                 device_base=[t.tensor.data_ptr() for t in kv_caches.tensors],
                 device_page=pages,
                 device_blocks=[t.num_blocks for t in kv_caches.tensors],
-                host_base=self._host.data_ptr(),
-                host_row_bytes=row,
+                host_base=self._host.data_ptr() + slot,
+                host_row_bytes=stride,
                 host_offset=offsets,
-                host_page=pages,
+                host_page=host_pages,
                 host_blocks=self.num_host_blocks,
-                group_refs=[[(r.tensor_idx, r.page_size_bytes) for r in refs] for refs in kv_caches.group_refs],
+                group_refs=refs,
                 blocks_per_chunk=bpc,
             )
         )
@@ -167,7 +193,9 @@ class OffloadWorker:
         for queue in self._queues.values():
             self._drained += queue.drain()
         self.host_tensors = []
-        self._host = None
+        if self._registered:
+            self.backend.host_unregister(self._host)
+        self._host = None  # a shared region outlives the worker: its owner closes it
 
     def __enter__(self) -> "OffloadWorker":
         return self
@@ -175,3 +203,25 @@ class OffloadWorker:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+
+
+def _canonical_pages(kv_caches: KVCaches) -> list[int]:
+    """Per tensor, the largest canonical page among the refs into it (its own page if none)."""
+    pages = [t.page_size_bytes for t in kv_caches.tensors]
+    for refs in kv_caches.group_refs:
+        for r in refs:
+            size = r.mapping.canonical_page_size_bytes if r.mapping is not None else r.page_size_bytes
+            pages[r.tensor_idx] = max(pages[r.tensor_idx], size)
+    return pages
+
+
+def _check_region(region, num_blocks: int, row: int, canonical: bool) -> None:
+    if region.num_blocks != num_blocks:
+        raise InvalidSpecError(f"the region has {region.num_blocks} host blocks, the worker asked for {num_blocks}")
+    if region.canonical != canonical:
+        raise InvalidSpecError(
+            f"the region holds the {'canonical' if region.canonical else 'direct'} layout, "
+            f"the worker uses the {'canonical' if canonical else 'direct'} one"
+        )
+    if row > region.slot_bytes:
+        raise InvalidSpecError(f"the region is too small: this rank needs {row} bytes per host block, its slot has {region.slot_bytes}")

@@ -184,7 +184,7 @@ def test_ids_may_come_as_lists_arrays_or_tensors():
         (lambda: KVCaches([], [[]]), "at least one tensor"),
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(1, 8)]]), "ref to tensor 1"),
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 33)]]), "page is 32 bytes"),
-        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 8, mapping=object())]]), "not supported"),
+        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 8, mapping=object())]]), "CanonicalPageMapping"),
         (lambda: OffloadWorker(small_kv(), 0), "num_host_blocks"),
         (lambda: OffloadWorker(small_kv(), 4, blocks_per_chunk=0), "blocks_per_chunk"),
     ],

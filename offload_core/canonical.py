@@ -1,0 +1,262 @@
+"""The canonical (tensor-parallel-independent) host layout: how one rank's page maps into the page
+the model would have unsharded, and which rank writes bytes that several ranks hold.
+
+A `CanonicalPageMapping` lists `CopyRun`s from the local page into the canonical page. Ranks that
+hold the same bytes (MLA latents, or KV heads replicated when TP exceeds their number) take
+turns writing them: page ``p`` is written by the rank whose ``writer_index == p % num_writers``.
+Helpers derive mappings for the common layouts; `verify_tiling` certifies that the ranks
+together write every canonical byte exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from offload_core.errors import InvalidSpecError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    """Fragment i covers local bytes ``[local_offset + i*local_stride, +fragment_size)`` and canonical
+    bytes ``[canonical_offset + i*canonical_stride, +fragment_size)``."""
+
+    local_offset: int
+    canonical_offset: int
+    fragment_size: int
+    num_fragments: int = 1
+    local_stride: int = 0
+    canonical_stride: int = 0
+
+
+@dataclass(frozen=True)
+class CanonicalPageMapping:
+    """One rank's page, placed into the canonical page.
+
+    Args:
+        canonical_page_size_bytes: bytes of the unsharded page.
+        local_page_size_bytes: bytes of this rank's page (what its KVCacheRef copies).
+        runs: the correspondence; it must cover the local page exactly once and stay inside
+            the canonical page. Adjacent runs are merged.
+        num_writers: how many ranks hold these bytes.
+        writer_index: this rank's turn among them.
+
+    Raises:
+        InvalidSpecError: runs that leave local bytes uncovered, cover some twice, or leave the
+            canonical page; a writer index out of range.
+    """
+
+    canonical_page_size_bytes: int
+    local_page_size_bytes: int
+    runs: tuple[CopyRun, ...]
+    num_writers: int = 1
+    writer_index: int = 0
+    fragments: tuple[np.ndarray, np.ndarray, np.ndarray] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.writer_index < self.num_writers:
+            raise InvalidSpecError(f"writer_index {self.writer_index} is not in [0, {self.num_writers})")
+        local, canon, sizes = _unroll(self.runs)
+        if sizes.size == 0 or sizes.min() <= 0:
+            raise InvalidSpecError("a mapping needs runs of positive size")
+        if canon.min() < 0 or (canon + sizes).max() > self.canonical_page_size_bytes:
+            raise InvalidSpecError("a run leaves the canonical page")
+        if _coverage(local, sizes, self.local_page_size_bytes).tolist() != [1]:
+            raise InvalidSpecError("runs must cover the local page exactly once")
+        order = np.argsort(local, kind="stable")
+        local, canon, sizes = local[order], canon[order], sizes[order]
+        merged = _merge(local, canon, sizes)
+        object.__setattr__(self, "runs", _as_runs(*merged))
+        object.__setattr__(self, "fragments", merged)
+
+    def is_writer(self, page_id: int) -> bool:
+        """Whether this rank writes canonical page `page_id` (the global host page id)."""
+        return page_id % self.num_writers == self.writer_index
+
+
+def _unroll(runs: Iterable[CopyRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    local, canon, sizes = [], [], []
+    for r in runs:
+        i = np.arange(r.num_fragments, dtype=np.int64)
+        local.append(r.local_offset + i * r.local_stride)
+        canon.append(r.canonical_offset + i * r.canonical_stride)
+        sizes.append(np.full(r.num_fragments, r.fragment_size, dtype=np.int64))
+    if not sizes:
+        return (np.zeros(0, np.int64),) * 3
+    return np.concatenate(local), np.concatenate(canon), np.concatenate(sizes)
+
+
+def _coverage(starts: np.ndarray, sizes: np.ndarray, length: int) -> np.ndarray:
+    """Distinct counts of how often each byte of ``[0, length)`` is covered (out-of-range = error)."""
+    if starts.min() < 0 or (starts + sizes).max() > length:
+        return np.array([-1])
+    diff = np.zeros(length + 1, dtype=np.int64)
+    np.add.at(diff, starts, 1)
+    np.add.at(diff, starts + sizes, -1)
+    return np.unique(np.cumsum(diff[:-1]))
+
+
+def _merge(local, canon, sizes):
+    """Join fragments that continue each other on both sides (input sorted by local offset)."""
+    follows = (local[1:] == local[:-1] + sizes[:-1]) & (canon[1:] == canon[:-1] + sizes[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    return local[starts], canon[starts], np.add.reduceat(sizes, starts)
+
+
+def _as_runs(local, canon, sizes) -> tuple[CopyRun, ...]:
+    """Fragments as few strided runs: equal sizes at constant strides on both sides become one run."""
+    runs, i, n = [], 0, sizes.size
+    while i < n:
+        j = i + 1
+        if j < n and sizes[j] == sizes[i]:
+            ls, cs = local[j] - local[i], canon[j] - canon[i]
+            while j + 1 < n and sizes[j + 1] == sizes[i] and local[j + 1] - local[j] == ls and canon[j + 1] - canon[j] == cs:
+                j += 1
+            j += 1
+            runs.append(CopyRun(int(local[i]), int(canon[i]), int(sizes[i]), j - i, int(ls), int(cs)))
+        else:
+            runs.append(CopyRun(int(local[i]), int(canon[i]), int(sizes[i])))
+        i = j
+    return tuple(runs)
+
+
+# ---- certification ----------------------------------------------------------
+
+
+def verify_tiling(mappings: Sequence[CanonicalPageMapping]) -> None:
+    """Check that the ranks' mappings of one tensor write every canonical byte exactly once,
+    for every page (every election residue), and agree on the canonical page.
+
+    Raises:
+        InvalidSpecError: naming the residue and what is wrong.
+    """
+    if not mappings:
+        raise InvalidSpecError("no mappings to verify")
+    size = mappings[0].canonical_page_size_bytes
+    if any(m.canonical_page_size_bytes != size for m in mappings):
+        raise InvalidSpecError("ranks disagree on the canonical page size")
+    period = int(np.lcm.reduce([m.num_writers for m in mappings]))
+    for page in range(period):
+        writers = [m for m in mappings if m.is_writer(page)]
+        if not writers:
+            raise InvalidSpecError(f"no rank writes canonical pages {page} mod {period}")
+        canon = np.concatenate([m.fragments[1] for m in writers])
+        sizes = np.concatenate([m.fragments[2] for m in writers])
+        counts = _coverage(canon, sizes, size).tolist()
+        if counts != [1]:
+            raise InvalidSpecError(
+                f"pages {page} mod {period}: the writers cover canonical bytes {counts} times, not exactly once"
+            )
+
+
+# ---- mappings for the common layouts ----------------------------------------
+
+
+def attention_mappings(
+    *,
+    total_kv_heads: int,
+    tp_size: int,
+    block_tokens: int,
+    head_bytes: int,
+    order: str = "NHD",
+    kv: str | None = None,
+) -> list[CanonicalPageMapping]:
+    """Mappings of every TP rank for a GQA/MHA KV tensor whose heads are sharded over TP.
+
+    With ``tp_size > total_kv_heads`` each head is replicated on ``tp_size / total_kv_heads``
+    ranks, which take turns writing it.
+
+    Args:
+        total_kv_heads: KV heads of the unsharded model.
+        tp_size: tensor-parallel ranks.
+        block_tokens: tokens per block.
+        head_bytes: bytes of one head of one token (head_dim x dtype size).
+        order: ``"NHD"`` (token, head, dim) or ``"HND"`` (head, token, dim) within a page.
+        kv: None (the tensor holds K or V only), ``"split"`` (K half then V half, each in
+            `order`) or ``"packed"`` (per token, K heads then V heads; NHD only).
+
+    Returns:
+        One mapping per rank, certified by `verify_tiling`.
+
+    Raises:
+        InvalidSpecError: a layout these helpers do not know, or heads that do not divide.
+    """
+    if order not in ("NHD", "HND") or kv not in (None, "split", "packed") or (kv == "packed" and order != "NHD"):
+        raise InvalidSpecError(f"unknown attention page layout: order={order!r}, kv={kv!r}")
+    if tp_size % total_kv_heads and total_kv_heads % tp_size:
+        raise InvalidSpecError(f"{total_kv_heads} KV heads do not divide over TP={tp_size} (or the reverse)")
+    shards = min(tp_size, total_kv_heads)
+    replication = tp_size // shards
+    local_heads = total_kv_heads // shards
+    halves = 1 if kv is None else 2
+
+    def offsets(heads: int) -> np.ndarray:
+        """Byte offset of (kv, token, head) in a page holding `heads` heads, as an array [kv, t, h]."""
+        k, t, h = np.meshgrid(np.arange(halves), np.arange(block_tokens), np.arange(heads), indexing="ij")
+        if kv == "packed":  # token-major, then K heads, then V heads
+            slot = (t * halves + k) * heads + h
+        elif order == "NHD":
+            slot = k * block_tokens * heads + t * heads + h
+        else:
+            slot = k * block_tokens * heads + h * block_tokens + t
+        return slot * head_bytes
+
+    canonical = offsets(total_kv_heads)
+    local = offsets(local_heads)
+    local_page = halves * block_tokens * local_heads * head_bytes
+    out = []
+    for rank in range(tp_size):
+        shard = rank // replication
+        canon = canonical[:, :, shard * local_heads : (shard + 1) * local_heads]
+        fragments = (local.ravel(), canon.ravel(), np.full(local.size, head_bytes, dtype=np.int64))
+        runs = _as_runs(*_merge(*_sorted(*fragments)))
+        out.append(
+            CanonicalPageMapping(
+                canonical_page_size_bytes=int(canonical.size * head_bytes),
+                local_page_size_bytes=local_page,
+                runs=runs,
+                num_writers=replication,
+                writer_index=rank % replication,
+            )
+        )
+    verify_tiling(out)
+    return out
+
+
+def replicated_mappings(*, page_bytes: int, tp_size: int) -> list[CanonicalPageMapping]:
+    """Mappings of every TP rank for a page every rank holds whole (an MLA latent): one copy,
+    the ranks taking turns to write it."""
+    out = [
+        CanonicalPageMapping(page_bytes, page_bytes, (CopyRun(0, 0, page_bytes),), num_writers=tp_size, writer_index=r)
+        for r in range(tp_size)
+    ]
+    verify_tiling(out)
+    return out
+
+
+def private_mappings(*, page_bytes: int, tp_size: int) -> list[CanonicalPageMapping]:
+    """The fallback for a layout nobody could certify: each rank's page whole, side by side.
+    Correct, but neither deduplicated nor readable at another TP size."""
+    return [
+        CanonicalPageMapping(tp_size * page_bytes, page_bytes, (CopyRun(0, r * page_bytes, page_bytes),))
+        for r in range(tp_size)
+    ]
+
+
+def certified_or_private(derive, *, page_bytes: int, tp_size: int, **layout) -> list[CanonicalPageMapping]:
+    """``derive(tp_size=tp_size, **layout)`` if it certifies; otherwise the rank-private layout, with a warning."""
+    try:
+        return derive(tp_size=tp_size, **layout)
+    except InvalidSpecError as exc:
+        log.warning("canonical layout not certified (%s): falling back to rank-private pages", exc)
+        return private_mappings(page_bytes=page_bytes, tp_size=tp_size)
+
+
+def _sorted(local, canon, sizes):
+    order = np.argsort(local, kind="stable")
+    return local[order], canon[order], sizes[order]

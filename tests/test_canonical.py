@@ -1,0 +1,300 @@
+"""The canonical host layout: mappings, writer rotation, ranks of different TP sizes sharing a region."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from offload_core import (
+    CanonicalPageMapping,
+    CopyRun,
+    DeviceBlocks,
+    Direction,
+    HostBlocks,
+    InvalidSpecError,
+    OffloadError,
+    OffloadWorker,
+    SharedHostRegion,
+    verify_tiling,
+)
+from offload_core.canonical import attention_mappings, certified_or_private, private_mappings, replicated_mappings
+
+import tp_ranks as tp
+from tp_ranks import BLOCKS, full_model, latent_kv, rank_kv, region
+
+pytestmark = pytest.mark.cpu
+
+
+# ---- mappings ---------------------------------------------------------------
+
+
+def test_vllm_example_four_heads_at_tp2():
+    """4 tokens x 4 heads of 64 B, K and V halves: rank r copies 8 fragments of 128 B."""
+    maps = attention_mappings(total_kv_heads=4, tp_size=2, block_tokens=4, head_bytes=64, kv="split")
+    for rank, m in enumerate(maps):
+        assert (m.canonical_page_size_bytes, m.local_page_size_bytes, m.num_writers) == (2048, 1024, 1)
+        local, canon, sizes = m.fragments
+        assert sizes.tolist() == [128] * 8
+        assert canon.tolist() == [rank * 128 + 256 * i for i in range(8)]
+
+
+@pytest.mark.parametrize(
+    "runs, message",
+    [
+        ((CopyRun(0, 0, 32),), "exactly once"),  # leaves local bytes uncovered
+        ((CopyRun(0, 0, 64), CopyRun(32, 64, 32)), "exactly once"),  # covers some twice
+        ((CopyRun(0, 100, 64),), "leaves the canonical page"),
+        ((CopyRun(0, 0, 0),), "positive size"),
+    ],
+)
+def test_invalid_mappings(runs, message):
+    with pytest.raises(InvalidSpecError, match=message):
+        CanonicalPageMapping(128, 64, runs)
+
+
+def test_adjacent_runs_are_merged_and_writers_rotate():
+    m = CanonicalPageMapping(256, 64, (CopyRun(32, 96, 32), CopyRun(0, 64, 32)), num_writers=3, writer_index=1)
+    assert m.runs == (CopyRun(0, 64, 64),)
+    assert [p for p in range(9) if m.is_writer(p)] == [1, 4, 7]
+    with pytest.raises(InvalidSpecError, match="writer_index"):
+        CanonicalPageMapping(64, 64, (CopyRun(0, 0, 64),), num_writers=2, writer_index=2)
+
+
+def test_tiling_rejects_gaps_and_double_writes():
+    a, b = private_mappings(page_bytes=64, tp_size=2)
+    verify_tiling([a, b])
+    with pytest.raises(InvalidSpecError, match="not exactly once"):
+        verify_tiling([a])
+    with pytest.raises(InvalidSpecError, match="not exactly once"):
+        verify_tiling([a, a, b])
+
+
+def test_uncertifiable_layouts_fall_back_to_private_pages(caplog):
+    maps = certified_or_private(attention_mappings, page_bytes=96, tp_size=4, total_kv_heads=3, block_tokens=4,
+                                head_bytes=8)
+    assert [m.runs for m in maps] == [m.runs for m in private_mappings(page_bytes=96, tp_size=4)]
+    assert "falling back to rank-private pages" in caplog.text
+
+
+@given(
+    heads=st.sampled_from([1, 2, 4, 8]),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    tokens=st.integers(1, 5),
+    head_bytes=st.sampled_from([2, 16, 64]),
+    layout=st.sampled_from([("NHD", None), ("HND", None), ("NHD", "split"), ("HND", "split"), ("NHD", "packed")]),
+)
+def test_attention_mappings_tile_for_every_layout(heads, tp, tokens, head_bytes, layout):
+    order, kv = layout
+    maps = attention_mappings(total_kv_heads=heads, tp_size=tp, block_tokens=tokens, head_bytes=head_bytes,
+                              order=order, kv=kv)
+    assert len(maps) == tp
+    assert {m.num_writers for m in maps} == {max(1, tp // heads)}
+    halves = 2 if kv else 1
+    assert maps[0].canonical_page_size_bytes == halves * tokens * heads * head_bytes
+    verify_tiling(maps)  # also checked inside; here as the property
+
+
+# ---- ranks sharing a canonical region -----------------------------------------
+
+
+def store_all(tp_size, full, name, directory, dev_ids, host_ids, bpc, num_host, block_index=0):
+    """Every rank of TP=`tp_size` stores the same blocks into the shared region."""
+    regions = [region(name, full, bpc, num_host, directory, r) for r in range(tp_size)]
+    for r in range(tp_size):
+        with OffloadWorker(rank_kv(full, tp_size, r), num_host, blocks_per_chunk=bpc, backend="cpu",
+                           canonical_layout=True, host_region=regions[r]) as w:
+            assert w.submit_store(1, DeviceBlocks(dev_ids, block_indices=[block_index]), HostBlocks(host_ids))
+            w.wait([1])
+            assert all(x.success for x in w.get_finished())
+    return regions
+
+
+def load_all(tp_size, full, regions, dev_ids, host_ids, bpc, num_host, block_index=0):
+    """Every rank of TP=`tp_size` loads the blocks into fresh device blocks; returns their shards."""
+    loaded = []
+    for r in range(tp_size):
+        kv = rank_kv(full, tp_size, r, empty=True)
+        with OffloadWorker(kv, num_host, blocks_per_chunk=bpc, backend="cpu", canonical_layout=True,
+                           host_region=regions[r % len(regions)]) as w:
+            assert w.submit_load(2, HostBlocks(host_ids), DeviceBlocks(dev_ids, block_indices=[block_index]))
+            w.wait([2])
+        loaded.append(kv)
+    return loaded
+
+
+@pytest.mark.parametrize("a, b", [(2, 4), (4, 2), (2, 1), (4, 4), (1, 2)])
+@pytest.mark.parametrize("heads", [4, 2])
+def test_blocks_stored_at_one_tp_size_load_at_another(tmp_path, a, b, heads):
+    full = full_model(heads)
+    bpc, num_host = 2, 8
+    src, dst, hosts = [1, 4, 5, 7], [9, 2, 3, 0], [6, 2, 3]  # starts mid-chunk: block index 1
+    regions = store_all(a, full, f"x{a}{b}{heads}", tmp_path, src, hosts, bpc, num_host, block_index=1)
+    try:
+        # the canonical page of tensor t in host block h, sub-page j, is the unsharded page
+        rows = regions[0].tensor.numpy()
+        page = full[0][0].nbytes
+        for k, (block, q) in enumerate(zip(src, range(1, 5))):
+            h, j = hosts[q // bpc], q % bpc
+            for t, f in enumerate(full):
+                start = t * page * bpc + j * page
+                np.testing.assert_array_equal(rows[h, start : start + page], f[block].ravel())
+        for rank, kv in enumerate(load_all(b, full, regions, dst, hosts, bpc, num_host, block_index=1)):
+            expected = rank_kv(full, b, rank)
+            for t, e in zip(kv.tensors, expected.tensors):
+                assert torch.equal(t.tensor[dst], e.tensor[src])
+                untouched = [i for i in range(BLOCKS) if i not in dst]
+                assert not t.tensor[untouched].any()
+    finally:
+        for r in reversed(regions):
+            r.close()
+
+
+@pytest.mark.parametrize("tp_size, heads", [(4, 2), (8, 2), (4, 1)])
+def test_replicated_heads_are_written_exactly_once(tmp_path, tp_size, heads):
+    full = full_model(heads)
+    bpc, num_host = 2, 6
+    regions = [region("rot", full, bpc, num_host, tmp_path, r) for r in range(tp_size)]
+    try:
+        dev_ids, host_ids = np.arange(10), np.arange(5)
+        writes = np.zeros(regions[0].tensor.numel(), dtype=np.int64)
+        for r in range(tp_size):
+            base = regions[r].tensor.data_ptr()  # each rank maps the file at its own address
+            with OffloadWorker(rank_kv(full, tp_size, r), num_host, blocks_per_chunk=bpc, backend="cpu",
+                               canonical_layout=True, host_region=regions[r]) as w:
+                batch = w._planner.plan(Direction.STORE, DeviceBlocks(dev_ids), HostBlocks(host_ids))
+                for d, n in zip((batch.dst - base).tolist(), batch.sizes.tolist()):
+                    writes[d : d + n] += 1
+        stored = writes.reshape(num_host, -1)[host_ids, : tp.row_bytes(full, bpc)]
+        assert (stored == 1).all()
+    finally:
+        for r in reversed(regions):
+            r.close()
+
+
+def test_mla_latent_is_stored_once_and_read_by_any_rank(tmp_path):
+    latent = np.random.default_rng(3).integers(0, 256, (BLOCKS, 64), dtype=np.uint8)
+    num_host = 6
+    with SharedHostRegion("mla", num_blocks=num_host, canonical_bytes=64, directory=tmp_path) as reg:
+        moved = []
+        for rank in range(2):
+            with OffloadWorker(latent_kv(latent, 2, rank), num_host, backend="cpu", canonical_layout=True,
+                               host_region=reg) as w:
+                w.submit_store(1, DeviceBlocks([0, 1, 2, 3]), HostBlocks([0, 1, 2, 3]))
+                w.wait([1])
+                moved.append(w.get_finished()[0].transfer_size)
+        assert moved == [128, 128]  # each rank wrote two of the four pages
+        reader = latent_kv(latent, 1, 0, empty=True)
+        with OffloadWorker(reader, num_host, backend="cpu", canonical_layout=True, host_region=reg) as w:
+            w.submit_load(2, HostBlocks([0, 1, 2, 3]), DeviceBlocks([8, 9, 10, 11]))
+            w.wait([2])
+        assert torch.equal(reader.tensors[0].tensor[8:12], torch.from_numpy(latent[0:4]))
+
+
+def test_private_host_memory_uses_the_canonical_page_too():
+    full = full_model(4)
+    kv = rank_kv(full, 2, 1)
+    with OffloadWorker(kv, 4, backend="cpu", canonical_layout=True) as w:
+        assert [h.shape for h in w.host_tensors] == [(4, full[0][0].nbytes)] * len(full)
+        w.submit_store(1, DeviceBlocks([3]), HostBlocks([1]))
+        w.wait([1])
+        rows = w.host_tensors[0].view(torch.uint8).numpy()[1].reshape(tp.TOKENS, 4, tp.HEAD_BYTES)
+        np.testing.assert_array_equal(rows[:, 2:], full[0][3][:, 2:])  # rank 1 holds heads 2 and 3
+        assert not rows[:, :2].any()
+
+
+# ---- the shared region itself -------------------------------------------------
+
+
+def test_region_layout_errors(tmp_path):
+    with SharedHostRegion("e", num_blocks=4, slot_bytes=[100, 200], rank=1, directory=tmp_path) as reg:
+        assert (reg.slot_offset, reg.slot_bytes, reg.row_stride) == (100, 200, 4096)
+        with pytest.raises(InvalidSpecError, match="laid out as"):
+            SharedHostRegion("e", num_blocks=5, slot_bytes=[100, 200], directory=tmp_path)
+        kv = rank_kv(full_model(2), 1, 0)
+        with pytest.raises(InvalidSpecError, match="too small"):
+            OffloadWorker(kv, 4, backend="cpu", host_region=reg)
+        with pytest.raises(InvalidSpecError, match="holds the direct layout, the worker uses the canonical"):
+            OffloadWorker(kv, 4, backend="cpu", canonical_layout=True, host_region=reg)
+        with pytest.raises(InvalidSpecError, match="host blocks"):
+            OffloadWorker(kv, 3, backend="cpu", host_region=reg)
+    with pytest.raises(InvalidSpecError, match="rank 2 out of range"):
+        SharedHostRegion("e", num_blocks=4, slot_bytes=[100, 200], rank=2, directory=tmp_path)
+    with pytest.raises(InvalidSpecError, match="exactly one"):
+        SharedHostRegion("e", num_blocks=4, directory=tmp_path)
+
+
+def test_direct_slots_keep_ranks_apart(tmp_path):
+    full = full_model(2)
+    row = tp.row_bytes(full, 1)
+    regions = [SharedHostRegion("d", num_blocks=4, slot_bytes=[row, row], rank=r, directory=tmp_path) for r in (0, 1)]
+    try:
+        for r in (0, 1):
+            kv = rank_kv(full, 2, r)
+            with OffloadWorker(kv, 4, backend="cpu", host_region=regions[r]) as w:
+                w.submit_store(1, DeviceBlocks([r]), HostBlocks([0]))
+                w.wait([1])
+        rows = regions[0].tensor.numpy()[0]
+        for r in (0, 1):
+            local = rank_kv(full, 2, r).tensors[0].tensor[r].numpy().ravel()
+            np.testing.assert_array_equal(rows[r * row : r * row + local.size], local)
+    finally:
+        for reg in regions:
+            reg.close()
+
+
+def test_joiner_times_out_on_a_creator_that_never_finishes(tmp_path):
+    (tmp_path / "offload-core-slow.shm").write_bytes(b"")
+    with pytest.raises(OffloadError, match="timed out waiting"):
+        SharedHostRegion("slow", num_blocks=1, canonical_bytes=64, timeout=0.1, directory=tmp_path)
+
+
+def test_a_file_left_by_a_creator_that_died_while_creating_is_reclaimed(tmp_path):
+    stale = tmp_path / "offload-core-old.shm"
+    stale.write_bytes(b"")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    with SharedHostRegion("old", num_blocks=1, canonical_bytes=64, directory=tmp_path) as reg:
+        assert reg.is_creator
+
+
+def _create_and_die(name, directory):
+    SharedHostRegion(name, num_blocks=2, canonical_bytes=64, directory=directory)
+    os._exit(1)  # a crash: no close, the file stays
+
+
+def test_a_region_whose_creator_crashed_is_reclaimed(tmp_path):
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=_create_and_die, args=("crash", str(tmp_path)))
+    p.start()
+    p.join(60)
+    assert (tmp_path / "offload-core-crash.shm").exists()
+    with SharedHostRegion("crash", num_blocks=2, canonical_bytes=64, directory=tmp_path) as reg:
+        assert reg.is_creator
+    assert not (tmp_path / "offload-core-crash.shm").exists()
+
+
+def test_ranks_in_separate_processes_share_the_region(tmp_path):
+    ctx = mp.get_context("spawn")
+    tp_size, heads, bpc, num_host = 2, 4, 1, 6
+    barrier, result = ctx.Barrier(tp_size), ctx.Queue()
+    store, load = ([1, 3, 5], [0, 4, 2]), ([7, 8, 9], [0, 4, 2])
+    procs = [
+        ctx.Process(target=tp.spawned_rank,
+                    args=("mp", str(tmp_path), tp_size, r, barrier, store, load, bpc, num_host, heads, result))
+        for r in range(tp_size)
+    ]
+    for p in procs:
+        p.start()
+    outcome = dict(result.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert outcome == {0: True, 1: True}
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert list(tmp_path.iterdir()) == []  # nothing left behind

@@ -1,0 +1,69 @@
+"""Tensor-parallel ranks of a small model for canonical-layout tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker, SharedHostRegion
+from offload_core.canonical import attention_mappings, replicated_mappings
+
+BLOCKS, TOKENS, HEAD_BYTES = 12, 4, 16
+
+
+def full_model(heads: int, layers: int = 2, seed: int = 0) -> list[np.ndarray]:
+    """The unsharded KV: per layer, K and V as (blocks, tokens, heads, head_bytes) bytes (NHD)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (BLOCKS, TOKENS, heads, HEAD_BYTES), dtype=np.uint8) for _ in range(2 * layers)]
+
+
+def rank_kv(full: list[np.ndarray], tp: int, rank: int, *, empty: bool = False) -> KVCaches:
+    """Rank `rank`'s shard of `full` at TP=`tp`, with its canonical mappings."""
+    heads = full[0].shape[2]
+    maps = attention_mappings(total_kv_heads=heads, tp_size=tp, block_tokens=TOKENS, head_bytes=HEAD_BYTES)
+    local_heads = max(1, heads // tp)
+    shard = rank // (tp // min(tp, heads))
+    tensors = []
+    for t in full:
+        local = np.ascontiguousarray(t[:, :, shard * local_heads : (shard + 1) * local_heads])
+        data = torch.zeros(local.shape, dtype=torch.uint8) if empty else torch.from_numpy(local)
+        tensors.append(KVCacheTensor(data, local[0].nbytes))
+    refs = [KVCacheRef(i, tensors[i].page_size_bytes, mapping=maps[rank]) for i in range(len(tensors))]
+    return KVCaches(tensors, [refs])
+
+
+def latent_kv(full: np.ndarray, tp: int, rank: int, *, empty: bool = False) -> KVCaches:
+    """An MLA-like latent every rank holds whole: one tensor, replicated mappings."""
+    page = full[0].nbytes
+    data = torch.zeros(full.shape, dtype=torch.uint8) if empty else torch.from_numpy(full.copy())
+    maps = replicated_mappings(page_bytes=page, tp_size=tp)
+    return KVCaches([KVCacheTensor(data, page)], [[KVCacheRef(0, page, mapping=maps[rank])]])
+
+
+def row_bytes(full: list[np.ndarray], bpc: int) -> int:
+    return sum(t[0].nbytes for t in full) * bpc
+
+
+def region(name: str, full, bpc: int, num_host: int, directory: str, rank: int = 0) -> SharedHostRegion:
+    return SharedHostRegion(name, num_blocks=num_host, canonical_bytes=row_bytes(full, bpc), rank=rank, directory=directory)
+
+
+def spawned_rank(name, directory, tp, rank, barrier, store, load, bpc, num_host, heads, result):
+    """One rank in its own process: join the region, store its shard, wait for all, load it back."""
+    full = full_model(heads)
+    with region(name, full, bpc, num_host, directory, rank) as reg:
+        kv = rank_kv(full, tp, rank)
+        fresh = rank_kv(full, tp, rank, empty=True)
+        with OffloadWorker(kv, num_host, blocks_per_chunk=bpc, backend="cpu", canonical_layout=True, host_region=reg) as w:
+            w.submit_store(1, DeviceBlocks(store[0]), HostBlocks(store[1]))
+            w.wait([1])
+            ok = all(r.success for r in w.get_finished())
+        barrier.wait(timeout=60)
+        with OffloadWorker(fresh, num_host, blocks_per_chunk=bpc, backend="cpu", canonical_layout=True, host_region=reg) as w:
+            w.submit_load(2, HostBlocks(load[1]), DeviceBlocks(load[0]))
+            w.wait([2])
+            ok = ok and all(r.success for r in w.get_finished())
+        for t, f in zip(fresh.tensors, kv.tensors):
+            ok = ok and torch.equal(t.tensor[list(load[0])], f.tensor[list(store[0])])
+        barrier.wait(timeout=60)  # nobody closes (and the creator unlinks) before all have loaded
+    result.put((rank, bool(ok)))
