@@ -1,0 +1,97 @@
+"""Canonical-layout stores and loads of small fragments, against the direct layout, on one backend.
+
+A Llama-8B-like cache (32 layers, K and V separate, 16-token blocks, 8 KV heads) at TP=8:
+each rank holds one head, so in the canonical (NHD) page its bytes are one fragment of
+`head_bytes` per token, 16 per page, 1024 per block. Rank 0 stores 64 blocks in jobs of 16
+into a shared canonical region and loads them back; the direct layout moves the same rank's
+whole pages. Reports GB/s, descriptors per job and plan+submit time, best of 3.
+
+    python benchmarks/canonical_bench.py [--backend cpu] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker, SharedHostRegion
+from offload_core.canonical import attention_mappings
+
+LAYERS, HEADS, TP, TOKENS, BLOCKS, PER_JOB = 32, 8, 8, 16, 64, 16
+
+
+def measure(backend: str, head_bytes: int, canonical: bool, directory: str) -> dict:
+    maps = attention_mappings(total_kv_heads=HEADS, tp_size=TP, block_tokens=TOKENS, head_bytes=head_bytes)
+    page = TOKENS * head_bytes  # one head per rank
+    device = torch.device("cuda" if backend == "cuda" else "cpu")
+    tensors = [KVCacheTensor(torch.randint(0, 255, (2 * BLOCKS, page), dtype=torch.uint8, device=device), page)
+               for _ in range(2 * LAYERS)]
+    kv = KVCaches(tensors, [[KVCacheRef(i, page, mapping=maps[0]) for i in range(len(tensors))]])
+    host_page = maps[0].canonical_page_size_bytes if canonical else page
+    with SharedHostRegion(f"bench-{head_bytes}-{canonical}", num_blocks=BLOCKS, directory=directory,
+                          **({"canonical_bytes": host_page * len(tensors)} if canonical
+                             else {"slot_bytes": [host_page * len(tensors)]})) as region:
+        with OffloadWorker(kv, BLOCKS, backend=backend, canonical_layout=canonical, host_region=region) as w:
+            best = {"store": float("inf"), "load": float("inf")}
+            submit_us = []
+            job = 0
+            for _ in range(3):
+                for direction in ("store", "load"):
+                    ids = []
+                    t0 = time.perf_counter()
+                    for first in range(0, BLOCKS, PER_JOB):
+                        job += 1
+                        blocks = np.arange(first, first + PER_JOB)
+                        s0 = time.perf_counter()
+                        if direction == "store":
+                            w.submit_store(job, DeviceBlocks(blocks), HostBlocks(blocks))
+                        else:
+                            w.submit_load(job, HostBlocks(blocks), DeviceBlocks(blocks + BLOCKS))
+                        submit_us.append((time.perf_counter() - s0) * 1e6)
+                        ids.append(job)
+                    w.wait(ids)
+                    best[direction] = min(best[direction], time.perf_counter() - t0)
+                    assert all(r.success for r in w.get_finished())
+            stats = w.stats()
+            verified = all(torch.equal(t.tensor[BLOCKS:], t.tensor[:BLOCKS]) for t in tensors)
+    nbytes = BLOCKS * page * len(tensors)
+    return {
+        "layout": "canonical" if canonical else "direct",
+        "head_bytes": head_bytes,
+        "verified": verified,
+        "store_gbps": nbytes / best["store"] / 1e9,
+        "load_gbps": nbytes / best["load"] / 1e9,
+        "descriptors_per_job": stats["store"].descriptors / stats["store"].jobs,
+        "plan_submit_us": float(np.median(submit_us)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        for head_bytes in (128, 256, 1024, 4096):
+            for canonical in (False, True):
+                rows.append(measure(args.backend, head_bytes, canonical, directory))
+    print(f"# {platform.node()}, backend {args.backend}, torch {torch.__version__}")
+    print("| head bytes | layout | verified | store GB/s | load GB/s | descriptors/job | plan+submit µs/job |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['head_bytes']} | {r['layout']} | {r['verified']} | {r['store_gbps']:.2f} | {r['load_gbps']:.2f} "
+              f"| {r['descriptors_per_job']:.0f} | {r['plan_submit_us']:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
