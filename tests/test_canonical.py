@@ -29,7 +29,6 @@ from offload_core.canonical import attention_mappings, certified_or_private, pri
 import tp_ranks as tp
 from tp_ranks import BLOCKS, full_model, latent_kv, rank_kv, region
 
-pytestmark = pytest.mark.cpu
 
 
 # ---- mappings ---------------------------------------------------------------
@@ -104,11 +103,11 @@ def test_attention_mappings_tile_for_every_layout(heads, tp, tokens, head_bytes,
 # ---- ranks sharing a canonical region -----------------------------------------
 
 
-def store_all(tp_size, full, name, directory, dev_ids, host_ids, bpc, num_host, block_index=0):
+def store_all(backend, tp_size, full, name, directory, dev_ids, host_ids, bpc, num_host, block_index=0):
     """Every rank of TP=`tp_size` stores the same blocks into the shared region."""
     regions = [region(name, full, bpc, num_host, directory, r) for r in range(tp_size)]
     for r in range(tp_size):
-        with OffloadWorker(rank_kv(full, tp_size, r), num_host, blocks_per_chunk=bpc, backend="cpu",
+        with OffloadWorker(rank_kv(full, tp_size, r, device=backend.device), num_host, blocks_per_chunk=bpc, backend=backend,
                            canonical_layout=True, host_region=regions[r]) as w:
             assert w.submit_store(1, DeviceBlocks(dev_ids, block_indices=[block_index]), HostBlocks(host_ids))
             w.wait([1])
@@ -116,12 +115,12 @@ def store_all(tp_size, full, name, directory, dev_ids, host_ids, bpc, num_host, 
     return regions
 
 
-def load_all(tp_size, full, regions, dev_ids, host_ids, bpc, num_host, block_index=0):
+def load_all(backend, tp_size, full, regions, dev_ids, host_ids, bpc, num_host, block_index=0):
     """Every rank of TP=`tp_size` loads the blocks into fresh device blocks; returns their shards."""
     loaded = []
     for r in range(tp_size):
-        kv = rank_kv(full, tp_size, r, empty=True)
-        with OffloadWorker(kv, num_host, blocks_per_chunk=bpc, backend="cpu", canonical_layout=True,
+        kv = rank_kv(full, tp_size, r, empty=True, device=backend.device)
+        with OffloadWorker(kv, num_host, blocks_per_chunk=bpc, backend=backend, canonical_layout=True,
                            host_region=regions[r % len(regions)]) as w:
             assert w.submit_load(2, HostBlocks(host_ids), DeviceBlocks(dev_ids, block_indices=[block_index]))
             w.wait([2])
@@ -131,11 +130,11 @@ def load_all(tp_size, full, regions, dev_ids, host_ids, bpc, num_host, block_ind
 
 @pytest.mark.parametrize("a, b", [(2, 4), (4, 2), (2, 1), (4, 4), (1, 2)])
 @pytest.mark.parametrize("heads", [4, 2])
-def test_blocks_stored_at_one_tp_size_load_at_another(tmp_path, a, b, heads):
+def test_blocks_stored_at_one_tp_size_load_at_another(backend, tmp_path, a, b, heads):
     full = full_model(heads)
     bpc, num_host = 2, 8
     src, dst, hosts = [1, 4, 5, 7], [9, 2, 3, 0], [6, 2, 3]  # starts mid-chunk: block index 1
-    regions = store_all(a, full, f"x{a}{b}{heads}", tmp_path, src, hosts, bpc, num_host, block_index=1)
+    regions = store_all(backend, a, full, f"x{a}{b}{heads}", tmp_path, src, hosts, bpc, num_host, block_index=1)
     try:
         # the canonical page of tensor t in host block h, sub-page j, is the unsharded page
         rows = regions[0].tensor.numpy()
@@ -145,12 +144,13 @@ def test_blocks_stored_at_one_tp_size_load_at_another(tmp_path, a, b, heads):
             for t, f in enumerate(full):
                 start = t * page * bpc + j * page
                 np.testing.assert_array_equal(rows[h, start : start + page], f[block].ravel())
-        for rank, kv in enumerate(load_all(b, full, regions, dst, hosts, bpc, num_host, block_index=1)):
+        for rank, kv in enumerate(load_all(backend, b, full, regions, dst, hosts, bpc, num_host, block_index=1)):
             expected = rank_kv(full, b, rank)
             for t, e in zip(kv.tensors, expected.tensors):
-                assert torch.equal(t.tensor[dst], e.tensor[src])
+                got = t.tensor.cpu()
+                assert torch.equal(got[dst], e.tensor[src])
                 untouched = [i for i in range(BLOCKS) if i not in dst]
-                assert not t.tensor[untouched].any()
+                assert not got[untouched].any()
     finally:
         for r in reversed(regions):
             r.close()
@@ -178,23 +178,23 @@ def test_replicated_heads_are_written_exactly_once(tmp_path, tp_size, heads):
             r.close()
 
 
-def test_mla_latent_is_stored_once_and_read_by_any_rank(tmp_path):
+def test_mla_latent_is_stored_once_and_read_by_any_rank(backend, tmp_path):
     latent = np.random.default_rng(3).integers(0, 256, (BLOCKS, 64), dtype=np.uint8)
     num_host = 6
     with SharedHostRegion("mla", num_blocks=num_host, canonical_bytes=64, directory=tmp_path) as reg:
         moved = []
         for rank in range(2):
-            with OffloadWorker(latent_kv(latent, 2, rank), num_host, backend="cpu", canonical_layout=True,
-                               host_region=reg) as w:
+            with OffloadWorker(latent_kv(latent, 2, rank, device=backend.device), num_host, backend=backend,
+                               canonical_layout=True, host_region=reg) as w:
                 w.submit_store(1, DeviceBlocks([0, 1, 2, 3]), HostBlocks([0, 1, 2, 3]))
                 w.wait([1])
                 moved.append(w.get_finished()[0].transfer_size)
         assert moved == [128, 128]  # each rank wrote two of the four pages
-        reader = latent_kv(latent, 1, 0, empty=True)
-        with OffloadWorker(reader, num_host, backend="cpu", canonical_layout=True, host_region=reg) as w:
+        reader = latent_kv(latent, 1, 0, empty=True, device=backend.device)
+        with OffloadWorker(reader, num_host, backend=backend, canonical_layout=True, host_region=reg) as w:
             w.submit_load(2, HostBlocks([0, 1, 2, 3]), DeviceBlocks([8, 9, 10, 11]))
             w.wait([2])
-        assert torch.equal(reader.tensors[0].tensor[8:12], torch.from_numpy(latent[0:4]))
+        assert torch.equal(reader.tensors[0].tensor[8:12].cpu(), torch.from_numpy(latent[0:4]))
 
 
 def test_private_host_memory_uses_the_canonical_page_too():

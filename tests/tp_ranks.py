@@ -17,7 +17,7 @@ def full_model(heads: int, layers: int = 2, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, (BLOCKS, TOKENS, heads, HEAD_BYTES), dtype=np.uint8) for _ in range(2 * layers)]
 
 
-def rank_kv(full: list[np.ndarray], tp: int, rank: int, *, empty: bool = False) -> KVCaches:
+def rank_kv(full: list[np.ndarray], tp: int, rank: int, *, empty: bool = False, device="cpu") -> KVCaches:
     """Rank `rank`'s shard of `full` at TP=`tp`, with its canonical mappings."""
     heads = full[0].shape[2]
     maps = attention_mappings(total_kv_heads=heads, tp_size=tp, block_tokens=TOKENS, head_bytes=HEAD_BYTES)
@@ -26,16 +26,16 @@ def rank_kv(full: list[np.ndarray], tp: int, rank: int, *, empty: bool = False) 
     tensors = []
     for t in full:
         local = np.ascontiguousarray(t[:, :, shard * local_heads : (shard + 1) * local_heads])
-        data = torch.zeros(local.shape, dtype=torch.uint8) if empty else torch.from_numpy(local)
+        data = (torch.zeros(local.shape, dtype=torch.uint8) if empty else torch.from_numpy(local)).to(device)
         tensors.append(KVCacheTensor(data, local[0].nbytes))
     refs = [KVCacheRef(i, tensors[i].page_size_bytes, mapping=maps[rank]) for i in range(len(tensors))]
     return KVCaches(tensors, [refs])
 
 
-def latent_kv(full: np.ndarray, tp: int, rank: int, *, empty: bool = False) -> KVCaches:
+def latent_kv(full: np.ndarray, tp: int, rank: int, *, empty: bool = False, device="cpu") -> KVCaches:
     """An MLA-like latent every rank holds whole: one tensor, replicated mappings."""
     page = full[0].nbytes
-    data = torch.zeros(full.shape, dtype=torch.uint8) if empty else torch.from_numpy(full.copy())
+    data = (torch.zeros(full.shape, dtype=torch.uint8) if empty else torch.from_numpy(full.copy())).to(device)
     maps = replicated_mappings(page_bytes=page, tp_size=tp)
     return KVCaches([KVCacheTensor(data, page)], [[KVCacheRef(0, page, mapping=maps[rank])]])
 
