@@ -102,6 +102,10 @@ class Backend(abc.ABC):
     def host_unregister(self, tensor: "torch.Tensor") -> None:
         """Undo `host_register`."""
 
+    def register_tensor(self, tensor: "torch.Tensor") -> None:
+        """Say that copies will touch `tensor`'s memory (the worker does, for its KV tensors and
+        host buffer). Backends that copy through tensor views rather than addresses need it."""
+
     @abc.abstractmethod
     def copy_batch(
         self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream: Stream

@@ -88,6 +88,9 @@ class OffloadWorker:
             self._host = host_region.tensor
             rows, stride, slot = self._host, host_region.row_stride, host_region.slot_offset
             self._registered = backend.host_register(self._host)
+        for t in kv_caches.tensors:
+            backend.register_tensor(t.tensor)
+        backend.register_tensor(self._host)
         rows = rows.view(torch.int8)
         self.host_tensors = [rows[:, slot + off : slot + off + hp * bpc] for off, hp in zip(offsets, host_pages)]
         refs = [

@@ -24,7 +24,8 @@ from dataclasses import asdict
 
 import numpy as np
 
-from offload_core.backend import Backend, Direction
+from offload_core.backend import Direction
+from offload_core.backends._torch import TorchDeviceBackend
 from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver
 from offload_core.backends.cuda.select import MECHANISMS, CostModel, profile_path
@@ -38,7 +39,7 @@ ENV_STAGING_MB = "OFFLOAD_CORE_CUDA_STAGING_MB"
 _MIN_PIECE = 4 << 20
 
 
-class CudaBackend(Backend):
+class CudaBackend(TorchDeviceBackend):
     """NVIDIA GPUs through torch.cuda streams and events and the CUDA driver.
 
     Args:
@@ -60,6 +61,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    module_name = "cuda"
     priority = 100
     install_hint = "needs an NVIDIA GPU, its driver, and a CUDA build of torch"
 
@@ -85,11 +87,8 @@ class CudaBackend(Backend):
         max_batch: int | None = None,
         cost_model: CostModel | None = None,
     ):
-        import torch
-
         super().__init__(device_index)
-        self._torch = torch
-        self._device = torch.device("cuda", device_index)
+        torch = self._torch
         self.driver = Driver.load()
         self.max_programs = max_programs or int(os.environ.get(ENV_SM_PROGRAMS, 32))
         self.staging_bytes = staging_bytes or int(os.environ.get(ENV_STAGING_MB, 32)) << 20
@@ -110,10 +109,6 @@ class CudaBackend(Backend):
 
     # ---- what the core needs ---------------------------------------------
 
-    @property
-    def device(self):
-        return self._device
-
     def new_stream(self):
         """A dedicated stream. torch's pool hands out its 32 streams round robin, so a pooled
         copy stream could be the caller's compute stream or the other direction's, which would
@@ -121,12 +116,6 @@ class CudaBackend(Backend):
         with self._on_device():
             self._torch.cuda.current_stream(self._device).query()  # a runtime call: makes the context current here
             return self._torch.cuda.ExternalStream(self.driver.new_stream(), device=self._device)
-
-    def new_event(self):
-        return self._torch.cuda.Event(enable_timing=True)
-
-    def current_stream(self):
-        return self._torch.cuda.current_stream(self._device)
 
     def alloc_host(self, nbytes: int):
         # torch's pinned allocator owns the lifetime (it frees only after pending copies);
@@ -151,9 +140,6 @@ class CudaBackend(Backend):
     def host_unregister(self, tensor) -> None:
         self._host_ranges.pop(tensor.data_ptr(), None)
         self._torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-
-    def synchronize(self) -> None:
-        self._torch.cuda.synchronize(self._device)
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))

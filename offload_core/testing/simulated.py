@@ -1,0 +1,239 @@
+"""Simulated Ascend (torch_npu + ACL) and Intel (torch.xpu) runtimes, for tests without the hardware.
+
+Streams are threads running their queues in order (the cpu backend's), events mark positions in
+them, and copies really happen, asynchronously, on host memory. The simulated ACL checks what the
+real one requires of its callers: a valid stream handle, a non-empty batch, one attribute set
+starting at copy 0, host locations that are page-locked, device locations that are not, a known
+copy kind, and a destination at least as large as the copy. A violation returns an error code,
+which the backend must turn into a failed submission.
+
+    with simulated.npu():          # or simulated.xpu()
+        backend = get_backend("npu")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import sys
+import threading
+import types
+import weakref
+from typing import Iterator
+
+import numpy as np
+
+from offload_core.backends._torch import SIMULATION_ATTR
+from offload_core.backends.cpu import CpuEvent, CpuStream, _memmove_all
+
+ACL_ERROR_INVALID_PARAM = 100000
+ACL_ERROR_RT_STREAM_INVALID = 107003
+ACL_ERROR_RT_MEMORY_LOCATION = 507899  # the simulation's code for a host/device location mismatch
+
+
+class SimStream(CpuStream):
+    """A stream with a raw handle, as torch_npu's ``npu_stream`` and torch.xpu's ``sycl_queue``."""
+
+    def __init__(self, runtime: "SimRuntime"):
+        super().__init__()
+        self.handle = next(runtime.handles)
+        runtime.streams[self.handle] = self
+
+    @property
+    def npu_stream(self) -> int:
+        return self.handle
+
+    @property
+    def sycl_queue(self) -> int:
+        return self.handle
+
+    def query(self) -> bool:
+        event = CpuEvent()
+        event.record(self)
+        event.synchronize()
+        return True
+
+
+class SimRuntime(types.ModuleType):
+    """A stand-in for ``torch.npu`` or ``torch.xpu``."""
+
+    def __init__(self, name: str, pool: int = 0):
+        super().__init__(f"torch.{name}")
+        setattr(self, SIMULATION_ATTR, True)
+        self.handles = itertools.count(0x1000)
+        self.streams: weakref.WeakValueDictionary[int, SimStream] = weakref.WeakValueDictionary()
+        self._pool = [SimStream(self) for _ in range(pool)]  # torch.xpu: queues handed out round robin
+        self._next = itertools.count()
+        self._default = self._pool[0] if pool else SimStream(self)
+        self._local = threading.local()
+        self.pinned: dict[int, tuple[int, object]] = {}  # start -> (end, tensor)
+        runtime = self
+
+        class Stream(SimStream):
+            def __new__(cls, device=None, priority=0):
+                if runtime._pool:
+                    return runtime._pool[next(runtime._next) % len(runtime._pool)]
+                return super().__new__(cls)
+
+            def __init__(self, device=None, priority=0):
+                if not getattr(self, "handle", None):
+                    SimStream.__init__(self, runtime)
+
+        class Event(CpuEvent):
+            def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+                super().__init__()
+
+            def record(self, stream=None):
+                super().record(stream or runtime.current_stream())
+
+        self.Stream, self.Event = Stream, Event
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> int:
+        return getattr(self._local, "device", 0)
+
+    def set_device(self, index: int) -> None:
+        self._local.device = index
+
+    def current_stream(self, device=None) -> SimStream:
+        return getattr(self._local, "stream", self._default)
+
+    @contextlib.contextmanager
+    def stream(self, stream: SimStream) -> Iterator[None]:
+        previous = self.current_stream()
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = previous
+
+    def synchronize(self, device=None) -> None:
+        for stream in list(self.streams.values()):
+            stream.synchronize()
+
+    def pin(self, tensor) -> None:
+        """Mark host memory page-locked (what ``pin_memory=True`` does on the real runtime)."""
+        start = tensor.data_ptr()
+        self.pinned[start] = (start + tensor.numel() * tensor.element_size(), tensor)
+
+    def is_pinned(self, address: int, size: int) -> bool:
+        return any(s <= address and address + size <= e for s, (e, _) in self.pinned.items())
+
+
+class SimAcl:
+    """``aclrtMemcpyBatchAsync`` and ``aclrtMemcpyAsync`` as C function pointers over a SimRuntime."""
+
+    def __init__(self, runtime: SimRuntime, with_batch: bool = True):
+        from offload_core.backends import npu
+
+        self.runtime = runtime
+        self.calls: list[tuple] = []
+        if with_batch:
+            self.aclrtMemcpyBatchAsync = npu.ACL_MEMCPY_BATCH(self._batch)
+        self.aclrtMemcpyAsync = npu.ACL_MEMCPY(self._memcpy)
+
+    def _locations_ok(self, dst: int, src: int, size: int, dst_host: bool, src_host: bool) -> bool:
+        pinned = self.runtime.is_pinned
+        return pinned(dst, size) == dst_host and pinned(src, size) == src_host
+
+    def _batch(self, dsts, dest_maxs, srcs, sizes, n, attrs, attr_idx, num_attrs, fail_idx, handle):
+        from offload_core.backends import npu
+
+        self.calls.append(("batch", n, handle))
+        stream = self.runtime.streams.get(handle or 0)
+        if stream is None:
+            return ACL_ERROR_RT_STREAM_INVALID
+        if n == 0 or num_attrs < 1 or attr_idx[0] != 0:
+            return ACL_ERROR_INVALID_PARAM
+        arrays = [np.ctypeslib.as_array(ctypes.cast(p, ctypes.POINTER(ctypes.c_int64)), (n,)).copy()
+                  for p in (dsts, dest_maxs, srcs, sizes)]
+        d, dmax, s, size = arrays
+        attr = attrs[0]
+        dst_host = attr.dstLoc.type == npu.ACL_MEM_LOCATION_TYPE_HOST
+        src_host = attr.srcLoc.type == npu.ACL_MEM_LOCATION_TYPE_HOST
+        if dst_host == src_host:
+            return ACL_ERROR_INVALID_PARAM
+        for i in range(n):
+            if dmax[i] < size[i] or not self._locations_ok(int(d[i]), int(s[i]), int(size[i]), dst_host, src_host):
+                fail_idx[0] = i
+                return ACL_ERROR_RT_MEMORY_LOCATION
+        stream.launch(lambda: _memmove_all(s, d, size))
+        return 0
+
+    def _memcpy(self, dst, dest_max, src, count, kind, handle):
+        from offload_core.backends import npu
+
+        self.calls.append(("memcpy", kind, handle))
+        stream = self.runtime.streams.get(handle or 0)
+        if stream is None:
+            return ACL_ERROR_RT_STREAM_INVALID
+        if kind not in (npu.ACL_MEMCPY_HOST_TO_DEVICE, npu.ACL_MEMCPY_DEVICE_TO_HOST) or dest_max < count:
+            return ACL_ERROR_INVALID_PARAM
+        to_host = kind == npu.ACL_MEMCPY_DEVICE_TO_HOST
+        if not self._locations_ok(dst, src, count, to_host, not to_host):
+            return ACL_ERROR_RT_MEMORY_LOCATION
+        one = lambda v: np.array([v], dtype=np.int64)  # noqa: E731
+        stream.launch(lambda: _memmove_all(one(src), one(dst), one(count)))
+        return 0
+
+
+@contextlib.contextmanager
+def npu(with_batch: bool = True) -> Iterator[SimAcl]:
+    """Install a simulated torch_npu, torch.npu and ACL library; restore everything on exit."""
+    import torch
+
+    from offload_core import registry
+    from offload_core.backends import npu as npu_backend
+
+    runtime = SimRuntime("npu")
+    acl = SimAcl(runtime, with_batch)
+    fake = types.ModuleType("torch_npu")
+    saved = (getattr(torch, "npu", None), sys.modules.get("torch_npu"), npu_backend.load_acl)
+    torch.npu, sys.modules["torch_npu"], npu_backend.load_acl = runtime, fake, (lambda: acl)
+    registry._reset_for_tests()
+    try:
+        yield acl
+    finally:
+        registry._reset_for_tests()
+        torch.npu = saved[0]
+        if saved[0] is None:
+            del torch.npu
+        if saved[1] is None:
+            sys.modules.pop("torch_npu", None)
+        else:
+            sys.modules["torch_npu"] = saved[1]
+        npu_backend.load_acl = saved[2]
+
+
+@contextlib.contextmanager
+def xpu(pool: int = 4) -> Iterator[SimRuntime]:
+    """Install a simulated torch.xpu whose streams come from a round-robin pool that starts with the
+    compute stream's queue, as the real one does; restore it on exit.
+
+    The backend's last step, a torch ``copy_`` enqueued on the stream, cannot run asynchronously
+    on host tensors, so the simulation runs that step on the stream's thread instead.
+    """
+    import torch
+
+    from offload_core import registry
+    from offload_core.backends import xpu as xpu_backend
+
+    runtime = SimRuntime("xpu", pool=pool)
+    saved = (getattr(torch, "xpu", None), xpu_backend.XpuBackend._enqueue_copies)
+
+    def enqueue(self, pairs, stream):
+        stream.launch(lambda: [d.copy_(s) for d, s in pairs])
+
+    torch.xpu, xpu_backend.XpuBackend._enqueue_copies = runtime, enqueue
+    registry._reset_for_tests()
+    try:
+        yield runtime
+    finally:
+        registry._reset_for_tests()
+        torch.xpu, xpu_backend.XpuBackend._enqueue_copies = saved

@@ -1,0 +1,148 @@
+"""The npu and xpu backends against simulated runtimes that run asynchronously and check contracts."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadWorker, get_backend
+from offload_core.backends.npu import AclMemcpyBatchAttr, ascend_kv_caches
+from offload_core.testing import simulated
+from offload_core.testing.conformance import BackendConformance
+
+from helpers import small_kv
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(params=["acl_batch", "acl_loop"])
+def sim_npu(request):
+    with simulated.npu(with_batch=request.param == "acl_batch") as acl:
+        backend = get_backend("npu")
+        assert backend.mechanism == request.param and backend.simulated
+        yield backend, acl
+
+
+@pytest.fixture
+def sim_xpu():
+    with simulated.xpu() as runtime:
+        yield get_backend("xpu"), runtime
+
+
+@pytest.mark.npu
+class TestSimulatedNpu(BackendConformance):
+    @pytest.fixture
+    def backend(self, sim_npu):
+        return sim_npu[0]
+
+
+@pytest.mark.xpu
+class TestSimulatedXpu(BackendConformance):
+    @pytest.fixture
+    def backend(self, sim_xpu):
+        return sim_xpu[0]
+
+
+def test_acl_batch_struct_matches_the_header():
+    assert ctypes_size(AclMemcpyBatchAttr) == 32
+    assert AclMemcpyBatchAttr.srcLoc.offset == 8 and AclMemcpyBatchAttr.rsv.offset == 16
+
+
+def ctypes_size(t):
+    import ctypes
+
+    return ctypes.sizeof(t)
+
+
+@pytest.mark.npu
+def test_npu_reads_the_stream_handle_at_each_call(sim_npu):
+    backend, acl = sim_npu
+    kv = small_kv(blocks=8)
+    with OffloadWorker(kv, 4, backend=backend) as worker:
+        worker.submit_store(1, DeviceBlocks([1, 2]), HostBlocks([0, 1]))
+        worker.wait([1])
+        (result,) = worker.get_finished()
+        assert result.success and result.mechanism == backend.mechanism
+    handles = {c[-1] for c in acl.calls}
+    assert handles == {worker._queues[Direction.STORE]._stream.npu_stream}
+
+
+@pytest.mark.npu
+def test_npu_refuses_pageable_host_memory(sim_npu):
+    backend, _ = sim_npu
+    device = torch.zeros(4096, dtype=torch.uint8)
+    pageable = torch.zeros(4096, dtype=torch.uint8)  # not from alloc_host: not page-locked
+    one = np.ones(1, dtype=np.int64)
+    with pytest.raises(RuntimeError, match="aclError 507899"):
+        backend.copy_batch(one * device.data_ptr(), one * pageable.data_ptr(), one * 64, Direction.STORE,
+                           backend.new_stream())
+
+
+@pytest.mark.npu
+def test_npu_store_waits_for_the_compute_stream(sim_npu):
+    backend, _ = sim_npu
+    kv = small_kv(blocks=8)
+    with OffloadWorker(kv, 4, backend=backend) as worker:
+        def kernel():
+            time.sleep(0.05)
+            kv.tensors[0].tensor[5] = 3
+
+        backend.current_stream().launch(kernel)
+        worker.submit_store(1, DeviceBlocks([5]), HostBlocks([2]))
+        worker.wait([1])
+        assert (worker.host_tensors[0][2] == 3).all()
+
+
+@pytest.mark.npu
+def test_vllm_ascend_padded_kv_layout(sim_npu):
+    backend, _ = sim_npu
+    blocks, tokens, heads, dim, pad = 6, 4, 2, 8, 24  # 64 bytes of data per block, 88 with padding
+    pitch = tokens * heads * dim + pad
+    storage = torch.randint(0, 255, (blocks * pitch,), dtype=torch.uint8)
+    pair = [storage.as_strided((blocks, tokens, heads, dim), (pitch, heads * dim, dim, 1)) for _ in range(1)]
+    value_storage = torch.randint(0, 255, (blocks * pitch,), dtype=torch.uint8)
+    pair.append(value_storage.as_strided((blocks, tokens, heads, dim), (pitch, heads * dim, dim, 1)))
+    kv = ascend_kv_caches({"layer.0": tuple(pair)})
+    assert [t.page_size_bytes for t in kv.tensors] == [pitch, pitch]
+    assert [r.page_size_bytes for r in kv.group_refs[0]] == [64, 64]
+    before = [storage.clone(), value_storage.clone()]
+    with OffloadWorker(kv, 4, backend=backend) as worker:
+        worker.submit_store(1, DeviceBlocks([0, 1]), HostBlocks([2, 3]))
+        worker.wait([1])
+        worker.submit_load(2, HostBlocks([2, 3]), DeviceBlocks([4, 5]))
+        worker.wait([2])
+    for t, b in zip(pair, before):
+        assert torch.equal(t[4:6], t[0:2])
+        padding = t.as_strided((blocks, pad), (pitch, 1), t.storage_offset() + 64)
+        assert torch.equal(padding, b.as_strided((blocks, pad), (pitch, 1), 64))  # padding never copied
+
+
+@pytest.mark.xpu
+def test_xpu_copy_stream_is_never_the_compute_queue(sim_xpu):
+    backend, runtime = sim_xpu
+    compute = backend.current_stream()
+    streams = [backend.new_stream() for _ in range(6)]
+    assert all(s.sycl_queue != compute.sycl_queue for s in streams)
+
+
+@pytest.mark.xpu
+def test_xpu_needs_registered_memory(sim_xpu):
+    backend, _ = sim_xpu
+    stray = torch.zeros(64, dtype=torch.uint8)
+    host = backend.alloc_host(64)
+    one = np.ones(1, dtype=np.int64)
+    with pytest.raises(ValueError, match="registered"):
+        backend.copy_batch(one * stray.data_ptr(), one * host.data_ptr(), one * 8, Direction.STORE, backend.new_stream())
+
+
+def test_simulations_leave_no_trace():
+    from offload_core import availability
+
+    with simulated.npu():
+        with simulated.xpu():
+            assert availability()["npu"] is None and availability()["xpu"] is None
+    avail = availability()
+    assert avail["npu"] is not None and avail["xpu"] is not None
