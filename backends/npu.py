@@ -91,6 +91,10 @@ class NpuBackend(TorchDeviceBackend):
         return None
 
     def __init__(self, device_index: int = 0):
+        import torch
+
+        if getattr(torch, "npu", None) is None:
+            import torch_npu  # noqa: F401  (registers torch.npu; imported only now, never at import time)
         super().__init__(device_index)
         acl = load_acl()
         self._batch = _entry(acl, "aclrtMemcpyBatchAsync", ACL_MEMCPY_BATCH)
