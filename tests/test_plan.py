@@ -212,3 +212,58 @@ def test_groups_collide_only_through_a_shared_tensor():
     shared.plan(Direction.STORE, DeviceBlocks([3, 4], [1, 1], [0, 1]), HostBlocks([0, 0]))
     with pytest.raises(InvalidSpecError, match="host sub-page 2 is the destination of two copies"):
         shared.plan(Direction.STORE, DeviceBlocks([3, 4], [1, 1], [0, 0]), HostBlocks([1, 1]))
+
+
+@st.composite
+def canonical_transfers(draw):
+    """One rank of a TP group, pages scattered into canonical pages through attention mappings."""
+    from offload_core.canonical import attention_mappings
+
+    heads = draw(st.sampled_from([1, 2, 4]))
+    tp_size = draw(st.sampled_from([1, 2, 4]))
+    tokens = draw(st.integers(1, 3))
+    head_bytes = draw(st.sampled_from([2, 8]))
+    layout = draw(st.sampled_from([("NHD", None), ("HND", "split"), ("NHD", "packed")]))
+    maps = attention_mappings(total_kv_heads=heads, tp_size=tp_size, block_tokens=tokens, head_bytes=head_bytes,
+                              order=layout[0], kv=layout[1])
+    mapping = maps[draw(st.integers(0, tp_size - 1))]
+    n_tensors = draw(st.integers(1, 3))
+    bpc = draw(st.integers(1, 4))
+    local, canon = mapping.local_page_size_bytes, mapping.canonical_page_size_bytes
+    size = draw(st.integers(0, 6))
+    index = draw(st.integers(0, 9))
+    need = -(-(size + index % bpc) // bpc) if size else 0
+    dev_ids = draw(st.permutations(range(16)))[:size]
+    host_ids = draw(st.permutations(range(12)))[:need]
+    direction = draw(st.sampled_from(list(Direction)))
+    model = Model([local] * n_tensors, [[(t, local, mapping) for t in range(n_tensors)]], bpc, seed=draw(st.integers(0, 99)))
+    # host pages are canonical: rebuild the host side of the geometry
+    model.host = np.random.default_rng(1).integers(0, 256, (12, canon * bpc * n_tensors), dtype=np.uint8)
+    model.offsets = [t * canon * bpc for t in range(n_tensors)]
+    model.geometry = Geometry(
+        device_base=[a.ctypes.data for a in model.device], device_page=[local] * n_tensors,
+        device_blocks=[16] * n_tensors, host_base=model.host.ctypes.data, host_row_bytes=model.host.shape[1],
+        host_offset=model.offsets, host_page=[canon] * n_tensors, host_blocks=12,
+        group_refs=model.group_refs, blocks_per_chunk=bpc,
+    )
+    return model, direction, DeviceBlocks(dev_ids, [size], [index]), HostBlocks(host_ids), canon
+
+
+@given(canonical_transfers())
+def test_canonical_plan_matches_the_reference(case):
+    model, direction, device, host, canon = case
+    expected_dev, expected_host = model.snapshot()
+    reference_transfer(
+        direction, expected_dev, expected_host, model.offsets, model.group_refs, model.bpc,
+        device.block_ids, device.group_sizes, device.block_indices, host.block_ids,
+        host_pages=[canon] * len(model.device),
+    )
+    batch = Planner(model.geometry).plan(direction, device, host)
+    spans = model.buffers()
+    for s, d, n in zip(batch.src.tolist(), batch.dst.tolist(), batch.sizes.tolist()):
+        assert inside(s, n, spans) and inside(d, n, spans)
+    assert batch.nbytes == int(batch.sizes.sum())
+    execute(batch)
+    for got, exp in zip(model.device, expected_dev):
+        np.testing.assert_array_equal(got, exp)
+    np.testing.assert_array_equal(model.host, expected_host)

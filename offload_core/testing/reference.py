@@ -23,6 +23,7 @@ def reference_transfer(
     group_sizes: Sequence[int],
     block_indices: Sequence[int],
     host_ids: Sequence[int],
+    host_pages: Sequence[int] | None = None,
 ) -> None:
     """Apply one transfer in place.
 
@@ -31,8 +32,11 @@ def reference_transfer(
         device_pages: per tensor, a ``(num_blocks, page)`` uint8 array.
         host_rows: ``(num_host_blocks, row_bytes)`` uint8 array.
         host_offsets: per tensor, offset of its chunk in a host row.
-        group_refs: per group, ``(tensor_idx, copy_bytes)`` per ref.
+        group_refs: per group, ``(tensor_idx, copy_bytes)`` or ``(tensor_idx, copy_bytes, mapping)``
+            per ref; a mapping's runs place the page in the host page, and on store only the
+            elected writer of a page copies it.
         blocks_per_chunk, device_ids, group_sizes, block_indices, host_ids: the transfer.
+        host_pages: per tensor, the host sub-page size; default the device page size.
     """
     d = h = 0
     for refs, size, index in zip(group_refs, group_sizes, block_indices):
@@ -41,15 +45,26 @@ def reference_transfer(
             q = skip + k
             host_id = host_ids[h + q // blocks_per_chunk]
             sub = q % blocks_per_chunk
-            for t, nbytes in refs:
-                page = device_pages[t].shape[1]
+            for t, nbytes, *mapping in refs:
+                page = host_pages[t] if host_pages is not None else device_pages[t].shape[1]
                 start = host_offsets[t] + sub * page
-                host_view = host_rows[host_id, start : start + nbytes]
-                dev_view = device_pages[t][device_ids[d + k], :nbytes]
-                if direction is Direction.STORE:
-                    host_view[:] = dev_view
-                else:
-                    dev_view[:] = host_view
+                dev_page = device_pages[t][device_ids[d + k]]
+                pieces = [(0, 0, nbytes)]
+                if mapping:
+                    if direction is Direction.STORE and not mapping[0].is_writer(host_id * blocks_per_chunk + sub):
+                        continue
+                    pieces = [
+                        (r.local_offset + i * r.local_stride, r.canonical_offset + i * r.canonical_stride, r.fragment_size)
+                        for r in mapping[0].runs
+                        for i in range(r.num_fragments)
+                    ]
+                for local, canon, length in pieces:
+                    host_view = host_rows[host_id, start + canon : start + canon + length]
+                    dev_view = dev_page[local : local + length]
+                    if direction is Direction.STORE:
+                        host_view[:] = dev_view
+                    else:
+                        dev_view[:] = host_view
         d += size
         if size:
             h += -(-(size + skip) // blocks_per_chunk)
