@@ -2,10 +2,13 @@
 
 OFFLOAD_CORE_TEST_BACKENDS=cuda,cpu narrows the set; OFFLOAD_CORE_REQUIRE_BACKENDS=cuda turns a
 skip of a listed backend into a failure, so a runner with a broken driver cannot pass green.
+OFFLOAD_CORE_SIMULATE=npu,xpu installs the simulated runtimes for the whole session, so every
+backend test also runs on simulated npu and xpu (what CI does on its CPU-only machine).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -16,6 +19,21 @@ from offload_core import registry
 settings.register_profile("ci", max_examples=60, deadline=None)
 settings.register_profile("thorough", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+_simulations = contextlib.ExitStack()
+
+
+def pytest_configure(config):
+    from offload_core.testing import simulated
+
+    real = registry.availability()
+    for name in _listed("OFFLOAD_CORE_SIMULATE") or ():
+        if real.get(name) is not None:  # never hide a real device behind its simulation
+            _simulations.enter_context(getattr(simulated, name)())
+
+
+def pytest_unconfigure(config):
+    _simulations.close()
 
 
 def _listed(var: str) -> set[str] | None:

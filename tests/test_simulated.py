@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -138,6 +139,7 @@ def test_xpu_needs_registered_memory(sim_xpu):
         backend.copy_batch(one * stray.data_ptr(), one * host.data_ptr(), one * 8, Direction.STORE, backend.new_stream())
 
 
+@pytest.mark.skipif(bool(os.environ.get("OFFLOAD_CORE_SIMULATE")), reason="a session-wide simulation is installed")
 def test_simulations_leave_no_trace():
     from offload_core import availability
 

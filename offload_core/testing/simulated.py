@@ -122,6 +122,17 @@ class SimRuntime(types.ModuleType):
         start = tensor.data_ptr()
         self.pinned[start] = (start + tensor.numel() * tensor.element_size(), tensor)
 
+    def npurt(self) -> "SimRuntime":
+        return self  # torch.npu.npurt(): host registration lives here
+
+    def npuHostRegister(self, address: int, size: int, flags: int) -> int:
+        self.pinned[address] = (address + size, None)
+        return 0
+
+    def npuHostUnregister(self, address: int) -> int:
+        self.pinned.pop(address, None)
+        return 0
+
     def is_pinned(self, address: int, size: int) -> bool:
         return any(s <= address and address + size <= e for s, (e, _) in self.pinned.items())
 
