@@ -105,9 +105,8 @@ def run(
     spec = PRESETS[preset]
     kv = build_kv_caches(spec, 2 * blocks, be)  # stores read blocks [0, blocks); loads write [blocks, 2*blocks)
     host_blocks = blocks // blocks_per_chunk
-    host_per_job = blocks_per_job // blocks_per_chunk
-    jobs = [
-        (DeviceBlocks(np.arange(j, j + blocks_per_job)), HostBlocks(np.arange(j, j + blocks_per_job) [::blocks_per_chunk] // blocks_per_chunk))
+    jobs = [  # job j: device blocks [j, j + per_job) into the host chunks that hold them
+        (DeviceBlocks(np.arange(j, j + blocks_per_job)), HostBlocks(np.arange(j, j + blocks_per_job, blocks_per_chunk) // blocks_per_chunk))
         for j in range(0, blocks, blocks_per_job)
     ]
     shifted = [DeviceBlocks(d.block_ids + blocks) for d, _ in jobs]

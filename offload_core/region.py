@@ -9,7 +9,6 @@ file left behind by a crash is recognised and replaced at the next start.
 
 from __future__ import annotations
 
-import errno
 import json
 import mmap
 import os

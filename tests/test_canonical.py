@@ -24,7 +24,7 @@ from offload_core import (
     SharedHostRegion,
     verify_tiling,
 )
-from offload_core.canonical import attention_mappings, certified_or_private, private_mappings, replicated_mappings
+from offload_core.canonical import attention_mappings, certified_or_private, private_mappings
 
 import tp_ranks as tp
 from tp_ranks import BLOCKS, full_model, latent_kv, rank_kv, region
