@@ -194,9 +194,37 @@ class SimAcl:
         return 0
 
 
+def _swap_blocks_batch_library(runtime: SimRuntime, acl: SimAcl):
+    """vllm-ascend's ``_C_ascend::swap_blocks_batch``: int64 CPU tensors and a direction code
+    (0 host to device, 1 device to host), copies issued on the current stream."""
+    import torch
+
+    from offload_core.backends import npu
+
+    lib = torch.library.Library("_C_ascend", "DEF")
+    lib.define("swap_blocks_batch(Tensor src, Tensor dst, Tensor sizes, int direction) -> ()")
+
+    def swap_blocks_batch(src, dst, sizes, direction):
+        acl.calls.append(("swap_blocks_batch", direction, runtime.current_stream().handle))
+        if not all(t.dtype == torch.int64 and t.device.type == "cpu" for t in (src, dst, sizes)):
+            raise RuntimeError("swap_blocks_batch takes int64 CPU tensors")
+        if direction not in (npu.SWAP_H2D, npu.SWAP_D2H) or not len(src) == len(dst) == len(sizes):
+            raise RuntimeError(f"swap_blocks_batch: bad direction {direction} or lengths")
+        to_host = direction == npu.SWAP_D2H
+        s, d, n = (t.numpy().copy() for t in (src, dst, sizes))
+        for i in range(len(n)):
+            if not acl._locations_ok(int(d[i]), int(s[i]), int(n[i]), to_host, not to_host):
+                raise RuntimeError(f"swap_blocks_batch: copy {i} has a host side that is not page-locked")
+        runtime.current_stream().launch(lambda: _memmove_all(s, d, n))
+
+    lib.impl("swap_blocks_batch", swap_blocks_batch, "CPU")
+    return lib
+
+
 @contextlib.contextmanager
-def npu(with_batch: bool = True) -> Iterator[SimAcl]:
-    """Install a simulated torch_npu, torch.npu and ACL library; restore everything on exit."""
+def npu(with_batch: bool = True, with_operator: bool = False) -> Iterator[SimAcl]:
+    """Install a simulated torch_npu, torch.npu and ACL library (optionally without the batch
+    entry point, optionally with vllm-ascend's operator); restore everything on exit."""
     import torch
 
     from offload_core import registry
@@ -205,12 +233,15 @@ def npu(with_batch: bool = True) -> Iterator[SimAcl]:
     runtime = SimRuntime("npu")
     acl = SimAcl(runtime, with_batch)
     fake = types.ModuleType("torch_npu")
+    library = _swap_blocks_batch_library(runtime, acl) if with_operator else None
     saved = (getattr(torch, "npu", None), sys.modules.get("torch_npu"), npu_backend.load_acl)
     torch.npu, sys.modules["torch_npu"], npu_backend.load_acl = runtime, fake, (lambda: acl)
     registry._reset_for_tests()
     try:
         yield acl
     finally:
+        if library is not None:
+            library._destroy()
         registry._reset_for_tests()
         torch.npu = saved[0]
         if saved[0] is None:
