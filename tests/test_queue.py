@@ -162,3 +162,87 @@ def test_empty_job_still_completes_in_order(worker, fake):
     results = worker.get_finished()
     assert [(r.job_id, r.transfer_size) for r in results] == [(1, 192), (2, 0)]
     assert sum(1 for x in fake.log if x[0] == "copy") == 1  # an empty batch never reaches the backend
+
+
+# ---- a state machine against a model of the contract ------------------------------
+
+from hypothesis import settings as _settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+
+class QueueContract(RuleBasedStateMachine):
+    """Random submits, completions, faults, polls and waits; the model says what must come back:
+    every job once, each direction in submission order, failures as failures, nothing early."""
+
+    def __init__(self):
+        super().__init__()
+        self.fake = FakeBackend()
+        self.worker = OffloadWorker(small_kv(), 8, backend=self.fake)
+        self.next_id = 0
+        self.pending = {"store": [], "load": []}  # job ids in submission order, not yet reported
+        self.failed: set[int] = set()
+        self.reported: list = []
+
+    def _end_event(self, job_id):
+        """The end event of a job still queued, else None."""
+        for queue in self.worker._queues.values():
+            for job in queue._jobs:
+                if job.job_id == job_id:
+                    return job.end
+        return None
+
+    @rule(direction=st.sampled_from(["store", "load"]), block=st.integers(0, 15))
+    def submit(self, direction, block):
+        job = self.next_id
+        self.next_id += 1
+        ok = store(self.worker, job, block=block, host=block % 8) if direction == "store" else load(
+            self.worker, job, host=block % 8, block=block)
+        assert ok
+        self.pending[direction].append(job)
+
+    @precondition(lambda self: any(self.pending.values()))
+    @rule(data=st.data(), fail=st.booleans())
+    def complete_one(self, data, fail):
+        job = data.draw(st.sampled_from(self.pending["store"] + self.pending["load"]))
+        end = self._end_event(job)
+        if end is not None and not end.done:
+            self.fake.complete(end, error=RuntimeError("fault") if fail else None)
+            if fail:
+                self.failed.add(job)
+
+    @precondition(lambda self: any(self.pending.values()))
+    @rule(data=st.data())
+    def wait_for(self, data):
+        job = data.draw(st.sampled_from(self.pending["store"] + self.pending["load"]))
+        self.worker.wait([job, 10_000])
+        end = self._end_event(job)
+        assert end is None or end.done
+
+    @rule()
+    def poll(self):
+        results = self.worker.get_finished()
+        for r in results:
+            queue = self.pending[r.direction]
+            assert queue and queue[0] == r.job_id, "out of order, twice, or never submitted"
+            queue.pop(0)
+            assert r.success == (r.job_id not in self.failed)
+        self.reported += results
+
+    @invariant()
+    def nothing_reported_before_its_end(self):
+        for direction, queue in self.pending.items():
+            for job in queue:
+                assert self._end_event(job) is not None  # still queued, so still unreported
+
+    def teardown(self):
+        self.worker.shutdown()
+        rest = self.worker.get_finished()
+        for r in rest:
+            assert self.pending[r.direction][0] == r.job_id
+            self.pending[r.direction].pop(0)
+        assert not any(self.pending.values())
+
+
+QueueContract.TestCase.settings = _settings(max_examples=40, stateful_step_count=30, deadline=None)
+test_queue_contract = QueueContract.TestCase
