@@ -34,7 +34,8 @@ from offload_core import (
     OffloadWorker,
     get_backend,
 )
-from offload_core.plan import CopyBatch, merge_contiguous
+from offload_core.plan import CopyBatch
+from offload_core.testing.reference import merge_contiguous
 
 LAYERS, PAGE = 32, 32 * 1024  # 64 refs: K and V of 32 layers, 32 KiB pages
 

@@ -163,7 +163,10 @@ class Planner:
         """Descriptors `plan` writes at most (the scratch size it needs)."""
         if device.group_sizes.size != self.num_groups:
             return 0
-        return sum(n * grp.descriptors_per_block for n, grp in zip(device.group_sizes.tolist(), self._groups))
+        return self._descriptors(device.group_sizes.tolist())
+
+    def _descriptors(self, sizes: list[int]) -> int:
+        return sum(n * grp.descriptors_per_block for n, grp in zip(sizes, self._groups))
 
     def plan(
         self, direction: Direction, device: DeviceBlocks, host: HostBlocks, out: np.ndarray | None = None
@@ -200,7 +203,7 @@ class Planner:
             )
         if host_ids.size and (host_ids.min() < 0 or host_ids.max() >= self.host_blocks):
             _raise_out_of_range("host", host_ids, self.host_blocks)
-        total = sum(n * grp.descriptors_per_block for n, grp in zip(sizes, self._groups))
+        total = self._descriptors(sizes)
         if out is None or out.shape[1] < total:
             out = np.empty((3, total), dtype=np.int64)
         if self._arange.size < max(sizes, default=0) + bpc:
@@ -289,20 +292,6 @@ def _merge_blocks(dev_off: np.ndarray, host_off: np.ndarray, page: int):
     starts = np.flatnonzero(np.concatenate(([True], ~follows)))
     run_blocks = np.diff(np.append(starts, dev_off.size))
     return dev_off[starts], host_off[starts], run_blocks * page
-
-
-def merge_contiguous(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge consecutive descriptors that continue each other on both sides.
-
-    Returns:
-        The merged descriptors; the inputs themselves when nothing merges.
-    """
-    ends_src = src[:-1] + sizes[:-1]
-    follows = (ends_src == src[1:]) & (dst[:-1] + sizes[:-1] == dst[1:])
-    if not follows.any():
-        return src, dst, sizes
-    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
-    return src[starts], dst[starts], np.add.reduceat(sizes, starts)
 
 
 def _raise_out_of_range(side: str, ids: np.ndarray, limit: int) -> None:

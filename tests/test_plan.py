@@ -10,8 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from offload_core import DeviceBlocks, Direction, Geometry, HostBlocks, InvalidSpecError, Planner
-from offload_core.plan import merge_contiguous
-from offload_core.testing.reference import reference_transfer
+from offload_core.testing.reference import merge_contiguous, reference_transfer
 
 
 class Model:

@@ -68,3 +68,18 @@ def reference_transfer(
         d += size
         if size:
             h += -(-(size + skip) // blocks_per_chunk)
+
+
+def merge_contiguous(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge consecutive descriptors that continue each other on both sides (the generic merge;
+    the planner merges per block, and tests compare it with this).
+
+    Returns:
+        The merged descriptors; the inputs themselves when nothing merges.
+    """
+    ends_src = src[:-1] + sizes[:-1]
+    follows = (ends_src == src[1:]) & (dst[:-1] + sizes[:-1] == dst[1:])
+    if not follows.any():
+        return src, dst, sizes
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    return src[starts], dst[starts], np.add.reduceat(sizes, starts)
