@@ -26,7 +26,7 @@ from offload_core.canonical import attention_mappings
 LAYERS, HEADS, TP, TOKENS, BLOCKS, PER_JOB = 32, 8, 8, 16, 64, 16
 
 
-def measure(backend: str, head_bytes: int, canonical: bool, directory: str) -> dict:
+def measure(backend: str, head_bytes: int, canonical: bool, directory: str, mechanism: str | None = None) -> dict:
     maps = attention_mappings(total_kv_heads=HEADS, tp_size=TP, block_tokens=TOKENS, head_bytes=head_bytes)
     page = TOKENS * head_bytes  # one head per rank
     device = torch.device("cuda" if backend == "cuda" else "cpu")
@@ -37,7 +37,12 @@ def measure(backend: str, head_bytes: int, canonical: bool, directory: str) -> d
     with SharedHostRegion(f"bench-{head_bytes}-{canonical}", num_blocks=BLOCKS, directory=directory,
                           **({"canonical_bytes": host_page * len(tensors)} if canonical
                              else {"slot_bytes": [host_page * len(tensors)]})) as region:
-        with OffloadWorker(kv, BLOCKS, backend=backend, canonical_layout=canonical, host_region=region) as w:
+        engine = backend
+        if mechanism:
+            from offload_core.backends.cuda import CudaBackend
+
+            engine = CudaBackend(mechanism=mechanism)
+        with OffloadWorker(kv, BLOCKS, backend=engine, canonical_layout=canonical, host_region=region) as w:
             best = {"store": float("inf"), "load": float("inf")}
             submit_us = []
             job = 0
@@ -62,6 +67,8 @@ def measure(backend: str, head_bytes: int, canonical: bool, directory: str) -> d
             verified = all(torch.equal(t.tensor[BLOCKS:], t.tensor[:BLOCKS]) for t in tensors)
     nbytes = BLOCKS * page * len(tensors)
     return {
+        "mechanism": (f"{mechanism} -> " if mechanism == "auto" else "" if mechanism else "") + (
+            mechanism if mechanism not in (None, "auto") else "/".join(stats[d].mechanisms.most_common(1)[0][0] for d in ("store", "load"))),
         "layout": "canonical" if canonical else "direct",
         "head_bytes": head_bytes,
         "verified": verified,
@@ -76,17 +83,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--json")
+    parser.add_argument("--mechanisms", default="", help="cuda only: comma-separated, each forced in turn (auto: chosen per job)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
         for head_bytes in (128, 256, 1024, 4096):
             for canonical in (False, True):
-                rows.append(measure(args.backend, head_bytes, canonical, directory))
+                for mechanism in args.mechanisms.split(",") if args.mechanisms else [None]:
+                    rows.append(measure(args.backend, head_bytes, canonical, directory, mechanism))
     print(f"# {platform.node()}, backend {args.backend}, torch {torch.__version__}")
-    print("| head bytes | layout | verified | store GB/s | load GB/s | descriptors/job | plan+submit µs/job |")
-    print("|---|---|---|---|---|---|---|")
+    print("| head bytes | layout | mechanism | verified | store GB/s | load GB/s | descriptors/job | plan+submit µs/job |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['head_bytes']} | {r['layout']} | {r['verified']} | {r['store_gbps']:.2f} | {r['load_gbps']:.2f} "
+        print(f"| {r['head_bytes']} | {r['layout']} | {r['mechanism']} | {r['verified']} | {r['store_gbps']:.2f} | {r['load_gbps']:.2f} "
               f"| {r['descriptors_per_job']:.0f} | {r['plan_submit_us']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:

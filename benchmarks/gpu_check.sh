@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# Everything the cuda backend needs checked on a GPU, in one go (how docs/benchmarks.md's H200
-# figures were made). Usage: bash benchmarks/gpu_check.sh [OUTDIR]   (default ./gpu-check)
+# Everything the cuda backend needs checked on a GPU (how docs/benchmarks.md's H200 figures were
+# made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|all]   (default ./gpu-check, all)
+# "checks": tests, compute-sanitizer, the canonical benchmark per mechanism (about 4 minutes);
+# "bench": calibrate, offload-core bench, benchmarks/transfer_bench.py (about 5 minutes).
 set +e
 out=${1:-${OUT:-gpu-check}}
+phase=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | grep -v WARNING | tail -2
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$out/env.txt"
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)" | tee -a "$out/env.txt"
-echo "== tests"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_conformance.py tests/test_worker.py \
-    tests/test_cli.py tests/test_queue.py tests/test_canonical.py > "$out/pytest.log" 2>&1
-tail -3 "$out/pytest.log"
-echo "== calibrate"; timeout 60 python3 -m offload_core calibrate > "$out/calibrate.json" 2>&1; tail -5 "$out/calibrate.json"
-echo "== bench"; timeout 60 python3 -m offload_core bench --blocks 256 --blocks-per-job 64 --json > "$out/bench.json" 2>&1; cat "$out/bench.json"
-echo "== transfer"; timeout 300 python3 benchmarks/transfer_bench.py --out "$out" 2>&1 | tail -5
-echo "== canonical"; timeout 120 python3 benchmarks/canonical_bench.py --backend cuda --json "$out/canonical.json" 2>&1 | tail -10
-echo "== sanitizer"
-timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-    -k "bit_exact and (sm_gather or staged) and not 4194304" > "$out/sanitizer.log" 2>&1
-echo "sanitizer rc=$?"; tail -2 "$out/sanitizer.log"
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$out/env.txt"
+if [ "$phase" != bench ]; then
+  echo "== tests"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_conformance.py tests/test_worker.py \
+      tests/test_cli.py tests/test_queue.py tests/test_canonical.py tests/test_cuda_host.py > "$out/pytest.log" 2>&1
+  echo "pytest rc=$?"; tail -1 "$out/pytest.log"; grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head
+  echo "== sanitizer"
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+      -k "bit_exact and (sm_gather or staged) and not 4194304" > "$out/sanitizer.log" 2>&1
+  echo "sanitizer rc=$?"; tail -2 "$out/sanitizer.log"
+  echo "== canonical"
+  timeout 150 python3 benchmarks/canonical_bench.py --backend cuda --mechanisms ce_batch,sm_gather,staged,auto \
+      --json "$out/canonical.json" > "$out/canonical.md" 2>&1
+  tail -34 "$out/canonical.md"
+fi
+if [ "$phase" != checks ]; then
+  echo "== calibrate"; timeout 60 python3 -m offload_core calibrate > "$out/calibrate.json" 2>&1; tail -5 "$out/calibrate.json"
+  echo "== bench"; timeout 60 python3 -m offload_core bench --blocks 256 --blocks-per-job 64 --json > "$out/bench.json" 2>&1; cat "$out/bench.json"
+  echo "== transfer"; timeout 400 python3 benchmarks/transfer_bench.py --out "$out" > "$out/transfer.log" 2>&1; tail -3 "$out/transfer.log"
+fi

@@ -9,10 +9,12 @@ DIR/transfer.png (GB/s against fragment size per mechanism). Sections:
 
 1. the limit: one 256 MiB pinned copy each way, and both ways at once;
 2. fragments of 256 B .. 2 MiB, device side scattered, host side in 2 MiB rows: GB/s of each
-   mechanism and of auto, store / load / both at once, with the copy stream busy (device
-   time) and idle (device time and wall-clock from submit to completion), as ratios to (1);
+   mechanism and of auto, store / load with the copy stream busy (device time) and idle
+   (device time and wall-clock from submit to completion), and both at once (best and worst
+   of 5, released by one event or each after its own stream's work), as ratios to (1);
 3. end to end through OffloadWorker for two model presets;
-4. compute interference: slowdown of a warmed-up bf16 matmul loop while each mechanism copies.
+4. compute interference: slowdown of a warmed-up bf16 matmul loop while each mechanism
+   copies 256 B, 4 KiB or 16 KiB fragments.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def main() -> None:
     limit = {
         "store": gbps(SPAN, measure.time_copy(be, "ce_batch", *store1, busy=True)["event_s"]),
         "load": gbps(SPAN, measure.time_copy(be, "ce_batch", *load1, busy=True)["event_s"]),
-        "both": gbps(2 * SPAN, measure.time_both(be, "ce_batch", store1, load1)),
+        "both": gbps(2 * SPAN, min(t for r in ("together", "own") for t in measure.time_both(be, "ce_batch", store1, load1, released=r))),
     }
     report["limit_gbps"] = limit
     print("limit", limit, flush=True)
@@ -86,8 +88,10 @@ def main() -> None:
                 row[f"{name}_idle_gbps"] = gbps(nbytes, idle["event_s"])
                 row[f"{name}_idle_wall_gbps"] = gbps(nbytes, idle["wall_s"])
                 row[f"{name}_ratio"] = row[f"{name}_busy_gbps"] / limit[name]
-            row["both_gbps"] = gbps(2 * nbytes, measure.time_both(be, mech, st[:3] + (Direction.STORE,), ld[:3] + (Direction.LOAD,)))
-            row["both_ratio"] = row["both_gbps"] / limit["both"]
+            for released in ("together", "own"):
+                times = measure.time_both(be, mech, st, ld, released=released, reps=5)
+                row[f"both_{released}_gbps"] = [gbps(2 * nbytes, max(times)), gbps(2 * nbytes, min(times))]  # worst, best
+                row[f"both_{released}_ratio"] = [x / limit["both"] for x in row[f"both_{released}_gbps"]]
             rows.append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     report["fragments"] = rows
@@ -107,11 +111,11 @@ def main() -> None:
             print(e2e[-1], flush=True)
     report["end_to_end"] = e2e
 
-    # 4. compute interference: 16 KiB fragments (the small-fragment case), store and load
+    # 4. compute interference: a warmed-up bf16 matmul loop, alone and while one direction copies
     a = torch.randn(8192, 8192, device=be.device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=be.device, dtype=torch.bfloat16)
 
-    def matmuls(count=30):
+    def matmuls(count=10):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(count):
@@ -122,7 +126,7 @@ def main() -> None:
     def matmul_ms(copies=None):
         torch.cuda.synchronize()
         if copies:
-            copies()
+            torch.cuda.current_stream().wait_event(copies())  # the loop starts when the copies do
         s, e = matmuls()
         e.synchronize()
         torch.cuda.synchronize()
@@ -130,32 +134,37 @@ def main() -> None:
 
     for _ in range(10):
         matmuls()
-    n = 16384
-    dev_s, host_s, sizes = measure.fragments(n, 16 * KIB, dev_a.data_ptr(), host_a.data_ptr(), seed=3)
     stream = be.new_stream()
     cases, alone = [], []
-    for mech in mechs:
-        if mech == "ce_loop":
-            continue
-        for direction in Direction:
-            src, dst = (dev_s, host_s) if direction is Direction.STORE else (host_s, dev_s)
+    for size in (256, 4 * KIB, 16 * KIB):
+        n = min(65536, SPAN // size)
+        dev_s, host_s, sizes = measure.fragments(n, size, dev_a.data_ptr(), host_a.data_ptr(), seed=3)
+        jobs = -(-(1 << 30) // (n * size))  # 1 GiB: longer than the loop at the link's speed
+        for mech in mechs:
+            if mech == "ce_loop" or (mech == "ce_batch" and size < 16 * KIB):
+                continue  # neither copies at full speed there
+            for direction in Direction:
+                src, dst = (dev_s, host_s) if direction is Direction.STORE else (host_s, dev_s)
 
-            def copies():
-                with torch.cuda.stream(stream):
-                    torch.cuda._sleep(measure.SLEEP_CYCLES // 10)  # enqueue them all before they start
-                for _ in range(12):  # 12 x 256 MiB: longer than the matmul loop
-                    be.copy_batch(src, dst, sizes, direction, stream)
+                def copies():
+                    with torch.cuda.stream(stream):
+                        torch.cuda._sleep(4 * measure.SLEEP_CYCLES)  # about 200 ms: every job is enqueued before any runs
+                    go = torch.cuda.Event()
+                    go.record(stream)
+                    for _ in range(jobs):
+                        be.copy_batch(src, dst, sizes, direction, stream)
+                    return go
 
-            saved, be.mechanism = be.mechanism, mech
-            with_copies = []
-            for _ in range(3):  # alone and with copies interleaved: clocks drift over the run
-                alone.append(matmul_ms())
-                with_copies.append(matmul_ms(copies))
-            be.mechanism = saved
-            cases.append((mech, direction.value, min(with_copies)))
+                saved, be.mechanism = be.mechanism, mech
+                with_copies = []
+                for _ in range(3):  # alone and with copies interleaved: clocks drift over the run
+                    alone.append(matmul_ms())
+                    with_copies.append(matmul_ms(copies))
+                be.mechanism = saved
+                cases.append((size, mech, direction.value, min(with_copies)))
     baseline = min(alone)
-    interference = [{"mechanism": m, "direction": d, "matmul_ms_alone": baseline, "matmul_ms_with_copies": t,
-                     "slowdown": t / baseline - 1} for m, d, t in cases]
+    interference = [{"size": z, "mechanism": m, "direction": d, "matmul_ms_alone": baseline, "matmul_ms_with_copies": t,
+                     "slowdown": t / baseline - 1} for z, m, d, t in cases]
     report["matmul_alone_ms_spread"] = [min(alone), max(alone)]
     print(interference, flush=True)
     report["interference"] = interference
@@ -166,12 +175,18 @@ def main() -> None:
     print(markdown(report))
 
 
+def both(x: dict, released: str) -> str:
+    (worst, best), (worst_r, best_r) = x[f"both_{released}_gbps"], x[f"both_{released}_ratio"]
+    return f"{best:.1f} ({best_r:.0%}) / {worst:.1f} ({worst_r:.0%})"
+
+
 def markdown(r: dict) -> str:
     lim = r["limit_gbps"]
     lines = [f"{r['device']}, torch {r['torch']}, {r['date']}; auto's cost model: {r['cost_model']}.", "",
              f"Limit: store {lim['store']:.1f} GB/s, load {lim['load']:.1f} GB/s, both at once {lim['both']:.1f} GB/s.", ""]
-    lines.append("| fragment | mechanism | store GB/s (of limit) | load GB/s (of limit) | both GB/s (of limit) | store idle: device / wall GB/s | load idle: device / wall GB/s | auto chose |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines.append("| fragment | mechanism | store GB/s (of limit) | load GB/s (of limit) | both, own: best / worst GB/s (of limit) "
+                 "| both, together: best / worst GB/s (of limit) | store idle: device / wall GB/s | load idle: device / wall GB/s | auto chose |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for x in r["fragments"]:
         size = f"{x['size'] // 1024} KiB" if x["size"] >= 1024 else f"{x['size']} B"
         if x["size"] >= 1 << 20:
@@ -179,16 +194,16 @@ def markdown(r: dict) -> str:
         chose = f"{x['store_chosen']} / {x['load_chosen']}" if x["mechanism"] == "auto" else ""
         lines.append(
             f"| {size} | {x['mechanism']} | {x['store_busy_gbps']:.1f} ({x['store_ratio']:.0%}) | {x['load_busy_gbps']:.1f} ({x['load_ratio']:.0%}) "
-            f"| {x['both_gbps']:.1f} ({x['both_ratio']:.0%}) | {x['store_idle_gbps']:.1f} / {x['store_idle_wall_gbps']:.1f} "
+            f"| {both(x, 'own')} | {both(x, 'together')} | {x['store_idle_gbps']:.1f} / {x['store_idle_wall_gbps']:.1f} "
             f"| {x['load_idle_gbps']:.1f} / {x['load_idle_wall_gbps']:.1f} | {chose} |")
     lines += ["", "| preset | mechanism | verified | store GB/s (of limit) | load GB/s (of limit) | descriptors/job | plan+submit µs |", "|---|---|---|---|---|---|---|"]
     for x in r["end_to_end"]:
         lines.append(f"| {x['preset']} | {x['mechanism']} | {x['verified']} | {x['store_gbps']:.1f} ({x['store_ratio']:.0%}) "
                      f"| {x['load_gbps']:.1f} ({x['load_ratio']:.0%}) | {x['descriptors_per_job']:.0f} | {x['plan_submit_us']:.0f} |")
     lines += ["", f"Matmul loop alone: best {r['matmul_alone_ms_spread'][0]:.1f} ms, worst {r['matmul_alone_ms_spread'][1]:.1f} ms over the run; slowdown is against the best.", "",
-              "| mechanism | direction | matmul ms alone | with copies | slowdown |", "|---|---|---|---|---|"]
+              "| fragment | mechanism | direction | matmul ms alone | with copies | slowdown |", "|---|---|---|---|---|---|"]
     for x in r["interference"]:
-        lines.append(f"| {x['mechanism']} | {x['direction']} | {x['matmul_ms_alone']:.1f} | {x['matmul_ms_with_copies']:.1f} | {x['slowdown']:+.1%} |")
+        lines.append(f"| {x['size']} | {x['mechanism']} | {x['direction']} | {x['matmul_ms_alone']:.1f} | {x['matmul_ms_with_copies']:.1f} | {x['slowdown']:+.1%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -203,13 +218,13 @@ def plot(r: dict, path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), sharey=True)
     for ax, d in zip(axes, ("store", "load", "both")):
         for mech in r["mechanisms"]:
-            pts = [(x["size"], x[f"{d}_busy_gbps" if d != "both" else "both_gbps"]) for x in r["fragments"] if x["mechanism"] == mech]
+            pts = [(x["size"], x[f"{d}_busy_gbps"] if d != "both" else x["both_own_gbps"][1]) for x in r["fragments"] if x["mechanism"] == mech]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=mech)
         ax.axhline(r["limit_gbps"][d], color="k", linestyle="--", label="limit")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("fragment bytes")
-        ax.set_title(f"{d} ({r['device']})")
+        ax.set_title(f"{d if d != 'both' else 'both at once (own, best)'} ({r['device']})")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("GB/s")
     axes[0].legend()

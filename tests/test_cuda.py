@@ -35,10 +35,14 @@ class TestEveryMechanism(BackendConformance):
         return forced
 
 
-def random_fragments(rng, count, space, max_size):
-    """Sizes from 1 B to `max_size`, log-uniform, at unaligned offsets, without overlap on either side."""
-    sizes = np.exp(rng.uniform(0, np.log(max_size), count)).astype(np.int64) + rng.integers(0, 3, count)
-    sizes = np.minimum(sizes, max_size)
+def random_fragments(rng, count, space, max_size, equal=False):
+    """Sizes from 1 B to `max_size`, log-uniform (or all `max_size`), at unaligned offsets,
+    without overlap on either side."""
+    if equal:
+        sizes = np.full(count, max_size, dtype=np.int64)
+    else:
+        sizes = np.exp(rng.uniform(0, np.log(max_size), count)).astype(np.int64) + rng.integers(0, 3, count)
+        sizes = np.minimum(sizes, max_size)
     def places():
         gaps = rng.integers(0, 17, count)
         order = rng.permutation(count)
@@ -50,14 +54,15 @@ def random_fragments(rng, count, space, max_size):
     return sizes, places(), places()
 
 
-@pytest.mark.parametrize("max_size", [256, 64 * 1024, 4 << 20])
-def test_round_trip_is_bit_exact_for_random_fragments(forced, max_size):
+@pytest.mark.parametrize("max_size, equal", [(256, False), (64 * 1024, False), (4 << 20, False), (256, True), (4099, True)])
+def test_round_trip_is_bit_exact_for_random_fragments(forced, max_size, equal):
+    """Equal sizes take the kernels' computed-column path (staged uploads only the device side)."""
     import torch
 
     rng = np.random.default_rng(max_size)
-    count = 400 if max_size < (1 << 20) else 60
+    count = 60 if max_size >= (1 << 20) else 20000 if equal else 400
     space = 160 << 20
-    sizes, dev_off, host_off = random_fragments(rng, count, space, max_size)
+    sizes, dev_off, host_off = random_fragments(rng, count, space, max_size, equal)
     source = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8))
     device = source.to(forced.device)
     back = torch.zeros(space, dtype=torch.uint8, device=forced.device)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload_core.backends.cuda import host_runs, kernels
 from offload_core.backends.cuda import driver as drv
@@ -187,3 +190,25 @@ def test_streams_are_created_non_blocking():
     lib = FakeLib()
     assert drv.Driver(lib).new_stream() == 0xBEEF
     assert lib.calls == [("stream_create", drv.STREAM_NON_BLOCKING)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 8 << 20), min_size=1, max_size=200),
+    store=st.booleans(),
+    staging_mb=st.sampled_from([4, 32]),
+)
+def test_staged_pieces_cover_the_job_in_order_and_fit_a_buffer(sizes, store, staging_mb):
+    from offload_core.backends.cuda import CudaBackend
+
+    staging = staging_mb << 20
+    sizes = np.array([s for s in sizes if s <= staging // 4] or [1], dtype=np.int64)  # larger ones bypass staging
+    offsets = np.cumsum(sizes) - sizes
+    total = int(sizes.sum())
+    firsts, lasts = CudaBackend._pieces(SimpleNamespace(staging_bytes=staging), offsets, total, store)
+    assert firsts[0] == 0 and lasts[-1] == sizes.size
+    assert (firsts[1:] == lasts[:-1]).all() and (lasts > firsts).all()
+    piece_bytes = np.add.reduceat(sizes, firsts)
+    assert (piece_bytes <= staging * 5 // 4).all()  # the buffer size
+    exposed = piece_bytes[0] if store else piece_bytes[-1]  # the gather or scatter not hidden behind the link
+    assert exposed <= (1 << 20) + sizes.max() or firsts.size == 1

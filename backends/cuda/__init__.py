@@ -27,7 +27,13 @@ import numpy as np
 from offload_core.backend import Direction
 from offload_core.backends._torch import TorchDeviceBackend
 from offload_core.backends.cuda import kernels
-from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver
+from offload_core.backends.cuda.driver import (
+    ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+    HOST_REGISTER_PORTABLE_DEVICEMAP,
+    SRC_ACCESS_ORDER_ANY,
+    SRC_ACCESS_ORDER_STREAM,
+    Driver,
+)
 from offload_core.backends.cuda.select import MECHANISMS, CostModel, profile_path
 
 log = logging.getLogger(__name__)
@@ -36,7 +42,7 @@ ENV_MECHANISM = "OFFLOAD_CORE_CUDA_MECHANISM"
 ENV_SM_PROGRAMS = "OFFLOAD_CORE_CUDA_SM_PROGRAMS"
 ENV_MAX_BATCH = "OFFLOAD_CORE_CUDA_MAX_BATCH"
 ENV_STAGING_MB = "OFFLOAD_CORE_CUDA_STAGING_MB"
-_MIN_PIECE = 4 << 20
+_FIRST_PIECE = 1 << 20  # staged's exposed piece: the first of a store, the last of a load
 
 
 class CudaBackend(TorchDeviceBackend):
@@ -125,21 +131,26 @@ class CudaBackend(TorchDeviceBackend):
         return tensor
 
     def host_register(self, tensor) -> bool:
-        """Page-lock `tensor`'s memory (``cudaHostRegister``) so copies and kernels reach it directly.
+        """Page-lock `tensor`'s memory (``cuMemHostRegister``) so copies and kernels reach it directly.
 
         The caller keeps the memory alive and calls `host_unregister` before freeing it.
+        Returns False, with nothing to undo, where the memory was pinned already (it stays
+        usable) or the driver refuses (copies then go through pageable memory).
         """
         nbytes = tensor.numel() * tensor.element_size()
         with self._on_device():
-            err = self._torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-        if int(err) != 0:
+            self._torch.cuda.current_stream(self._device).query()  # makes the context current in this thread
+            code = self.driver.host_register(tensor.data_ptr(), nbytes, HOST_REGISTER_PORTABLE_DEVICEMAP)
+        if code not in (0, ERROR_HOST_MEMORY_ALREADY_REGISTERED):
+            log.warning("cuMemHostRegister of %d bytes failed (%s): copies use pageable memory", nbytes, self.driver.error_name(code))
             return False
         self._track(tensor)
-        return True
+        return code == 0
 
     def host_unregister(self, tensor) -> None:
         self._host_ranges.pop(tensor.data_ptr(), None)
-        self._torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        with self._on_device():
+            self.driver.check(self.driver.host_unregister(tensor.data_ptr()), "cuMemHostUnregister")
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
@@ -207,11 +218,11 @@ class CudaBackend(TorchDeviceBackend):
     def _staged(self, src, dst, sizes, direction, stream) -> list:
         """Device-side gather (store) or scatter (load) through two staging buffers, pipelined.
 
-        Pieces (a sixth of the job, 4 MiB to `staging_bytes`) alternate between the buffers: while the copy
-        engines move piece k over the link on `stream`, the kernel gathers piece k+1 (or
-        scatters piece k-1) on a companion stream, so the link sees only host-contiguous runs
-        and the kernel's time hides behind it. Fragments too large to gain from staging go
-        straight through the copy engines.
+        Pieces (see `_pieces`) alternate between the buffers: while the copy engines move
+        piece k over the link on `stream`, the kernel gathers piece k+1 (or scatters piece
+        k-1) on a companion stream, so the link sees only host-contiguous runs and the
+        kernel's time hides behind it. Fragments too large to gain from staging go straight
+        through the copy engines.
         """
         torch = self._torch
         held = []
@@ -225,29 +236,37 @@ class CudaBackend(TorchDeviceBackend):
         store = direction is Direction.STORE
         host, dev = (dst, src) if store else (src, dst)
         kernel_stream, buffers = self._staging_for(stream)
-        kernel_stream.wait_stream(stream)  # the job's own waits (compute, earlier jobs) hold for the kernel too
         offsets = np.cumsum(sizes) - sizes
-        # About six pieces a job: enough to overlap kernel and link, few enough that the
-        # host's per-piece work (a launch, a batch call, events) stays behind the link.
-        cap = int(min(self.staging_bytes, max(_MIN_PIECE, (offsets[-1] + sizes[-1]) // 6)))
-        cuts = np.flatnonzero(np.diff(offsets // cap)) + 1  # pieces start where the offset passes k * cap
-        firsts = np.concatenate(([0], cuts))
-        lasts = np.concatenate((cuts, [sizes.size]))
+        firsts, lasts = self._pieces(offsets, int(offsets[-1] + sizes[-1]), store)
         piece = np.repeat(np.arange(firsts.size), lasts - firsts)
         bases = np.array([buffers[0].data_ptr(), buffers[1].data_ptr()], dtype=np.int64)
-        # a piece holds < cap + staging_bytes / 4 <= 1.25 staging_bytes: the buffer size
+        # a piece holds < staging_bytes + staging_bytes / 4: the buffer size
         stage = bases[piece % 2] + offsets - offsets[firsts][piece]
-        # Upload every piece's kernel descriptors at once, before any data moves: an upload
-        # per piece would queue behind the previous piece's host-to-device copy.
-        desc = kernels.upload((dev, stage, sizes) if store else (stage, dev, sizes), kernel_stream, self._device)
         largest = int(sizes.max())
+        # With equal sizes the staging side is base + i * size: only the device side goes up.
+        # The uploads need nothing the job waits for, so they go first, while the copy stream
+        # may still be busy; the first piece's go alone, so that in an idle stream its
+        # kernel need not wait for the rest.
+        uniform = int(sizes.min()) == largest
+        cols = (dev,) if uniform else (dev, stage, sizes)
+        split = int(lasts[0])
+        tables = [kernels.upload([c[:split] for c in cols], kernel_stream, self._device)]
+        if split < sizes.size:
+            tables.append(kernels.upload([c[split:] for c in cols], kernel_stream, self._device))
+        kernel_stream.wait_stream(stream)  # the job's own waits (compute, earlier jobs) hold for the kernel too
         free = [None, None]  # per buffer: the event after which it may be overwritten
         for k, (a, b) in enumerate(zip(firsts.tolist(), lasts.tolist())):
             starts, run_bytes = host_runs(host[a:b], sizes[a:b])
+            t = tables[0] if k == 0 else tables[1][:, a - split : b - split]
+            if uniform:
+                dev_col, stage_col, size_col = t[0], (int(bases[k % 2]), largest), (largest, 0)
+            else:
+                dev_col, stage_col, size_col = t[0], t[1], t[2]
+            kernel = (dev_col, stage_col) if store else (stage_col, dev_col)
             if store:
                 if free[k % 2] is not None:
                     kernel_stream.wait_event(free[k % 2])
-                kernels.run(desc, a, b, largest, kernel_stream, self.gather_programs)
+                kernels.run(*kernel, size_col, b - a, largest, kernel_stream, self.gather_programs)
                 stream.wait_event(_recorded(torch, kernel_stream))
                 held.append(self._ce(host[a:b][starts], stage[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
                 free[k % 2] = _recorded(torch, stream)
@@ -256,11 +275,28 @@ class CudaBackend(TorchDeviceBackend):
                     stream.wait_event(free[k % 2])
                 held.append(self._ce(stage[a:b][starts], host[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
                 kernel_stream.wait_event(_recorded(torch, stream))
-                kernels.run(desc, a, b, largest, kernel_stream, self.gather_programs)
+                kernels.run(*kernel, size_col, b - a, largest, kernel_stream, self.gather_programs)
                 free[k % 2] = _recorded(torch, kernel_stream)
         if not store:  # the job ends when its last scatter has landed
             stream.wait_event(free[k % 2])
         return held
+
+    def _pieces(self, offsets: np.ndarray, total: int, store: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Staged's pieces, as first and end descriptor indices: 1 MiB, then four times larger
+        each up to `staging_bytes` (reversed for a load).
+
+        Only the first gather of a store and the last scatter of a load are not hidden behind
+        the link; a small piece there keeps them short, and large pieces elsewhere keep the
+        number of hand-overs between the two streams (a few microseconds each) low.
+        """
+        lengths, done = [], 0
+        while done < total:
+            lengths.append(min(self.staging_bytes, _FIRST_PIECE << (2 * len(lengths))))
+            done += lengths[-1]
+        bounds = np.cumsum(lengths if store else lengths[::-1])[:-1]
+        cuts = np.unique(np.searchsorted(offsets, bounds))  # a piece starts at the first fragment past its bound
+        cuts = cuts[(cuts > 0) & (cuts < offsets.size)]
+        return np.concatenate(([0], cuts)), np.concatenate((cuts, [offsets.size]))
 
     def calibrate(self, save: bool = True) -> dict:
         """Measure this GPU's copy costs (a few seconds), use them, and save them as its profile.

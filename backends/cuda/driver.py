@@ -47,6 +47,11 @@ MEMCPY = ctypes.CFUNCTYPE(CUresult, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_s
 # CUresult cuStreamCreate(CUstream *phStream, unsigned int flags)
 STREAM_CREATE = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
 STREAM_NON_BLOCKING = 1  # no implicit ordering with the legacy default stream
+# CUresult cuMemHostRegister(void *p, size_t bytesize, unsigned int flags); cuMemHostUnregister(void *p)
+HOST_REGISTER = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
+HOST_UNREGISTER = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
+HOST_REGISTER_PORTABLE_DEVICEMAP = 0x3  # pinned for every context, mapped for kernels
+ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 # CUresult cuPointerGetAttribute(void *data, CUpointer_attribute, CUdeviceptr)
 POINTER_GET_ATTRIBUTE = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
 
@@ -89,6 +94,10 @@ class Driver:
         self.memcpy = self.resolve("cuMemcpyAsync", 4000, MEMCPY)
         self.pointer_get_attribute = self.resolve("cuPointerGetAttribute", 4000, POINTER_GET_ATTRIBUTE)
         self.stream_create = self.resolve("cuStreamCreate", 2000, STREAM_CREATE)
+        # through the driver, not torch's cudart: a failed runtime call would leave an error
+        # that torch's next kernel launch reports as its own
+        self.host_register = self.resolve("cuMemHostRegister", 6050, HOST_REGISTER)
+        self.host_unregister = self.resolve("cuMemHostUnregister", 4000, HOST_UNREGISTER)
         if self.memcpy is None:
             raise OSError("libcuda has no cuMemcpyAsync")
 

@@ -23,7 +23,8 @@ def _compile():
     import triton.language as tl
 
     @triton.jit
-    def copy_kernel(src_ptr, dst_ptr, size_ptr, n, pieces, PIECE: tl.constexpr, BLOCK: tl.constexpr):
+    def copy_kernel(src_col, src_step, dst_col, dst_step, size_col, n, pieces, SRC_ARRAY: tl.constexpr,
+                    DST_ARRAY: tl.constexpr, SIZE_ARRAY: tl.constexpr, PIECE: tl.constexpr, BLOCK: tl.constexpr):
         # Work item t is piece t % pieces of copy t // pieces; programs stride over the items.
         offs = tl.arange(0, BLOCK)
         total = n * pieces
@@ -31,10 +32,11 @@ def _compile():
         while item < total:
             i = item // pieces
             start = (item % pieces).to(tl.int64) * PIECE
-            size = tl.load(size_ptr + i)
+            # a column is read from a device array, or is base + i * step (nothing uploaded)
+            size = tl.load(size_col + i) if SIZE_ARRAY else size_col
             if start < size:
-                src = tl.load(src_ptr + i)
-                dst = tl.load(dst_ptr + i)
+                src = tl.load(src_col + i) if SRC_ARRAY else src_col + i.to(tl.int64) * src_step
+                dst = tl.load(dst_col + i) if DST_ARRAY else dst_col + i.to(tl.int64) * dst_step
                 end = tl.minimum(start + PIECE, size)
                 # 64-bit words where both ends are 8-byte aligned, bytes for the rest
                 w0 = start // 8
@@ -54,7 +56,8 @@ def _compile():
             item += tl.num_programs(0)
 
     @triton.jit
-    def copy_small_kernel(src_ptr, dst_ptr, size_ptr, n, D: tl.constexpr, W: tl.constexpr):
+    def copy_small_kernel(src_col, src_step, dst_col, dst_step, size_col, n, SRC_ARRAY: tl.constexpr,
+                          DST_ARRAY: tl.constexpr, SIZE_ARRAY: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
         # Small copies are bound by latency, not bytes: each program moves a tile of D copies
         # at once, W 64-bit words (or bytes, for the unaligned rest) of each per step.
         rows = tl.arange(0, D)
@@ -62,9 +65,9 @@ def _compile():
         for first in range(tl.program_id(0) * D, n, tl.num_programs(0) * D):
             i = first + rows
             ok = i < n
-            src = tl.load(src_ptr + i, mask=ok, other=0)
-            dst = tl.load(dst_ptr + i, mask=ok, other=0)
-            size = tl.load(size_ptr + i, mask=ok, other=0)
+            src = tl.load(src_col + i, mask=ok, other=0) if SRC_ARRAY else src_col + i.to(tl.int64) * src_step
+            dst = tl.load(dst_col + i, mask=ok, other=0) if DST_ARRAY else dst_col + i.to(tl.int64) * dst_step
+            size = tl.load(size_col + i, mask=ok, other=0) if SIZE_ARRAY else tl.where(ok, size_col, 0)
             words = tl.where(((src | dst) & 7) == 0, size // 8, 0)
             src_w = src.to(tl.pointer_type(tl.int64))
             dst_w = dst.to(tl.pointer_type(tl.int64))
@@ -109,27 +112,37 @@ def upload(columns, stream, device):
     return desc
 
 
-def run(desc, a: int, b: int, largest: int, stream, max_programs: int) -> None:
-    """Enqueue the copy kernel on `stream` for descriptors ``[a, b)`` of an uploaded table.
+def run(src, dst, size, n: int, largest: int, stream, max_programs: int) -> None:
+    """Enqueue the copy kernel on `stream` for `n` copies: copy i moves ``size[i]`` bytes from
+    ``src[i]`` to ``dst[i]``, each address one the device can dereference.
 
-    Every address must be one the device can dereference; `largest` is the largest size.
+    Each of `src`, `dst` and `size` is a device int64 tensor of `n` values, or a pair
+    ``(base, step)`` standing for ``base + i * step`` (for `size`, a step of 0): a column that
+    costs no upload. `largest` is the largest size.
     """
     import torch
 
-    n = b - a
     copy_kernel, copy_small_kernel = _compile()
+    args, arrays = [], []
+    for col in (src, dst, size):
+        arrays.append(not isinstance(col, tuple))
+        args += [col, 0] if arrays[-1] else [int(col[0]), int(col[1])]
+    args.pop()  # size has no step
     with torch.cuda.stream(stream):
-        src, dst, size = desc[0, a:b], desc[1, a:b], desc[2, a:b]
         if largest <= SMALL_BYTES:
             width = 32 if largest <= 256 else 128  # words per copy per step: little masked waste
             rows = TILE_WORDS // width
-            copy_small_kernel[(max(1, min(max_programs, -(-n // rows))),)](src, dst, size, n, D=rows, W=width)
+            grid = (max(1, min(max_programs, -(-n // rows))),)
+            copy_small_kernel[grid](*args, n, *arrays, D=rows, W=width)
         else:
             pieces = -(-largest // PIECE_BYTES)
             grid = (max(1, min(max_programs, n * pieces)),)
-            copy_kernel[grid](src, dst, size, n, pieces, PIECE=PIECE_BYTES, BLOCK=BLOCK)
+            copy_kernel[grid](*args, n, pieces, *arrays, PIECE=PIECE_BYTES, BLOCK=BLOCK)
 
 
 def launch(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream, device, max_programs: int) -> None:
-    """Upload the descriptors and enqueue the copy kernel on `stream`."""
-    run(upload((src, dst, sizes), stream, device), 0, len(sizes), int(sizes.max()), stream, max_programs)
+    """Upload the descriptors (the sizes only if they differ) and enqueue the copy kernel on `stream`."""
+    largest = int(sizes.max())
+    uniform = int(sizes.min()) == largest
+    table = upload((src, dst) if uniform else (src, dst, sizes), stream, device)
+    run(table[0], table[1], (largest, 0) if uniform else table[2], len(sizes), largest, stream, max_programs)

@@ -42,29 +42,42 @@ def time_copy(backend, mechanism: str, src, dst, sizes, direction: Direction, *,
     return best
 
 
-def time_both(backend, mechanism: str, store_args, load_args, reps: int = 3) -> float:
-    """Best seconds for a store and a load started together on two streams (device time)."""
+def time_both(backend, mechanism: str, store_args, load_args, *, released: str, reps: int = 3) -> list[float]:
+    """Device seconds, per rep, for a store and a load on two streams at the same time.
+
+    `released` says what they wait for: ``"together"``, one event that a third stream
+    records after a sleep (both start at the same instant, as when both wait for the same
+    compute), or ``"own"``, a sleep on each copy stream (each starts after its own stream's
+    earlier work). The H200's copy engines treat the two differently: see docs/benchmarks.md.
+    """
     torch = backend._torch
     gate_stream, s1, s2 = backend.new_stream(), backend.new_stream(), backend.new_stream()
     saved, backend.mechanism = backend.mechanism, mechanism
-    best = float("inf")
+    times = []
     try:
         for _ in range(reps):
             torch.cuda.synchronize()
-            gate, e1, e2 = backend.new_event(), backend.new_event(), backend.new_event()
-            with torch.cuda.stream(gate_stream):
-                torch.cuda._sleep(SLEEP_CYCLES)
-            gate.record(gate_stream)
+            start, e1, e2 = backend.new_event(), backend.new_event(), backend.new_event()
+            if released == "together":
+                with torch.cuda.stream(gate_stream):
+                    torch.cuda._sleep(SLEEP_CYCLES)
+                start.record(gate_stream)
+                s1.wait_event(start)
+                s2.wait_event(start)
+            else:
+                for stream in (s1, s2):
+                    with torch.cuda.stream(stream):
+                        torch.cuda._sleep(SLEEP_CYCLES)
+                start.record(s1)
             for stream, args, end in ((s1, store_args, e1), (s2, load_args, e2)):
-                stream.wait_event(gate)
                 backend.copy_batch(*args, stream)
                 end.record(stream)
             e1.synchronize()
             e2.synchronize()
-            best = min(best, max(gate.elapsed_time(e1), gate.elapsed_time(e2)) / 1e3)
+            times.append(max(start.elapsed_time(e1), start.elapsed_time(e2)) / 1e3)
     finally:
         backend.mechanism = saved
-    return best
+    return times
 
 
 def fragments(n: int, size: int, device_base: int, host_base: int, row_bytes: int = 2 << 20, seed: int = 0):
