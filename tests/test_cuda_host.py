@@ -175,6 +175,8 @@ def test_host_runs_follow_contiguous_host_ranges():
     sizes = np.full(6, 32, dtype=np.int64)
     starts, run_bytes = host_runs(host, sizes)
     assert starts.tolist() == [0, 3, 5] and run_bytes.tolist() == [96, 64, 32]
+    starts, run_bytes = host_runs(host, sizes, breaks=np.array([1]))  # a staging piece starts at 1
+    assert starts.tolist() == [0, 1, 3, 5] and run_bytes.tolist() == [32, 64, 64, 32]
 
 
 def test_host_time_of_the_batch_call_counts():

@@ -238,25 +238,35 @@ class CudaBackend(TorchDeviceBackend):
         kernel_stream, buffers = self._staging_for(stream)
         offsets = np.cumsum(sizes) - sizes
         firsts, lasts = self._pieces(offsets, int(offsets[-1] + sizes[-1]), store)
-        piece = np.repeat(np.arange(firsts.size), lasts - firsts)
         bases = np.array([buffers[0].data_ptr(), buffers[1].data_ptr()], dtype=np.int64)
-        # a piece holds < staging_bytes + staging_bytes / 4: the buffer size
-        stage = bases[piece % 2] + offsets - offsets[firsts][piece]
+        # A piece starts at offset 0 of its buffer and holds < staging_bytes * 5 / 4 (the
+        # buffer size). The copy engines move host-contiguous runs, cut where pieces start.
+        starts, run_bytes = host_runs(host, sizes, breaks=firsts)
+        run_piece = np.searchsorted(firsts, starts, side="right") - 1
+        run_stage = bases[run_piece % 2] + offsets[starts] - offsets[firsts][run_piece]
+        run_host = host[starts]
+        piece_runs = np.searchsorted(starts, lasts).tolist()
         largest = int(sizes.max())
         # With equal sizes the staging side is base + i * size: only the device side goes up.
         # The uploads need nothing the job waits for, so they go first, while the copy stream
         # may still be busy; the first piece's go alone, so that in an idle stream its
         # kernel need not wait for the rest.
         uniform = int(sizes.min()) == largest
-        cols = (dev,) if uniform else (dev, stage, sizes)
+        if uniform:
+            cols = (dev,)
+        else:
+            piece = np.repeat(np.arange(firsts.size), lasts - firsts)
+            cols = (dev, bases[piece % 2] + offsets - offsets[firsts][piece], sizes)
         split = int(lasts[0])
         tables = [kernels.upload([c[:split] for c in cols], kernel_stream, self._device)]
         if split < sizes.size:
             tables.append(kernels.upload([c[split:] for c in cols], kernel_stream, self._device))
         kernel_stream.wait_stream(stream)  # the job's own waits (compute, earlier jobs) hold for the kernel too
         free = [None, None]  # per buffer: the event after which it may be overwritten
+        r = 0
         for k, (a, b) in enumerate(zip(firsts.tolist(), lasts.tolist())):
-            starts, run_bytes = host_runs(host[a:b], sizes[a:b])
+            runs = slice(r, piece_runs[k])
+            r = piece_runs[k]
             t = tables[0] if k == 0 else tables[1][:, a - split : b - split]
             if uniform:
                 dev_col, stage_col, size_col = t[0], (int(bases[k % 2]), largest), (largest, 0)
@@ -268,12 +278,12 @@ class CudaBackend(TorchDeviceBackend):
                     kernel_stream.wait_event(free[k % 2])
                 kernels.run(*kernel, size_col, b - a, largest, kernel_stream, self.gather_programs)
                 stream.wait_event(_recorded(torch, kernel_stream))
-                held.append(self._ce(host[a:b][starts], stage[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
+                held.append(self._ce(run_host[runs], run_stage[runs], run_bytes[runs], SRC_ACCESS_ORDER_STREAM, stream))
                 free[k % 2] = _recorded(torch, stream)
             else:
                 if free[k % 2] is not None:
                     stream.wait_event(free[k % 2])
-                held.append(self._ce(stage[a:b][starts], host[a:b][starts], run_bytes, SRC_ACCESS_ORDER_STREAM, stream))
+                held.append(self._ce(run_stage[runs], run_host[runs], run_bytes[runs], SRC_ACCESS_ORDER_STREAM, stream))
                 kernel_stream.wait_event(_recorded(torch, stream))
                 kernels.run(*kernel, size_col, b - a, largest, kernel_stream, self.gather_programs)
                 free[k % 2] = _recorded(torch, kernel_stream)
@@ -340,6 +350,17 @@ class CudaBackend(TorchDeviceBackend):
             if "sm_gather" in self.available_mechanisms:
                 model.sm_gbps[d] = span / run("sm_gather", 4096, 65536) / 1e9
                 model.sm_desc_s[d] = run("sm_gather", 65536, 256) / 65536
+        def host_s(mechanism, n, size):  # the enqueue call's time on this machine's CPU
+            dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr())
+            return measure.time_copy(self, mechanism, dev, hst, sizes, Direction.STORE, busy=True)["host_s"]
+
+        if "ce_batch" in self.available_mechanisms:
+            model.ce_host_s = host_s("ce_batch", 16384, 16384) / 16384
+        for mechanism, field in (("sm_gather", "sm_host_s"), ("staged", "staged_host_s")):
+            if mechanism in self.available_mechanisms:
+                few, many = host_s(mechanism, 1024, 4096), host_s(mechanism, 65536, 256)
+                per_copy = max(0.0, (many - few) / (65536 - 1024))
+                setattr(model, field, (max(0.0, few - 1024 * per_copy), per_copy))
         if kernels.available() is None:
             stream, start, end = self.new_stream(), self.new_event(), self.new_event()
 
@@ -403,8 +424,13 @@ def _recorded(torch, stream):
     return event
 
 
-def host_runs(host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where runs of descriptors that are contiguous on the host start, and their bytes."""
-    follows = host[1:] == host[:-1] + sizes[:-1]
-    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+def host_runs(host: np.ndarray, sizes: np.ndarray, breaks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Where runs of descriptors that are contiguous on the host start, and their bytes; a run
+    also starts at each index in `breaks`."""
+    new_run = np.empty(host.size, dtype=bool)
+    new_run[0] = True
+    np.not_equal(host[1:], host[:-1] + sizes[:-1], out=new_run[1:])
+    if breaks is not None:
+        new_run[breaks] = True
+    starts = np.flatnonzero(new_run)
     return starts, np.add.reduceat(sizes, starts)

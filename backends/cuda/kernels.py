@@ -105,7 +105,10 @@ def upload(columns, stream, device):
     """
     import torch
 
-    host = torch.from_numpy(np.stack(columns)).pin_memory()
+    host = torch.empty((len(columns), len(columns[0])), dtype=torch.int64, pin_memory=True)
+    rows = host.numpy()
+    for row, column in zip(rows, columns):
+        row[:] = column
     with torch.cuda.stream(stream):
         desc = torch.empty(host.shape, dtype=torch.int64, device=device)
         desc.copy_(host, non_blocking=True)
