@@ -75,7 +75,7 @@ def main() -> None:
 
         for cols, count in ((3, n), (1, n), (1, (4 * MIB) // size)):
             row[f"upload_{cols}col_{count}_us"] = us(busy_time(lambda: kernels.upload((d_addr[:count],) * cols, s1, be.device), s1))
-        desc = kernels.upload((d_addr, stage, sizes), s1, be.device)
+        (desc,) = kernels.upload((d_addr, stage, sizes), s1, be.device)
         torch.cuda.synchronize()
         for programs in (264, 528, 1056):
             for piece in (MIB, 4 * MIB, nbytes):

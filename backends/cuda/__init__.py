@@ -226,17 +226,20 @@ class CudaBackend(TorchDeviceBackend):
         """
         torch = self._torch
         held = []
-        big = sizes > self.staging_bytes // 4
-        if big.any():
+        largest = int(sizes.max())
+        if largest > self.staging_bytes // 4:
+            big = sizes > self.staging_bytes // 4
             held.append(self._ce_batch(src[big], dst[big], sizes[big], direction, stream))
             keep = ~big
             src, dst, sizes = src[keep], dst[keep], sizes[keep]
             if not sizes.size:
                 return held
+            largest = int(sizes.max())
         store = direction is Direction.STORE
         host, dev = (dst, src) if store else (src, dst)
         kernel_stream, buffers = self._staging_for(stream)
-        offsets = np.cumsum(sizes) - sizes
+        uniform = int(sizes.min()) == largest
+        offsets = np.arange(0, sizes.size * largest, largest, dtype=np.int64) if uniform else np.cumsum(sizes) - sizes
         firsts, lasts = self._pieces(offsets, int(offsets[-1] + sizes[-1]), store)
         bases = np.array([buffers[0].data_ptr(), buffers[1].data_ptr()], dtype=np.int64)
         # A piece starts at offset 0 of its buffer and holds < staging_bytes * 5 / 4 (the
@@ -246,21 +249,17 @@ class CudaBackend(TorchDeviceBackend):
         run_stage = bases[run_piece % 2] + offsets[starts] - offsets[firsts][run_piece]
         run_host = host[starts]
         piece_runs = np.searchsorted(starts, lasts).tolist()
-        largest = int(sizes.max())
         # With equal sizes the staging side is base + i * size: only the device side goes up.
         # The uploads need nothing the job waits for, so they go first, while the copy stream
         # may still be busy; the first piece's go alone, so that in an idle stream its
         # kernel need not wait for the rest.
-        uniform = int(sizes.min()) == largest
         if uniform:
             cols = (dev,)
         else:
             piece = np.repeat(np.arange(firsts.size), lasts - firsts)
             cols = (dev, bases[piece % 2] + offsets - offsets[firsts][piece], sizes)
         split = int(lasts[0])
-        tables = [kernels.upload([c[:split] for c in cols], kernel_stream, self._device)]
-        if split < sizes.size:
-            tables.append(kernels.upload([c[split:] for c in cols], kernel_stream, self._device))
+        tables = kernels.upload(cols, kernel_stream, self._device, split)
         kernel_stream.wait_stream(stream)  # the job's own waits (compute, earlier jobs) hold for the kernel too
         free = [None, None]  # per buffer: the event after which it may be overwritten
         r = 0

@@ -97,22 +97,27 @@ def available() -> str | None:
     return None
 
 
-def upload(columns, stream, device):
-    """Descriptor columns to the device in one copy on `stream`: an int64 ``(len(columns), n)`` tensor.
+def upload(columns, stream, device, split: int = 0) -> list:
+    """Descriptor columns to the device on `stream`: int64 ``(len(columns), n)`` tensors, one,
+    or two (``[:split]`` and ``[split:]``, copied in that order) where ``0 < split < n``.
 
-    The host side goes through torch's pinned allocator, which keeps it alive until the copy
-    has run; the device tensor's memory is ordered on `stream`.
+    The host side is one buffer from torch's pinned allocator, which keeps it alive until the
+    copies have run; the device tensors' memory is ordered on `stream`.
     """
     import torch
 
-    host = torch.empty((len(columns), len(columns[0])), dtype=torch.int64, pin_memory=True)
-    rows = host.numpy()
-    for row, column in zip(rows, columns):
-        row[:] = column
+    n, k = len(columns[0]), len(columns)
+    parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
+    host = torch.empty(k * n, dtype=torch.int64, pin_memory=True)  # part after part, each contiguous
+    flat, tables = host.numpy(), []
     with torch.cuda.stream(stream):
-        desc = torch.empty(host.shape, dtype=torch.int64, device=device)
-        desc.copy_(host, non_blocking=True)
-    return desc
+        for a, b in parts:
+            rows = flat[k * a : k * b].reshape(k, b - a)
+            for row, column in zip(rows, columns):
+                row[:] = column[a:b]
+            tables.append(torch.empty((k, b - a), dtype=torch.int64, device=device))
+            tables[-1].copy_(host[k * a : k * b].view(k, b - a), non_blocking=True)
+    return tables
 
 
 def run(src, dst, size, n: int, largest: int, stream, max_programs: int) -> None:
@@ -147,5 +152,5 @@ def launch(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream, device, 
     """Upload the descriptors (the sizes only if they differ) and enqueue the copy kernel on `stream`."""
     largest = int(sizes.max())
     uniform = int(sizes.min()) == largest
-    table = upload((src, dst) if uniform else (src, dst, sizes), stream, device)
+    (table,) = upload((src, dst) if uniform else (src, dst, sizes), stream, device)
     run(table[0], table[1], (largest, 0) if uniform else table[2], len(sizes), largest, stream, max_programs)
