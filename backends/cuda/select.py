@@ -2,7 +2,7 @@
 
 Per job, from its direction, descriptor count, bytes and (for ``staged``) how many
 host-contiguous runs its descriptors form. A job costs the larger of its device time and
-the host time it takes to enqueue: ``cuMemcpyBatchAsync`` spends about 0.85 us of host time
+the host time it takes to enqueue: ``cuMemcpyBatchAsync`` spends about 0.8 us of host time
 per copy, so below about 48 KiB a batch of many copies is bound by the host, not the link.
 
 * ``ce_batch``: ``n * max(c_desc, mean_size / bw_ce + c_tail) + launch``: copy engines pay a
@@ -31,20 +31,20 @@ MECHANISMS = ("ce_batch", "staged", "sm_gather", "ce_loop")
 class CostModel:
     """Seconds a job takes, per mechanism. Defaults: NVIDIA H200, PCIe Gen5 (shared/measurements-h200.md)."""
 
-    ce_desc_s: dict = field(default_factory=lambda: {"store": 228e-9, "load": 271e-9})  # 256 B copies: 1.1 / 0.9 GB/s
-    ce_gbps: dict = field(default_factory=lambda: {"store": 55.3, "load": 55.3})
-    ce_tail_s: float = 1e-9  # what a 16 KiB copy costs beyond its bytes at link speed
-    ce_host_s: float = 0.85e-6  # host time per copy inside the batch call (idle-stream wall time, 16 KiB)
-    sm_host_s: tuple = (300e-6, 10e-9)  # host time of sm_gather: per job, per copy
-    staged_host_s: tuple = (1.0e-3, 40e-9)  # host time of staged: per job (six pieces), per copy
-    sm_gbps: dict = field(default_factory=lambda: {"store": 52.4, "load": 51.1})
-    sm_desc_s: dict = field(default_factory=lambda: {"store": 20e-9, "load": 55e-9})  # 256 B copies: 13 / 4.8 GB/s
-    gather_gbps: float = 1500.0  # device-side gather of scattered pages into staging
-    gather_desc_s: float = 1.5e-9
+    ce_desc_s: dict = field(default_factory=lambda: {"store": 390e-9, "load": 460e-9})  # 256 B copies: 0.7 / 0.6 GB/s
+    ce_gbps: dict = field(default_factory=lambda: {"store": 55.3, "load": 55.4})
+    ce_tail_s: float = 1.5e-9  # what a 16 KiB copy costs beyond its bytes at link speed
+    ce_host_s: float = 0.78e-6  # host time per copy inside the batch call (16 KiB copies)
+    sm_host_s: tuple = (730e-6, 6.8e-9)  # host time of sm_gather: per job, per copy
+    staged_host_s: tuple = (1.08e-3, 14e-9)  # host time of staged: per job, per copy
+    sm_gbps: dict = field(default_factory=lambda: {"store": 52.4, "load": 51.2})
+    sm_desc_s: dict = field(default_factory=lambda: {"store": 5.4e-9, "load": 5.5e-9})  # 256 B copies, 32 programs
+    gather_gbps: float = 440.0  # device-side gather of scattered 16 KiB pages into staging, upload included
+    gather_desc_s: float = 8e-9
     launch_s: float = 8e-6  # a kernel launch or a batch call
     upload_s_per_desc: float = 2e-9  # descriptors through pinned memory to the device
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
-    source: str = "defaults: NVIDIA H200 (PCIe Gen5), benchmarks/transfer_bench.py, 2026-11-29"
+    source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit 0600567"
 
     def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None) -> float:
         """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total."""
