@@ -349,6 +349,7 @@ class CudaBackend(TorchDeviceBackend):
             if "sm_gather" in self.available_mechanisms:
                 model.sm_gbps[d] = span / run("sm_gather", 4096, 65536) / 1e9
                 model.sm_desc_s[d] = run("sm_gather", 65536, 256) / 65536
+
         def host_s(mechanism, n, size):  # the enqueue call's time on this machine's CPU
             dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr())
             return measure.time_copy(self, mechanism, dev, hst, sizes, Direction.STORE, busy=True)["host_s"]
