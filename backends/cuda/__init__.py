@@ -358,9 +358,9 @@ class CudaBackend(TorchDeviceBackend):
             model.ce_host_s = host_s("ce_batch", 16384, 16384) / 16384
         for mechanism, field in (("sm_gather", "sm_host_s"), ("staged", "staged_host_s")):
             if mechanism in self.available_mechanisms:
-                few, many = host_s(mechanism, 1024, 4096), host_s(mechanism, 65536, 256)
-                per_copy = max(0.0, (many - few) / (65536 - 1024))
-                setattr(model, field, (max(0.0, few - 1024 * per_copy), per_copy))
+                few, many = host_s(mechanism, 4096, 256), host_s(mechanism, 65536, 256)
+                per_copy = max(0.0, (many - few) / (65536 - 4096))
+                setattr(model, field, (max(0.0, few - 4096 * per_copy), per_copy))
         if kernels.available() is None:
             stream, start, end = self.new_stream(), self.new_event(), self.new_event()
 
