@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadWorker
-from offload_core.backends.cuda import CudaBackend
+from offload_core.backends.cuda import CudaBackend, kernels
+from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import MECHANISMS
 from offload_core.testing.conformance import BackendConformance
 
@@ -57,6 +58,33 @@ def random_fragments(rng, count, space, max_size, equal=False):
 @pytest.mark.parametrize("max_size, equal", [(256, False), (64 * 1024, False), (4 << 20, False), (256, True), (4099, True)])
 def test_round_trip_is_bit_exact_for_random_fragments(forced, max_size, equal):
     """Equal sizes take the kernels' computed-column path (staged uploads only the device side)."""
+    assert round_trip(forced, max_size, equal) == forced.mechanism
+
+
+class Prefer:
+    """A cost model that picks `mechanism`, asking for the host runs as the real one would."""
+
+    def __init__(self, mechanism):
+        self.mechanism = mechanism
+
+    def choose(self, direction, n, nbytes, available, runs):
+        if self.mechanism == "staged":
+            runs()
+        return self.mechanism
+
+
+@pytest.mark.parametrize("mechanism", ["staged", "sm_gather", "ce_batch"])
+@pytest.mark.parametrize("max_size, equal", [(256, False), (256, True), (4099, True)])
+def test_auto_round_trip_is_bit_exact_whichever_it_picks(mechanism, max_size, equal):
+    """auto hands what it learned while choosing (sizes, host runs) to the mechanism."""
+    if kernels.available() is not None and mechanism != "ce_batch":
+        pytest.skip(kernels.available())
+    backend = CudaBackend(mechanism="auto", cost_model=Prefer(mechanism))
+    assert round_trip(backend, max_size, equal) == mechanism
+
+
+def round_trip(backend, max_size, equal) -> str:
+    """Store random fragments and load them back; check both byte for byte. Returns the mechanism used."""
     import torch
 
     rng = np.random.default_rng(max_size)
@@ -64,16 +92,15 @@ def test_round_trip_is_bit_exact_for_random_fragments(forced, max_size, equal):
     space = 160 << 20
     sizes, dev_off, host_off = random_fragments(rng, count, space, max_size, equal)
     source = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8))
-    device = source.to(forced.device)
-    back = torch.zeros(space, dtype=torch.uint8, device=forced.device)
-    host = forced.alloc_host(space)
-    stream, done = forced.new_stream(), forced.new_event()
+    device = source.to(backend.device)
+    back = torch.zeros(space, dtype=torch.uint8, device=backend.device)
+    host = backend.alloc_host(space)
+    stream, done = backend.new_stream(), backend.new_event()
     d, h = device.data_ptr() + dev_off, host.data_ptr() + host_off
-    used = forced.copy_batch(d, h, sizes, Direction.STORE, stream)
-    forced.copy_batch(h, back.data_ptr() + dev_off, sizes, Direction.LOAD, stream)
+    used = backend.copy_batch(d, h, sizes, Direction.STORE, stream)
+    backend.copy_batch(h, back.data_ptr() + dev_off, sizes, Direction.LOAD, stream)
     done.record(stream)
     done.synchronize()
-    assert used == forced.mechanism
     expected_host = np.zeros(space, dtype=np.uint8)
     expected_back = np.zeros(space, dtype=np.uint8)
     src = source.numpy()
@@ -82,6 +109,35 @@ def test_round_trip_is_bit_exact_for_random_fragments(forced, max_size, equal):
         expected_back[do : do + s] = src[do : do + s]
     np.testing.assert_array_equal(host.numpy(), expected_host)
     np.testing.assert_array_equal(back.cpu().numpy(), expected_back)
+    return used
+
+
+@pytest.mark.parametrize("mechanism", ["staged", "sm_gather"])
+def test_descriptor_tables_are_not_reused_while_a_job_may_read_them(mechanism):
+    """Eight jobs queued behind a sleeping stream, through a ring that holds two jobs' tables:
+    it wraps, then falls back to one-off memory; every job must still copy its own fragments."""
+    import torch
+
+    if kernels.available() is not None:
+        pytest.skip(kernels.available())
+    backend = CudaBackend(mechanism=mechanism)
+    n, size, jobs = 4096, 256, 8
+    backend._ring = DescriptorRing(torch, backend.device, backend.driver.memcpy_async, entries=2 * 2 * n + 7)
+    rng = np.random.default_rng(5)
+    device = torch.from_numpy(rng.integers(0, 256, 2 * n * size * jobs, dtype=np.uint8)).to(backend.device)
+    host = backend.alloc_host(n * size * jobs)
+    stream, done = backend.new_stream(), backend.new_event()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+    slots = [rng.permutation(2 * n)[:n] + 2 * n * j for j in range(jobs)]  # each job's own device fragments
+    for j, slot in enumerate(slots):
+        h = host.data_ptr() + j * n * size + np.arange(n, dtype=np.int64) * size
+        backend.copy_batch(device.data_ptr() + slot.astype(np.int64) * size, h, np.full(n, size, dtype=np.int64), Direction.STORE, stream)
+    done.record(stream)
+    done.synchronize()
+    pages = device.cpu().numpy().reshape(-1, size)
+    expected = np.concatenate([pages[slot] for slot in slots]).reshape(-1)
+    np.testing.assert_array_equal(host.numpy(), expected)
 
 
 def test_auto_reports_its_choice_per_job():

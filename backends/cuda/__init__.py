@@ -15,6 +15,8 @@ profile saved by ``offload-core calibrate`` replaces its H200 defaults. Force a 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import os
 import weakref
@@ -34,6 +36,7 @@ from offload_core.backends.cuda.driver import (
     SRC_ACCESS_ORDER_STREAM,
     Driver,
 )
+from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import MECHANISMS, CostModel, profile_path
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,7 @@ class CudaBackend(TorchDeviceBackend):
         self._keepalive: deque = deque()  # (event, objects) the driver may still read
         # by stream handle: (the stream, so the handle stays ours; its kernel stream; two buffers)
         self._staging: dict[int, tuple] = {}
+        self._ring = DescriptorRing(torch, self._device, self.driver.memcpy_async)
         sms = torch.cuda.get_device_properties(self._device).multi_processor_count
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
 
@@ -154,15 +158,27 @@ class CudaBackend(TorchDeviceBackend):
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
-        mechanism = self.mechanism if self.mechanism != "auto" else self.choose(src, dst, sizes, direction)
+        shape = None
+        if self.mechanism == "auto":
+            mechanism, shape = self._choose(src, dst, sizes, direction)
+        else:
+            mechanism = self.mechanism
+            if mechanism == "sm_gather" and not self.addressable(dst if direction is Direction.STORE else src, sizes):
+                raise ValueError("sm_gather needs host memory from alloc_host or host_register (device-addressable)")
         while self._keepalive and self._keepalive[0][0].query():
             self._keepalive.popleft()
+        held: list = []  # what the device may still read when this returns
         with self._on_device():
-            held = getattr(self, f"_{mechanism}")(src, dst, sizes, direction, stream)
-            if held:
+            try:
+                if mechanism in ("staged", "sm_gather"):
+                    getattr(self, f"_{mechanism}")(src, dst, sizes, direction, stream, held, shape)
+                else:
+                    getattr(self, f"_{mechanism}")(src, dst, sizes, direction, stream, held)
+            finally:  # also after a failed call: copies enqueued before it may still read
                 event = self._torch.cuda.Event()
                 event.record(stream)
                 self._keepalive.append((event, held))
+                self._ring.retire(event)
         return mechanism
 
     # ---- choosing ----------------------------------------------------------
@@ -179,133 +195,161 @@ class CudaBackend(TorchDeviceBackend):
 
     def choose(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction) -> str:
         """The mechanism ``auto`` picks for this batch."""
+        return self._choose(src, dst, sizes, direction)[0]
+
+    def _choose(self, src, dst, sizes, direction) -> tuple[str, tuple]:
+        """The mechanism, and what was learned about the job on the way: ``(largest size,
+        whether all sizes are equal, host run starts or None)``."""
         host = dst if direction is Direction.STORE else src
+        largest = int(sizes.max())
+        uniform = int(sizes.min()) == largest
+        nbytes = len(sizes) * largest if uniform else int(sizes.sum())
         # ce_loop is a fallback: it only competes where the batch API is missing
         candidates = [m for m in self.available_mechanisms if m != "ce_loop" or "ce_batch" not in self.available_mechanisms]
-        if "sm_gather" in candidates and not self.addressable(host, sizes):
+        if "sm_gather" in candidates and not self.addressable(host, sizes, largest):
             candidates.remove("sm_gather")
-        return self.cost.choose(
-            direction.value, len(sizes), int(sizes.sum()), tuple(candidates), lambda: host_runs(host, sizes)[0].size
-        )
+        starts = []
 
-    def addressable(self, host: np.ndarray, sizes: np.ndarray) -> bool:
+        def count_runs():
+            starts.append(run_starts(host, sizes, largest if uniform else None))
+            return starts[0].size
+
+        mechanism = self.cost.choose(direction.value, len(sizes), nbytes, tuple(candidates), count_runs)
+        return mechanism, (largest, uniform, starts[0] if starts else None)
+
+    def addressable(self, host: np.ndarray, sizes: np.ndarray, largest: int | None = None) -> bool:
         """Whether every host range lies in pinned or registered memory the GPU can dereference."""
-        lo, hi = int(host.min()), int((host + sizes).max())
-        return any(start <= lo and hi <= end for start, end in self._host_ranges.values())
+        lo, hi = int(host.min()), int(host.max())
+        top = hi + (int(sizes.max()) if largest is None else largest)  # bounds every end: one pass less
+        if any(start <= lo and top <= end for start, end in self._host_ranges.values()):
+            return True
+        top = int((host + sizes).max())
+        return any(start <= lo and top <= end for start, end in self._host_ranges.values())
 
     # ---- the mechanisms ----------------------------------------------------
 
-    # Each mechanism returns what must outlive its enqueue (or None).
+    # Each mechanism enqueues on `stream` and appends to `held` what must outlive the enqueue.
 
-    def _ce(self, dst, src, sizes, order, stream) -> tuple | None:
+    def _ce(self, dst, src, sizes, order, stream, held) -> None:
         if self.driver.memcpy_batch is not None:
-            return self.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, self.max_batch)
-        self.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
-        return None
+            held.append(self.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, self.max_batch))
+        else:
+            self.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
 
-    def _ce_batch(self, src, dst, sizes, direction, stream) -> tuple:
+    def _ce_batch(self, src, dst, sizes, direction, stream, held) -> None:
         order = SRC_ACCESS_ORDER_STREAM if direction is Direction.STORE else SRC_ACCESS_ORDER_ANY
-        return self.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, self.max_batch)
+        held.append(self.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, self.max_batch))
 
-    def _ce_loop(self, src, dst, sizes, direction, stream) -> None:
+    def _ce_loop(self, src, dst, sizes, direction, stream, held) -> None:
         self.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
 
-    def _sm_gather(self, src, dst, sizes, direction, stream) -> None:
-        if not self.addressable(dst if direction is Direction.STORE else src, sizes):
-            raise ValueError("sm_gather needs host memory from alloc_host or host_register (device-addressable)")
-        kernels.launch(src, dst, sizes, stream, self._device, self.max_programs)
+    def _sm_gather(self, src, dst, sizes, direction, stream, held, shape=None) -> None:
+        held.append(kernels.launch(src, dst, sizes, stream, self.max_programs, self._ring, *(shape or ())[:2]))
 
-    def _staged(self, src, dst, sizes, direction, stream) -> list:
+    def _staged(self, src, dst, sizes, direction, stream, held, shape=None) -> None:
         """Device-side gather (store) or scatter (load) through two staging buffers, pipelined.
 
         Pieces (see `_pieces`) alternate between the buffers: while the copy engines move
         piece k over the link on `stream`, the kernel gathers piece k+1 (or scatters piece
         k-1) on a companion stream, so the link sees only host-contiguous runs and the
         kernel's time hides behind it. Fragments too large to gain from staging go straight
-        through the copy engines.
+        through the copy engines. `shape` may bring what `_choose` learned about the job.
+
+        Staging pays where a job's fragments form few host runs, so the bookkeeping per piece
+        and run is plain Python: numpy's fixed cost per call dominated it (docs/benchmarks.md).
         """
         torch = self._torch
-        held = []
-        largest = int(sizes.max())
+        largest, uniform, starts = shape or (int(sizes.max()), None, None)
         if largest > self.staging_bytes // 4:
             big = sizes > self.staging_bytes // 4
-            held.append(self._ce_batch(src[big], dst[big], sizes[big], direction, stream))
+            self._ce_batch(src[big], dst[big], sizes[big], direction, stream, held)
             keep = ~big
-            src, dst, sizes = src[keep], dst[keep], sizes[keep]
+            src, dst, sizes, uniform, starts = src[keep], dst[keep], sizes[keep], None, None
             if not sizes.size:
-                return held
+                return
             largest = int(sizes.max())
         store = direction is Direction.STORE
         host, dev = (dst, src) if store else (src, dst)
         kernel_stream, buffers = self._staging_for(stream)
-        uniform = int(sizes.min()) == largest
-        offsets = np.arange(0, sizes.size * largest, largest, dtype=np.int64) if uniform else np.cumsum(sizes) - sizes
-        firsts, lasts = self._pieces(offsets, int(offsets[-1] + sizes[-1]), store)
-        bases = np.array([buffers[0].data_ptr(), buffers[1].data_ptr()], dtype=np.int64)
-        # A piece starts at offset 0 of its buffer and holds < staging_bytes * 5 / 4 (the
-        # buffer size). The copy engines move host-contiguous runs, cut where pieces start.
-        starts, run_bytes = host_runs(host, sizes, breaks=firsts)
-        run_piece = np.searchsorted(firsts, starts, side="right") - 1
-        run_stage = bases[run_piece % 2] + offsets[starts] - offsets[firsts][run_piece]
-        run_host = host[starts]
-        piece_runs = np.searchsorted(starts, lasts).tolist()
-        # With equal sizes the staging side is base + i * size: only the device side goes up.
-        # The uploads need nothing the job waits for, so they go first, while the copy stream
-        # may still be busy; the first piece's go alone, so that in an idle stream its
-        # kernel need not wait for the rest.
+        bases = [buffers[0].data_ptr(), buffers[1].data_ptr()]
+        n = sizes.size
+        # With equal sizes a fragment's staging offset is i * size: nothing to compute or upload per fragment.
+        uniform = int(sizes.min()) == largest if uniform is None else uniform
+        edges = None if uniform else np.concatenate(([0], np.cumsum(sizes)))  # fragment i's offset, then the total
+        firsts = self._pieces(edges, largest, n, store)
+        bounds = firsts + [n]
         if uniform:
             cols = (dev,)
         else:
-            piece = np.repeat(np.arange(firsts.size), lasts - firsts)
-            cols = (dev, bases[piece % 2] + offsets - offsets[firsts][piece], sizes)
-        split = int(lasts[0])
-        tables = kernels.upload(cols, kernel_stream, self._device, split)
+            piece = np.repeat(np.arange(len(firsts)), np.diff(bounds))
+            first_offset = edges[firsts]
+            cols = (dev, np.array(bases)[piece % 2] + edges[:-1] - first_offset[piece], sizes)
+        starts = (run_starts(host, sizes, largest if uniform else None) if starts is None else starts).tolist()
+        # The uploads need nothing the job waits for, so they go first, while the copy stream
+        # may still be busy; the first piece's go alone, so that in an idle stream its
+        # kernel need not wait for the rest.
+        split = bounds[1]
+        tables, keep = self._ring.upload(cols, kernel_stream, split)
+        held.append(keep)
         kernel_stream.wait_stream(stream)  # the job's own waits (compute, earlier jobs) hold for the kernel too
         free = [None, None]  # per buffer: the event after which it may be overwritten
-        r = 0
-        for k, (a, b) in enumerate(zip(firsts.tolist(), lasts.tolist())):
-            runs = slice(r, piece_runs[k])
-            r = piece_runs[k]
-            t = tables[0] if k == 0 else tables[1][:, a - split : b - split]
-            if uniform:
-                dev_col, stage_col, size_col = t[0], (int(bases[k % 2]), largest), (largest, 0)
-            else:
-                dev_col, stage_col, size_col = t[0], t[1], t[2]
-            kernel = (dev_col, stage_col) if store else (stage_col, dev_col)
-            if store:
-                if free[k % 2] is not None:
-                    kernel_stream.wait_event(free[k % 2])
-                kernels.run(*kernel, size_col, b - a, largest, kernel_stream, self.gather_programs)
-                stream.wait_event(_recorded(torch, kernel_stream))
-                held.append(self._ce(run_host[runs], run_stage[runs], run_bytes[runs], SRC_ACCESS_ORDER_STREAM, stream))
-                free[k % 2] = _recorded(torch, stream)
-            else:
-                if free[k % 2] is not None:
-                    stream.wait_event(free[k % 2])
-                held.append(self._ce(run_stage[runs], run_host[runs], run_bytes[runs], SRC_ACCESS_ORDER_STREAM, stream))
-                kernel_stream.wait_event(_recorded(torch, stream))
-                kernels.run(*kernel, size_col, b - a, largest, kernel_stream, self.gather_programs)
-                free[k % 2] = _recorded(torch, kernel_stream)
-        if not store:  # the job ends when its last scatter has landed
-            stream.wait_event(free[k % 2])
-        return held
+        try:
+            for k in range(len(firsts)):
+                a, b = bounds[k], bounds[k + 1]
+                base = bases[k % 2]
+                # The piece starts at offset 0 of its buffer (which holds staging_bytes * 5 / 4,
+                # more than a piece); the copy engines move its host-contiguous runs.
+                inner = starts[bisect.bisect_right(starts, a) : bisect.bisect_left(starts, b)]
+                cut = np.array([a, *inner, b], dtype=np.int64)
+                if uniform:
+                    run_stage, run_bytes = base + (cut[:-1] - a) * largest, (cut[1:] - cut[:-1]) * largest
+                else:
+                    e = edges[cut]
+                    run_stage, run_bytes = base + (e[:-1] - e[0]), e[1:] - e[:-1]
+                run_host = host[cut[:-1]]
+                length, at = (split, a) if k == 0 else (n - split, a - split)
+                col = [tables[k > 0] + 8 * (j * length + at) for j in range(len(cols))]  # column j, from fragment a
+                dev_col, stage_col, size_col = (col[0], (base, largest), (largest, 0)) if uniform else col
+                kernel = (dev_col, stage_col) if store else (stage_col, dev_col)
+                if store:
+                    if free[k % 2] is not None:
+                        kernel_stream.wait_event(free[k % 2])
+                    kernels.run(*kernel, size_col, b - a, largest, kernel_stream, self.gather_programs)
+                    stream.wait_event(_recorded(torch, kernel_stream))
+                    self._ce(run_host, run_stage, run_bytes, SRC_ACCESS_ORDER_STREAM, stream, held)
+                    free[k % 2] = _recorded(torch, stream)
+                else:
+                    if free[k % 2] is not None:
+                        stream.wait_event(free[k % 2])
+                    self._ce(run_stage, run_host, run_bytes, SRC_ACCESS_ORDER_STREAM, stream, held)
+                    kernel_stream.wait_event(_recorded(torch, stream))
+                    kernels.run(*kernel, size_col, b - a, largest, kernel_stream, self.gather_programs)
+                    free[k % 2] = _recorded(torch, kernel_stream)
+        finally:  # the job ends when the kernel stream's work has (a load's last scatter, the uploads)
+            stream.wait_stream(kernel_stream)
 
-    def _pieces(self, offsets: np.ndarray, total: int, store: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Staged's pieces, as first and end descriptor indices: 1 MiB, then four times larger
-        each up to `staging_bytes` (reversed for a load).
+    def _pieces(self, edges: np.ndarray | None, size: int, n: int, store: bool) -> list[int]:
+        """Staged's pieces, as the index of each one's first fragment: 1 MiB, then four times
+        larger each up to `staging_bytes` (reversed for a load). `edges` are the fragments'
+        offsets followed by their total, or None where all `n` fragments are `size` bytes.
 
         Only the first gather of a store and the last scatter of a load are not hidden behind
         the link; a small piece there keeps them short, and large pieces elsewhere keep the
         number of hand-overs between the two streams (a few microseconds each) low.
         """
+        total = n * size if edges is None else int(edges[-1])
         lengths, done = [], 0
         while done < total:
             lengths.append(min(self.staging_bytes, _FIRST_PIECE << (2 * len(lengths))))
             done += lengths[-1]
-        bounds = np.cumsum(lengths if store else lengths[::-1])[:-1]
-        cuts = np.unique(np.searchsorted(offsets, bounds))  # a piece starts at the first fragment past its bound
-        cuts = cuts[(cuts > 0) & (cuts < offsets.size)]
-        return np.concatenate(([0], cuts)), np.concatenate((cuts, [offsets.size]))
+        bounds = list(itertools.accumulate(lengths if store else lengths[::-1]))[:-1]
+        # a piece starts at the first fragment at or past its bound
+        cuts = [-(-x // size) for x in bounds] if edges is None else np.searchsorted(edges, bounds).tolist()
+        firsts = [0]
+        for cut in cuts:
+            if firsts[-1] < cut < n:
+                firsts.append(cut)
+        return firsts
 
     def calibrate(self, save: bool = True) -> dict:
         """Measure this GPU's copy costs (a few seconds), use them, and save them as its profile.
@@ -350,12 +394,12 @@ class CudaBackend(TorchDeviceBackend):
                 model.sm_gbps[d] = span / run("sm_gather", 4096, 65536) / 1e9
                 model.sm_desc_s[d] = run("sm_gather", 65536, 256) / 65536
 
-        def host_s(mechanism, n, size):  # the enqueue call's time on this machine's CPU
+        def host_s(mechanism, n, size, reps=15):  # the enqueue call's time on this machine's CPU
             dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr())
-            return measure.time_copy(self, mechanism, dev, hst, sizes, Direction.STORE, busy=True)["host_s"]
+            return measure.host_time(self, mechanism, dev, hst, sizes, Direction.STORE, reps)
 
         if "ce_batch" in self.available_mechanisms:
-            model.ce_host_s = host_s("ce_batch", 16384, 16384) / 16384
+            model.ce_host_s = host_s("ce_batch", 16384, 16384, reps=5) / 16384
         for mechanism, field in (("sm_gather", "sm_host_s"), ("staged", "staged_host_s")):
             if mechanism in self.available_mechanisms:
                 few, many = host_s(mechanism, 4096, 256), host_s(mechanism, 65536, 256)
@@ -368,8 +412,9 @@ class CudaBackend(TorchDeviceBackend):
                 dev_a, dev_b, sizes = measure.fragments(n, size, device.data_ptr(), staging.data_ptr())
                 for _ in range(2):  # the first launch compiles
                     start.record(stream)
-                    kernels.launch(dev_a, dev_b, sizes, stream, self._device, self.gather_programs)
+                    kernels.launch(dev_a, dev_b, sizes, stream, self.gather_programs, self._ring)
                     end.record(stream)
+                    self._ring.retire(end)
                     end.synchronize()
                 return start.elapsed_time(end) / 1e3
 
@@ -424,13 +469,19 @@ def _recorded(torch, stream):
     return event
 
 
-def host_runs(host: np.ndarray, sizes: np.ndarray, breaks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Where runs of descriptors that are contiguous on the host start, and their bytes; a run
-    also starts at each index in `breaks`."""
+def run_starts(host: np.ndarray, sizes: np.ndarray, size: int | None = None) -> np.ndarray:
+    """The indices where runs of descriptors that are contiguous on the host start; `size`,
+    where every descriptor has that size, saves a pass."""
     new_run = np.empty(host.size, dtype=bool)
     new_run[0] = True
-    np.not_equal(host[1:], host[:-1] + sizes[:-1], out=new_run[1:])
-    if breaks is not None:
-        new_run[breaks] = True
-    starts = np.flatnonzero(new_run)
+    if size is None:
+        np.not_equal(host[1:], host[:-1] + sizes[:-1], out=new_run[1:])
+    else:
+        np.not_equal(host[1:] - host[:-1], size, out=new_run[1:])
+    return new_run.nonzero()[0]
+
+
+def host_runs(host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where runs of descriptors that are contiguous on the host start, and their bytes."""
+    starts = run_starts(host, sizes)
     return starts, np.add.reduceat(sizes, starts)

@@ -44,6 +44,29 @@ def time_copy(backend, mechanism: str, src, dst, sizes, direction: Direction, *,
     return best
 
 
+def host_time(backend, mechanism: str, src, dst, sizes, direction: Direction, reps: int = 15) -> float:
+    """Median host seconds of one enqueue (``copy_batch``) as an engine makes them: back to
+    back, behind a busy stream. The first enqueue after the GPU went idle is slower (on the
+    H200's host 2-4x, in every mechanism), so `time_copy`'s ``host_s`` is not the steady state."""
+    torch = backend._torch
+    stream = backend.new_stream()
+    saved, backend.mechanism = backend.mechanism, mechanism
+    try:
+        backend.copy_batch(src, dst, sizes, direction, stream)  # staging buffers, compiled kernels
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            backend.copy_batch(src, dst, sizes, direction, stream)
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    finally:
+        backend.mechanism = saved
+    return float(np.median(times))
+
+
 def time_both(backend, mechanism: str, store_args, load_args, *, released: str, reps: int = 3) -> list[float]:
     """Device seconds, per rep, for a store and a load on two streams at the same time.
 

@@ -2,17 +2,24 @@
 
 Per job, from its direction, descriptor count, bytes and (for ``staged``) how many
 host-contiguous runs its descriptors form. A job costs the larger of its device time and
-the host time it takes to enqueue: ``cuMemcpyBatchAsync`` spends about 0.8 us of host time
-per copy, so below about 48 KiB a batch of many copies is bound by the host, not the link.
+the host time it takes to enqueue, measured as an engine submits: back to back, while the
+stream is busy. ``cuMemcpyBatchAsync`` spends 0.4-0.8 us of host time per copy, so below
+about 32 KiB a batch of many copies is bound by the host, not the link.
 
 * ``ce_batch``: ``n * max(c_desc, mean_size / bw_ce + c_tail) + launch``: copy engines pay a
   fixed cost per descriptor, or move at link speed plus a small per-copy tail, whichever is
   slower (this fits the H200's batch figures from 256 B to 2 MiB within 15%);
-* ``sm_gather``: ``max(bytes / bw_sm, n * c_sm) + min(...) / 2 + upload + launch``: the
-  kernel's per-copy cost (descriptor reads, short loops) overlaps its link time only in part;
+* ``sm_gather``: ``bytes / bw_sm + n * (t_256 - 256 / bw_sm) + upload + launch``: link
+  speed plus what a 256-byte copy costs beyond its bytes (descriptor reads, short loops;
+  0.5 ns on the H200, which fits its figures from 256 B to 2 MiB within 2%);
 * ``staged``: the device-side gather (``bytes / bw_gather + n * c_gather``) and ``runs``
   copy-engine copies, pipelined: the slower of the two, plus a little of the other;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
+
+``sm_gather`` must also win by `sm_penalty` (25%): its estimate counts the link alone, but it
+holds SMs for the whole transfer (a concurrent matmul ran 41-63% slower while it stored) and
+two of its jobs at once, one per direction, shared about 60 GB/s where the copy engines reach
+100 (docs/benchmarks.md). It is for jobs nothing else moves well: scattered small fragments.
 """
 
 from __future__ import annotations
@@ -38,11 +45,12 @@ class CostModel:
     sm_host_s: tuple = (730e-6, 6.8e-9)  # host time of sm_gather: per job, per copy
     staged_host_s: tuple = (1.08e-3, 14e-9)  # host time of staged: per job, per copy
     sm_gbps: dict = field(default_factory=lambda: {"store": 52.4, "load": 51.2})
-    sm_desc_s: dict = field(default_factory=lambda: {"store": 5.4e-9, "load": 5.5e-9})  # 256 B copies, 32 programs
+    sm_desc_s: dict = field(default_factory=lambda: {"store": 5.4e-9, "load": 5.5e-9})  # a 256 B copy, whole: job / n
     gather_gbps: float = 440.0  # device-side gather of scattered 16 KiB pages into staging, upload included
     gather_desc_s: float = 8e-9
+    sm_penalty: float = 1.25  # sm_gather's estimate times this, in the choice
     launch_s: float = 8e-6  # a kernel launch or a batch call
-    upload_s_per_desc: float = 2e-9  # descriptors through pinned memory to the device
+    upload_s_per_desc: float = 0.3e-9  # two 8-byte columns per descriptor over the link
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
     source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit 0600567"
 
@@ -53,8 +61,9 @@ class CostModel:
             device = n * self._ce_per_copy(direction, nbytes / n) + self.launch_s
             return max(device, n * self.ce_host_s)
         if mechanism == "sm_gather":
-            link, per_copy = nbytes / (self.sm_gbps[direction] * 1e9), n * self.sm_desc_s[direction]
-            device = max(link, per_copy) + min(link, per_copy) / 2 + n * self.upload_s_per_desc + self.launch_s
+            bw = self.sm_gbps[direction] * 1e9
+            per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)
+            device = nbytes / bw + n * (per_copy + self.upload_s_per_desc) + self.launch_s
             return max(device, self.sm_host_s[0] + n * self.sm_host_s[1])
         if mechanism == "staged":
             runs = n if runs is None else runs
@@ -74,7 +83,7 @@ class CostModel:
         best, best_t = available[0], float("inf")
         for mech in available:
             r = runs() if (mech == "staged" and callable(runs)) else runs
-            t = self.estimate(mech, direction, n, nbytes, r)
+            t = self.estimate(mech, direction, n, nbytes, r) * (self.sm_penalty if mech == "sm_gather" else 1.0)
             if t < best_t * 0.98:  # ties go to the earlier (copy-engine) mechanism: it leaves SMs alone
                 best, best_t = mech, t
         return best
