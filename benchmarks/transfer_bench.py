@@ -10,8 +10,10 @@ DIR/transfer.png (GB/s against fragment size per mechanism). Sections:
 1. the limit: one 256 MiB pinned copy each way, and both ways at once;
 2. fragments of 256 B .. 2 MiB, device side scattered, host side in 2 MiB rows: GB/s of each
    mechanism and of auto, store / load with the copy stream busy (device time) and idle
-   (device time and wall-clock from submit to completion), and both at once (best and worst
-   of 5, released by one event or each after its own stream's work), as ratios to (1);
+   (device time and wall-clock from submit to completion), eight jobs back to back from an
+   idle GPU (wall-clock: host and device time together, as an engine sees them; and the
+   host time of one enqueue), and both at once (best and worst of 5, released by one event
+   or each after its own stream's work), as ratios to (1);
 3. end to end through OffloadWorker for two model presets;
 4. compute interference: slowdown of a warmed-up bf16 matmul loop while each mechanism
    copies 256 B, 4 KiB or 16 KiB fragments.
@@ -88,6 +90,9 @@ def main() -> None:
                 row[f"{name}_idle_gbps"] = gbps(nbytes, idle["event_s"])
                 row[f"{name}_idle_wall_gbps"] = gbps(nbytes, idle["wall_s"])
                 row[f"{name}_ratio"] = row[f"{name}_busy_gbps"] / limit[name]
+                jobs = measure.time_jobs(be, mech, *a)
+                row[f"{name}_jobs_gbps"] = gbps(8 * nbytes, jobs["wall_s"])
+                row[f"{name}_host_us"] = jobs["host_s"] * 1e6
             for released in ("together", "own"):
                 times = measure.time_both(be, mech, st, ld, released=released, reps=5)
                 row[f"both_{released}_gbps"] = [gbps(2 * nbytes, max(times)), gbps(2 * nbytes, min(times))]  # worst, best
@@ -185,8 +190,9 @@ def markdown(r: dict) -> str:
     lines = [f"{r['device']}, torch {r['torch']}, {r['date']}; auto's cost model: {r['cost_model']}.", "",
              f"Limit: store {lim['store']:.1f} GB/s, load {lim['load']:.1f} GB/s, both at once {lim['both']:.1f} GB/s.", ""]
     lines.append("| fragment | mechanism | store GB/s (of limit) | load GB/s (of limit) | both, own: best / worst GB/s (of limit) "
-                 "| both, together: best / worst GB/s (of limit) | store idle: device / wall GB/s | load idle: device / wall GB/s | auto chose |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+                 "| both, together: best / worst GB/s (of limit) | store idle: device / wall GB/s | load idle: device / wall GB/s "
+                 "| 8 jobs back to back, store / load GB/s (of limit) | enqueue µs per job, store / load | auto chose |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for x in r["fragments"]:
         size = f"{x['size'] // 1024} KiB" if x["size"] >= 1024 else f"{x['size']} B"
         if x["size"] >= 1 << 20:
@@ -195,7 +201,9 @@ def markdown(r: dict) -> str:
         lines.append(
             f"| {size} | {x['mechanism']} | {x['store_busy_gbps']:.1f} ({x['store_ratio']:.0%}) | {x['load_busy_gbps']:.1f} ({x['load_ratio']:.0%}) "
             f"| {both(x, 'own')} | {both(x, 'together')} | {x['store_idle_gbps']:.1f} / {x['store_idle_wall_gbps']:.1f} "
-            f"| {x['load_idle_gbps']:.1f} / {x['load_idle_wall_gbps']:.1f} | {chose} |")
+            f"| {x['load_idle_gbps']:.1f} / {x['load_idle_wall_gbps']:.1f} "
+            f"| {x['store_jobs_gbps']:.1f} ({x['store_jobs_gbps'] / lim['store']:.0%}) / {x['load_jobs_gbps']:.1f} ({x['load_jobs_gbps'] / lim['load']:.0%}) "
+            f"| {x['store_host_us']:.0f} / {x['load_host_us']:.0f} | {chose} |")
     lines += ["", "| preset | mechanism | verified | store GB/s (of limit) | load GB/s (of limit) | descriptors/job | plan+submit µs |", "|---|---|---|---|---|---|---|"]
     for x in r["end_to_end"]:
         lines.append(f"| {x['preset']} | {x['mechanism']} | {x['verified']} | {x['store_gbps']:.1f} ({x['store_ratio']:.0%}) "
