@@ -16,11 +16,22 @@ from offload_core.backend import Direction
 SLEEP_CYCLES = 100_000_000  # about 50 ms: longer than enqueueing the largest batch we time
 
 
+def streams(backend) -> tuple:
+    """Three copy streams per backend, made once and reused by every measurement, as an
+    engine reuses its two: each new stream of the backend gets staging buffers, and the
+    GPU spreads streams over a few hardware queues (8 by default) in creation order, so a
+    benchmark that made a stream per case would pair streams an engine never pairs."""
+    made = getattr(backend, "_measure_streams", None)
+    if made is None:
+        made = backend._measure_streams = tuple(backend.new_stream() for _ in range(3))
+    return made
+
+
 def time_copy(backend, mechanism: str, src, dst, sizes, direction: Direction, *, busy: bool, reps: int = 3) -> dict:
     """Best of `reps`: device seconds (events), wall seconds (submit to completion) and host
     seconds (the enqueue call alone)."""
     torch = backend._torch
-    stream = backend.new_stream()
+    stream = streams(backend)[0]
     saved, backend.mechanism = backend.mechanism, mechanism
     best = {"event_s": float("inf"), "wall_s": float("inf"), "host_s": float("inf"), "mechanism": mechanism}
     try:
@@ -49,7 +60,7 @@ def host_time(backend, mechanism: str, src, dst, sizes, direction: Direction, re
     back, behind a busy stream. The first enqueue after the GPU went idle is slower (on the
     H200's host 2-4x, in every mechanism), so `time_copy`'s ``host_s`` is not the steady state."""
     torch = backend._torch
-    stream = backend.new_stream()
+    stream = streams(backend)[0]
     saved, backend.mechanism = backend.mechanism, mechanism
     try:
         backend.copy_batch(src, dst, sizes, direction, stream)  # staging buffers, compiled kernels
@@ -72,7 +83,7 @@ def time_jobs(backend, mechanism: str, src, dst, sizes, direction: Direction, jo
     on an idle GPU to the last job's completion (host and device time together), and the
     median host seconds of one enqueue."""
     torch = backend._torch
-    stream, end = backend.new_stream(), backend.new_event()
+    stream, end = streams(backend)[0], backend.new_event()
     saved, backend.mechanism = backend.mechanism, mechanism
     try:
         backend.copy_batch(src, dst, sizes, direction, stream)  # staging buffers, compiled kernels
@@ -100,7 +111,7 @@ def time_both(backend, mechanism: str, store_args, load_args, *, released: str, 
     earlier work). The H200's copy engines treat the two differently: see docs/benchmarks.md.
     """
     torch = backend._torch
-    gate_stream, s1, s2 = backend.new_stream(), backend.new_stream(), backend.new_stream()
+    s1, s2, gate_stream = streams(backend)
     saved, backend.mechanism = backend.mechanism, mechanism
     times = []
     try:
