@@ -305,3 +305,12 @@ def test_descriptor_ring_reuses_its_memory_and_falls_back_when_full():
     busy.done = True
     (third,), keep = ring.upload([np.arange(60)], stream)
     assert keep == [] and third == first  # the first job has passed: its memory is reused
+
+
+def test_small_fragments_in_host_rows_are_staged_and_scattered_ones_gathered():
+    """256 B fragments: staging wins where they form few host runs (2 MiB rows), even where
+    sm_gather is a little faster alone; where every fragment is its own run, sm_gather."""
+    model, n = CostModel(), 65536
+    assert model.choose("store", n, n * 256, MECHANISMS, runs=8) == "staged"
+    assert model.choose("load", n, n * 256, MECHANISMS, runs=8) == "staged"
+    assert model.choose("store", n, n * 256, MECHANISMS, runs=n) == "sm_gather"

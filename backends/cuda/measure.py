@@ -56,26 +56,11 @@ def time_copy(backend, mechanism: str, src, dst, sizes, direction: Direction, *,
 
 
 def host_time(backend, mechanism: str, src, dst, sizes, direction: Direction, reps: int = 15) -> float:
-    """Median host seconds of one enqueue (``copy_batch``) as an engine makes them: back to
-    back, behind a busy stream. The first enqueue after the GPU went idle is slower (on the
-    H200's host 2-4x, in every mechanism), so `time_copy`'s ``host_s`` is not the steady state."""
-    torch = backend._torch
-    stream = streams(backend)[0]
-    saved, backend.mechanism = backend.mechanism, mechanism
-    try:
-        backend.copy_batch(src, dst, sizes, direction, stream)  # staging buffers, compiled kernels
-        torch.cuda.synchronize()
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(SLEEP_CYCLES)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            backend.copy_batch(src, dst, sizes, direction, stream)
-            times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    finally:
-        backend.mechanism = saved
-    return float(np.median(times))
+    """Median host seconds of one enqueue (``copy_batch``) as an engine makes them: job after
+    job while the GPU works on the earlier ones (`time_jobs`). Two other ways read high on the
+    H200's host: the first enqueue after the GPU went idle (2-4x), and enqueues behind a
+    sleeping stream (1.3-1.5x: work queued behind a blocked stream costs the driver more)."""
+    return time_jobs(backend, mechanism, src, dst, sizes, direction, jobs=reps)["host_s"]
 
 
 def time_jobs(backend, mechanism: str, src, dst, sizes, direction: Direction, jobs: int = 8) -> dict:
