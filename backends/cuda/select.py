@@ -20,12 +20,14 @@ about 32 KiB a batch of many copies is bound by the host, not the link.
   the batch calls' host time as in ``ce_batch``;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
 
-``sm_gather`` must also win by `sm_penalty` (1.5x): its estimate counts one direction alone,
+``sm_gather`` must also be `sm_penalty` (2x) faster: its estimate counts one direction alone,
 but two of its jobs at once, one per direction, shared about 61 GB/s where staging and the
 copy engines reach 100, and it holds SMs for the whole transfer (a concurrent matmul ran
-40-48% slower while it stored; staging cost it under 1%; docs/benchmarks.md). It is for jobs
-nothing else moves well: small fragments scattered on the host side too (canonical layouts,
-where it is 10-80x faster).
+40-48% slower while it stored; staging cost it under 1%; docs/benchmarks.md). Where it is
+merely faster (256 B fragments in host rows: 10-30% in one direction, job after job) that
+does not pay; it is for jobs nothing else moves well: small fragments scattered on the host
+side too (canonical layouts, where it is 10-80x faster), and small jobs, where the host time
+of staging's pieces dominates.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class CostModel:
     sm_desc_s: dict = field(default_factory=lambda: {"store": 5.4e-9, "load": 5.5e-9})  # a 256 B copy, whole: job / n
     gather_gbps: float = 1170.0  # device-side gather of scattered 16 KiB pages into staging
     gather_desc_s: float = 2.8e-9
-    sm_penalty: float = 1.5  # sm_gather's estimate times this, in the choice
+    sm_penalty: float = 2.0  # sm_gather's estimate times this, in the choice
     launch_s: float = 8e-6  # a kernel launch or a batch call
     upload_s_per_desc: float = 0.3e-9  # two 8-byte columns per descriptor over the link
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
