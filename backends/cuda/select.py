@@ -20,14 +20,15 @@ about 32 KiB a batch of many copies is bound by the host, not the link.
   the batch calls' host time as in ``ce_batch``;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
 
-``sm_gather`` must also be `sm_penalty` (2x) faster: its estimate counts one direction alone,
+In the choice, ``sm_gather``'s device time counts `sm_penalty` (2x): the estimate sees one direction alone,
 but two of its jobs at once, one per direction, shared about 61 GB/s where staging and the
 copy engines reach 100, and it holds SMs for the whole transfer (a concurrent matmul ran
 40-48% slower while it stored; staging cost it under 1%; docs/benchmarks.md). Where it is
 merely faster (256 B fragments in host rows: 10-30% in one direction, job after job) that
 does not pay; it is for jobs nothing else moves well: small fragments scattered on the host
 side too (canonical layouts, where it is 10-80x faster), and small jobs, where the host time
-of staging's pieces dominates.
+of staging's pieces dominates (the penalty leaves host time alone: SMs are busy only while
+the kernel runs).
 """
 
 from __future__ import annotations
@@ -46,25 +47,26 @@ MECHANISMS = ("ce_batch", "staged", "sm_gather", "ce_loop")
 class CostModel:
     """Seconds a job takes, per mechanism. Defaults: NVIDIA H200, PCIe Gen5 (shared/measurements-h200.md)."""
 
-    ce_desc_s: dict = field(default_factory=lambda: {"store": 377e-9, "load": 239e-9})  # 256 B copies: 0.7 / 1.1 GB/s
+    ce_desc_s: dict = field(default_factory=lambda: {"store": 222e-9, "load": 256e-9})  # 256 B copies: 1.2 / 1.0 GB/s
     ce_gbps: dict = field(default_factory=lambda: {"store": 55.3, "load": 55.4})
     ce_tail_s: float = 1.2e-9  # what a 16 KiB copy costs beyond its bytes at link speed
-    ce_host_s: float = 0.39e-6  # host time per copy inside the batch call (16 KiB copies)
+    ce_host_s: float = 0.40e-6  # host time per copy inside the batch call (16 KiB copies)
     # host time of one enqueue, back to back behind a busy stream: per job, per copy
-    sm_host_s: tuple = (47e-6, 4.6e-9)
-    staged_host_s: tuple = (82e-6, 5.3e-9)
-    sm_gbps: dict = field(default_factory=lambda: {"store": 52.5, "load": 51.2})
-    sm_desc_s: dict = field(default_factory=lambda: {"store": 5.4e-9, "load": 5.5e-9})  # a 256 B copy, whole: job / n
-    gather_gbps: float = 1170.0  # device-side gather of scattered 16 KiB pages into staging
+    sm_host_s: tuple = (41e-6, 3.3e-9)
+    staged_host_s: tuple = (86e-6, 5.5e-9)
+    sm_gbps: dict = field(default_factory=lambda: {"store": 52.3, "load": 50.9})
+    sm_desc_s: dict = field(default_factory=lambda: {"store": 5.4e-9, "load": 5.6e-9})  # a 256 B copy, whole: job / n
+    gather_gbps: float = 1330.0  # device-side gather of scattered 16 KiB pages into staging
     gather_desc_s: float = 2.8e-9
-    sm_penalty: float = 2.0  # sm_gather's estimate times this, in the choice
+    sm_penalty: float = 2.0  # sm_gather's device time times this, in the choice
     launch_s: float = 8e-6  # a kernel launch or a batch call
     upload_s_per_desc: float = 0.3e-9  # two 8-byte columns per descriptor over the link
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
-    source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit 28913ff"
+    source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit f7eda75 (ce_tail_s from 28913ff)"
 
-    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None) -> float:
-        """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total."""
+    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None, sm_weight: float = 1.0) -> float:
+        """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total;
+        `sm_weight` multiplies sm_gather's device time (see `sm_penalty`)."""
         ce_bw = self.ce_gbps[direction] * 1e9
         if mechanism == "ce_batch":
             device = n * self._ce_per_copy(direction, nbytes / n) + self.launch_s
@@ -73,7 +75,7 @@ class CostModel:
             bw = self.sm_gbps[direction] * 1e9
             per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)
             device = nbytes / bw + n * (per_copy + self.upload_s_per_desc) + self.launch_s
-            return max(device, self.sm_host_s[0] + n * self.sm_host_s[1])
+            return max(device * sm_weight, self.sm_host_s[0] + n * self.sm_host_s[1])
         if mechanism == "staged":
             runs = n if runs is None else runs
             link = runs * self._ce_per_copy(direction, nbytes / runs)
@@ -94,7 +96,7 @@ class CostModel:
         best, best_t = available[0], float("inf")
         for mech in available:
             r = runs() if (mech == "staged" and callable(runs)) else runs
-            t = self.estimate(mech, direction, n, nbytes, r) * (self.sm_penalty if mech == "sm_gather" else 1.0)
+            t = self.estimate(mech, direction, n, nbytes, r, self.sm_penalty)
             if t < best_t * 0.98:  # ties go to the earlier (copy-engine) mechanism: it leaves SMs alone
                 best, best_t = mech, t
         return best
