@@ -170,10 +170,7 @@ class CudaBackend(TorchDeviceBackend):
         held: list = []  # what the device may still read when this returns
         with self._on_device():
             try:
-                if mechanism in ("staged", "sm_gather"):
-                    getattr(self, f"_{mechanism}")(src, dst, sizes, direction, stream, held, shape)
-                else:
-                    getattr(self, f"_{mechanism}")(src, dst, sizes, direction, stream, held)
+                getattr(self, f"_{mechanism}")(src, dst, sizes, direction, stream, held, shape)
             finally:  # also after a failed call: copies enqueued before it may still read
                 event = self._torch.cuda.Event()
                 event.record(stream)
@@ -228,7 +225,8 @@ class CudaBackend(TorchDeviceBackend):
 
     # ---- the mechanisms ----------------------------------------------------
 
-    # Each mechanism enqueues on `stream` and appends to `held` what must outlive the enqueue.
+    # Each mechanism enqueues on `stream` and appends to `held` what must outlive the enqueue;
+    # `shape` is what `_choose` learned about the job, or None.
 
     def _ce(self, dst, src, sizes, order, stream, held) -> None:
         if self.driver.memcpy_batch is not None:
@@ -236,11 +234,11 @@ class CudaBackend(TorchDeviceBackend):
         else:
             self.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
 
-    def _ce_batch(self, src, dst, sizes, direction, stream, held) -> None:
+    def _ce_batch(self, src, dst, sizes, direction, stream, held, shape=None) -> None:
         order = SRC_ACCESS_ORDER_STREAM if direction is Direction.STORE else SRC_ACCESS_ORDER_ANY
         held.append(self.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, self.max_batch))
 
-    def _ce_loop(self, src, dst, sizes, direction, stream, held) -> None:
+    def _ce_loop(self, src, dst, sizes, direction, stream, held, shape=None) -> None:
         self.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
 
     def _sm_gather(self, src, dst, sizes, direction, stream, held, shape=None) -> None:
@@ -253,7 +251,7 @@ class CudaBackend(TorchDeviceBackend):
         piece k over the link on `stream`, the kernel gathers piece k+1 (or scatters piece
         k-1) on a companion stream, so the link sees only host-contiguous runs and the
         kernel's time hides behind it. Fragments too large to gain from staging go straight
-        through the copy engines. `shape` may bring what `_choose` learned about the job.
+        through the copy engines.
 
         Staging pays where a job's fragments form few host runs, so the bookkeeping per piece
         and run is plain Python: numpy's fixed cost per call dominated it (docs/benchmarks.md).

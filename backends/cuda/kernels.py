@@ -103,7 +103,7 @@ def _spec(value: int) -> tuple:
 
 
 _compiled: dict = {}  # (kernel, constexprs, argument specializations) -> Triton's compiled kernel
-_fast = [True]  # False once the compiled kernel's own launcher is found unusable (another Triton)
+_fast = True  # False once the compiled kernel's own launcher is found unusable (another Triton)
 
 
 def _launch(kernel, programs: int, args: list, constexprs: dict, stream) -> None:
@@ -113,14 +113,15 @@ def _launch(kernel, programs: int, args: list, constexprs: dict, stream) -> None
 
     The arguments are all ints, so the key here covers everything Triton specializes on.
     """
+    global _fast
     key = (kernel, *constexprs.values(), *map(_spec, args))
     compiled = _compiled.get(key)
-    if compiled is not None and _fast[0]:
+    if compiled is not None and _fast:
         try:
             compiled[(programs, 1, 1)](*args, *constexprs.values(), stream=stream.cuda_stream)
             return
         except (TypeError, IndexError, AttributeError):  # a Triton whose launcher differs: dispatch as usual
-            _fast[0] = False
+            _fast = False
     import torch
 
     with torch.cuda.stream(stream):

@@ -59,7 +59,7 @@ def host_time(backend, mechanism: str, src, dst, sizes, direction: Direction, re
     """Median host seconds of one enqueue (``copy_batch``) as an engine makes them: job after
     job while the GPU works on the earlier ones (`time_jobs`). Two other ways read high on the
     H200's host: the first enqueue after the GPU went idle (2-4x), and enqueues behind a
-    sleeping stream (1.3-1.5x: work queued behind a blocked stream costs the driver more)."""
+    sleeping stream (1.3-1.5x)."""
     return time_jobs(backend, mechanism, src, dst, sizes, direction, jobs=reps)["host_s"]
 
 

@@ -2,9 +2,9 @@
 
 Per job, from its direction, descriptor count, bytes and (for ``staged``) how many
 host-contiguous runs its descriptors form. A job costs the larger of its device time and
-the host time it takes to enqueue, measured as an engine submits: back to back, while the
-stream is busy. ``cuMemcpyBatchAsync`` spends 0.4-0.8 us of host time per copy, so below
-about 32 KiB a batch of many copies is bound by the host, not the link.
+the host time it takes to enqueue, measured as an engine submits: job after job while the GPU
+works on the earlier ones. ``cuMemcpyBatchAsync`` spends about 0.4 us of host time per copy,
+so below about 32 KiB a batch of many copies is bound by the host, not the link.
 
 * ``ce_batch``: ``n * max(c_desc, mean_size / bw_ce + c_tail) + launch``: copy engines pay a
   fixed cost per descriptor, or move at link speed plus a small per-copy tail, whichever is
@@ -20,10 +20,11 @@ about 32 KiB a batch of many copies is bound by the host, not the link.
   the batch calls' host time as in ``ce_batch``;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
 
-In the choice, ``sm_gather``'s device time counts `sm_penalty` (2x): the estimate sees one direction alone,
-but two of its jobs at once, one per direction, shared about 61 GB/s where staging and the
-copy engines reach 100, and it holds SMs for the whole transfer (a concurrent matmul ran
-40-48% slower while it stored; staging cost it under 1%; docs/benchmarks.md). Where it is
+In the choice, ``sm_gather``'s device time counts `sm_penalty` (2x) times: the estimate sees
+one direction alone, but two of its jobs at once, one per direction, shared about 61 GB/s
+where staging and the copy engines reach 100, and it holds SMs for the whole transfer (a
+concurrent matmul ran 40-61% slower while it stored; staging cost it under 1.5%;
+docs/benchmarks.md). Where it is
 merely faster (256 B fragments in host rows: 10-30% in one direction, job after job) that
 does not pay; it is for jobs nothing else moves well: small fragments scattered on the host
 side too (canonical layouts, where it is 10-80x faster), and small jobs, where the host time
