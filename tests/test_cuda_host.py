@@ -314,3 +314,67 @@ def test_small_fragments_in_host_rows_are_staged_and_scattered_ones_gathered():
     assert model.choose("store", n, n * 256, MECHANISMS, runs=8) == "staged"
     assert model.choose("load", n, n * 256, MECHANISMS, runs=8) == "staged"
     assert model.choose("store", n, n * 256, MECHANISMS, runs=n) == "sm_gather"
+
+
+class FakeCompiled:
+    """Triton's compiled kernel as `kernels._launch` uses it: ``compiled[grid](*args, stream=)``."""
+
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            if self.fail:
+                raise TypeError("launcher of another Triton")
+            self.calls.append((grid, args, stream))
+        return runner
+
+
+class FakeKernel:
+    """A JIT kernel: ``kernel[grid](*args, **constexprs)`` launches and returns the compiled kernel."""
+
+    def __init__(self, compiled):
+        self.calls, self.compiled = [], compiled
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            self.calls.append((grid, args, constexprs))
+            return self.compiled
+        return launch
+
+
+def test_kernels_launch_through_the_compiled_kernel_once_a_specialization_was_seen(monkeypatch):
+    import contextlib
+
+    import torch
+
+    monkeypatch.setattr(kernels, "_compiled", {})
+    monkeypatch.setattr(kernels, "_fast", True)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    compiled = FakeCompiled()
+    kernel = FakeKernel(compiled)
+    stream = SimpleNamespace(cuda_stream=0xABC)
+    consts = {"ARRAY": True, "D": 128}
+    kernels._launch(kernel, 5, [1, 32, 1 << 40], consts, stream)
+    assert kernel.calls == [((5,), (1, 32, 1 << 40), consts)] and compiled.calls == []
+    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 16], consts, stream)  # same specialization
+    assert compiled.calls == [((7, 1, 1), (1, 48, (1 << 40) + 16, True, 128), 0xABC)]
+    kernels._launch(kernel, 7, [2, 48, (1 << 40) + 16], consts, stream)  # 1 was a constant to Triton
+    kernels._launch(kernel, 7, [1, 40, (1 << 40) + 16], consts, stream)  # 40 is not a multiple of 16
+    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 8], consts, stream)
+    assert len(kernel.calls) == 4 and len(compiled.calls) == 1
+
+
+def test_kernels_launch_falls_back_to_triton_dispatch_when_its_launcher_differs(monkeypatch):
+    import contextlib
+
+    import torch
+
+    monkeypatch.setattr(kernels, "_compiled", {})
+    monkeypatch.setattr(kernels, "_fast", True)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    kernel = FakeKernel(FakeCompiled(fail=True))
+    stream = SimpleNamespace(cuda_stream=1)
+    for _ in range(3):
+        kernels._launch(kernel, 4, [64], {"W": 32}, stream)
+    assert len(kernel.calls) == 3 and kernels._fast is False
