@@ -343,7 +343,9 @@ class FakeKernel:
         return launch
 
 
-def test_kernels_launch_through_the_compiled_kernel_once_a_specialization_was_seen(monkeypatch):
+@pytest.fixture
+def launch_cache(monkeypatch):
+    """An empty compiled-kernel cache, and torch's stream context as a no-op (no GPU here)."""
     import contextlib
 
     import torch
@@ -351,6 +353,9 @@ def test_kernels_launch_through_the_compiled_kernel_once_a_specialization_was_se
     monkeypatch.setattr(kernels, "_compiled", {})
     monkeypatch.setattr(kernels, "_fast", True)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+
+def test_kernels_launch_through_the_compiled_kernel_once_a_specialization_was_seen(launch_cache):
     compiled = FakeCompiled()
     kernel = FakeKernel(compiled)
     stream = SimpleNamespace(cuda_stream=0xABC)
@@ -365,14 +370,7 @@ def test_kernels_launch_through_the_compiled_kernel_once_a_specialization_was_se
     assert len(kernel.calls) == 4 and len(compiled.calls) == 1
 
 
-def test_kernels_launch_falls_back_to_triton_dispatch_when_its_launcher_differs(monkeypatch):
-    import contextlib
-
-    import torch
-
-    monkeypatch.setattr(kernels, "_compiled", {})
-    monkeypatch.setattr(kernels, "_fast", True)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+def test_kernels_launch_falls_back_to_triton_dispatch_when_its_launcher_differs(launch_cache):
     kernel = FakeKernel(FakeCompiled(fail=True))
     stream = SimpleNamespace(cuda_stream=1)
     for _ in range(3):
