@@ -90,10 +90,13 @@ def time_jobs(backend, mechanism: str, src, dst, sizes, direction: Direction, jo
 def time_both(backend, mechanism: str, store_args, load_args, *, released: str, reps: int = 3) -> list[float]:
     """Device seconds, per rep, for a store and a load on two streams at the same time.
 
-    `released` says what they wait for: ``"together"``, one event that a third stream
-    records after a sleep (both start at the same instant, as when both wait for the same
-    compute), or ``"own"``, a sleep on each copy stream (each starts after its own stream's
-    earlier work). The H200's copy engines treat the two differently: see docs/benchmarks.md.
+    A sleep on a third stream holds both until everything is enqueued. `released` says what
+    each copy stream then waits for: ``"together"``, that one event (both start at the same
+    instant, as when both wait for the same compute), or ``"own"``, a short sleep on its own
+    stream, both released by that event (each starts after its own stream's earlier work, at
+    the same time). The H200's copy engines treat the two differently: see docs/benchmarks.md.
+    An earlier "own" slept each copy stream separately, so the second stream started one
+    launch later than the first, and a short job counted that as its own time.
     """
     torch = backend._torch
     s1, s2, gate_stream = streams(backend)
@@ -102,18 +105,16 @@ def time_both(backend, mechanism: str, store_args, load_args, *, released: str, 
     try:
         for rep in range(reps + 1):  # rep 0 warms up: the new streams' staging buffers are made in it
             torch.cuda.synchronize()
-            start, e1, e2 = backend.new_event(), backend.new_event(), backend.new_event()
-            if released == "together":
-                with torch.cuda.stream(gate_stream):
-                    torch.cuda._sleep(SLEEP_CYCLES)
-                start.record(gate_stream)
-                s1.wait_event(start)
-                s2.wait_event(start)
-            else:
-                for stream in (s1, s2):
+            gate, start, e1, e2 = (backend.new_event() for _ in range(4))
+            with torch.cuda.stream(gate_stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+            gate.record(gate_stream)
+            for stream in (s1, s2):
+                stream.wait_event(gate)
+                if released == "own":
                     with torch.cuda.stream(stream):
-                        torch.cuda._sleep(SLEEP_CYCLES)
-                start.record(s1)
+                        torch.cuda._sleep(SLEEP_CYCLES // 100)
+            start.record(s1)
             for stream, args, end in ((s1, store_args, e1), (s2, load_args, e2)):
                 backend.copy_batch(*args, stream)
                 end.record(stream)
