@@ -67,7 +67,7 @@ class Prefer:
     def __init__(self, mechanism):
         self.mechanism = mechanism
 
-    def choose(self, direction, n, nbytes, available, runs):
+    def choose(self, direction, n, nbytes, available, runs, pieces=1):
         if self.mechanism == "staged":
             runs()
         return self.mechanism

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from offload_core.backends.cuda import host_runs, kernels, run_starts
 from offload_core.backends.cuda import driver as drv
-from offload_core.backends.cuda.select import MECHANISMS, CostModel, profile_path
+from offload_core.backends.cuda.select import MECHANISMS, CostModel, piece_bounds, profile_path
 
 
 def test_memcpy_attributes_has_the_driver_layout():
@@ -215,7 +215,33 @@ def test_staged_pieces_cover_the_job_in_order_and_fit_a_buffer(sizes, store, sta
     piece_bytes = np.add.reduceat(sizes, firsts)
     assert (piece_bytes <= staging * 5 // 4).all()  # the buffer size
     exposed = piece_bytes[0] if store else piece_bytes[-1]  # the gather or scatter not hidden behind the link
-    assert exposed <= (1 << 20) + sizes.max() or firsts.size == 1
+    assert exposed <= (1 << 20) + sizes.max()  # also in a load, whose pieces count from its end
+
+
+def test_a_load_is_cut_like_a_store_from_its_other_end():
+    MiB = 1 << 20
+    assert piece_bounds(16 * MiB, 32 * MiB, store=True) == [MiB, 5 * MiB]  # 1, 4, 11 MiB
+    assert piece_bounds(16 * MiB, 32 * MiB, store=False) == [11 * MiB, 15 * MiB]  # 11, 4, 1 MiB
+    assert piece_bounds(MiB, 32 * MiB, store=False) == []
+    assert piece_bounds(100 * MiB, 32 * MiB, store=True) == [MiB, 5 * MiB, 21 * MiB, 53 * MiB, 85 * MiB]
+
+
+def test_staged_host_time_counts_its_pieces():
+    """A staged job's host time has a part per piece; a profile saved without it still loads."""
+    model = CostModel(staged_host_s=(50e-6, 5e-9, 60e-6))
+    one, three = (model.estimate("staged", "store", 4096, 4096 * 256, runs=1, pieces=p) for p in (1, 3))
+    assert three - one == pytest.approx(120e-6)
+    old = CostModel(staged_host_s=[50e-6, 5e-9])  # as json.load gives it
+    assert old.estimate("staged", "store", 4096, 4096 * 256, runs=1, pieces=3) == pytest.approx(50e-6 + 4096 * 5e-9)
+
+
+def test_small_jobs_of_several_pieces_go_to_the_kernel():
+    """A 2 MiB store of 2 KiB pages (canonical_bench's direct 128-byte heads): staging's two
+    pieces cost more host time than the kernel's device time, even counted double; eight
+    times the pages, and the link's time is what counts."""
+    model = CostModel()
+    assert model.choose("store", 1024, 1024 * 2048, MECHANISMS, runs=16, pieces=2) == "sm_gather"
+    assert model.choose("store", 8192, 8192 * 2048, MECHANISMS, runs=128, pieces=3) == "staged"
 
 
 @settings(max_examples=30, deadline=None)
@@ -311,9 +337,9 @@ def test_small_fragments_in_host_rows_are_staged_and_scattered_ones_gathered():
     """256 B fragments: staging wins where they form few host runs (2 MiB rows), even where
     sm_gather is a little faster alone; where every fragment is its own run, sm_gather."""
     model, n = CostModel(), 65536
-    assert model.choose("store", n, n * 256, MECHANISMS, runs=8) == "staged"
-    assert model.choose("load", n, n * 256, MECHANISMS, runs=8) == "staged"
-    assert model.choose("store", n, n * 256, MECHANISMS, runs=n) == "sm_gather"
+    assert model.choose("store", n, n * 256, MECHANISMS, runs=8, pieces=3) == "staged"
+    assert model.choose("load", n, n * 256, MECHANISMS, runs=8, pieces=3) == "staged"
+    assert model.choose("store", n, n * 256, MECHANISMS, runs=n, pieces=3) == "sm_gather"
 
 
 class FakeCompiled:

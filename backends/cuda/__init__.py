@@ -16,7 +16,6 @@ profile saved by ``offload-core calibrate`` replaces its H200 defaults. Force a 
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 import os
 import weakref
@@ -37,7 +36,7 @@ from offload_core.backends.cuda.driver import (
     Driver,
 )
 from offload_core.backends.cuda.ring import DescriptorRing
-from offload_core.backends.cuda.select import MECHANISMS, CostModel, profile_path
+from offload_core.backends.cuda.select import MECHANISMS, CostModel, piece_bounds, profile_path
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,6 @@ ENV_MECHANISM = "OFFLOAD_CORE_CUDA_MECHANISM"
 ENV_SM_PROGRAMS = "OFFLOAD_CORE_CUDA_SM_PROGRAMS"
 ENV_MAX_BATCH = "OFFLOAD_CORE_CUDA_MAX_BATCH"
 ENV_STAGING_MB = "OFFLOAD_CORE_CUDA_STAGING_MB"
-_FIRST_PIECE = 1 << 20  # staged's exposed piece: the first of a store, the last of a load
 
 
 class CudaBackend(TorchDeviceBackend):
@@ -211,7 +209,8 @@ class CudaBackend(TorchDeviceBackend):
             starts.append(run_starts(host, sizes, largest if uniform else None))
             return starts[0].size
 
-        mechanism = self.cost.choose(direction.value, len(sizes), nbytes, tuple(candidates), count_runs)
+        pieces = 1 + len(piece_bounds(nbytes, self.staging_bytes, direction is Direction.STORE))
+        mechanism = self.cost.choose(direction.value, len(sizes), nbytes, tuple(candidates), count_runs, pieces)
         return mechanism, (largest, uniform, starts[0] if starts else None)
 
     def addressable(self, host: np.ndarray, sizes: np.ndarray, largest: int | None = None) -> bool:
@@ -327,20 +326,13 @@ class CudaBackend(TorchDeviceBackend):
             stream.wait_stream(kernel_stream)
 
     def _pieces(self, edges: np.ndarray | None, size: int, n: int, store: bool) -> list[int]:
-        """Staged's pieces, as the index of each one's first fragment: 1 MiB, then four times
-        larger each up to `staging_bytes` (reversed for a load). `edges` are the fragments'
-        offsets followed by their total, or None where all `n` fragments are `size` bytes.
-
-        Only the first gather of a store and the last scatter of a load are not hidden behind
-        the link; a small piece there keeps them short, and large pieces elsewhere keep the
-        number of hand-overs between the two streams (a few microseconds each) low.
+        """Staged's pieces (`piece_bounds`), as the index of each one's first fragment. `edges`
+        are the fragments' offsets followed by their total, or None where all `n` fragments
+        are `size` bytes. Small pieces where the device's part is exposed keep it short;
+        large ones elsewhere keep the hand-overs between the two streams, and their host
+        time, few.
         """
-        total = n * size if edges is None else int(edges[-1])
-        lengths, done = [], 0
-        while done < total:
-            lengths.append(min(self.staging_bytes, _FIRST_PIECE << (2 * len(lengths))))
-            done += lengths[-1]
-        bounds = list(itertools.accumulate(lengths if store else lengths[::-1]))[:-1]
+        bounds = piece_bounds(n * size if edges is None else int(edges[-1]), self.staging_bytes, store)
         # a piece starts at the first fragment at or past its bound
         cuts = [-(-x // size) for x in bounds] if edges is None else np.searchsorted(edges, bounds).tolist()
         firsts = [0]
@@ -398,11 +390,18 @@ class CudaBackend(TorchDeviceBackend):
 
         if "ce_batch" in self.available_mechanisms:
             model.ce_host_s = host_s("ce_batch", 16384, 16384, reps=5) / 16384
-        for mechanism, field in (("sm_gather", "sm_host_s"), ("staged", "staged_host_s")):
-            if mechanism in self.available_mechanisms:
-                few, many = host_s(mechanism, 4096, 256), host_s(mechanism, 65536, 256)
-                per_copy = max(0.0, (many - few) / (65536 - 4096))
-                setattr(model, field, (max(0.0, few - 4096 * per_copy), per_copy))
+        if "sm_gather" in self.available_mechanisms:
+            few, many = host_s("sm_gather", 4096, 256), host_s("sm_gather", 65536, 256)
+            per_copy = max(0.0, (many - few) / (65536 - 4096))
+            model.sm_host_s = (max(0.0, few - 4096 * per_copy), per_copy)
+        if "staged" in self.available_mechanisms:
+            # 1 MiB is one piece, 16 MiB three (`piece_bounds`): equal copies apart the
+            # pieces, equal pieces apart the copies
+            small, wide, many = host_s("staged", 4096, 256), host_s("staged", 4096, 4096), host_s("staged", 65536, 256)
+            per_copy = max(0.0, (many - wide) / (65536 - 4096))
+            one, three = (1 + len(piece_bounds(b, self.staging_bytes, True)) for b in (1 << 20, 16 << 20))
+            per_piece = max(0.0, (wide - small) / (three - one))
+            model.staged_host_s = (max(0.0, small - 4096 * per_copy - one * per_piece), per_copy, per_piece)
         if kernels.available() is None:
             stream, start, end = self.new_stream(), self.new_event(), self.new_event()
 

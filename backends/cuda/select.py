@@ -17,7 +17,9 @@ so below about 32 KiB a batch of many copies is bound by the host, not the link.
   0.5 ns on the H200, which fits its figures from 256 B to 2 MiB within 2%);
 * ``staged``: the device-side gather (``bytes / bw_gather + n * c_gather``) and ``runs``
   copy-engine copies, pipelined: the slower of the two, plus a little of the other, plus
-  the batch calls' host time as in ``ce_batch``;
+  the batch calls' host time as in ``ce_batch``; its host time has a part per piece
+  (`piece_bounds`: a launch, a batch call and events, 40-100 us each on the H200's host),
+  which a small job of several pieces pays without the bytes to hide it;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
 
 In the choice, ``sm_gather``'s device time counts `sm_penalty` (2x) times: the estimate sees
@@ -54,7 +56,7 @@ class CostModel:
     ce_host_s: float = 0.40e-6  # host time per copy inside the batch call (16 KiB copies)
     # host time of one enqueue, back to back behind a busy stream: per job, per copy
     sm_host_s: tuple = (41e-6, 3.3e-9)
-    staged_host_s: tuple = (86e-6, 5.5e-9)
+    staged_host_s: tuple = (87e-6, 5.0e-9, 93e-6)  # per job, per copy, per piece
     sm_gbps: dict = field(default_factory=lambda: {"store": 52.3, "load": 50.9})
     sm_desc_s: dict = field(default_factory=lambda: {"store": 5.4e-9, "load": 5.6e-9})  # a 256 B copy, whole: job / n
     gather_gbps: float = 1330.0  # device-side gather of scattered 16 KiB pages into staging
@@ -65,9 +67,11 @@ class CostModel:
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
     source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit f7eda75 (ce_tail_s from 28913ff)"
 
-    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None, sm_weight: float = 1.0) -> float:
+    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None,
+                 sm_weight: float = 1.0, pieces: int = 1) -> float:
         """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total;
-        `sm_weight` multiplies sm_gather's device time (see `sm_penalty`)."""
+        `sm_weight` multiplies sm_gather's device time (see `sm_penalty`); `pieces` is how
+        many pieces ``staged`` cuts the job into."""
         ce_bw = self.ce_gbps[direction] * 1e9
         if mechanism == "ce_batch":
             device = n * self._ce_per_copy(direction, nbytes / n) + self.launch_s
@@ -84,7 +88,9 @@ class CostModel:
             device = max(link, gather) + min(link, gather) / 6 + n * self.upload_s_per_desc + 2 * self.launch_s
             # its batch calls' host time adds to its copies, as in ce_batch (the profile's
             # per-job host time already holds the few runs it was measured with)
-            return max(device + runs * self.ce_host_s, self.staged_host_s[0] + n * self.staged_host_s[1])
+            fixed, per_copy, *per_piece = self.staged_host_s  # profiles before 2026-11-29 have no per-piece part
+            host = fixed + n * per_copy + pieces * sum(per_piece)
+            return max(device + runs * self.ce_host_s, host)
         if mechanism == "ce_loop":
             return n * self.loop_s_per_desc + nbytes / ce_bw
         raise ValueError(f"unknown mechanism {mechanism!r}")
@@ -92,12 +98,12 @@ class CostModel:
     def _ce_per_copy(self, direction: str, size: float) -> float:
         return max(self.ce_desc_s[direction], size / (self.ce_gbps[direction] * 1e9) + self.ce_tail_s)
 
-    def choose(self, direction: str, n: int, nbytes: int, available: tuple[str, ...], runs=None) -> str:
+    def choose(self, direction: str, n: int, nbytes: int, available: tuple[str, ...], runs=None, pieces: int = 1) -> str:
         """The cheapest available mechanism. `runs` may be a callable, evaluated only if ``staged`` competes."""
         best, best_t = available[0], float("inf")
         for mech in available:
             r = runs() if (mech == "staged" and callable(runs)) else runs
-            t = self.estimate(mech, direction, n, nbytes, r, self.sm_penalty)
+            t = self.estimate(mech, direction, n, nbytes, r, self.sm_penalty, pieces)
             if t < best_t * 0.98:  # ties go to the earlier (copy-engine) mechanism: it leaves SMs alone
                 best, best_t = mech, t
         return best
@@ -118,6 +124,20 @@ class CostModel:
         data = json.loads(path.read_text())
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+def piece_bounds(total: int, staging_bytes: int, store: bool, first: int = 1 << 20) -> list[int]:
+    """Where ``staged``'s pieces after the first begin, in bytes into a job of `total`: pieces
+    of `first` bytes, then four times larger each up to `staging_bytes`, counted from the start
+    for a store and from the end for a load. Only a store's first gather and a load's last
+    scatter are not hidden behind the link, so those pieces are the small ones."""
+    ends, done = [], 0
+    while True:
+        done += min(staging_bytes, first << (2 * len(ends)))
+        if done >= total:
+            break
+        ends.append(done)
+    return ends if store else [total - e for e in reversed(ends)]
 
 
 def profile_path(device_name: str) -> pathlib.Path:
