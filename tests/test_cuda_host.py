@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from offload_core.backends.cuda import host_runs, kernels, run_starts
@@ -201,6 +201,7 @@ def test_streams_are_created_non_blocking():
     store=st.booleans(),
     staging_mb=st.sampled_from([4, 32]),
 )
+@example(sizes=[1048577, 1048577], store=False, staging_mb=32)  # a load's bound just past a fragment's start
 def test_staged_pieces_cover_the_job_in_order_and_fit_a_buffer(sizes, store, staging_mb):
     from offload_core.backends.cuda import CudaBackend
 

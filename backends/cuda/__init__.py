@@ -333,8 +333,13 @@ class CudaBackend(TorchDeviceBackend):
         time, few.
         """
         bounds = piece_bounds(n * size if edges is None else int(edges[-1]), self.staging_bytes, store)
-        # a piece starts at the first fragment at or past its bound
-        cuts = [-(-x // size) for x in bounds] if edges is None else np.searchsorted(edges, bounds).tolist()
+        # A piece starts at the fragment where its bound falls, rounded away from the exposed
+        # end: a store's first piece and a load's last one get their bytes, at most one
+        # fragment more, never all the job's.
+        if store:
+            cuts = [-(-x // size) for x in bounds] if edges is None else np.searchsorted(edges, bounds).tolist()
+        else:
+            cuts = [x // size for x in bounds] if edges is None else (np.searchsorted(edges, bounds, "right") - 1).tolist()
         firsts = [0]
         for cut in cuts:
             if firsts[-1] < cut < n:

@@ -50,22 +50,22 @@ MECHANISMS = ("ce_batch", "staged", "sm_gather", "ce_loop")
 class CostModel:
     """Seconds a job takes, per mechanism. Defaults: NVIDIA H200, PCIe Gen5 (shared/measurements-h200.md)."""
 
-    ce_desc_s: dict = field(default_factory=lambda: {"store": 222e-9, "load": 256e-9})  # 256 B copies: 1.2 / 1.0 GB/s
-    ce_gbps: dict = field(default_factory=lambda: {"store": 55.3, "load": 55.4})
-    ce_tail_s: float = 1.2e-9  # what a 16 KiB copy costs beyond its bytes at link speed
-    ce_host_s: float = 0.40e-6  # host time per copy inside the batch call (16 KiB copies)
+    ce_desc_s: dict = field(default_factory=lambda: {"store": 223e-9, "load": 262e-9})  # 256 B copies: 1.1 / 1.0 GB/s
+    ce_gbps: dict = field(default_factory=lambda: {"store": 55.3, "load": 55.5})
+    ce_tail_s: float = 1.4e-9  # what a 16 KiB copy costs beyond its bytes at link speed
+    ce_host_s: float = 0.44e-6  # host time per copy inside the batch call (16 KiB copies)
     # host time of one enqueue, back to back behind a busy stream: per job, per copy
-    sm_host_s: tuple = (41e-6, 3.3e-9)
-    staged_host_s: tuple = (87e-6, 5.0e-9, 93e-6)  # per job, per copy, per piece
-    sm_gbps: dict = field(default_factory=lambda: {"store": 52.3, "load": 50.9})
-    sm_desc_s: dict = field(default_factory=lambda: {"store": 5.4e-9, "load": 5.6e-9})  # a 256 B copy, whole: job / n
-    gather_gbps: float = 1330.0  # device-side gather of scattered 16 KiB pages into staging
-    gather_desc_s: float = 2.8e-9
+    sm_host_s: tuple = (44e-6, 3.4e-9)
+    staged_host_s: tuple = (28e-6, 3.3e-9, 70e-6)  # per job, per copy, per piece
+    sm_gbps: dict = field(default_factory=lambda: {"store": 52.6, "load": 51.3})
+    sm_desc_s: dict = field(default_factory=lambda: {"store": 5.3e-9, "load": 5.5e-9})  # a 256 B copy, whole: job / n
+    gather_gbps: float = 1350.0  # device-side gather of scattered 16 KiB pages into staging
+    gather_desc_s: float = 2.6e-9
     sm_penalty: float = 2.0  # sm_gather's device time times this, in the choice
     launch_s: float = 8e-6  # a kernel launch or a batch call
     upload_s_per_desc: float = 0.3e-9  # two 8-byte columns per descriptor over the link
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
-    source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit f7eda75 (ce_tail_s from 28913ff)"
+    source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit 8932a85"
 
     def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None,
                  sm_weight: float = 1.0, pieces: int = 1) -> float:
