@@ -18,7 +18,7 @@ so below about 32 KiB a batch of many copies is bound by the host, not the link.
 * ``staged``: the device-side gather (``bytes / bw_gather + n * c_gather``) and ``runs``
   copy-engine copies, pipelined: the slower of the two, plus a little of the other, plus
   the batch calls' host time as in ``ce_batch``; its host time has a part per piece
-  (`piece_bounds`: a launch, a batch call and events, 40-100 us each on the H200's host),
+  (`piece_bounds`: a launch, a batch call and two events, 70-110 us each on the H200's host),
   which a small job of several pieces pays without the bytes to hide it;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
 
