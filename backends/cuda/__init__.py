@@ -326,11 +326,9 @@ class CudaBackend(TorchDeviceBackend):
             stream.wait_stream(kernel_stream)
 
     def _pieces(self, edges: np.ndarray | None, size: int, n: int, store: bool) -> list[int]:
-        """Staged's pieces (`piece_bounds`), as the index of each one's first fragment. `edges`
-        are the fragments' offsets followed by their total, or None where all `n` fragments
-        are `size` bytes. Small pieces where the device's part is exposed keep it short;
-        large ones elsewhere keep the hand-overs between the two streams, and their host
-        time, few.
+        """Staged's pieces (`piece_bounds`: one if the job fits a buffer), as the index of each
+        one's first fragment. `edges` are the fragments' offsets followed by their total, or
+        None where all `n` fragments are `size` bytes.
         """
         bounds = piece_bounds(n * size if edges is None else int(edges[-1]), self.staging_bytes, store)
         # A piece starts at the fragment where its bound falls, rounded away from the exposed
@@ -400,12 +398,13 @@ class CudaBackend(TorchDeviceBackend):
             per_copy = max(0.0, (many - few) / (65536 - 4096))
             model.sm_host_s = (max(0.0, few - 4096 * per_copy), per_copy)
         if "staged" in self.available_mechanisms:
-            # 1 MiB is one piece, 16 MiB three (`piece_bounds`): equal copies apart the
-            # pieces, equal pieces apart the copies
-            small, wide, many = host_s("staged", 4096, 256), host_s("staged", 4096, 4096), host_s("staged", 65536, 256)
-            per_copy = max(0.0, (many - wide) / (65536 - 4096))
-            one, three = (1 + len(piece_bounds(b, self.staging_bytes, True)) for b in (1 << 20, 16 << 20))
-            per_piece = max(0.0, (wide - small) / (three - one))
+            # 4096 and 65536 copies in one piece tell the part per copy; 4096 copies in a job
+            # larger than the staging buffers, the part per piece (`piece_bounds`)
+            wide = 4096 * min(span // (2 * 4096), 1 << (self.staging_bytes // 4096).bit_length())
+            small, many, large = (host_s("staged", n, size) for n, size in ((4096, 256), (65536, 256), (4096, wide // 4096)))
+            per_copy = max(0.0, (many - small) / (65536 - 4096))
+            one, more = (1 + len(piece_bounds(b, self.staging_bytes, True)) for b in (4096 * 256, wide))
+            per_piece = max(0.0, (large - small) / (more - one)) if more > one else 0.0
             model.staged_host_s = (max(0.0, small - 4096 * per_copy - one * per_piece), per_copy, per_piece)
         if kernels.available() is None:
             stream, start, end = self.new_stream(), self.new_event(), self.new_event()

@@ -18,7 +18,7 @@ so below about 32 KiB a batch of many copies is bound by the host, not the link.
 * ``staged``: the device-side gather (``bytes / bw_gather + n * c_gather``) and ``runs``
   copy-engine copies, pipelined: the slower of the two, plus a little of the other, plus
   the batch calls' host time as in ``ce_batch``; its host time has a part per piece
-  (`piece_bounds`: a launch, a batch call and two events, 70-110 us each on the H200's host),
+  (`piece_bounds`: a launch, a batch call and two events, 70-120 us each on the H200's host),
   which a small job of several pieces pays without the bytes to hide it;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
 
@@ -127,16 +127,18 @@ class CostModel:
 
 
 def piece_bounds(total: int, staging_bytes: int, store: bool, first: int = 1 << 20) -> list[int]:
-    """Where ``staged``'s pieces after the first begin, in bytes into a job of `total`: pieces
-    of `first` bytes, then four times larger each up to `staging_bytes`, counted from the start
-    for a store and from the end for a load. Only a store's first gather and a load's last
-    scatter are not hidden behind the link, so those pieces are the small ones."""
-    ends, done = [], 0
-    while True:
-        done += min(staging_bytes, first << (2 * len(ends)))
-        if done >= total:
-            break
-        ends.append(done)
+    """Where ``staged``'s pieces after the first begin, in bytes into a job of `total`.
+
+    A job that fits in `staging_bytes` is one piece: each more piece costs 70-120 us of host
+    time on the H200's host (a launch, a batch call, two events), where a whole 16 MiB job's
+    gather or scatter, exposed, cost the link under a point (docs/benchmarks.md, step 14).
+    A larger job starts with a piece of `first` bytes, then pieces of `staging_bytes`: its
+    link time hides the host time, and only the first gather of a store and the last scatter
+    of a load are exposed. Counted from the start for a store, from the end for a load.
+    """
+    if total <= staging_bytes:
+        return []
+    ends = list(range(first, total, staging_bytes))
     return ends if store else [total - e for e in reversed(ends)]
 
 
