@@ -88,8 +88,9 @@ class CostModel:
             device = max(link, gather) + min(link, gather) / 6 + n * self.upload_s_per_desc + 2 * self.launch_s
             # its batch calls' host time adds to its copies, as in ce_batch (the profile's
             # per-job host time already holds the few runs it was measured with)
-            fixed, per_copy, *per_piece = self.staged_host_s  # profiles before 2026-11-29 have no per-piece part
-            host = fixed + n * per_copy + pieces * sum(per_piece)
+            fixed, per_copy = self.staged_host_s[:2]
+            per_piece = self.staged_host_s[2] if len(self.staged_host_s) > 2 else 0.0  # older profiles lack it
+            host = fixed + n * per_copy + pieces * per_piece
             return max(device + runs * self.ce_host_s, host)
         if mechanism == "ce_loop":
             return n * self.loop_s_per_desc + nbytes / ce_bw
