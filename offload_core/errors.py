@@ -36,3 +36,12 @@ class BackendUnavailableError(OffloadError, RuntimeError):
 
 class InvalidSpecError(OffloadError, ValueError):
     """Input that would make a transfer read or write outside its buffers, or is malformed."""
+
+
+class ResourceInUseError(OffloadError, BufferError):
+    """Memory cannot be released yet: tensors made from it, or copies that may touch it, still exist."""
+
+
+class RegionError(OffloadError):
+    """A shared host region that cannot be used safely: wrong owner or permissions, a corrupt
+    or replaced file, or no room for it."""
