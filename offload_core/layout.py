@@ -8,6 +8,7 @@ A KV cache is a list of device tensors whose first dimension is the block index
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -28,7 +29,8 @@ class KVCacheTensor:
         page_size_bytes: bytes per block in `tensor` (the padded page: row pitch).
 
     Raises:
-        InvalidSpecError: the tensor is not contiguous, has no blocks, or its size is not
+        InvalidSpecError: not a tensor, a page size that is not a positive integer, a tensor
+            that is not contiguous or has no blocks, or whose size is not
             ``num_blocks * page_size_bytes``.
     """
 
@@ -36,7 +38,12 @@ class KVCacheTensor:
     page_size_bytes: int
 
     def __post_init__(self) -> None:
+        import torch
+
         t = self.tensor
+        if not isinstance(t, torch.Tensor):
+            raise InvalidSpecError(f"KVCacheTensor.tensor must be a torch.Tensor, got {type(t).__name__}")
+        object.__setattr__(self, "page_size_bytes", positive_int(self.page_size_bytes, "KVCacheTensor.page_size_bytes"))
         if t.dim() < 1 or t.shape[0] < 1:
             raise InvalidSpecError(f"KV tensor needs a leading block dimension, got shape {tuple(t.shape)}")
         if not t.is_contiguous():
@@ -61,11 +68,22 @@ class KVCacheRef:
         page_size_bytes: bytes of each page that hold data (the unpadded page).
         mapping: where this rank's page goes in the canonical (TP-independent) host page, used
             by ``OffloadWorker(..., canonical_layout=True)``; see `offload_core.canonical`.
+
+    Raises:
+        InvalidSpecError: an index or size that is not an integer, a negative index, or a
+            size that is not positive.
     """
 
     tensor_idx: int
     page_size_bytes: int
     mapping: Any = None
+
+    def __post_init__(self) -> None:
+        index = integer(self.tensor_idx, "KVCacheRef.tensor_idx")
+        if index < 0:
+            raise InvalidSpecError(f"KVCacheRef.tensor_idx must be >= 0, got {index}")
+        object.__setattr__(self, "tensor_idx", index)
+        object.__setattr__(self, "page_size_bytes", positive_int(self.page_size_bytes, "KVCacheRef.page_size_bytes"))
 
 
 @dataclass(frozen=True)
@@ -77,8 +95,10 @@ class KVCaches:
         group_refs: ``group_refs[g]`` lists the refs of KV-cache group ``g``.
 
     Raises:
-        InvalidSpecError: no tensors, a ref to a missing tensor, a ref larger than its
-            tensor's page, tensors on different devices, or a mapping of another page size.
+        InvalidSpecError: no tensors, a group without refs, a tensor named twice in one group
+            (both refs would copy into the same host page), a ref to a missing tensor, a ref
+            larger than its tensor's page, tensors on different devices, or a mapping of
+            another page size.
     """
 
     tensors: Sequence[KVCacheTensor]
@@ -89,11 +109,25 @@ class KVCaches:
             raise InvalidSpecError("KVCaches needs at least one tensor")
         if not self.group_refs:
             raise InvalidSpecError("KVCaches needs at least one KV-cache group")
+        for i, t in enumerate(self.tensors):
+            if not isinstance(t, KVCacheTensor):
+                raise InvalidSpecError(f"KVCaches.tensors[{i}] must be a KVCacheTensor, got {type(t).__name__}")
         devices = {t.tensor.device for t in self.tensors}
         if len(devices) != 1:
             raise InvalidSpecError(f"KV tensors live on several devices: {sorted(map(str, devices))}")
         for g, refs in enumerate(self.group_refs):
+            if not refs:
+                raise InvalidSpecError(f"KV-cache group {g} has no refs; every group needs at least one")
+            seen: set[int] = set()
             for ref in refs:
+                if not isinstance(ref, KVCacheRef):
+                    raise InvalidSpecError(f"group {g}: refs must be KVCacheRef, got {type(ref).__name__}")
+                if ref.tensor_idx in seen:
+                    raise InvalidSpecError(
+                        f"group {g} names tensor {ref.tensor_idx} twice: both refs would copy into the same "
+                        f"host page; list each tensor once per group"
+                    )
+                seen.add(ref.tensor_idx)
                 if not 0 <= ref.tensor_idx < len(self.tensors):
                     raise InvalidSpecError(f"group {g}: ref to tensor {ref.tensor_idx}, but there are {len(self.tensors)}")
                 page = self.tensors[ref.tensor_idx].page_size_bytes
@@ -111,6 +145,32 @@ class KVCaches:
     @property
     def device(self) -> "torch.device":
         return self.tensors[0].tensor.device
+
+
+def integer(value: Any, what: str) -> int:
+    """`value` as an int if it is an integer (Python or numpy; not bool, float or str).
+
+    Raises:
+        InvalidSpecError: naming `what`, the value and the rule.
+    """
+    if isinstance(value, bool):
+        raise InvalidSpecError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidSpecError(f"{what} must be an integer, got {value!r} ({type(value).__name__})") from None
+
+
+def positive_int(value: Any, what: str) -> int:
+    """`value` as an int if it is an integer >= 1.
+
+    Raises:
+        InvalidSpecError: naming `what`, the value and the rule.
+    """
+    number = integer(value, what)
+    if number < 1:
+        raise InvalidSpecError(f"{what} must be a positive integer, got {number}")
+    return number
 
 
 def _ids(values: Any, what: str) -> np.ndarray:

@@ -5,11 +5,19 @@ one has finished on the device; every job first waits for the caller's compute s
 (a store must read the KV cache after the model wrote it; a load must land after any
 pending work on its destination blocks, such as zeroing of fresh blocks). Completions
 are reported from the head of the queue, so in submission order.
+
+Threads: every method may be called from any thread. A queue's bookkeeping is guarded by
+its own lock, held only for list and set operations and non-blocking event queries; the
+enqueue itself (`Backend.copy_batch` and the events around it) runs under one lock per
+backend, because a backend's staging and descriptor memory is shared by all its streams;
+waiting on the device holds no lock.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
@@ -20,6 +28,18 @@ from offload_core.backend import Backend, Direction, Event
 from offload_core.plan import CopyBatch
 
 log = logging.getLogger(__name__)
+
+_enqueue_locks: "weakref.WeakKeyDictionary[Backend, threading.Lock]" = weakref.WeakKeyDictionary()
+_enqueue_locks_guard = threading.Lock()
+
+
+def enqueue_lock(backend: Backend) -> threading.Lock:
+    """The lock that serialises every enqueue on `backend`, across all its queues and workers."""
+    with _enqueue_locks_guard:
+        lock = _enqueue_locks.get(backend)
+        if lock is None:
+            lock = _enqueue_locks[backend] = threading.Lock()
+        return lock
 
 
 @dataclass(frozen=True)
@@ -66,7 +86,7 @@ class _Job(NamedTuple):
 class TransferQueue:
     """Runs copy batches of one direction in submission order.
 
-    Not thread-safe: call it from one thread, as an engine's worker does.
+    Safe to call from several threads (see the module docstring).
 
     Args:
         backend: the device to copy on.
@@ -77,6 +97,8 @@ class TransferQueue:
         self.backend = backend
         self.direction = direction
         self._stream = backend.new_stream()
+        self._enqueue = enqueue_lock(backend)
+        self._lock = threading.Lock()
         self._jobs: deque[_Job] = deque()
         self._ids: set[int] = set()
         self._free_events: list[Event] = []
@@ -93,13 +115,20 @@ class TransferQueue:
         """A pooled int64 ``(3, >= descriptors)`` buffer for the planner to write into.
 
         It comes from the backend's host memory (pinned where the backend pins), so a
-        backend may read descriptors from the device or upload them asynchronously.
+        backend may read descriptors from the device or upload them asynchronously. Pass it
+        to `submit`, or back to `release_scratch` if the job is not submitted.
         """
-        for i, buf in enumerate(self._free_scratch):
-            if buf.shape[1] >= descriptors:
-                return self._free_scratch.pop(i)
+        with self._lock:
+            for i, buf in enumerate(self._free_scratch):
+                if buf.shape[1] >= descriptors:
+                    return self._free_scratch.pop(i)
         n = max(descriptors, 256)
         return self.backend.alloc_host(3 * n * 8).numpy().view(np.int64).reshape(3, n)
+
+    def release_scratch(self, scratch: np.ndarray) -> None:
+        """Return a buffer from `scratch` that no job was submitted with."""
+        with self._lock:
+            self._free_scratch.append(scratch)
 
     def submit(self, job_id: int, batch: CopyBatch, scratch: np.ndarray | None = None) -> None:
         """Enqueue one job behind every earlier one and behind the compute stream.
@@ -111,55 +140,60 @@ class TransferQueue:
         Raises:
             Exception: whatever the backend raised while enqueueing; the job is then not queued.
         """
-        start, end = self._event(), self._event()
+        with self._lock:
+            start, end = self._event(), self._event()
         stream = self._stream
-        try:
-            stream.wait_stream(self.backend.current_stream())
-            start.record(stream)
-            mechanism = None
-            if len(batch):
-                mechanism = self.backend.copy_batch(batch.src, batch.dst, batch.sizes, self.direction, stream)
-            end.record(stream)
-        except Exception:
-            # Part of the batch may be queued already: keep the descriptors alive until the
-            # stream has passed them. If even that fails the device is lost; drop them all.
+        with self._enqueue:
             try:
+                stream.wait_stream(self.backend.current_stream())
+                start.record(stream)
+                mechanism = None
+                if len(batch):
+                    mechanism = self.backend.copy_batch(batch.src, batch.dst, batch.sizes, self.direction, stream)
                 end.record(stream)
-                end.synchronize()
             except Exception:
-                scratch = None
-            if scratch is not None:
-                self._free_scratch.append(scratch)
-            raise
-        mechanism = mechanism or ""
-        self._jobs.append(_Job(job_id, start, end, batch.nbytes, scratch, mechanism))
-        self._ids.add(job_id)
-        self.stats.jobs += 1
-        self.stats.bytes += batch.nbytes
-        self.stats.descriptors += len(batch)
-        self.stats.mechanisms[mechanism] += 1
+                # Part of the batch may be queued already: keep the descriptors alive until the
+                # stream has passed them. If even that fails the device is lost; drop them all.
+                try:
+                    end.record(stream)
+                    end.synchronize()
+                except Exception:
+                    scratch = None
+                if scratch is not None:
+                    self.release_scratch(scratch)
+                raise
+            mechanism = mechanism or ""
+            # appended under the enqueue lock, so the deque's order is the stream's order
+            with self._lock:
+                self._jobs.append(_Job(job_id, start, end, batch.nbytes, scratch, mechanism))
+                self._ids.add(job_id)
+                self.stats.jobs += 1
+                self.stats.bytes += batch.nbytes
+                self.stats.descriptors += len(batch)
+                self.stats.mechanisms[mechanism] += 1
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs completed so far, from the head of the queue, without blocking."""
         results = []
-        while self._jobs:
-            job = self._jobs[0]
-            try:
-                if not job.end.query():
-                    break
-                elapsed = job.start.elapsed_time(job.end) / 1e3
-                ok = True
-            except Exception as exc:  # a device fault fails this job, not the caller's loop
-                log.error("%s job %s failed on the device: %r", self.direction.value, job.job_id, exc)
-                ok, elapsed = False, 0.0
-            self._jobs.popleft()
-            self._ids.discard(job.job_id)
-            if ok:  # events that saw a fault are not trusted again
-                self._free_events += (job.start, job.end)
-            if job.scratch is not None:
-                self._free_scratch.append(job.scratch)
-            self.stats.failed += not ok
-            results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism))
+        with self._lock:
+            while self._jobs:
+                job = self._jobs[0]
+                try:
+                    if not job.end.query():
+                        break
+                    elapsed = job.start.elapsed_time(job.end) / 1e3
+                    ok = True
+                except Exception as exc:  # a device fault fails this job, not the caller's loop
+                    log.error("%s job %s failed on the device: %r", self.direction.value, job.job_id, exc)
+                    ok, elapsed = False, 0.0
+                self._jobs.popleft()
+                self._ids.discard(job.job_id)
+                if ok:  # events that saw a fault are not trusted again
+                    self._free_events += (job.start, job.end)
+                if job.scratch is not None:
+                    self._free_scratch.append(job.scratch)
+                self.stats.failed += not ok
+                results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism))
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -167,20 +201,24 @@ class TransferQueue:
 
         Results are not consumed: `poll` still reports them. Unknown ids are ignored.
         """
-        wanted = set(job_ids) & self._ids
-        last = None
-        for job in self._jobs:
-            if job.job_id in wanted:
-                last = job
+        with self._lock:
+            wanted = set(job_ids) & self._ids
+            last = None
+            if wanted:
+                for job in self._jobs:
+                    if job.job_id in wanted:
+                        last = job
         if last is not None:
             _settle(last.end)
 
     def drain(self) -> list[TransferResult]:
         """Wait for every queued job and return all pending results."""
-        if self._jobs:
-            _settle(self._jobs[-1].end)
-        for job in self._jobs:  # a fault on one event may not have waited for the rest
-            _settle(job.end)
+        with self._lock:
+            ends = [job.end for job in self._jobs]
+        if ends:
+            _settle(ends[-1])
+        for end in ends:  # a fault on one event may not have waited for the rest
+            _settle(end)
         return self.poll()
 
     def _event(self) -> Event:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+import weakref
 from typing import TYPE_CHECKING, Iterable
 
 from offload_core.backend import Backend, Direction
 from offload_core.errors import InvalidSpecError, OffloadError
-from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches
+from offload_core.hostmem import check_host_bytes
+from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches, integer, positive_int
 from offload_core.plan import Geometry, Planner
 from offload_core.queue import QueueStats, TransferQueue, TransferResult
 from offload_core.registry import ENV_BACKEND, get_backend
@@ -17,6 +21,8 @@ if TYPE_CHECKING:
     from offload_core.region import SharedHostRegion
 
 log = logging.getLogger(__name__)
+
+_REGION_CHECK_S = 1.0  # how often a submit confirms the shared region is still the one the other ranks use
 
 
 class OffloadWorker:
@@ -39,9 +45,21 @@ class OffloadWorker:
         host_region: a `SharedHostRegion` to use instead of private host memory; this rank's
             slot, or the canonical area. The region outlives the worker.
 
+    Threads: every method may be called from any thread (a scheduler submitting while
+    another thread polls `get_finished`, say). Job ids are reserved atomically across both
+    directions; `shutdown` lets submits already under way finish and refuses later ones. No
+    lock is held while waiting for the device.
+
+    Lifetime: the host buffer, the KV tensors' addresses and the descriptors stay valid
+    until the last queued copy has finished: `shutdown` drains first, and a worker dropped
+    without it hands its jobs in flight to a thread that drains them before anything is freed.
+
     Raises:
-        InvalidSpecError: bad sizes, KV tensors on a device the backend does not copy, or a
-            region that is too small or laid out for the other layout.
+        InvalidSpecError: sizes that are not positive integers, KV tensors on a device the
+            backend does not copy, or a region that is too small or laid out for the other
+            layout.
+        OffloadError: the host buffer is larger than the host memory available, or cannot be
+            allocated.
         UnknownBackendError, BackendUnavailableError: the backend cannot be had.
     """
 
@@ -57,10 +75,8 @@ class OffloadWorker:
     ):
         if not isinstance(kv_caches, KVCaches):
             raise InvalidSpecError(f"kv_caches must be KVCaches, got {type(kv_caches).__name__}")
-        if int(blocks_per_chunk) != blocks_per_chunk or blocks_per_chunk < 1:
-            raise InvalidSpecError(f"blocks_per_chunk must be a positive integer, got {blocks_per_chunk!r}")
-        if int(num_host_blocks) != num_host_blocks or num_host_blocks < 1:
-            raise InvalidSpecError(f"num_host_blocks must be a positive integer, got {num_host_blocks!r}")
+        bpc = positive_int(blocks_per_chunk, "blocks_per_chunk")
+        num_host_blocks = positive_int(num_host_blocks, "num_host_blocks")
         import torch  # deferred: `import offload_core` stays light
 
         device = kv_caches.device
@@ -71,8 +87,8 @@ class OffloadWorker:
             raise InvalidSpecError(f"KV tensors are on {device}, but backend {backend.name!r} copies {backend.device}")
         self.backend = backend
         self.kv_caches = kv_caches  # keeps the device memory alive while we hold its addresses
-        self.blocks_per_chunk = bpc = int(blocks_per_chunk)
-        self.num_host_blocks = int(num_host_blocks)
+        self.blocks_per_chunk = bpc
+        self.num_host_blocks = num_host_blocks
 
         pages = [t.page_size_bytes for t in kv_caches.tensors]
         host_pages = _canonical_pages(kv_caches) if canonical_layout else pages
@@ -81,16 +97,14 @@ class OffloadWorker:
         self._region = host_region
         self._registered = False
         if host_region is None:
-            self._host = backend.alloc_host(self.num_host_blocks * row)
+            self._host = _alloc_host(backend, self.num_host_blocks * row)
             rows, stride, slot = self._host.view(self.num_host_blocks, row), row, 0
         else:
             _check_region(host_region, self.num_host_blocks, row, canonical_layout)
+            host_region.check()
             self._host = host_region.tensor
             rows, stride, slot = self._host, host_region.row_stride, host_region.slot_offset
-            self._registered = backend.host_register(self._host)
-        for t in kv_caches.tensors:
-            backend.register_tensor(t.tensor)
-        backend.register_tensor(self._host)
+        self._next_region_check = time.monotonic() + _REGION_CHECK_S
         rows = rows.view(torch.int8)
         self.host_tensors = [rows[:, slot + off : slot + off + hp * bpc] for off, hp in zip(offsets, host_pages)]
         refs = [
@@ -112,8 +126,23 @@ class OffloadWorker:
             )
         )
         self._queues = {d: TransferQueue(backend, d) for d in Direction}
-        self._drained: list[TransferResult] = []
+        for t in kv_caches.tensors:
+            backend.register_tensor(t.tensor)
+        backend.register_tensor(self._host)
+        if host_region is not None:  # last: nothing after it can fail and leave it registered
+            self._registered = backend.host_register(self._host)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the last submit under way ends
+        self._in_flight: set[int] = set()  # job ids reserved or queued, both directions
+        self._submitting = 0
         self._closed = False
+        self._shut_down = threading.Event()
+        self._drained: list[TransferResult] = []
+        # Holds what queued copies may touch until they have finished, should the worker be
+        # dropped without `shutdown`.
+        self._finalizer = weakref.finalize(
+            self, _dropped, tuple(self._queues.values()), backend, self._host, self._registered, kv_caches
+        )
 
     @property
     def host_row_bytes(self) -> int:
@@ -146,59 +175,93 @@ class OffloadWorker:
         return self._submit(Direction.LOAD, job_id, dst, src)
 
     def _submit(self, direction: Direction, job_id: int, device: DeviceBlocks, host: HostBlocks) -> bool:
-        if self._closed:
-            raise OffloadError("OffloadWorker is shut down")
+        job_id = integer(job_id, "job_id")
         if not isinstance(device, DeviceBlocks) or not isinstance(host, HostBlocks):
             raise InvalidSpecError(
                 f"{direction.value} needs DeviceBlocks and HostBlocks, got "
                 f"{type(device).__name__} and {type(host).__name__}"
             )
-        if any(job_id in q for q in self._queues.values()):
-            raise InvalidSpecError(f"job id {job_id} is still in flight")
-        queue = self._queues[direction]
-        scratch = queue.scratch(self._planner.max_descriptors(device))
-        batch = self._planner.plan(direction, device, host, out=scratch)
+        with self._lock:
+            if self._closed:
+                raise OffloadError("OffloadWorker is shut down")
+            if job_id in self._in_flight:
+                raise InvalidSpecError(f"job id {job_id} is still in flight")
+            self._in_flight.add(job_id)
+            self._submitting += 1
+        queued = False
         try:
-            queue.submit(job_id, batch, scratch)
-        except Exception:
-            log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
-            return False
-        return True
+            if self._region is not None and time.monotonic() >= self._next_region_check:
+                self._region.check()
+                self._next_region_check = time.monotonic() + _REGION_CHECK_S
+            queue = self._queues[direction]
+            scratch = queue.scratch(self._planner.max_descriptors(device))
+            try:
+                batch = self._planner.plan(direction, device, host, out=scratch)
+            except BaseException:
+                queue.release_scratch(scratch)
+                raise
+            try:
+                queue.submit(job_id, batch, scratch)
+            except Exception:
+                log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
+                return False
+            queued = True
+            return True
+        finally:
+            with self._lock:
+                if not queued:
+                    self._in_flight.discard(job_id)
+                self._submitting -= 1
+                if not self._submitting:
+                    self._idle.notify_all()
 
     def stats(self) -> dict[str, QueueStats]:
         """Counters per direction (``"store"``, ``"load"``): jobs, bytes, descriptors after merging, failures."""
         return {d.value: q.stats for d, q in self._queues.items()}
 
     def get_finished(self) -> list[TransferResult]:
-        """Results of completed jobs: stores, then loads, each in submission order. Never blocks."""
-        results, self._drained = self._drained, []
-        for queue in self._queues.values():
-            results += queue.poll()
+        """Results of completed jobs: stores, then loads, each in submission order. Never blocks
+        on the device; each result is returned once, to one caller."""
+        with self._lock:
+            results, self._drained = self._drained, []
+            for queue in self._queues.values():
+                results += queue.poll()
+            self._in_flight.difference_update(r.job_id for r in results)
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the named jobs have completed; their results stay for `get_finished`.
 
-        Unknown or already reported ids are ignored.
+        Unknown or already reported ids are ignored. Holds no lock while it waits.
         """
         job_ids = set(job_ids)
         for queue in self._queues.values():
             queue.wait(job_ids)
 
     def shutdown(self) -> None:
-        """Wait for every job in flight, then release the host memory. Calling it again does nothing.
+        """Refuse new jobs, let submits under way finish, wait for every job in flight, then
+        release the host memory. Calling it again (from any thread) waits for the first call.
 
         Results of jobs that finished here stay available from `get_finished`.
         """
-        if self._closed:
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            while self._submitting:
+                self._idle.wait()
+        if not first:
+            self._shut_down.wait()
             return
-        self._closed = True
-        for queue in self._queues.values():
-            self._drained += queue.drain()
-        self.host_tensors = []
-        if self._registered:
-            self.backend.host_unregister(self._host)
-        self._host = None  # a shared region outlives the worker: its owner closes it
+        try:
+            _, _, held, _ = self._finalizer.detach()
+            results = _drain(*held)
+            del held
+            with self._lock:
+                self._drained += results
+            self.host_tensors = []
+            self._host = None  # a shared region outlives the worker: its owner closes it
+        finally:
+            self._shut_down.set()
 
     def __enter__(self) -> "OffloadWorker":
         return self
@@ -206,6 +269,45 @@ class OffloadWorker:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+
+def _drain(queues, backend: Backend, host, registered: bool, kv_caches) -> list[TransferResult]:
+    """Wait for every job in `queues`, then undo the host registration. `host` and
+    `kv_caches` are passed only to be held: they may be freed once this returns.
+    """
+    results: list[TransferResult] = []
+    for queue in queues:
+        results += queue.drain()
+    if registered:
+        try:
+            backend.host_unregister(host)
+        except Exception:
+            log.exception("unregistering a worker's host memory failed")
+    return results
+
+
+def _dropped(*held) -> None:
+    """The garbage collector took a worker that was never shut down (or the interpreter exits)."""
+    queues = held[0]
+    pending = sum(len(q) for q in queues)
+    if pending:
+        log.warning("OffloadWorker dropped without shutdown() with %d jobs in flight: draining them first", pending)
+    # The collector may run on any thread, even one a backend's stream needs to make progress:
+    # only the main thread waits here; elsewhere a thread of its own waits, holding the memory.
+    if pending and threading.current_thread() is not threading.main_thread():
+        try:
+            threading.Thread(target=_drain, args=held, name="offload-core-drain", daemon=True).start()
+            return
+        except RuntimeError:  # the interpreter is exiting and starts no threads
+            pass
+    _drain(*held)
+
+
+def _alloc_host(backend: Backend, nbytes: int):
+    check_host_bytes(nbytes, "the worker's host buffer (num_host_blocks x host_row_bytes)")
+    try:
+        return backend.alloc_host(nbytes)
+    except Exception as exc:  # torch reports an allocation failure as RuntimeError
+        raise OffloadError(f"could not allocate the worker's host buffer of {nbytes} bytes on {backend.name}: {exc}") from exc
 
 
 def _canonical_pages(kv_caches: KVCaches) -> list[int]:

@@ -16,6 +16,7 @@ from offload_core import (
     HostBlocks,
     InvalidSpecError,
     KVCacheRef,
+    OffloadError,
     KVCaches,
     KVCacheTensor,
     OffloadWorker,
@@ -36,7 +37,7 @@ def round_trips(draw):
     copy = [draw(st.integers(1, p)) for p in pages]
     bpc = draw(st.integers(1, 4))
     n_groups = draw(st.integers(1, 2))
-    groups = [draw(st.lists(st.integers(0, n_tensors - 1), max_size=3, unique=True)) for _ in range(n_groups)]
+    groups = [draw(st.lists(st.integers(0, n_tensors - 1), min_size=1, max_size=3, unique=True)) for _ in range(n_groups)]
     sizes = [draw(st.integers(0, 5)) for _ in groups]
     indices = [draw(st.integers(0, 9)) for _ in groups]
     blocks = 24
@@ -187,6 +188,24 @@ def test_ids_may_come_as_lists_arrays_or_tensors():
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 8, mapping=object())]]), "CanonicalPageMapping"),
         (lambda: OffloadWorker(small_kv(), 0), "num_host_blocks"),
         (lambda: OffloadWorker(small_kv(), 4, blocks_per_chunk=0), "blocks_per_chunk"),
+        (lambda: OffloadWorker(small_kv(), None), "num_host_blocks must be an integer, got None"),
+        (lambda: OffloadWorker(small_kv(), 2.5), "num_host_blocks must be an integer, got 2.5"),
+        (lambda: OffloadWorker(small_kv(), "4"), "num_host_blocks must be an integer"),
+        (lambda: OffloadWorker(small_kv(), True), "num_host_blocks must be an integer, got True"),
+        (lambda: OffloadWorker(small_kv(), 4, blocks_per_chunk=1.0), "blocks_per_chunk must be an integer"),
+        (lambda: KVCacheTensor(torch.zeros(4, 16, dtype=torch.int8), 16.0), "page_size_bytes must be an integer, got 16.0"),
+        (lambda: KVCacheTensor(torch.zeros(4, 16, dtype=torch.int8), -16), "page_size_bytes must be a positive integer"),
+        (lambda: KVCacheTensor(np.zeros((4, 16), dtype=np.int8), 16), "must be a torch.Tensor, got ndarray"),
+        (lambda: KVCacheRef(0, 8.5), "page_size_bytes must be an integer, got 8.5"),
+        (lambda: KVCacheRef(None, 8), "tensor_idx must be an integer, got None"),
+        (lambda: KVCacheRef(-1, 8), "tensor_idx must be >= 0"),
+        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[]]), "group 0 has no refs"),
+        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 32)], []]), "group 1 has no refs"),
+        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 16), 64)], [[KVCacheRef(0, 64), KVCacheRef(0, 64)]]),
+         "names tensor 0 twice"),
+        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 16), 64)], [[KVCacheRef(0, 64), KVCacheRef(0, 32)]]),
+         "names tensor 0 twice"),
+        (lambda: KVCaches([torch.zeros(2, 8)], [[KVCacheRef(0, 32)]]), "must be a KVCacheTensor"),
     ],
 )
 def test_invalid_layouts_are_rejected(make, message):
@@ -215,3 +234,42 @@ def test_backend_must_copy_the_kv_tensors_device():
 
     with pytest.raises(InvalidSpecError, match="KV tensors are on cpu"):
         OffloadWorker(small_kv(), 4, backend=Elsewhere())
+
+
+def test_an_absurd_host_buffer_is_refused_before_allocating():
+    from offload_core.hostmem import available_host_bytes
+
+    too_many = available_host_bytes() // 192 + 1  # small_kv's host row is 64 + 128 bytes
+    with pytest.raises(OffloadError, match="host buffer .* needs .* only .* available"):
+        OffloadWorker(small_kv(), too_many, backend="cpu")
+
+
+@pytest.mark.parametrize("job_id", ["7", None, 1.0, (1,), True, object()])
+def test_job_ids_must_be_integers(job_id):
+    with OffloadWorker(small_kv(), 4, backend="cpu") as worker:
+        with pytest.raises(InvalidSpecError, match="job_id must be an integer"):
+            worker.submit_store(job_id, DeviceBlocks([0]), HostBlocks([0]))
+        with pytest.raises(InvalidSpecError, match="job_id must be an integer"):
+            worker.submit_load(job_id, HostBlocks([0]), DeviceBlocks([0]))
+        assert worker.submit_store(np.int64(7), DeviceBlocks([0]), HostBlocks([0]))  # numpy integers are integers
+        worker.wait([7])
+        assert [r.job_id for r in worker.get_finished()] == [7]
+
+
+def test_rejected_submits_return_their_scratch_to_the_pool():
+    from offload_core.testing.fake import FakeBackend
+
+    class Counting(FakeBackend):
+        allocs = 0
+
+        def alloc_host(self, nbytes):
+            Counting.allocs += 1
+            return super().alloc_host(nbytes)
+
+    backend = Counting()
+    with OffloadWorker(small_kv(), 4, backend=backend) as worker:
+        before = Counting.allocs
+        for _ in range(100):
+            with pytest.raises(InvalidSpecError):
+                worker.submit_store(1, DeviceBlocks([99]), HostBlocks([0]))
+        assert Counting.allocs - before <= 1  # one scratch buffer, reused

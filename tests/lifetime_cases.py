@@ -1,0 +1,111 @@
+"""Cases that crash the interpreter when memory is freed under a running copy. Each runs in a
+process of its own (``python tests/lifetime_cases.py NAME``), so a crash fails its test
+instead of killing pytest; exit status 0 means every byte came out right."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+
+import torch
+
+from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadError, OffloadWorker, get_backend
+
+PAGE = 8 << 20  # large enough that freed buffers go back to the OS: a use after free faults
+
+
+def _kv(blocks: int) -> KVCaches:
+    data = torch.arange(blocks * PAGE, dtype=torch.int64).to(torch.uint8).view(blocks, PAGE)
+    return KVCaches([KVCacheTensor(data, PAGE)], [[KVCacheRef(0, PAGE)]])
+
+
+def _hold_compute(backend):
+    """Block the cpu backend's compute stream until the returned event is set: jobs queue up behind it."""
+    go = threading.Event()
+    backend.current_stream().launch(go.wait)
+    return go
+
+
+def dropped_worker() -> None:
+    """A worker dropped with loads in flight: they still land, from memory that was not freed."""
+    backend = get_backend("cpu")
+    kv = _kv(8)
+    expected = kv.tensors[0].tensor[:4].clone()
+    worker = OffloadWorker(kv, 4, backend=backend)
+    worker.submit_store(1, DeviceBlocks([0, 1, 2, 3]), HostBlocks([0, 1, 2, 3]))
+    worker.wait([1])
+    go = _hold_compute(backend)
+    worker.submit_load(2, HostBlocks([0, 1, 2, 3]), DeviceBlocks([4, 5, 6, 7]))
+    threading.Timer(0.2, go.set).start()  # the load is still queued when the worker goes
+    del worker
+    gc.collect()
+    junk = [torch.full((PAGE,), 0xEE, dtype=torch.uint8) for _ in range(8)]  # reuse what was freed
+    backend.synchronize()
+    del junk
+    assert torch.equal(kv.tensors[0].tensor[4:], expected), "the load read freed memory"
+
+
+def dropped_worker_off_main_thread() -> None:
+    """The same, with the last reference dropped on another thread (the drain then runs on its own)."""
+    backend = get_backend("cpu")
+    kv = _kv(4)
+    expected = kv.tensors[0].tensor[:2].clone()
+    box = [OffloadWorker(kv, 2, backend=backend)]
+    box[0].submit_store(1, DeviceBlocks([0, 1]), HostBlocks([0, 1]))
+    box[0].wait([1])
+    go = _hold_compute(backend)
+    box[0].submit_load(2, HostBlocks([0, 1]), DeviceBlocks([2, 3]))
+    t = threading.Thread(target=box.clear)
+    t.start()
+    t.join()
+    go.set()
+    for _ in range(200):  # the drain thread frees the buffer once the load has finished
+        backend.synchronize()
+        if torch.equal(kv.tensors[0].tensor[2:], expected):
+            break
+    assert torch.equal(kv.tensors[0].tensor[2:], expected)
+
+
+def shutdown_racing_submits() -> None:
+    """Threads submit while another shuts the worker down: every job is either refused or drained."""
+    sys.setswitchinterval(1e-6)  # switch threads often, so that the race is hit, not just possible
+    backend = get_backend("cpu")
+    kv = _kv(16)
+    for trial in range(20):
+        worker = OffloadWorker(kv, 16, backend=backend)
+        go = _hold_compute(backend)
+        accepted: list[int] = []
+        refused = []
+        start = threading.Barrier(5)
+
+        def submitter(t: int) -> None:
+            start.wait()
+            for i in range(50):
+                job = t * 1000 + i
+                try:
+                    if worker.submit_store(job, DeviceBlocks([(t * 4 + i) % 16]), HostBlocks([(t * 4 + i) % 16])):
+                        accepted.append(job)
+                except OffloadError:
+                    refused.append(job)
+
+        threads = [threading.Thread(target=submitter, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        start.wait()
+        threading.Timer(0.01, go.set).start()
+        worker.shutdown()
+        for t in threads:
+            t.join()
+        go.set()
+        reported = [r.job_id for r in worker.get_finished()]
+        assert sorted(reported) == sorted(accepted), f"trial {trial}: jobs lost or reported twice"
+        assert len(accepted) + len(refused) == 200
+        backend.synchronize()
+        junk = torch.full((16 * PAGE,), 0xEE, dtype=torch.uint8)  # would land in a freed buffer
+        backend.synchronize()
+        del junk, worker
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()

@@ -1,0 +1,148 @@
+"""The worker from several threads, and its memory's lifetime: nothing is freed while a copy may
+still touch it, no job is accepted twice, lost or reported twice."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from offload_core import DeviceBlocks, HostBlocks, InvalidSpecError, OffloadError, OffloadWorker, get_backend
+
+from helpers import small_kv
+
+pytestmark = pytest.mark.cpu
+HERE = pathlib.Path(__file__).parent
+
+
+@pytest.mark.parametrize("case", ["dropped_worker", "dropped_worker_off_main_thread", "shutdown_racing_submits"])
+def test_memory_outlives_the_copies_that_touch_it(case):
+    env = dict(os.environ, OFFLOAD_CORE_BACKEND="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "lifetime_cases.py"), case], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, f"{case} exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
+
+
+def _run_threads(targets):
+    errors = []
+
+    def guard(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as exc:  # surfaced in the test's thread
+                errors.append(exc)
+
+        return run
+
+    threads = [threading.Thread(target=guard(fn)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    if errors:
+        raise errors[0]
+
+
+def test_submit_wait_and_poll_from_several_threads():
+    kv = small_kv(pages=(4096, 512), blocks=64)
+    reported: list[int] = []
+    accepted: list[int] = []
+    with OffloadWorker(kv, 64, backend="cpu") as worker:
+        done = threading.Event()
+
+        def submitter(t):
+            def run():
+                rng = np.random.default_rng(t)
+                for i in range(150):
+                    job = t * 10_000 + i
+                    blocks = rng.choice(16, size=2, replace=False) + 16 * t
+                    if i % 2:
+                        ok = worker.submit_store(job, DeviceBlocks(blocks), HostBlocks(blocks))
+                    else:
+                        ok = worker.submit_load(job, HostBlocks(blocks), DeviceBlocks(blocks))
+                    assert ok
+                    accepted.append(job)
+                    if i % 10 == 0:
+                        worker.wait([job, job - 1])
+
+            return run
+
+        def poller():
+            while not done.is_set():
+                reported.extend(r.job_id for r in worker.get_finished())
+
+        pollers = [threading.Thread(target=poller) for _ in range(2)]
+        for p in pollers:
+            p.start()
+        try:
+            _run_threads([submitter(t) for t in range(4)])
+        finally:
+            worker.wait(accepted)
+            done.set()
+            for p in pollers:
+                p.join()
+        reported.extend(r.job_id for r in worker.get_finished())
+    assert sorted(reported) == sorted(accepted)  # each once: none lost, none twice
+
+
+def test_one_job_id_from_two_threads_is_accepted_once():
+    kv = small_kv(blocks=16)
+    with OffloadWorker(kv, 16, backend="cpu") as worker:
+        for trial in range(200):
+            barrier = threading.Barrier(2)
+            outcomes = []
+
+            def submit(block):
+                barrier.wait()
+                try:
+                    outcomes.append(worker.submit_store(trial, DeviceBlocks([block]), HostBlocks([block])))
+                except InvalidSpecError as exc:
+                    assert "still in flight" in str(exc)
+                    outcomes.append(None)
+
+            _run_threads([lambda: submit(1), lambda: submit(2)])
+            assert sorted(outcomes, key=str) == [None, True], f"trial {trial}: {outcomes}"
+            worker.wait([trial])
+            assert [r.job_id for r in worker.get_finished()] == [trial]
+
+
+def test_shutdown_from_two_threads_returns_after_the_drain():
+    backend = get_backend("cpu")
+    kv = small_kv(pages=(1 << 20,), blocks=8)
+    worker = OffloadWorker(kv, 8, backend=backend)
+    go = threading.Event()
+    backend.current_stream().launch(go.wait)
+    worker.submit_store(1, DeviceBlocks([0]), HostBlocks([0]))
+    threading.Timer(0.05, go.set).start()
+    _run_threads([worker.shutdown, worker.shutdown])
+    assert worker.host_tensors == []
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    with pytest.raises(OffloadError, match="shut down"):
+        worker.submit_store(2, DeviceBlocks([0]), HostBlocks([0]))
+
+
+def test_a_dropped_worker_keeps_its_buffers_until_its_jobs_finish():
+    backend = get_backend("cpu")
+    kv = small_kv(pages=(4096,), blocks=4)
+    worker = OffloadWorker(kv, 4, backend=backend)
+    host = worker.host_tensors[0]
+    worker.submit_store(1, DeviceBlocks([0]), HostBlocks([0]))
+    worker.wait([1])
+    go = threading.Event()
+    backend.current_stream().launch(go.wait)
+    worker.submit_load(2, HostBlocks([0]), DeviceBlocks([3]))
+    storage = host.untyped_storage()
+    threading.Timer(0.05, go.set).start()
+    del worker, host  # the drain, on this (main) thread, waits for the load
+    assert go.is_set()
+    assert torch.equal(kv.tensors[0].tensor[3], kv.tensors[0].tensor[0])
+    del storage
