@@ -222,11 +222,10 @@ class OffloadWorker:
     def get_finished(self) -> list[TransferResult]:
         """Results of completed jobs: stores, then loads, each in submission order. Never blocks
         on the device; each result is returned once, to one caller."""
+        polled = [r for queue in self._queues.values() for r in queue.poll()]
         with self._lock:
-            results, self._drained = self._drained, []
-            for queue in self._queues.values():
-                results += queue.poll()
-            self._in_flight.difference_update(r.job_id for r in results)
+            results, self._drained = self._drained + polled, []
+            self._in_flight.difference_update(r.job_id for r in polled)
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
