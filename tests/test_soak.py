@@ -1,0 +1,19 @@
+"""A short soak: threads submitting, waiting and polling, injected faults, shutdowns at random
+moments; every byte checked (`offload_core.testing.soak`; `benchmarks/soak.py` runs it longer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload_core.testing.soak import soak
+
+pytestmark = pytest.mark.cpu
+
+
+def test_short_soak_loses_nothing_and_reports_each_job_once():
+    report = soak(rounds=8, round_seconds=0.15, seed=1)
+    assert report.clean, report
+    # the soak did what it claims: jobs failed both ways, shutdowns refused late submits
+    assert report.enqueue_failures and report.device_failures, report
+    assert report.accepted == report.reported
+    assert report.checked_bytes > 0
