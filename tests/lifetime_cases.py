@@ -1,6 +1,10 @@
-"""Cases that crash the interpreter when memory is freed under a running copy. Each runs in a
-process of its own (``python tests/lifetime_cases.py NAME``), so a crash fails its test
-instead of killing pytest; exit status 0 means every byte came out right."""
+"""Cases that crash the interpreter (or corrupt bytes) when memory is freed under a running copy.
+Each runs in a process of its own (``python tests/lifetime_cases.py NAME BACKEND``), so a crash
+fails its test instead of killing pytest; exit status 0 means every byte came out right.
+
+On cpu, freed buffers go back to the OS and a late copy faults; on cuda, torch caches freed
+pinned memory, so a late copy lands in (or reads) the next pinned allocation: the cases
+allocate one right after the free and check the bytes."""
 
 from __future__ import annotations
 
@@ -15,21 +19,33 @@ from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCache
 PAGE = 8 << 20  # large enough that freed buffers go back to the OS: a use after free faults
 
 
+BACKEND = "cpu"
+
+
 def _kv(blocks: int) -> KVCaches:
     data = torch.arange(blocks * PAGE, dtype=torch.int64).to(torch.uint8).view(blocks, PAGE)
-    return KVCaches([KVCacheTensor(data, PAGE)], [[KVCacheRef(0, PAGE)]])
+    return KVCaches([KVCacheTensor(data.to(get_backend(BACKEND).device), PAGE)], [[KVCacheRef(0, PAGE)]])
 
 
-def _hold_compute(backend):
-    """Block the cpu backend's compute stream until the returned event is set: jobs queue up behind it."""
+def _hold_compute(backend, seconds: float = 0.5):
+    """Keep the compute stream busy until the returned event is set (cpu) or for about
+    `seconds` (cuda): jobs queue up behind it."""
     go = threading.Event()
-    backend.current_stream().launch(go.wait)
+    if backend.name == "cpu":
+        backend.current_stream().launch(go.wait)
+    else:
+        torch.cuda._sleep(int(seconds * torch.cuda.clock_rate() * 1e6))  # clock_rate is in MHz
     return go
+
+
+def _junk(nbytes: int) -> torch.Tensor:
+    """Memory allocated right after a free, as the backend's host memory: where a late copy would land."""
+    return get_backend(BACKEND).alloc_host(nbytes).fill_(0xEE)
 
 
 def dropped_worker() -> None:
     """A worker dropped with loads in flight: they still land, from memory that was not freed."""
-    backend = get_backend("cpu")
+    backend = get_backend(BACKEND)
     kv = _kv(8)
     expected = kv.tensors[0].tensor[:4].clone()
     worker = OffloadWorker(kv, 4, backend=backend)
@@ -40,15 +56,15 @@ def dropped_worker() -> None:
     threading.Timer(0.2, go.set).start()  # the load is still queued when the worker goes
     del worker
     gc.collect()
-    junk = [torch.full((PAGE,), 0xEE, dtype=torch.uint8) for _ in range(8)]  # reuse what was freed
+    junk = [_junk(PAGE) for _ in range(8)]  # reuse what was freed
     backend.synchronize()
     del junk
-    assert torch.equal(kv.tensors[0].tensor[4:], expected), "the load read freed memory"
+    assert torch.equal(kv.tensors[0].tensor[4:].cpu(), expected.cpu()), "the load read freed memory"
 
 
 def dropped_worker_off_main_thread() -> None:
     """The same, with the last reference dropped on another thread (the drain then runs on its own)."""
-    backend = get_backend("cpu")
+    backend = get_backend(BACKEND)
     kv = _kv(4)
     expected = kv.tensors[0].tensor[:2].clone()
     box = [OffloadWorker(kv, 2, backend=backend)]
@@ -60,21 +76,20 @@ def dropped_worker_off_main_thread() -> None:
     t.start()
     t.join()
     go.set()
-    for _ in range(200):  # the drain thread frees the buffer once the load has finished
-        backend.synchronize()
-        if torch.equal(kv.tensors[0].tensor[2:], expected):
-            break
-    assert torch.equal(kv.tensors[0].tensor[2:], expected)
+    junk = [_junk(PAGE) for _ in range(4)]
+    backend.synchronize()
+    del junk
+    assert torch.equal(kv.tensors[0].tensor[2:].cpu(), expected.cpu()), "the load read freed memory"
 
 
 def shutdown_racing_submits() -> None:
     """Threads submit while another shuts the worker down: every job is either refused or drained."""
     sys.setswitchinterval(1e-6)  # switch threads often, so that the race is hit, not just possible
-    backend = get_backend("cpu")
+    backend = get_backend(BACKEND)
     kv = _kv(16)
     for trial in range(20):
         worker = OffloadWorker(kv, 16, backend=backend)
-        go = _hold_compute(backend)
+        go = _hold_compute(backend, 0.05)
         accepted: list[int] = []
         refused = []
         start = threading.Barrier(5)
@@ -102,10 +117,12 @@ def shutdown_racing_submits() -> None:
         assert sorted(reported) == sorted(accepted), f"trial {trial}: jobs lost or reported twice"
         assert len(accepted) + len(refused) == 200
         backend.synchronize()
-        junk = torch.full((16 * PAGE,), 0xEE, dtype=torch.uint8)  # would land in a freed buffer
+        junk = _junk(16 * PAGE)  # a late store would land in it
         backend.synchronize()
+        assert (junk == 0xEE).all(), f"trial {trial}: a copy landed in freed memory"
         del junk, worker
 
 
 if __name__ == "__main__":
+    BACKEND = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     globals()[sys.argv[1]]()

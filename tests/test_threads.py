@@ -3,7 +3,6 @@ still touch it, no job is accepted twice, lost or reported twice."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -13,19 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-from offload_core import DeviceBlocks, HostBlocks, InvalidSpecError, OffloadError, OffloadWorker, get_backend
+from offload_core import DeviceBlocks, HostBlocks, InvalidSpecError, OffloadError, OffloadWorker, get_backend, registry
 
 from helpers import small_kv
 
-pytestmark = pytest.mark.cpu
 HERE = pathlib.Path(__file__).parent
 
 
 @pytest.mark.parametrize("case", ["dropped_worker", "dropped_worker_off_main_thread", "shutdown_racing_submits"])
-def test_memory_outlives_the_copies_that_touch_it(case):
-    env = dict(os.environ, OFFLOAD_CORE_BACKEND="cpu")
+@pytest.mark.parametrize("name", [pytest.param("cpu", marks=pytest.mark.cpu), pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_memory_outlives_the_copies_that_touch_it(case, name):
+    reason = registry.availability()[name]
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
     proc = subprocess.run(
-        [sys.executable, str(HERE / "lifetime_cases.py"), case], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, str(HERE / "lifetime_cases.py"), case, name], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, f"{case} exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
 
@@ -52,11 +53,11 @@ def _run_threads(targets):
         raise errors[0]
 
 
-def test_submit_wait_and_poll_from_several_threads():
-    kv = small_kv(pages=(4096, 512), blocks=64)
+def test_submit_wait_and_poll_from_several_threads(backend):
+    kv = small_kv(pages=(4096, 512), blocks=64, device=backend.device)
     reported: list[int] = []
     accepted: list[int] = []
-    with OffloadWorker(kv, 64, backend="cpu") as worker:
+    with OffloadWorker(kv, 64, backend=backend) as worker:
         done = threading.Event()
 
         def submitter(t):
@@ -94,6 +95,7 @@ def test_submit_wait_and_poll_from_several_threads():
     assert sorted(reported) == sorted(accepted)  # each once: none lost, none twice
 
 
+@pytest.mark.cpu
 def test_one_job_id_from_two_threads_is_accepted_once():
     kv = small_kv(blocks=16)
     with OffloadWorker(kv, 16, backend="cpu") as worker:
@@ -115,6 +117,7 @@ def test_one_job_id_from_two_threads_is_accepted_once():
             assert [r.job_id for r in worker.get_finished()] == [trial]
 
 
+@pytest.mark.cpu
 def test_shutdown_from_two_threads_returns_after_the_drain():
     backend = get_backend("cpu")
     kv = small_kv(pages=(1 << 20,), blocks=8)
@@ -130,6 +133,7 @@ def test_shutdown_from_two_threads_returns_after_the_drain():
         worker.submit_store(2, DeviceBlocks([0]), HostBlocks([0]))
 
 
+@pytest.mark.cpu
 def test_a_dropped_worker_keeps_its_buffers_until_its_jobs_finish():
     backend = get_backend("cpu")
     kv = small_kv(pages=(4096,), blocks=4)
