@@ -11,6 +11,8 @@ stays asynchronous and the source may change as soon as the call returns.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from offload_core.backend import Direction
@@ -43,7 +45,10 @@ class XpuBackend(TorchDeviceBackend):
         super().__init__(device_index)
         self._starts = np.zeros(0, dtype=np.int64)  # registered buffers, sorted by address
         self._ends = np.zeros(0, dtype=np.int64)
-        self._tensors: list = []
+        # Weak: the backend outlives workers (the registry keeps it), and must neither keep
+        # their memory alive nor pin a shared region's mapping; whoever queues copies keeps
+        # the memory alive until they finish.
+        self._tensors: list[weakref.ref] = []
 
     def new_stream(self):
         # torch.xpu hands out pooled queues round robin, starting with the slot the compute
@@ -61,14 +66,19 @@ class XpuBackend(TorchDeviceBackend):
 
     def register_tensor(self, tensor) -> None:
         start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
-        keep = [i for i, t in enumerate(self._tensors) if t.data_ptr() != start]
-        self._tensors = [self._tensors[i] for i in keep] + [tensor]
-        starts = np.append(self._starts[keep], start)
-        ends = np.append(self._ends[keep], end)
-        order = np.argsort(starts)
-        self._starts, self._ends = starts[order], ends[order]
-        self._tensors = [self._tensors[i] for i in order.tolist()]
+        self._index(lambda t: t is not None and t.data_ptr() != start, (start, tensor.nbytes, weakref.ref(tensor, self._forget)))
+
+    def _forget(self, ref: weakref.ref) -> None:
+        self._index(lambda t: t is not None)
+
+    def _index(self, keep, new=None) -> None:
+        """Keep the registered buffers whose tensor passes `keep`, add `new` (start, nbytes, ref), sort."""
+        entries = [(s, e - s, r) for s, e, r in zip(self._starts.tolist(), self._ends.tolist(), self._tensors) if keep(r())]
+        entries += [new] if new else []
+        entries.sort(key=lambda x: x[0])
+        self._starts = np.array([x[0] for x in entries], dtype=np.int64)
+        self._ends = np.array([x[0] + x[1] for x in entries], dtype=np.int64)
+        self._tensors = [x[2] for x in entries]
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         self._bind_thread()
@@ -93,5 +103,10 @@ class XpuBackend(TorchDeviceBackend):
         i = np.searchsorted(self._starts, addresses, side="right") - 1
         if i.min(initial=0) < 0 or np.any(addresses + sizes > self._ends[i]):
             raise ValueError("xpu copies need their memory registered (register_tensor or alloc_host)")
-        flats = [self._tensors[k].view(-1).view(self._torch.uint8) for k in range(len(self._tensors))]
-        return [flats[k] for k in i.tolist()], addresses - self._starts[i]
+        views = {}
+        for k in set(i.tolist()):
+            tensor = self._tensors[k]()
+            if tensor is None:  # freed since: its address range is no longer the caller's
+                raise ValueError("xpu copies need their memory registered (register_tensor or alloc_host)")
+            views[k] = tensor.view(-1).view(self._torch.uint8)
+        return [views[k] for k in i.tolist()], addresses - self._starts[i]

@@ -1,7 +1,7 @@
 """`offload-core bench`: store blocks of a synthetic KV cache to host, load them back elsewhere, verify every byte.
 
-Speeds are reported next to the limit measured in the same run: one large copy of the
-same number of bytes, in each direction, through the same backend.
+Speeds are reported next to the limit measured in the same run: the best of several single
+copies of the same number of bytes, in each direction, through the same backend.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from offload_core import hostmem
 from offload_core.backend import Backend, Direction
-from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
+from offload_core.errors import InvalidSpecError, OffloadError
+from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, positive_int
 from offload_core.registry import get_backend
 from offload_core.worker import OffloadWorker
 
@@ -34,6 +36,11 @@ class Preset:
         """Bytes of one K (or V) page of one layer."""
         return self.block_tokens * self.kv_heads * self.head_dim * self.dtype_bytes
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: K and V pages of every layer, whichever the layout."""
+        return 2 * self.layers * self.page_bytes
+
 
 PRESETS = {
     # Llama-3-8B-like: 32 layers, K and V separate tensors, 16-token blocks, bf16 -> 64 tensors of 32 KiB pages
@@ -41,6 +48,75 @@ PRESETS = {
     # the same model with vLLM's cross-layer layout: one tensor, 2 MiB per block
     "llama-8b-cross-layer": Preset(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype_bytes=2, cross_layer=True),
 }
+
+# Single copies the limit is the best of, after a warm-up copy: with five and no warm-up, slow
+# moments (cold caches, a busy core) could hold the limit below what the jobs reached, over 100%.
+LIMIT_COPIES = 10
+
+
+def _preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except (KeyError, TypeError):
+        raise InvalidSpecError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}") from None
+
+
+def memory_needed(preset: str, blocks: int, backend: str | Backend | None = None) -> dict[str, int]:
+    """Peak memory `run` allocates for `blocks` blocks of `preset` on `backend`.
+
+    `run` holds, at its peak (the limit copies): the KV tensors of ``2 * blocks`` blocks on the
+    device, the worker's host copy of `blocks` blocks, and the limit copies' host and device
+    buffers of `blocks` blocks each: 5 x blocks x ``block_bytes``. The copies made while
+    verifying come and go before the limit buffers are allocated, and the backend's own small
+    buffers (staging, streams) are not counted.
+
+    Returns:
+        ``{"host_bytes": ..., "device_bytes": ...}``. A backend whose device is the cpu (the cpu
+        backend, simulated runtimes) counts its device bytes as host bytes, and 0 device bytes.
+
+    Raises:
+        InvalidSpecError: an unknown preset, or `blocks` not a positive integer.
+        UnknownBackendError, BackendUnavailableError: the backend cannot be had.
+    """
+    per_block = _preset(preset).block_bytes
+    blocks = positive_int(blocks, "blocks")
+    be = backend if isinstance(backend, Backend) else get_backend(backend)
+    host, device = 2 * blocks * per_block, 3 * blocks * per_block
+    if be.device.type == "cpu":
+        return {"host_bytes": host + device, "device_bytes": 0}
+    return {"host_bytes": host, "device_bytes": device}
+
+
+def _check_memory(be: Backend, preset: str, blocks: int, blocks_per_job: int) -> dict[str, int]:
+    """Refuse a run that would not fit, before anything is allocated: on the cpu backend the
+    out-of-memory killer would end the process without a word."""
+    need = memory_needed(preset, blocks, be)
+    try:
+        hostmem.check_host_bytes(need["host_bytes"], f"bench with {blocks} blocks of {preset}")
+    except OffloadError as exc:
+        available = hostmem.available_host_bytes() or 0
+        raise OffloadError(f"{exc}: {_fewer_blocks(available, need['host_bytes'] // blocks, blocks_per_job)}") from None
+    if be.device.type == "cuda" and need["device_bytes"]:
+        import torch
+
+        try:
+            free, _ = torch.cuda.mem_get_info(be.device)
+        except RuntimeError:  # a device that cannot say is no reason to refuse; allocation will tell
+            return need
+        if need["device_bytes"] > free:
+            raise OffloadError(
+                f"bench with {blocks} blocks of {preset} needs {need['device_bytes'] / 2**30:.2f} GiB of memory "
+                f"on {be.device}, but only {free / 2**30:.2f} GiB is free; ask for less: "
+                + _fewer_blocks(free, need["device_bytes"] // blocks, blocks_per_job)
+            )
+    return need
+
+
+def _fewer_blocks(available: int, per_block: int, blocks_per_job: int) -> str:
+    fit = available // per_block // blocks_per_job * blocks_per_job  # whole jobs only
+    if fit:
+        return f"--blocks {fit} or fewer would fit"
+    return f"not even one job (--blocks {blocks_per_job}) would fit"
 
 
 def build_kv_caches(preset: Preset, num_blocks: int, backend: Backend, seed: int = 0) -> KVCaches:
@@ -59,8 +135,9 @@ def build_kv_caches(preset: Preset, num_blocks: int, backend: Backend, seed: int
     return KVCaches(tensors, [[KVCacheRef(i, t.page_size_bytes) for i, t in enumerate(tensors)]])
 
 
-def _limit_gbps(backend: Backend, nbytes: int, host, device) -> dict[str, float]:
-    """One copy of `nbytes` each way: the most this backend can do for a job of that size."""
+def _limit_gbps(backend: Backend, nbytes: int, host, device, copies: int = LIMIT_COPIES) -> dict[str, float]:
+    """The best of `copies` single copies of `nbytes` each way, after a warm-up copy: the most
+    this backend can do for one transfer of that size."""
     out = {}
     host.fill_(1)  # fault every page in first: untouched memory would read as the shared zero page
     device.fill_(1)
@@ -68,7 +145,7 @@ def _limit_gbps(backend: Backend, nbytes: int, host, device) -> dict[str, float]
     stream = backend.new_stream()
     for direction, src, dst in ((Direction.STORE, device, host), (Direction.LOAD, host, device)):
         best = float("inf")
-        for _ in range(5):
+        for i in range(1 + copies):
             stream.wait_stream(backend.current_stream())
             start, end = backend.new_event(), backend.new_event()
             t0 = time.perf_counter()
@@ -76,7 +153,8 @@ def _limit_gbps(backend: Backend, nbytes: int, host, device) -> dict[str, float]
             backend.copy_batch(one * src.data_ptr(), one * dst.data_ptr(), one * nbytes, direction, stream)
             end.record(stream)
             end.synchronize()
-            best = min(best, time.perf_counter() - t0)
+            if i:  # the first copy warms caches, TLBs and the stream's thread
+                best = min(best, time.perf_counter() - t0)
         out[direction.value] = nbytes / best / 1e9
     return out
 
@@ -91,18 +169,34 @@ def run(
     iters: int = 5,
     progress: Callable[[Iterable[int]], Iterable[int]] = lambda it: it,
 ) -> dict:
-    """Run the benchmark and return its figures.
+    """Run the benchmark and return its figures (see `memory_needed` for the memory it takes).
 
     Raises:
-        ValueError: sizes that do not divide into whole jobs and chunks.
+        InvalidSpecError: an unknown preset; `blocks`, `blocks_per_job`, `blocks_per_chunk` or
+            `iters` not a positive integer; `blocks` not a multiple of `blocks_per_job`, or
+            `blocks_per_job` not a multiple of `blocks_per_chunk`.
+        OffloadError: more host memory (or, on CUDA, device memory) than is available would be
+            needed; nothing has been allocated.
         UnknownBackendError, BackendUnavailableError: the backend cannot be had.
     """
     import torch
 
-    if blocks % blocks_per_job or blocks_per_job % blocks_per_chunk:
-        raise ValueError("blocks must be a multiple of blocks_per_job, and that of blocks_per_chunk")
+    spec = _preset(preset)
+    blocks = positive_int(blocks, "blocks")
+    blocks_per_job = positive_int(blocks_per_job, "blocks_per_job")
+    blocks_per_chunk = positive_int(blocks_per_chunk, "blocks_per_chunk")
+    iters = positive_int(iters, "iters")
+    if blocks % blocks_per_job:
+        raise InvalidSpecError(
+            f"blocks must be a multiple of blocks_per_job (whole jobs), got blocks={blocks}, blocks_per_job={blocks_per_job}"
+        )
+    if blocks_per_job % blocks_per_chunk:
+        raise InvalidSpecError(
+            "blocks_per_job must be a multiple of blocks_per_chunk (whole host blocks), "
+            f"got blocks_per_job={blocks_per_job}, blocks_per_chunk={blocks_per_chunk}"
+        )
     be = backend if isinstance(backend, Backend) else get_backend(backend)
-    spec = PRESETS[preset]
+    need = _check_memory(be, preset, blocks, blocks_per_job)
     kv = build_kv_caches(spec, 2 * blocks, be)  # stores read blocks [0, blocks); loads write [blocks, 2*blocks)
     host_blocks = blocks // blocks_per_chunk
     jobs = [  # job j: device blocks [j, j + per_job) into the host chunks that hold them
@@ -155,6 +249,9 @@ def run(
         "iters": iters,
         "bytes_per_job": job_bytes,
         "plan_submit_us_per_job": float(np.median(submit_us)),
+        "host_memory_bytes": need["host_bytes"],
+        "device_memory_bytes": need["device_bytes"],
+        "limit_copies": LIMIT_COPIES,
     }
     for d in ("store", "load"):
         best_wall = min(walls[d])

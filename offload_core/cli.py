@@ -1,4 +1,5 @@
-"""The `offload-core` command: `backends` (what can run here) and `bench` (move blocks, verify, report)."""
+"""The `offload-core` command: `backends` (what can run here), `bench` (move blocks, verify, report)
+and `calibrate` (measure this accelerator's copy costs, save a selection profile)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Sequence
 
 from offload_core import registry
 from offload_core.errors import OffloadError
+from offload_core.hostmem import gib
 
 
 def _table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
@@ -66,7 +68,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.backend,
         preset=args.preset,
         blocks=args.blocks,
-        blocks_per_job=args.blocks_per_job,
+        # 16 per job, but a short run is still one job rather than an error
+        blocks_per_job=args.blocks_per_job or min(DEFAULT_BLOCKS_PER_JOB, args.blocks),
         blocks_per_chunk=args.blocks_per_chunk,
         iters=args.iters,
         progress=_progress(not args.json and sys.stderr.isatty()),
@@ -74,26 +77,70 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        r = result
-        print(
-            f"backend {r['backend']} ({r['device']}), preset {r['preset']}: {r['blocks']} blocks, "
-            f"{r['blocks_per_job']} per job ({r['bytes_per_job'] / 2**20:.1f} MiB), "
-            f"blocks_per_chunk {r['blocks_per_chunk']}, best of {r['iters']}"
-        )
-        rows = [
+        header, rows, notes = bench_report(result)
+        print(header)
+        _table("", BENCH_COLUMNS, rows)
+        for line in notes:
+            print(line)
+    return 0 if result["verified"] else 1
+
+
+DEFAULT_BLOCKS_PER_JOB = 16
+BENCH_COLUMNS = ("direction", "GB/s", "limit GB/s", "of limit", "descriptors/job", "mean copy")
+
+
+def bench_report(r: dict) -> tuple[str, list[tuple[str, ...]], list[str]]:
+    """The human-readable form of `bench.run`'s result.
+
+    Returns:
+        The header line, one table row per direction (columns `BENCH_COLUMNS`), and the lines
+        printed under the table: a footnote when a ratio shows above 100% (its cell marked
+        ``*``), then plan+submit time and the verdict.
+    """
+    memory = f"{gib(r['host_memory_bytes'])} host"
+    if r["device_memory_bytes"]:
+        memory += f" and {gib(r['device_memory_bytes'])} device"
+    header = (
+        f"backend {r['backend']} ({r['device']}), preset {r['preset']}: {r['blocks']} blocks, "
+        f"{r['blocks_per_job']} per job ({r['bytes_per_job'] / 2**20:.1f} MiB), "
+        f"blocks_per_chunk {r['blocks_per_chunk']}, best of {r['iters']}; uses {memory} memory"
+    )
+    rows, over = [], False
+    for d in ("store", "load"):
+        percent = round(r[f"{d}_ratio"] * 100)
+        mark = "*" if percent > 100 else ""
+        over = over or bool(mark)
+        rows.append(
             (
                 d,
                 f"{r[f'{d}_gbps']:.2f}",
                 f"{r[f'{d}_limit_gbps']:.2f}",
-                f"{r[f'{d}_ratio']:.0%}",
+                f"{percent}%{mark}",
                 f"{r[f'{d}_descriptors_per_job']:.0f}",
                 f"{r[f'{d}_mean_copy_bytes'] / 1024:.0f} KiB",
             )
-            for d in ("store", "load")
-        ]
-        _table("", ["direction", "GB/s", "limit GB/s", "of limit", "descriptors/job", "mean copy"], rows)
-        print(f"plan+submit {r['plan_submit_us_per_job']:.0f} us per job; verified: {'every byte' if r['verified'] else 'MISMATCH'}")
-    return 0 if result["verified"] else 1
+        )
+    notes = []
+    if over:
+        notes.append(
+            "* above 100%: jobs back to back overlap their host work with the copies; "
+            f"the limit is the best of {r['limit_copies']} single copies of the same bytes"
+        )
+    notes.append(
+        f"plan+submit {r['plan_submit_us_per_job']:.0f} us per job; verified: {'every byte' if r['verified'] else 'MISMATCH'}"
+    )
+    return header, rows, notes
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: the option's name is added by argparse in front of the message."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -107,25 +154,61 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `offload-core` command.
+
+    Returns:
+        The exit status: 0 on success, 1 when `bench` finds a byte that differs, 2 for input
+        that cannot be run (argparse exits 2 itself for malformed options), 130 when
+        interrupted.
+    """
     parser = argparse.ArgumentParser(prog="offload-core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("backends", help="list every backend: available or not, why, which one is selected")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.set_defaults(func=cmd_backends)
-    from offload_core.bench import PRESETS
+    from offload_core.bench import LIMIT_COPIES, PRESETS
 
-    p = sub.add_parser("bench", help="store blocks to host and load them back, verify every byte, report GB/s")
+    p = sub.add_parser(
+        "bench",
+        help="store blocks to host and load them back, verify every byte, report GB/s",
+        description=(
+            "Store blocks of a synthetic KV cache to host memory and load them back elsewhere, verify every "
+            f"byte, and report GB/s next to the limit (the best of {LIMIT_COPIES} single copies of the same "
+            "bytes). Needs about 5 x blocks x the preset's block size of memory (host memory on the cpu "
+            "backend); a run that would not fit is refused."
+        ),
+    )
     p.add_argument("--backend", help="backend name (default: $OFFLOAD_CORE_BACKEND, else the best available)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="llama-8b")
-    p.add_argument("--blocks", type=int, default=64, help="device blocks stored and loaded per iteration")
-    p.add_argument("--blocks-per-job", type=int, default=16)
-    p.add_argument("--blocks-per-chunk", type=int, default=1, help="device blocks per host block")
-    p.add_argument("--iters", type=int, default=5, help="iterations; the best is reported")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="llama-8b",
+        help="KV cache shape: Llama-3-8B, 2 MiB per block, as 64 tensors of 32 KiB pages or (cross-layer) "
+        "one tensor (default: %(default)s)",
+    )
+    p.add_argument(
+        "--blocks",
+        type=_positive_int,
+        default=64,
+        help="device blocks stored and loaded per iteration; a multiple of --blocks-per-job (default: %(default)s)",
+    )
+    p.add_argument(
+        "--blocks-per-job",
+        type=_positive_int,
+        help=f"device blocks per store or load job; a multiple of --blocks-per-chunk (default: {DEFAULT_BLOCKS_PER_JOB}, "
+        "or --blocks where that is fewer)",
+    )
+    p.add_argument(
+        "--blocks-per-chunk", type=_positive_int, default=1, help="device blocks per host block (default: %(default)s)"
+    )
+    p.add_argument(
+        "--iters", type=_positive_int, default=5, help="iterations; the best is reported (default: %(default)s)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("calibrate", help="measure this accelerator's copy costs and save a selection profile")
     p.add_argument("--backend", help="backend name (default: the best available)")
-    p.add_argument("--dry-run", action="store_true", help="measure and print, do not save")
+    p.add_argument("--dry-run", action="store_true", help="measure and print, do not save (default: save)")
     p.set_defaults(func=cmd_calibrate)
     args = parser.parse_args(argv)
     try:
@@ -133,3 +216,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OffloadError, ValueError) as exc:
         print(f"offload-core: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C during a long bench is an answer, not a crash
+        print("offload-core: interrupted", file=sys.stderr)
+        return 130

@@ -34,9 +34,10 @@ def check_host_bytes(nbytes: int, what: str) -> None:
     available = available_host_bytes()
     if available is not None and nbytes > available:
         raise OffloadError(
-            f"{what} needs {_gib(nbytes)} of host memory, but only {_gib(available)} is available; ask for less"
+            f"{what} needs {gib(nbytes)} of host memory, but only {gib(available)} is available; ask for less"
         )
 
 
-def _gib(nbytes: int) -> str:
+def gib(nbytes: int) -> str:
+    """`nbytes` for people: MiB below a GiB, GiB above."""
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

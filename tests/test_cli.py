@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from offload_core import registry
-from offload_core.cli import main
+from offload_core import bench, hostmem, registry
+from offload_core.cli import bench_report, main
+from offload_core.errors import InvalidSpecError, OffloadError
 from offload_core.testing.fake import FakeBackend
 
 SMALL = ["--blocks", "8", "--blocks-per-job", "4", "--iters", "1"]
@@ -88,3 +89,248 @@ def test_python_dash_m_runs_the_command():
 def test_calibrate_on_a_backend_without_costs(capsys):
     assert main(["calibrate", "--backend", "cpu"]) == 0
     assert "nothing to calibrate" in capsys.readouterr().out
+
+
+# --- bad input: exit status 2, one line naming the option, the value and the rule, no traceback
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--blocks-per-job", "0"),
+        ("--blocks-per-chunk", "0"),
+        ("--blocks", "-16"),
+        ("--blocks-per-job", "-16"),
+        ("--iters", "0"),
+        ("--blocks", "abc"),
+    ],
+)
+def test_bench_refuses_sizes_that_are_not_positive_integers(capsys, option, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--backend", "cpu", option, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: must be a positive integer, got " in err and value in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--blocks", "10", "--blocks-per-job", "4"],
+            "blocks must be a multiple of blocks_per_job (whole jobs), got blocks=10, blocks_per_job=4",
+        ),
+        (["--blocks", "8", "--blocks-per-job", "4", "--blocks-per-chunk", "3"], "blocks_per_job must be a multiple of blocks_per_chunk"),
+        (["--backend", "nosuch"], "unknown offload backend 'nosuch'"),
+    ],
+)
+def test_bench_refuses_runs_that_cannot_be_made_in_one_line(capsys, args, message):
+    assert main(["bench", "--backend", "cpu"] + args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("offload-core: ") and message in captured.err
+    assert captured.err.count("\n") == 1
+
+
+def test_bench_preset_must_be_known(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--backend", "cpu", "--preset", "x"])
+    assert exc.value.code == 2
+    assert "argument --preset: invalid choice: 'x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--blocks-per-job", "0"], "argument --blocks-per-job: must be a positive integer, got 0"),
+        # more than any machine has: refused before anything is allocated
+        (["--blocks", str(16 * 10**15)], "of host memory, but only"),
+    ],
+)
+def test_the_console_command_exits_2_without_a_traceback(args, message):
+    out = subprocess.run(
+        [sys.executable, "-m", "offload_core", "bench", "--backend", "cpu"] + args, capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and message in out.stderr
+
+
+def test_bench_with_fewer_blocks_than_a_job_runs_as_one_job(capsys):
+    assert main(["bench", "--backend", "cpu", "--json", "--blocks", "4", "--iters", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["blocks_per_job"] == 4 and data["verified"]
+
+
+def test_an_interrupted_bench_says_so(capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run", interrupted)
+    assert main(["bench", "--backend", "cpu"] + SMALL) == 130
+    assert capsys.readouterr().err == "offload-core: interrupted\n"
+
+
+# --- bench.run from Python
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"blocks": 0}, "blocks must be a positive integer, got 0"),
+        ({"blocks": -16}, "blocks must be a positive integer, got -16"),
+        ({"blocks": 4.0}, "blocks must be an integer, got 4.0"),
+        ({"blocks": True}, "blocks must be an integer, got True"),
+        ({"blocks_per_job": 0}, "blocks_per_job must be a positive integer, got 0"),
+        ({"blocks_per_chunk": 0}, "blocks_per_chunk must be a positive integer, got 0"),
+        ({"iters": 0}, "iters must be a positive integer, got 0"),
+        ({"blocks": 10, "blocks_per_job": 4}, "got blocks=10, blocks_per_job=4"),
+        ({"blocks_per_job": 16, "blocks_per_chunk": 3}, "got blocks_per_job=16, blocks_per_chunk=3"),
+        ({"preset": "nosuch"}, "unknown preset 'nosuch'; presets: llama-8b, llama-8b-cross-layer"),
+    ],
+)
+def test_bench_run_raises_invalid_spec_for_bad_sizes(kwargs, message):
+    with pytest.raises(InvalidSpecError) as exc:
+        bench.run("cpu", **kwargs)
+    assert isinstance(exc.value, OffloadError) and isinstance(exc.value, ValueError)
+    assert message in str(exc.value)
+
+
+# --- memory: estimated from what bench.run allocates, refused before allocating
+
+
+class FakeCuda(FakeBackend):
+    """Only its device type matters: memory_needed never touches the device."""
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cuda", 0)
+
+
+def test_memory_needed_counts_device_bytes_as_host_on_the_cpu():
+    block = 2 * 2**20  # llama-8b: 64 pages of 32 KiB
+    assert bench.memory_needed("llama-8b", 4, "cpu") == {"host_bytes": 5 * 4 * block, "device_bytes": 0}
+    assert bench.memory_needed("llama-8b-cross-layer", 4, FakeCuda()) == {
+        "host_bytes": 2 * 4 * block,
+        "device_bytes": 3 * 4 * block,
+    }
+
+
+def test_bench_reports_the_memory_it_uses(capsys):
+    assert main(["bench", "--backend", "cpu", "--json"] + SMALL) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["host_memory_bytes"] == bench.memory_needed("llama-8b", 8, "cpu")["host_bytes"] == 80 * 2**20
+    assert data["device_memory_bytes"] == 0 and data["limit_copies"] == bench.LIMIT_COPIES
+    assert main(["bench", "--backend", "cpu"] + SMALL) == 0
+    assert "; uses 80.0 MiB host memory\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "available, hint",
+    [(2**20, "not even one job (--blocks 4) would fit"), (100 * 2**20, "--blocks 8 or fewer would fit")],
+)
+def test_bench_refuses_more_memory_than_is_available(capsys, monkeypatch, available, hint):
+    monkeypatch.setattr(hostmem, "available_host_bytes", lambda: available)
+    assert main(["bench", "--backend", "cpu", "--blocks", "64", "--blocks-per-job", "4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "bench with 64 blocks of llama-8b needs 640.0 MiB of host memory, but only" in captured.err
+    assert captured.err.rstrip().endswith(hint)
+
+
+def test_bench_run_refuses_before_allocating(monkeypatch):
+    monkeypatch.setattr(hostmem, "available_host_bytes", lambda: 2**20)
+    monkeypatch.setattr(bench, "build_kv_caches", lambda *a, **k: pytest.fail("allocated before the check"))
+    with pytest.raises(OffloadError, match="of host memory"):
+        bench.run("cpu", blocks=4, blocks_per_job=4)
+
+
+# --- the table: ratios above 100% are marked and explained
+
+
+def _result(**changes):
+    r = {
+        "backend": "cpu", "device": "cpu", "preset": "llama-8b", "verified": True, "blocks": 8,
+        "blocks_per_job": 4, "blocks_per_chunk": 1, "iters": 1, "bytes_per_job": 8 * 2**20,
+        "plan_submit_us_per_job": 100.0, "host_memory_bytes": 80 * 2**20, "device_memory_bytes": 0,
+        "limit_copies": 10,
+    }  # fmt: skip
+    for d in ("store", "load"):
+        r.update({f"{d}_gbps": 9.5, f"{d}_device_gbps": 10.0, f"{d}_limit_gbps": 10.0, f"{d}_ratio": 0.95})
+        r.update({f"{d}_descriptors_per_job": 256.0, f"{d}_mean_copy_bytes": 32768.0})
+    r.update(changes)
+    return r
+
+
+def test_a_ratio_above_100_percent_is_starred_and_explained():
+    header, rows, notes = bench_report(_result(load_ratio=1.05))
+    assert [row[3] for row in rows] == ["95%", "105%*"]
+    assert notes[0] == (
+        "* above 100%: jobs back to back overlap their host work with the copies; "
+        "the limit is the best of 10 single copies of the same bytes"
+    )
+    assert notes[1] == "plan+submit 100 us per job; verified: every byte"
+
+
+@pytest.mark.parametrize("ratio, cell", [(0.95, "95%"), (1.0, "100%"), (1.004, "100%")])
+def test_no_footnote_when_no_ratio_shows_above_100_percent(ratio, cell):
+    header, rows, notes = bench_report(_result(store_ratio=ratio, load_ratio=ratio))
+    assert [row[3] for row in rows] == [cell, cell]
+    assert len(notes) == 1 and "*" not in notes[0]
+
+
+def test_the_header_names_host_and_device_memory():
+    header, _, _ = bench_report(_result(host_memory_bytes=256 * 2**20, device_memory_bytes=3 * 2**30 // 2))
+    assert header.endswith("best of 1; uses 256.0 MiB host and 1.50 GiB device memory")
+
+
+def test_the_footnote_is_printed_under_the_table(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "run", lambda *a, **k: _result(store_ratio=1.05))
+    assert main(["bench", "--backend", "cpu"] + SMALL) == 0
+    out = capsys.readouterr().out
+    assert "105%*" in out
+    assert out.index("105%*") < out.index("* above 100%") < out.index("plan+submit")
+
+
+# --- help
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("backends", "bench", "calibrate"):
+        assert f"`{command}`" in out  # in the description, not only the list argparse makes
+
+
+def test_bench_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    for default in ("llama-8b", "64", "16, or --blocks where that is fewer", "1", "5", "a table"):
+        assert f"(default: {default})" in out
+    assert "default: $OFFLOAD_CORE_BACKEND" in out and "iterations; the best is reported" in out
+
+
+def test_calibrate_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: the best available)" in out and "(default: save)" in out
+
+
+# --- calibrate
+
+
+def test_calibrate_prints_one_line_on_the_cpu(capsys):
+    assert main(["calibrate", "--backend", "cpu"]) == 0
+    assert capsys.readouterr().out == "backend cpu has nothing to calibrate\n"
+
+
+def test_calibrate_refuses_an_unknown_backend_in_one_line(capsys):
+    assert main(["calibrate", "--backend", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("offload-core: unknown offload backend 'nosuch'") and err.count("\n") == 1
