@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import asdict
 
+from offload_core import get_backend
 from offload_core.testing.soak import soak
 
 
@@ -26,12 +27,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=300, help="workers made, driven and shut down")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--round-seconds", type=float, default=0.3, help="longest life of one round's worker")
+    parser.add_argument("--backend", help="soak this backend, without injected faults (default: cpu with faults)")
     args = parser.parse_args()
     logging.getLogger("offload_core").setLevel(logging.CRITICAL)  # the injected faults are logged as errors
     t0 = time.perf_counter()
-    report = soak(args.rounds, round_seconds=args.round_seconds, seed=args.seed)
+    backend = get_backend(args.backend) if args.backend else None
+    report = soak(args.rounds, round_seconds=args.round_seconds, seed=args.seed, backend=backend)
     out = {
-        "threads": {**asdict(report), "clean": report.clean, "seconds": round(time.perf_counter() - t0, 1)},
+        "threads": {
+            **asdict(report),
+            "backend": backend.name if backend else "cpu with injected faults",
+            "clean": report.clean,
+            "seconds": round(time.perf_counter() - t0, 1),
+        },
         "machine": platform.node(),
         "python": platform.python_version(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),

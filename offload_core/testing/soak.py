@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from offload_core.backend import Direction
+from offload_core.backend import Backend, Direction
 from offload_core.backends.cpu import CpuBackend
 from offload_core.errors import OffloadError
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
@@ -104,22 +104,27 @@ def soak(
     enqueue_faults: float = 0.05,
     device_faults: float = 0.05,
     seed: int = 0,
+    backend: Backend | None = None,
 ) -> SoakReport:
     """Run `rounds` rounds (see the module docstring) and report.
 
     Args:
+        backend: the backend to soak; default a `FaultyCpuBackend` with the fault shares below.
         rounds: workers made and shut down.
         submitters, pollers: threads per round.
         blocks_per_thread: device and host blocks each submitter owns.
         round_seconds: a round is shut down after a random time up to this.
-        enqueue_faults, device_faults: shares of jobs the backend fails.
+        enqueue_faults, device_faults: shares of jobs the default backend fails.
         seed: makes the random choices repeatable (thread timing is not).
     """
     rng = np.random.default_rng(seed)
-    backend = FaultyCpuBackend(enqueue_faults, device_faults, seed)
+    backend = backend or FaultyCpuBackend(enqueue_faults, device_faults, seed)
     blocks = 2 * blocks_per_thread * submitters  # each thread: a store area and a load area
     gen = torch.Generator().manual_seed(seed)
-    tensors = [KVCacheTensor(torch.randint(-128, 128, (blocks, p), dtype=torch.int8, generator=gen), p) for p in PAGES]
+    tensors = [
+        KVCacheTensor(torch.randint(-128, 128, (blocks, p), dtype=torch.int8, generator=gen).to(backend.device), p)
+        for p in PAGES
+    ]
     kv = KVCaches(tensors, [[KVCacheRef(i, c) for i, c in enumerate(COPY)]])
     report = SoakReport()
     for r in range(rounds):
@@ -170,9 +175,11 @@ def _round(kv, backend, per_thread, submitters, pollers, lifetime, seed, report:
         while True:
             k = int(rng.integers(1, per_thread + 1))
             src, dst, chunk = (rng.choice(a, k, replace=False) for a in (mine, other, hosts))
-            for tensor in kv.tensors:
-                tensor.tensor[src] = torch.from_numpy(rng.integers(-128, 128, (k, tensor.page_size_bytes), dtype=np.int8))
-            expected = [tensor.tensor[src].clone() for tensor in kv.tensors]
+            index = torch.from_numpy(src).to(kv.device)
+            for tensor in kv.tensors:  # on the compute stream, which a store waits for
+                fresh = torch.from_numpy(rng.integers(-128, 128, (k, tensor.page_size_bytes), dtype=np.int8))
+                tensor.tensor[index] = fresh.to(kv.device)
+            expected = [tensor.tensor[index].cpu() for tensor in kv.tensors]
             ok = {}
             for direction in ("store", "load"):
                 job += 1
@@ -202,7 +209,7 @@ def _round(kv, backend, per_thread, submitters, pollers, lifetime, seed, report:
                     break
             if ok.get("store") and ok.get("load"):
                 for tensor, exp, copy in zip(kv.tensors, expected, COPY):
-                    got = tensor.tensor[dst][:, :copy]
+                    got = tensor.tensor[torch.from_numpy(dst).to(kv.device)][:, :copy].cpu()
                     counts['checked_bytes'] += got.numel()
                     counts['wrong_bytes'] += int((got != exp[:, :copy]).sum())
 
