@@ -2,44 +2,136 @@
 
 Rows are host blocks, page-aligned. Each row holds either one slot per rank, side by side
 (the direct layout), or one canonical area that every rank writes into (the canonical layout).
-Exactly one process creates the file; the others join it. A header at the start records the
-layout, so that a joiner with other expectations fails loudly, and the creator's pid, so that a
-file left behind by a crash is recognised and replaced at the next start.
+A header at the start records the layout, so that a joiner with other expectations fails
+loudly.
+
+Who may open it: only the user who made it. By default the file is
+``/dev/shm/offload-core-<euid>/<name>.shm``, in a directory that only this user may enter
+(made 0700; refused when it is a symlink, another user's, or open to group or others). No
+open follows a symlink, and a file is used only if it is a regular file of this user with no
+permission bits for group or others, of the size its header says: anything else is a
+`RegionError` rather than KV data read or injected by someone else.
+
+Liveness: every process that has the region open holds a shared `flock` on it for as long as
+it does, and the kernel drops that lock when the process dies, whatever its PID namespace. So
+a file on which an exclusive lock can be taken has no live user, whatever its header says: the
+next process removes it and creates the region afresh. The creator builds the file under a
+temporary name, locks it before anyone can see it, and publishes it with `link`, so there is
+no moment at which the file is visible without a live holder. It then reserves the memory
+(`posix_fallocate`), so that a full tmpfs is a `RegionError` instead of SIGBUS at first touch,
+and writes the header last; joiners wait for the header.
+
+Removal: the last process to close (the one that then gets the exclusive lock) removes the
+file. A creator that leaves early does not pull the file from under the others, and a rank
+restarted after a crash joins the file the live ranks still use. Should the file be removed
+or replaced anyway (by hand, say), `check()` raises: ranks on two files would silently no
+longer share their KV.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import gc
 import json
 import mmap
+import numbers
+import operator
 import os
 import pathlib
+import re
+import secrets
+import stat
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
-import numpy as np
+from offload_core.errors import InvalidSpecError, OffloadError, RegionError, ResourceInUseError
+from offload_core.hostmem import check_host_bytes
 
-from offload_core.errors import InvalidSpecError, OffloadError
+SHM_ROOT = pathlib.Path("/dev/shm")  # memory, not disk; the per-user directory goes here
 
-_MAGIC = b"offload-core region v1\n"
-_HEADER = mmap.PAGESIZE  # the layout, as JSON after the magic; rows start on the next page
+_MAGIC = b"offload-core region v2\n"  # v1 files (pid liveness) are never joined
+_HEADER = mmap.PAGESIZE  # magic, then the JSON header and a NUL; rows start on the next page
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_NAME_RULE = "1 to 128 characters from A-Z a-z 0-9 . _ -, the first a letter or digit"
+_OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+_POLL_S = 0.005
+_LOCK_GRACE_S = 1.0  # exclusive locks are held only for an unlink: wait this long even with timeout=0
+
+
+def default_directory() -> pathlib.Path:
+    """This user's directory for regions, ``SHM_ROOT/offload-core-<euid>``, made 0700 if absent.
+
+    Raises:
+        RegionError: it cannot be made, or it is not a directory of this user that only this
+            user may enter (a symlink, another user's, or with group or other permissions).
+    """
+    euid = os.geteuid()
+    path = pathlib.Path(SHM_ROOT) / f"offload-core-{euid}"
+    fix = "remove it (as its owner or root) or pass directory= to use another one"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise RegionError(f"cannot make the region directory {path}: {exc.strerror}; pass directory= to use another one") from None
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise RegionError(f"cannot inspect the region directory {path}: {exc.strerror}; {fix}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise RegionError(f"the region directory {path} is a symbolic link, which another user may have planted; {fix}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise RegionError(f"the region directory {path} is not a directory; {fix}")
+    if st.st_uid != euid:
+        raise RegionError(
+            f"the region directory {path} is owned by uid {st.st_uid}, not by this user (uid {euid}), "
+            f"who could then read or change the KV data; {fix}"
+        )
+    if st.st_mode & 0o077:
+        raise RegionError(
+            f"the region directory {path} has mode {st.st_mode & 0o777:#o}, which lets other users in; "
+            f"it must be 0700: chmod 700 {path}, or {fix}"
+        )
+    return path
 
 
 class SharedHostRegion:
     """Create or join the region `name`.
 
+    Only processes of the user who created the region can open it (see the module docstring).
+    Each holds a shared lock on the file while it has it open; the last to close removes the
+    file. A file nobody holds (its users died) is replaced by a fresh one at the next start;
+    one still held is joined, even if its creator has gone. Call `check()` to confirm that the
+    file is still the one this rank mapped (the worker does, now and then). A forked child
+    shares its parent's lock: it may use or close an inherited region, but only the parent's
+    close counts; a process of its own should open the region itself.
+
     Args:
-        name: the engine instance's name; the file is ``<directory>/offload-core-<name>.shm``.
+        name: the engine instance's name, 1 to 128 characters from ``A-Za-z0-9._-``, the first
+            a letter or digit; the file is ``<directory>/<name>.shm``.
         num_blocks: host blocks (rows).
         rank: this process's rank.
         slot_bytes: per rank, the bytes of its slot in a row (direct layout); or
         canonical_bytes: the bytes of the one area all ranks share (canonical layout).
         timeout: seconds a joiner waits for the creator to finish.
-        directory: where the file lives; default /dev/shm (memory, not disk).
+        directory: where the file lives, used as given; by default `default_directory()`,
+            ``/dev/shm/offload-core-<euid>`` (memory, not disk; only this user may enter).
+
+    Attributes:
+        tensor: the rows, a (num_blocks, row_stride) uint8 tensor over the mapping.
+        is_creator: whether this process created the file (it need not be the one to remove it).
+        generation: a random token the creator wrote into the header, the same for every rank
+            of one region and new for each file.
 
     Raises:
-        InvalidSpecError: both or neither of slot_bytes and canonical_bytes, a rank out of range,
-            or an existing region laid out differently.
-        OffloadError: the creator did not finish within `timeout`, or no space for the file.
+        InvalidSpecError: a bad name or size (not an integer, or not positive), both or neither
+            of slot_bytes and canonical_bytes, a rank out of range, or an existing region in use
+            laid out differently.
+        RegionError: the directory or the file is not safe to use (a symlink, another user's, with
+            group or other permissions), the file is corrupt or truncated, or there is no room for it.
+        OffloadError: the region needs more host memory than is available, or the creator did not
+            finish within `timeout`.
     """
 
     def __init__(
@@ -51,30 +143,43 @@ class SharedHostRegion:
         slot_bytes: Sequence[int] | None = None,
         canonical_bytes: int | None = None,
         timeout: float = 30.0,
-        directory: str | os.PathLike = "/dev/shm",
+        directory: str | os.PathLike | None = None,
     ):
+        self._mmap: mmap.mmap | None = None
+        self._fd = -1
+        self.tensor = None
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise InvalidSpecError(f"region name {name!r} is not allowed: use {_NAME_RULE}")
+        num_blocks = _integer(num_blocks, "num_blocks", 1)
+        rank = _integer(rank, "rank", 0)
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+            raise InvalidSpecError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
         if (slot_bytes is None) == (canonical_bytes is None):
             raise InvalidSpecError("give exactly one of slot_bytes (per rank) and canonical_bytes")
-        if num_blocks < 1:
-            raise InvalidSpecError(f"num_blocks must be >= 1, got {num_blocks}")
-        slots = [int(canonical_bytes)] if slot_bytes is None else [int(b) for b in slot_bytes]
-        if slot_bytes is not None and not 0 <= rank < len(slots):
-            raise InvalidSpecError(f"rank {rank} out of range for {len(slots)} slots")
-        if min(slots) <= 0:
-            raise InvalidSpecError("slot sizes must be positive")
-        self.name, self.rank, self.num_blocks = name, rank, int(num_blocks)
+        if slot_bytes is None:
+            slots = [_integer(canonical_bytes, "canonical_bytes", 1)]
+        else:
+            if isinstance(slot_bytes, (str, bytes)) or not hasattr(slot_bytes, "__iter__"):
+                raise InvalidSpecError(f"slot_bytes must be a sequence of sizes, one per rank, got {slot_bytes!r}")
+            slots = [_integer(b, f"slot_bytes[{i}]", 1) for i, b in enumerate(slot_bytes)]
+            if not slots:
+                raise InvalidSpecError("slot_bytes must give one size per rank, got none")
+            if rank >= len(slots):
+                raise InvalidSpecError(f"rank {rank} out of range for {len(slots)} slots")
+        self.name, self.rank, self.num_blocks = name, rank, num_blocks
         self.canonical = slot_bytes is None
         self.row_stride = -(-sum(slots) // mmap.PAGESIZE) * mmap.PAGESIZE
         self._slots = slots
         self.layout = {"num_blocks": self.num_blocks, "row_stride": self.row_stride, "canonical": self.canonical, "slots": slots}
-        self.path = pathlib.Path(directory) / f"offload-core-{name}.shm"
+        if len(_MAGIC) + len(_header_body(self.layout, "0" * 32)) + 1 > _HEADER:
+            raise InvalidSpecError(f"{len(slots)} slots do not fit the region's {_HEADER}-byte header; use fewer ranks per region")
         self.size = _HEADER + self.num_blocks * self.row_stride
+        self.path = (default_directory() if directory is None else _given_directory(directory)) / f"{name}.shm"
         self.is_creator = False
-        self._fd = self._open(timeout)
-        self._mmap = mmap.mmap(self._fd, self.size)
-        self.tensor = _tensor_view(self._mmap, self.num_blocks, self.row_stride)
-        if self.is_creator:
-            self._publish()
+        self.generation: str | None = None
+        self._identity: tuple[int, int] | None = None
+        self._pid = os.getpid()
+        self._open(float(timeout))
 
     # ---- where this rank's bytes are -----------------------------------------
 
@@ -88,28 +193,59 @@ class SharedHostRegion:
         return self._slots[0 if self.canonical else self.rank]
 
     def memoryview(self) -> memoryview:
-        """A zero-copy view of every row, for tiers that read the region from another process."""
+        """A zero-copy view of every row, for tiers that read the region from another process.
+
+        The region cannot be closed while the view (or a slice of it) is alive.
+        """
+        if self._mmap is None:
+            raise RegionError(f"region {self.path} is closed")
         return memoryview(self._mmap)[_HEADER:]
+
+    def check(self) -> None:
+        """Confirm that the file at `path` is still the one this rank has mapped (one stat).
+
+        Raises:
+            RegionError: the file was removed or replaced, so ranks that open it from now on
+                would use another region than this one; or the region is closed.
+        """
+        if self._identity is None or self._mmap is None:
+            raise RegionError(f"region {self.path} is closed")
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != self._identity:
+            raise RegionError(
+                f"region {self.path} was removed or replaced while this rank used it; "
+                "ranks would no longer share it: restart every rank"
+            )
 
     # ---- life cycle ---------------------------------------------------------
 
     def close(self) -> None:
-        """Release the mapping (views first), the file descriptor, and, for the creator, the file.
+        """Release the mapping and the lock; the last process to close removes the file.
 
         Raises:
-            BufferError: tensors or memoryviews made from this region are still alive.
+            ResourceInUseError: tensors or memoryviews made from this region (a worker's, say)
+                are still alive; the region stays open and usable.
         """
         if self._mmap is None:
             return
         self.tensor = None
-        self._mmap.close()
-        self._mmap = None
-        os.close(self._fd)
-        if self.is_creator:
+        try:
+            self._mmap.close()
+        except BufferError:
+            gc.collect()  # views kept alive only by reference cycles (a traceback's frames) go now
             try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+                self._mmap.close()
+            except BufferError:
+                self.tensor = self._tensor()
+                raise ResourceInUseError(
+                    f"region {self.path} is still in use by tensors or memoryviews made from it (or a worker "
+                    "using it): shut the worker down and drop those views before closing the region"
+                ) from None
+        self._mmap = None
+        self._release()
 
     def __enter__(self) -> "SharedHostRegion":
         return self
@@ -117,87 +253,294 @@ class SharedHostRegion:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open(self, timeout: float) -> int:
+    # ---- opening ------------------------------------------------------------
+
+    def _open(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        attempt = 0
         while True:
+            attempt += 1
+            if attempt > 2 and time.monotonic() > deadline:  # two passes: a stale file removed, then ours made
+                raise OffloadError(f"timed out opening {self.path}: it kept being removed or replaced")
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                fd = self._join(deadline)
-                if fd is not None:
-                    return fd
-                continue  # a stale file was removed: try to create again
-            try:
-                os.ftruncate(fd, self.size)
-            except OSError as exc:
-                os.close(fd)
-                self.path.unlink(missing_ok=True)
-                raise OffloadError(f"no room for a {self.size}-byte region in {self.path.parent}: {exc}") from exc
-            self.is_creator = True
-            return fd
-
-    def _join(self, deadline: float) -> int | None:
-        """Open the existing file once its creator is done; None if it was stale and removed."""
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR)
+                fd = os.open(self.path, _OPEN)
             except FileNotFoundError:
-                return None
-            header = _read_header(fd)
-            if header is not None:
-                if header["layout"] != self.layout:
-                    os.close(fd)
-                    raise InvalidSpecError(
-                        f"region {self.path} is laid out as {header['layout']}, this rank expects {self.layout}"
-                    )
-                if _alive(header["pid"]) or header["pid"] == os.getpid():
-                    return fd
-            creator = None if header is None else header["pid"]
-            os.close(fd)
-            if header is not None or _stale_without_header(self.path):
-                # the creator died (before or after finishing): nobody will use this file again
-                self.path.unlink(missing_ok=True)
-                return None
-            if time.monotonic() > deadline:
-                raise OffloadError(f"timed out waiting for the creator of {self.path} (pid {creator})")
-            time.sleep(0.005)
+                if self._create():
+                    return
+                continue  # another process published it first: join theirs
+            except OSError as exc:
+                raise self._open_error(exc) from None
+            if self._join(fd, deadline):
+                return
 
-    def _publish(self) -> None:
-        pages = np.frombuffer(self._mmap, dtype=np.uint8)
-        pages[_HEADER :: mmap.PAGESIZE] = 0  # fault every page in now, not during the first transfer
-        del pages
-        body = json.dumps({"layout": self.layout, "pid": os.getpid()}).encode()
-        self._mmap[len(_MAGIC) : len(_MAGIC) + len(body) + 1] = body + b"\0"
-        self._mmap[: len(_MAGIC)] = _MAGIC  # written last: joiners read the header only after it
+    def _open_error(self, exc: OSError) -> RegionError:
+        if exc.errno == errno.ELOOP:
+            return RegionError(
+                f"{self.path} is a symbolic link; a region must be a regular file of this user: "
+                "remove the link (and restart every rank)"
+            )
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return RegionError(f"cannot open {self.path}: {exc.strerror}; it is not this user's region: remove it or pass directory=")
+        return RegionError(f"cannot open {self.path}: {exc.strerror}")
 
-
-def _tensor_view(buffer: mmap.mmap, rows: int, stride: int):
-    import torch
-
-    flat = torch.frombuffer(buffer, dtype=torch.uint8)
-    return flat[_HEADER:].view(rows, stride)
-
-
-def _read_header(fd: int) -> dict | None:
-    raw = os.pread(fd, _HEADER, 0)
-    if not raw.startswith(_MAGIC):
-        return None
-    return json.loads(raw[len(_MAGIC) :].split(b"\0", 1)[0])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    def _create(self) -> bool:
+        """Make and publish the file; False when another process published one first."""
+        check_host_bytes(self.size, f"shared region {self.path}")
+        directory = self.path.parent
+        self._sweep_temporaries()
+        tmp = directory / f".{self.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(tmp, _OPEN | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise RegionError(f"cannot create a region file in {directory}: {exc.strerror}") from None
+        published = False
+        try:
+            os.fchmod(fd, 0o600)  # a umask may have taken our own read or write bit
+            # Held from before the file is visible: a file at `path` that can be locked
+            # exclusively therefore never has a live creator.
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            # Only the size here, not the memory: ranks that start together all get here, and
+            # reserving the whole region in each would need their number times the space.
+            os.ftruncate(fd, self.size)
+            try:
+                os.link(tmp, self.path)  # atomic, and never replaces a file another rank published
+            except FileExistsError:
+                return False
+            published = True
+        except OSError as exc:
+            raise RegionError(f"cannot create the region {self.path}: {exc.strerror}") from None
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            if not published:
+                os.close(fd)
+        st = os.fstat(fd)
+        self._fd, self._identity, self.is_creator = fd, (st.st_dev, st.st_ino), True
+        try:
+            try:
+                # Memory a tmpfs cannot supply surfaces here, not as SIGBUS on first touch.
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError as exc:
+                raise RegionError(
+                    f"no room for the {self.size}-byte region {self.path} in {directory}: {exc.strerror}; "
+                    f"free space there, ask for a smaller region, or give {directory} more room "
+                    "(a larger /dev/shm, e.g. docker run --shm-size=...)"
+                ) from None
+            self._map(fd)
+            self.tensor[:, :: mmap.PAGESIZE] = 0  # fault every page in now, not during the first transfer
+            self.generation = secrets.token_hex(16)
+            body = _header_body(self.layout, self.generation)
+            self._mmap[len(_MAGIC) : len(_MAGIC) + len(body) + 1] = body + b"\0"
+            self._mmap[: len(_MAGIC)] = _MAGIC  # written last: joiners read the header only after it
+        except BaseException:
+            self.tensor = None
+            if self._mmap is not None:
+                self._mmap.close()
+                self._mmap = None
+            self._release()  # no joiner holds it before the header: this removes the file
+            raise
         return True
+
+    def _join(self, fd: int, deadline: float) -> bool:
+        """Map the file open at `fd` once its creator is done; False (fd closed) to start over."""
+        joined = False
+        try:
+            self._check_file(fd)
+            while True:
+                if _try_flock(fd, fcntl.LOCK_EX):
+                    # Nobody holds it: every user died or left without removing it.
+                    self._unlink_if_at_path(fd)
+                    return False
+                start = os.pread(fd, len(_MAGIC), 0)
+                if start == _MAGIC:
+                    break
+                if any(b and b != m for b, m in zip(start, _MAGIC)):
+                    raise RegionError(
+                        f"{self.path} is not an offload-core v2 region (another version's or program's file) "
+                        "and is in use: stop what uses it, remove it, and restart every rank"
+                    )
+                if time.monotonic() >= deadline:
+                    raise OffloadError(f"timed out waiting for the creator of {self.path}")
+                time.sleep(_POLL_S)
+            grace = max(deadline, time.monotonic() + _LOCK_GRACE_S)
+            while not _try_flock(fd, fcntl.LOCK_SH):
+                if time.monotonic() >= grace:
+                    raise OffloadError(f"timed out waiting to join {self.path}: another process holds it exclusively")
+                time.sleep(_POLL_S)
+            if not self._at_path(fd):
+                return False  # removed (its last user left) or replaced since we opened it
+            header = self._read_header(fd)
+            size = os.fstat(fd).st_size
+            expected = _HEADER + header["layout"]["num_blocks"] * header["layout"]["row_stride"]
+            if size != expected:
+                raise RegionError(
+                    f"region {self.path} is {size} bytes, but its header says {expected}: it is truncated "
+                    "or corrupt; remove the file and restart every rank"
+                )
+            if header["layout"] != self.layout:
+                raise InvalidSpecError(f"region {self.path} is laid out as {header['layout']}, this rank expects {self.layout}")
+            self._map(fd)
+            st = os.fstat(fd)
+            self._fd, self._identity, self.generation = fd, (st.st_dev, st.st_ino), header["token"]
+            joined = True
+            return True
+        finally:
+            if not joined:
+                os.close(fd)
+
+    def _check_file(self, fd: int) -> None:
+        st = os.fstat(fd)
+        euid = os.geteuid()
+        if not stat.S_ISREG(st.st_mode):
+            raise RegionError(f"{self.path} is not a regular file; remove it (and restart every rank)")
+        if st.st_uid != euid:
+            raise RegionError(
+                f"{self.path} is owned by uid {st.st_uid}, not by this user (uid {euid}): that user could read "
+                "or change the KV data; remove it, or pass directory= to a directory only you can write to"
+            )
+        if st.st_mode & 0o077:
+            raise RegionError(
+                f"{self.path} has mode {st.st_mode & 0o777:#o}, which lets other users read or change the KV "
+                "data; a region must be 0600: remove it and restart every rank"
+            )
+
+    def _read_header(self, fd: int) -> dict:
+        header = _parse_header(os.pread(fd, _HEADER, 0))
+        if header is None:
+            # The creator's stores of body and magic may reach another CPU out of order.
+            time.sleep(_POLL_S)
+            header = _parse_header(os.pread(fd, _HEADER, 0))
+        if header is None:
+            raise RegionError(f"region {self.path} has a corrupt header; remove the file and restart every rank")
+        return header
+
+    def _map(self, fd: int) -> None:
+        try:
+            self._mmap = mmap.mmap(fd, self.size)
+        except (OSError, ValueError) as exc:
+            raise RegionError(f"cannot map the {self.size}-byte region {self.path}: {exc}") from None
+        self.tensor = self._tensor()
+
+    def _tensor(self):
+        import torch
+
+        # torch keeps the memoryview, which holds an export of the mmap: while any view of the
+        # tensor lives, the mmap refuses to close (BufferError) instead of leaving it dangling.
+        flat = torch.frombuffer(memoryview(self._mmap)[_HEADER:], dtype=torch.uint8)
+        return flat.view(self.num_blocks, self.row_stride)
+
+    # ---- leaving -------------------------------------------------------------
+
+    def _release(self) -> None:
+        """Drop our lock and fd; remove the file if no one else holds it."""
+        fd, self._fd = self._fd, -1
+        try:
+            # A forked child shares its parent's lock (one open file description): only the
+            # process that opened the region may decide it is the last user.
+            if os.getpid() == self._pid and _try_flock(fd, fcntl.LOCK_EX):
+                self._unlink_if_at_path(fd)
+        finally:
+            os.close(fd)
+
+    def _unlink_if_at_path(self, fd: int) -> None:
+        if self._at_path(fd):
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise RegionError(f"cannot remove the unused region {self.path}: {exc.strerror}") from None
+
+    def _at_path(self, fd: int) -> bool:
+        """Whether `path` is still the file open at `fd`."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _sweep_temporaries(self) -> None:
+        """Remove temporary files of this region left by creators that died before publishing."""
+        for entry in self.path.parent.glob(f".{self.name}.*.tmp"):
+            try:
+                fd = os.open(entry, _OPEN)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and _try_flock(fd, fcntl.LOCK_EX):
+                    again = os.stat(entry, follow_symlinks=False)
+                    if (again.st_dev, again.st_ino) == (st.st_dev, st.st_ino):
+                        os.unlink(entry)
+            except OSError:
+                pass  # another process swept it first
+            finally:
+                os.close(fd)
+
+
+def _try_flock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
     return True
 
 
-def _stale_without_header(path: pathlib.Path, grace: float = 60.0) -> bool:
-    """A file with no header yet whose creator has had ample time: it died while creating."""
+def _integer(value: Any, what: str, minimum: int) -> int:
+    rule = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    if isinstance(value, bool):
+        raise InvalidSpecError(f"{what} must be {rule}, got {value!r}")
     try:
-        return time.time() - path.stat().st_mtime > grace
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidSpecError(f"{what} must be {rule}, got {value!r} ({type(value).__name__})") from None
+    if number < minimum:
+        raise InvalidSpecError(f"{what} must be {rule}, got {number}")
+    return number
+
+
+def _given_directory(directory: Any) -> pathlib.Path:
+    try:
+        path = pathlib.Path(directory)
+    except TypeError:
+        raise InvalidSpecError(f"directory must be a path, got {directory!r}") from None
+    try:
+        st = os.stat(path)
     except FileNotFoundError:
-        return False
+        raise RegionError(f"the region directory {path} does not exist; create it or pass another directory=") from None
+    except OSError as exc:
+        raise RegionError(f"cannot use the region directory {path}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise RegionError(f"the region directory {path} is not a directory; pass another directory=")
+    return path
+
+
+def _header_body(layout: dict, token: str) -> bytes:
+    return json.dumps({"layout": layout, "token": token}).encode()
+
+
+def _parse_header(raw: bytes) -> dict | None:
+    """The header in `raw` if it is well formed, else None."""
+    if not raw.startswith(_MAGIC):
+        return None
+    body, nul, _ = raw[len(_MAGIC) :].partition(b"\0")
+    if not nul:
+        return None
+    try:
+        header = json.loads(body)
+    except ValueError:  # also UnicodeDecodeError
+        return None
+    if not isinstance(header, dict) or set(header) != {"layout", "token"} or not isinstance(header["token"], str):
+        return None
+    layout = header["layout"]
+    if not isinstance(layout, dict) or set(layout) != {"num_blocks", "row_stride", "canonical", "slots"}:
+        return None
+    counts = [layout["num_blocks"], layout["row_stride"]] + (layout["slots"] if isinstance(layout["slots"], list) else [None])
+    if not all(type(n) is int and n > 0 for n in counts) or not isinstance(layout["canonical"], bool):
+        return None
+    if layout["row_stride"] % mmap.PAGESIZE:
+        return None
+    return header

@@ -65,5 +65,5 @@ def spawned_rank(name, directory, tp, rank, barrier, store, load, bpc, num_host,
             ok = ok and all(r.success for r in w.get_finished())
         for t, f in zip(fresh.tensors, kv.tensors):
             ok = ok and torch.equal(t.tensor[list(load[0])], f.tensor[list(store[0])])
-        barrier.wait(timeout=60)  # nobody closes (and the creator unlinks) before all have loaded
+        barrier.wait(timeout=60)  # both still hold the region here; the last to close removes the file
     result.put((rank, bool(ok)))
