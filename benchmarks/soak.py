@@ -4,7 +4,7 @@ byte of every successful store-then-load checked), then ranks in separate proces
 a region while some of them crash and restart. Prints one JSON object; exit status 1 if a
 byte was lost or wrong, a job lost or reported twice, or any error seen.
 
-    python benchmarks/soak.py [--rounds 300] [--seed 0] [--region-cycles 40]
+    python benchmarks/soak.py [--rounds 300] [--seed 0] [--region-cycles 50] [--backend NAME]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict
 
 from offload_core import get_backend
-from offload_core.testing.soak import soak
+from offload_core.testing.soak import region_soak, soak
 
 
 def main() -> int:
@@ -28,25 +28,31 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--round-seconds", type=float, default=0.3, help="longest life of one round's worker")
     parser.add_argument("--backend", help="soak this backend, without injected faults (default: cpu with faults)")
+    parser.add_argument("--region-cycles", type=int, default=50, help="cycles per rank process sharing a region (0: skip)")
+    parser.add_argument("--ranks", type=int, default=3, help="rank processes sharing the region at once")
     args = parser.parse_args()
     logging.getLogger("offload_core").setLevel(logging.CRITICAL)  # the injected faults are logged as errors
     t0 = time.perf_counter()
     backend = get_backend(args.backend) if args.backend else None
     report = soak(args.rounds, round_seconds=args.round_seconds, seed=args.seed, backend=backend)
+    threads_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    regions = region_soak(args.region_cycles, ranks=args.ranks, seed=args.seed) if args.region_cycles else None
     out = {
         "threads": {
             **asdict(report),
             "backend": backend.name if backend else "cpu with injected faults",
             "clean": report.clean,
-            "seconds": round(time.perf_counter() - t0, 1),
+            "seconds": round(threads_s, 1),
         },
+        "regions": regions and {**asdict(regions), "clean": regions.clean, "seconds": round(time.perf_counter() - t0, 1)},
         "machine": platform.node(),
         "python": platform.python_version(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "command": " ".join(["python"] + sys.argv),
     }
     print(json.dumps(out, indent=1))
-    return 0 if report.clean else 1
+    return 0 if report.clean and (regions is None or regions.clean) else 1
 
 
 if __name__ == "__main__":

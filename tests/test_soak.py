@@ -17,3 +17,12 @@ def test_short_soak_loses_nothing_and_reports_each_job_once():
     assert report.enqueue_failures and report.device_failures, report
     assert report.accepted == report.reported
     assert report.checked_bytes > 0
+
+
+def test_ranks_crashing_and_restarting_keep_sharing_one_region():
+    from offload_core.testing.soak import region_soak
+
+    report = region_soak(cycles=4, ranks=2, crash_share=0.3, seed=2)
+    assert report.clean, report
+    assert report.crashes >= 1  # the founding rank dies holding the region, every time
+    assert report.cycles == 8

@@ -9,11 +9,17 @@ another thread's hands. A controller shuts the worker down after a random delay;
 submitters then see `OffloadError` and stop. At the end of a round every accepted job must
 have been reported exactly once; jobs the backend failed (at enqueue or on the device) must
 be reported as failed, or refused, and the bytes of every successful store-then-load must
-match. `tests/test_soak.py` runs a short soak, `benchmarks/soak.py` a long one.
+match.
+
+`region_soak` runs ranks in processes of their own around one shared region, crashing and
+restarting some of them (see its docstring).
+
+`tests/test_soak.py` runs a short soak, `benchmarks/soak.py` a long one.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -247,3 +253,156 @@ def _round(kv, backend, per_thread, submitters, pollers, lifetime, seed, report:
     stray = set(seen) - set(accepted)
     if stray:
         report.errors.append(f"reported but never accepted: {sorted(stray)[:5]}")
+
+
+# ---- ranks in separate processes sharing a region ------------------------------------------
+
+REGION_BLOCKS, SLOT = 8, 4096
+
+
+@dataclass
+class RegionSoakReport:
+    """What `region_soak` did and found; `split`, `wrong_bytes`, `errors` and `left_behind` must stay zero/empty."""
+
+    cycles: int = 0  # a rank joined, stored, loaded back, checked the keeper's bytes, left
+    crashes: int = 0  # ranks that died (os._exit) holding the region, some with jobs in flight
+    checked_bytes: int = 0
+    wrong_bytes: int = 0
+    split: int = 0  # a rank mapped another file than the live keeper's
+    left_behind: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.split or self.wrong_bytes or self.errors or self.left_behind)
+
+
+def _slots(ranks: int) -> list[int]:
+    return [SLOT] * (ranks + 1)  # slot 0 is the keeper's
+
+
+def _rank_cycles(name, directory, rank, ranks, cycles, crash_share, seed, inode, keeper_bytes, out) -> None:
+    """One rank process: `cycles` times join, store, load back, check, leave (or crash)."""
+    from offload_core.region import SharedHostRegion
+
+    rng = np.random.default_rng(seed)
+    tensor = KVCacheTensor(torch.zeros(2 * REGION_BLOCKS, SLOT, dtype=torch.uint8), SLOT)
+    kv = KVCaches([tensor], [[KVCacheRef(0, SLOT)]])
+    for _ in range(cycles):
+        stats: Counter = Counter()
+        region = SharedHostRegion(name, num_blocks=REGION_BLOCKS, rank=rank, slot_bytes=_slots(ranks), directory=directory)
+        stats["split"] += os.stat(region.path).st_ino != inode
+        keeper = region.tensor[:, :SLOT].numpy()
+        stats["checked_bytes"] += keeper.size
+        stats["wrong_bytes"] += int((keeper != keeper_bytes).sum())
+        del keeper
+        tensor.tensor[:REGION_BLOCKS] = torch.from_numpy(rng.integers(0, 256, (REGION_BLOCKS, SLOT), dtype=np.uint8))
+        worker = OffloadWorker(kv, REGION_BLOCKS, backend="cpu", host_region=region)
+        blocks = rng.permutation(REGION_BLOCKS)
+        worker.submit_store(1, DeviceBlocks(blocks), HostBlocks(blocks))
+        worker.wait([1])
+        worker.submit_load(2, HostBlocks(blocks), DeviceBlocks(blocks + REGION_BLOCKS))
+        if rng.random() < crash_share:
+            out.put(("crash", rank, dict(stats)))
+            os._exit(1)  # holding the region, the load perhaps still in flight
+        worker.shutdown()
+        ok = all(r.success for r in worker.get_finished())
+        loaded = tensor.tensor[REGION_BLOCKS:]
+        stats["checked_bytes"] += loaded.numel()
+        stats["wrong_bytes"] += int((loaded != tensor.tensor[:REGION_BLOCKS]).sum()) if ok else loaded.numel()
+        del worker
+        region.close()
+        out.put(("cycle", rank, dict(stats)))
+
+
+def _found_and_crash(name, directory, ranks, out, go) -> None:
+    """Create the region, let the keeper join, then die holding it: the keeper's file must live on."""
+    from offload_core.region import SharedHostRegion
+
+    region = SharedHostRegion(name, num_blocks=REGION_BLOCKS, rank=1, slot_bytes=_slots(ranks), directory=directory)
+    out.put(("founded", 1, {}))
+    go.wait(60)
+    del region
+    os._exit(1)
+
+
+def region_soak(cycles: int = 6, *, ranks: int = 2, crash_share: float = 0.3, seed: int = 0) -> RegionSoakReport:
+    """Ranks in processes of their own join one region, store into their slots, load back,
+    check every byte and the keeper's bytes, and leave; some crash instead (os._exit, holding
+    the region) and are restarted. The region is created by a rank that crashes right after
+    the keeper (this process) joined; the keeper then holds it throughout, so every rank,
+    restarted or not, must map the keeper's file: a rank on another file counts as `split`.
+    At the end the keeper leaves last and the directory must be empty.
+
+    Args:
+        cycles: join-store-load-leave cycles each rank completes (crashed cycles do not count).
+        ranks: rank processes besides the keeper, running at the same time.
+        crash_share: share of cycles that end in a crash.
+        seed: for the bytes and the crashes.
+    """
+    import multiprocessing as mp
+    import tempfile
+
+    from offload_core.region import SharedHostRegion
+
+    report = RegionSoakReport()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "offload_core.worker", "offload_core.region", "offload_core.backends.cpu"])
+    out = ctx.SimpleQueue()  # written through at once: a crashing rank loses no message
+    with tempfile.TemporaryDirectory() as directory:
+        name = f"soak-{seed}"
+        go = ctx.Event()
+        founder = ctx.Process(target=_found_and_crash, args=(name, directory, ranks, out, go))
+        founder.start()
+        if out.get()[0] != "founded":
+            raise RuntimeError("the founding rank did not report")
+        keeper = SharedHostRegion(name, num_blocks=REGION_BLOCKS, rank=0, slot_bytes=_slots(ranks), directory=directory)
+        go.set()
+        founder.join(60)
+        report.crashes += founder.exitcode == 1
+        keeper_bytes = np.random.default_rng(seed).integers(0, 256, (REGION_BLOCKS, SLOT), dtype=np.uint8)
+        keeper.tensor[:, :SLOT] = torch.from_numpy(keeper_bytes)
+        inode = os.stat(keeper.path).st_ino
+        done = Counter()
+        starts = 0
+
+        def drain() -> None:
+            while not out.empty():
+                kind, rank, stats = out.get()
+                done[rank] += kind == "cycle"
+                report.cycles += kind == "cycle"
+                report.crashes += kind == "crash"
+                for key, n in stats.items():
+                    setattr(report, key, getattr(report, key) + n)
+
+        for _ in range(20 * cycles):  # rounds of (re)starts; each round some rank completes or crashes
+            left = {rank: cycles - done[rank] for rank in range(1, ranks + 1) if done[rank] < cycles}
+            if not left:
+                break
+            procs = {}
+            for rank, n in left.items():
+                starts += 1
+                args = (name, directory, rank, ranks, n, crash_share, seed * 1000 + starts, inode, keeper_bytes, out)
+                procs[rank] = ctx.Process(target=_rank_cycles, args=args)
+                procs[rank].start()
+            deadline = time.monotonic() + 120
+            while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
+                drain()
+                time.sleep(0.01)
+            for rank, proc in procs.items():
+                if proc.is_alive():
+                    proc.kill()
+                    report.errors.append(f"rank {rank} hung")
+                proc.join()
+                if proc.exitcode not in (0, 1):
+                    report.errors.append(f"rank {rank} exited with {proc.exitcode}")
+            drain()
+            if report.errors:
+                break
+        else:
+            report.errors.append("ranks did not finish their cycles")
+        after = keeper.tensor[:, :SLOT].numpy().copy()
+        report.wrong_bytes += int((after != keeper_bytes).sum())  # no rank wrote outside its slot
+        keeper.close()
+        report.left_behind = sorted(os.listdir(directory))
+    return report
