@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything the cuda backend needs checked on a GPU (how docs/benchmarks.md's H200 figures were
-# made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|all]   (default ./gpu-check, all)
+# made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|reliability|all]   (default ./gpu-check, all)
 # "checks": tests, compute-sanitizer, the canonical benchmark per mechanism (about 4 minutes);
-# "bench": calibrate, offload-core bench, benchmarks/transfer_bench.py (about 5 minutes).
+# "bench": calibrate, offload-core bench, benchmarks/transfer_bench.py (about 5 minutes);
+# "reliability" (not part of "all"): the whole suite, the lifetime cases under compute-sanitizer,
+# the soak on cuda, submit overhead, offload-core bench (about 6 minutes).
 set +e
 out=${1:-${OUT:-gpu-check}}
 phase=${2:-all}
@@ -12,6 +14,20 @@ python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | grep -v WAR
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$out/env.txt"
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)" | tee -a "$out/env.txt"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$out/env.txt"
+if [ "$phase" = reliability ]; then
+  echo "== tests (whole suite)"
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests > "$out/pytest.log" 2>&1
+  echo "pytest rc=$?"; tail -1 "$out/pytest.log"; grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head
+  echo "== sanitizer (lifetime cases, pinned memory)"
+  for c in dropped_worker dropped_worker_off_main_thread shutdown_racing_submits; do
+    timeout 100 compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/lifetime_cases.py $c cuda > "$out/sanitizer-$c.log" 2>&1
+    echo "$c rc=$?"; tail -1 "$out/sanitizer-$c.log"
+  done
+  echo "== soak (cuda)"; timeout 90 python3 benchmarks/soak.py --backend cuda --rounds 100 --region-cycles 20 > "$out/soak-cuda.json" 2>&1; tail -40 "$out/soak-cuda.json"
+  echo "== submit overhead"; timeout 60 python3 benchmarks/submit_overhead.py --json "$out/submit.json"
+  echo "== bench"; timeout 60 python3 -m offload_core bench --blocks 256 --blocks-per-job 64 --json > "$out/bench.json" 2>&1; cat "$out/bench.json"
+  exit 0
+fi
 if [ "$phase" != bench ]; then
   echo "== tests"
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_conformance.py tests/test_worker.py \

@@ -34,7 +34,7 @@ def _hold_compute(backend, seconds: float = 0.5):
     if backend.name == "cpu":
         backend.current_stream().launch(go.wait)
     else:
-        torch.cuda._sleep(int(seconds * torch.cuda.clock_rate() * 1e6))  # clock_rate is in MHz
+        torch.cuda._sleep(int(seconds * 2e9))  # cycles, at about 2 GHz
     return go
 
 
@@ -56,7 +56,7 @@ def dropped_worker() -> None:
     threading.Timer(0.2, go.set).start()  # the load is still queued when the worker goes
     del worker
     gc.collect()
-    junk = [_junk(PAGE) for _ in range(8)]  # reuse what was freed
+    junk = [_junk(4 * PAGE), _junk(4 * PAGE)]  # the host buffer's size: reuses it where it was freed
     backend.synchronize()
     del junk
     assert torch.equal(kv.tensors[0].tensor[4:].cpu(), expected.cpu()), "the load read freed memory"
@@ -76,7 +76,7 @@ def dropped_worker_off_main_thread() -> None:
     t.start()
     t.join()
     go.set()
-    junk = [_junk(PAGE) for _ in range(4)]
+    junk = [_junk(2 * PAGE), _junk(2 * PAGE)]
     backend.synchronize()
     del junk
     assert torch.equal(kv.tensors[0].tensor[2:].cpu(), expected.cpu()), "the load read freed memory"
