@@ -20,12 +20,13 @@ if [ "$phase" = reliability ]; then
   echo "pytest rc=$?"; tail -1 "$out/pytest.log"; grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head
   echo "== sanitizer (lifetime cases, pinned memory)"
   for c in dropped_worker dropped_worker_off_main_thread shutdown_racing_submits; do
-    timeout 100 compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/lifetime_cases.py $c cuda > "$out/sanitizer-$c.log" 2>&1
-    echo "$c rc=$?"; tail -1 "$out/sanitizer-$c.log"
+    timeout 100 compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/lifetime_cases.py $c cuda > "$out/case.log" 2>&1
+    echo "$c rc=$?"; tail -1 "$out/case.log"; cat "$out/case.log" >> "$out/sanitizer.log"
   done
   echo "== soak (cuda)"; timeout 90 python3 benchmarks/soak.py --backend cuda --rounds 100 --region-cycles 20 > "$out/soak-cuda.json" 2>&1; tail -40 "$out/soak-cuda.json"
   echo "== submit overhead"; timeout 60 python3 benchmarks/submit_overhead.py --json "$out/submit.json"
   echo "== bench"; timeout 60 python3 -m offload_core bench --blocks 256 --blocks-per-job 64 --json > "$out/bench.json" 2>&1; cat "$out/bench.json"
+  rm -f "$out/case.log"
   exit 0
 fi
 if [ "$phase" != bench ]; then
