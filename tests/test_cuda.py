@@ -187,3 +187,27 @@ def test_copies_run_on_a_non_default_current_stream(forced):
         assert worker.submit_store(1, DeviceBlocks([5]), HostBlocks([0]))
         worker.wait([1])
         assert (worker.host_tensors[0][0] == 9).all()
+
+
+def test_memory_allocated_and_registered_on_a_fresh_thread_is_device_addressable():
+    """Driver calls need the context current in their thread; a new thread has none until a
+    runtime call (an engine may build its worker, or a queue its scratch, on any thread)."""
+    import threading
+
+    import torch
+
+    backend = CudaBackend()
+    out = {}
+
+    def work():
+        out["pinned"] = backend.alloc_host(1 << 20)
+        out["plain"] = plain = torch.zeros(1 << 20, dtype=torch.uint8)
+        out["registered"] = backend.host_register(plain)
+        backend.host_unregister(plain)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    pinned = out["pinned"]
+    assert backend.addressable(np.array([pinned.data_ptr()]), np.array([pinned.numel()]))
+    assert out["registered"]

@@ -20,7 +20,7 @@ import logging
 import os
 import weakref
 from collections import deque
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 
 import numpy as np
@@ -121,13 +121,13 @@ class CudaBackend(TorchDeviceBackend):
         """A dedicated stream. torch's pool hands out its 32 streams round robin, so a pooled
         copy stream could be the caller's compute stream or the other direction's, which would
         silently serialize them. These streams live as long as the process."""
-        with self._on_device():
-            self._torch.cuda.current_stream(self._device).query()  # a runtime call: makes the context current here
+        with self._context():
             return self._torch.cuda.ExternalStream(self.driver.new_stream(), device=self._device)
 
     def alloc_host(self, nbytes: int):
-        # torch's pinned allocator owns the lifetime (it frees only after pending copies);
-        # it rounds large requests up, which PYTORCH_CUDA_ALLOC_CONF can tune.
+        # torch's pinned allocator hands a freed block out again at once (it knows nothing of
+        # driver-level copies): whoever queues copies keeps the tensor until they finish, as
+        # the worker does. It rounds large requests up, which PYTORCH_CUDA_ALLOC_CONF can tune.
         tensor = self._torch.zeros(nbytes, dtype=self._torch.uint8, pin_memory=True)
         self._track(tensor)
         return tensor
@@ -140,8 +140,7 @@ class CudaBackend(TorchDeviceBackend):
         usable) or the driver refuses (copies then go through pageable memory).
         """
         nbytes = tensor.numel() * tensor.element_size()
-        with self._on_device():
-            self._torch.cuda.current_stream(self._device).query()  # makes the context current in this thread
+        with self._context():
             code = self.driver.host_register(tensor.data_ptr(), nbytes, HOST_REGISTER_PORTABLE_DEVICEMAP)
         if code not in (0, ERROR_HOST_MEMORY_ALREADY_REGISTERED):
             log.warning("cuMemHostRegister of %d bytes failed (%s): copies use pageable memory", nbytes, self.driver.error_name(code))
@@ -151,7 +150,7 @@ class CudaBackend(TorchDeviceBackend):
 
     def host_unregister(self, tensor) -> None:
         self._host_ranges.pop(tensor.data_ptr(), None)
-        with self._on_device():
+        with self._context():
             self.driver.check(self.driver.host_unregister(tensor.data_ptr()), "cuMemHostUnregister")
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
@@ -445,10 +444,20 @@ class CudaBackend(TorchDeviceBackend):
 
     def _track(self, tensor) -> None:
         start = tensor.data_ptr()
-        if self.driver.device_pointer(start) != start:
+        with self._context():
+            mapped = self.driver.device_pointer(start)
+        if mapped != start:
             return  # the device sees this memory at another address: keep kernels off it
         self._host_ranges[start] = (start, start + tensor.numel() * tensor.element_size())
         weakref.finalize(tensor, self._host_ranges.pop, start, None)
+
+    @contextmanager
+    def _context(self):
+        """This GPU's context, current in the calling thread for driver calls: a thread that has
+        made no runtime call yet has none, and the driver then fails (invalid context)."""
+        with self._on_device():
+            self._torch.cuda.current_stream(self._device).query()  # a runtime call makes it current
+            yield
 
     def _on_device(self):
         torch = self._torch
