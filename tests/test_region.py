@@ -362,6 +362,7 @@ def test_check_fails_loudly_once_the_file_is_removed_or_replaced(tmp_path):
         new.memoryview()
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_closing_its_copy_leaves_the_region_to_its_parent(tmp_path):
     """A forked child shares the parent's lock: had its close taken the lock exclusively, it would
     have removed the file the parent still uses (and left the parent's lock exclusive)."""
