@@ -13,7 +13,8 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | grep -v WARNING | tail -2
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv | tee "$out/env.txt"
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)" | tee -a "$out/env.txt"
-git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$out/env.txt"
+# The device's copy of the tree may carry older git metadata: pass COMMIT=<hash> to record the right one.
+echo "commit ${COMMIT:-$(git log -1 --format='%h %s' 2>/dev/null)}" | tee -a "$out/env.txt"
 if [ "$phase" = reliability ]; then
   echo "== tests (whole suite)"
   timeout 330 python3 -m pytest -q -p no:cacheprovider tests > "$out/pytest.log" 2>&1

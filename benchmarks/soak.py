@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -48,7 +47,6 @@ def main() -> int:
         "regions": regions and {**asdict(regions), "clean": regions.clean, "seconds": round(time.perf_counter() - t0, 1)},
         "machine": platform.node(),
         "python": platform.python_version(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "command": " ".join(["python"] + sys.argv),
     }
     print(json.dumps(out, indent=1))

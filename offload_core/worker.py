@@ -7,7 +7,8 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from offload_core.backend import Backend, Direction
 from offload_core.errors import InvalidSpecError, OffloadError
@@ -232,8 +233,13 @@ class OffloadWorker:
         """Block until the named jobs have completed; their results stay for `get_finished`.
 
         Unknown or already reported ids are ignored. Holds no lock while it waits.
+
+        Raises:
+            InvalidSpecError: `job_ids` is not an iterable of integers (a bare id, say).
         """
-        job_ids = set(job_ids)
+        if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+            raise InvalidSpecError(f"wait takes an iterable of job ids, got {job_ids!r}; for one job: wait([job_id])")
+        job_ids = {integer(j, "a job id passed to wait") for j in job_ids}
         for queue in self._queues.values():
             queue.wait(job_ids)
 

@@ -273,3 +273,11 @@ def test_rejected_submits_return_their_scratch_to_the_pool():
             with pytest.raises(InvalidSpecError):
                 worker.submit_store(1, DeviceBlocks([99]), HostBlocks([0]))
         assert Counting.allocs - before <= 1  # one scratch buffer, reused
+
+
+@pytest.mark.parametrize("ids", [7, None, "7", [1.5], [None]])
+def test_wait_takes_an_iterable_of_integer_ids(ids):
+    with OffloadWorker(small_kv(), 4, backend="cpu") as worker:
+        with pytest.raises(InvalidSpecError, match="wait"):
+            worker.wait(ids)
+        worker.wait(iter([1, 2]))  # any iterable; unknown ids are ignored
