@@ -6,7 +6,14 @@ are loaded when first probed or selected.
 
 from offload_core.backend import Backend, Direction, Event, Stream
 from offload_core.canonical import CanonicalPageMapping, CopyRun, verify_tiling
-from offload_core.errors import BackendUnavailableError, InvalidSpecError, OffloadError, UnknownBackendError
+from offload_core.errors import (
+    BackendUnavailableError,
+    InvalidSpecError,
+    OffloadError,
+    RegionError,
+    ResourceInUseError,
+    UnknownBackendError,
+)
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
 from offload_core.plan import CopyBatch, Geometry, Planner
 from offload_core.queue import TransferQueue, TransferResult
@@ -34,6 +41,8 @@ __all__ = [
     "OffloadError",
     "OffloadWorker",
     "Planner",
+    "RegionError",
+    "ResourceInUseError",
     "SharedHostRegion",
     "Stream",
     "TransferQueue",

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from collections.abc import Iterable
+from typing import Sequence
 
 import numpy as np
 
 from offload_core.errors import InvalidSpecError
+from offload_core.layout import integer, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,12 @@ class CopyRun:
     num_fragments: int = 1
     local_stride: int = 0
     canonical_stride: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("local_offset", "canonical_offset", "local_stride", "canonical_stride"):
+            object.__setattr__(self, name, integer(getattr(self, name), f"CopyRun.{name}"))
+        for name in ("fragment_size", "num_fragments"):
+            object.__setattr__(self, name, positive_int(getattr(self, name), f"CopyRun.{name}"))
 
 
 @dataclass(frozen=True)
@@ -59,8 +67,19 @@ class CanonicalPageMapping:
     fragments: tuple[np.ndarray, np.ndarray, np.ndarray] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for name in ("canonical_page_size_bytes", "local_page_size_bytes", "num_writers"):
+            object.__setattr__(self, name, positive_int(getattr(self, name), f"CanonicalPageMapping.{name}"))
+        object.__setattr__(self, "writer_index", integer(self.writer_index, "CanonicalPageMapping.writer_index"))
         if not 0 <= self.writer_index < self.num_writers:
             raise InvalidSpecError(f"writer_index {self.writer_index} is not in [0, {self.num_writers})")
+        if isinstance(self.runs, (str, bytes)) or not isinstance(self.runs, Iterable):
+            raise InvalidSpecError(f"runs must be a sequence of CopyRun, got {self.runs!r}")
+        object.__setattr__(self, "runs", tuple(self.runs))
+        if not all(isinstance(r, CopyRun) for r in self.runs):
+            raise InvalidSpecError("runs must be CopyRun objects")
+        # checked on the counts before anything is unrolled, which bounds the unrolling
+        if sum(r.fragment_size * r.num_fragments for r in self.runs) != self.local_page_size_bytes:
+            raise InvalidSpecError("runs must cover the local page exactly once")
         local, canon, sizes = _unroll(self.runs)
         if sizes.size == 0 or sizes.min() <= 0:
             raise InvalidSpecError("a mapping needs runs of positive size")

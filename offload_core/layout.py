@@ -9,6 +9,7 @@ A KV cache is a list of device tensors whose first dimension is the block index
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -16,8 +17,10 @@ import numpy as np
 
 from offload_core.errors import InvalidSpecError
 
-if TYPE_CHECKING:  # torch is only needed for type names here
+if TYPE_CHECKING:  # only needed for type names here
     import torch
+
+    from offload_core.canonical import CanonicalPageMapping
 
 
 @dataclass(frozen=True)
@@ -43,15 +46,23 @@ class KVCacheTensor:
         t = self.tensor
         if not isinstance(t, torch.Tensor):
             raise InvalidSpecError(f"KVCacheTensor.tensor must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided or t.is_nested or t.is_quantized or t.device.type == "meta":
+            raise InvalidSpecError(
+                f"KV tensor must be a dense (strided) tensor with memory, got layout {t.layout} on {t.device}"
+            )
         object.__setattr__(self, "page_size_bytes", positive_int(self.page_size_bytes, "KVCacheTensor.page_size_bytes"))
         if t.dim() < 1 or t.shape[0] < 1:
             raise InvalidSpecError(f"KV tensor needs a leading block dimension, got shape {tuple(t.shape)}")
         if not t.is_contiguous():
             raise InvalidSpecError("KV tensor must be contiguous (its pages are addressed as data_ptr + block * page)")
-        if self.page_size_bytes <= 0 or t.numel() * t.element_size() != t.shape[0] * self.page_size_bytes:
+        try:
+            nbytes = t.nbytes
+            t.data_ptr()
+        except Exception as exc:  # dtypes without a size (bits8), tensors without storage
+            raise InvalidSpecError(f"KV tensor of dtype {t.dtype} cannot be addressed as bytes: {exc}") from None
+        if nbytes != t.shape[0] * self.page_size_bytes:
             raise InvalidSpecError(
-                f"KV tensor of {t.numel() * t.element_size()} bytes is not {t.shape[0]} pages "
-                f"of page_size_bytes={self.page_size_bytes}"
+                f"KV tensor of {nbytes} bytes is not {t.shape[0]} pages of page_size_bytes={self.page_size_bytes}"
             )
 
     @property
@@ -76,7 +87,7 @@ class KVCacheRef:
 
     tensor_idx: int
     page_size_bytes: int
-    mapping: Any = None
+    mapping: CanonicalPageMapping | None = None
 
     def __post_init__(self) -> None:
         index = integer(self.tensor_idx, "KVCacheRef.tensor_idx")
@@ -105,10 +116,17 @@ class KVCaches:
     group_refs: Sequence[Sequence[KVCacheRef]]
 
     def __post_init__(self) -> None:
+        # Kept as tuples: a worker holds these tensors' addresses, so the caller's lists must
+        # not be able to drop or swap a tensor after validation.
+        object.__setattr__(self, "tensors", _tuple(self.tensors, "KVCaches.tensors"))
+        groups = _tuple(self.group_refs, "KVCaches.group_refs")
+        object.__setattr__(self, "group_refs", tuple(_tuple(g, f"KVCaches.group_refs[{i}]") for i, g in enumerate(groups)))
         if not self.tensors:
             raise InvalidSpecError("KVCaches needs at least one tensor")
         if not self.group_refs:
             raise InvalidSpecError("KVCaches needs at least one KV-cache group")
+        from offload_core.canonical import CanonicalPageMapping  # it builds on this module's checks
+
         for i, t in enumerate(self.tensors):
             if not isinstance(t, KVCacheTensor):
                 raise InvalidSpecError(f"KVCaches.tensors[{i}] must be a KVCacheTensor, got {type(t).__name__}")
@@ -136,7 +154,10 @@ class KVCaches:
                         f"group {g}: ref copies {ref.page_size_bytes} bytes of tensor {ref.tensor_idx}, "
                         f"whose page is {page} bytes"
                     )
-                if ref.mapping is not None and getattr(ref.mapping, "local_page_size_bytes", None) != ref.page_size_bytes:
+                if ref.mapping is not None and (
+                    not isinstance(ref.mapping, CanonicalPageMapping)
+                    or ref.mapping.local_page_size_bytes != ref.page_size_bytes
+                ):
                     raise InvalidSpecError(
                         f"group {g}: ref to tensor {ref.tensor_idx} copies {ref.page_size_bytes} bytes, "
                         f"its mapping expects a CanonicalPageMapping of that local page"
@@ -145,6 +166,12 @@ class KVCaches:
     @property
     def device(self) -> "torch.device":
         return self.tensors[0].tensor.device
+
+
+def _tuple(values: Any, what: str) -> tuple:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidSpecError(f"{what} must be a sequence, got {values!r}")
+    return tuple(values)
 
 
 def integer(value: Any, what: str) -> int:
@@ -157,7 +184,7 @@ def integer(value: Any, what: str) -> int:
         raise InvalidSpecError(f"{what} must be an integer, got {value!r}")
     try:
         return operator.index(value)
-    except TypeError:
+    except Exception:  # TypeError; a tensor on a device without data raises others
         raise InvalidSpecError(f"{what} must be an integer, got {value!r} ({type(value).__name__})") from None
 
 
@@ -185,7 +212,13 @@ def _ids(values: Any, what: str) -> np.ndarray:
         raise InvalidSpecError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         raise InvalidSpecError(f"{what} must be integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise InvalidSpecError(f"{what} holds {int(arr.max())}, beyond any block id")
+    # A copy, read-only: the caller's array may change after validation (another thread, a
+    # reused buffer), and the planner must address exactly what was checked.
+    ids = arr.astype(np.int64, copy=True)
+    ids.flags.writeable = False
+    return ids
 
 
 @dataclass(frozen=True, init=False)
@@ -219,6 +252,8 @@ class DeviceBlocks:
             raise InvalidSpecError(f"{sizes.size} group sizes but {indices.size} block indices")
         if sizes.size and (sizes.min() < 0 or indices.min() < 0):
             raise InvalidSpecError("group sizes and block indices must be non-negative")
+        if sizes.size and sizes.max() > ids.size:  # also keeps the sum below from wrapping around
+            raise InvalidSpecError(f"a group size of {int(sizes.max())} exceeds the {ids.size} block ids given")
         if int(sizes.sum()) != ids.size:
             raise InvalidSpecError(f"group sizes add up to {int(sizes.sum())}, but there are {ids.size} block ids")
         object.__setattr__(self, "block_ids", ids)

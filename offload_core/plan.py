@@ -103,6 +103,8 @@ class Planner:
     """
 
     def __init__(self, geometry: Geometry):
+        if not isinstance(geometry, Geometry):
+            raise InvalidSpecError(f"Planner needs a Geometry, got {type(geometry).__name__}")
         g = geometry
         self.blocks_per_chunk = bpc = int(g.blocks_per_chunk)
         self.host_blocks = int(g.host_blocks)
@@ -160,10 +162,22 @@ class Planner:
         return len(self._groups)
 
     def max_descriptors(self, device: DeviceBlocks) -> int:
-        """Descriptors `plan` writes at most (the scratch size it needs)."""
+        """Descriptors `plan` writes at most (the scratch size it needs).
+
+        Raises:
+            InvalidSpecError: a group names more blocks than any valid transfer can (each
+                destination page at most once), so no scratch is sized from a wild count.
+        """
         if device.group_sizes.size != self.num_groups:
             return 0
-        return self._descriptors(device.group_sizes.tolist())
+        sizes = device.group_sizes.tolist()
+        for g, (n, grp) in enumerate(zip(sizes, self._groups)):
+            if n > max(grp.device_limit, self.host_blocks * self.blocks_per_chunk):
+                raise InvalidSpecError(
+                    f"group {g} names {n} blocks, more than any transfer can move (device blocks "
+                    f"{grp.device_limit}, host pages {self.host_blocks * self.blocks_per_chunk})"
+                )
+        return self._descriptors(sizes)
 
     def _descriptors(self, sizes: list[int]) -> int:
         return sum(n * grp.descriptors_per_block for n, grp in zip(sizes, self._groups))
@@ -206,8 +220,8 @@ class Planner:
         total = self._descriptors(sizes)
         if out is None or out.shape[1] < total:
             out = np.empty((3, total), dtype=np.int64)
-        if self._arange.size < max(sizes, default=0) + bpc:
-            self._arange = np.arange(2 * (max(sizes) + bpc), dtype=np.int64)
+        if self._arange.size < max(sizes, default=0):
+            self._arange = np.arange(2 * max(sizes), dtype=np.int64)
         store = direction is Direction.STORE
         dev_row, host_row = (0, 1) if store else (1, 0)
         row = self.host_row_bytes
@@ -225,7 +239,7 @@ class Planner:
             if bpc == 1:
                 hids, sub = group_hids, None
             else:  # the group's sub-pages, counted from its first host block
-                q = self._arange[skip : skip + n]
+                q = self._arange[:n] + skip
                 hids, sub = group_hids[q // bpc], q % bpc
             if self._groups_share_tensors:
                 shared_keys.append(dev_ids if not store else hids * bpc + (0 if sub is None else sub))

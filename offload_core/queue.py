@@ -19,18 +19,34 @@ import logging
 import threading
 import weakref
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from offload_core.backend import Backend, Direction, Event
+from offload_core.errors import InvalidSpecError
+from offload_core.layout import integer
 from offload_core.plan import CopyBatch
 
 log = logging.getLogger(__name__)
 
+_POOLED = 16  # descriptor buffers a queue keeps for reuse
+
 _enqueue_locks: "weakref.WeakKeyDictionary[Backend, threading.Lock]" = weakref.WeakKeyDictionary()
 _enqueue_locks_guard = threading.Lock()
+
+
+def job_id_set(job_ids: Iterable[int]) -> set[int]:
+    """`job_ids` as a set of ints.
+
+    Raises:
+        InvalidSpecError: not an iterable of integers (a bare id, say).
+    """
+    if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+        raise InvalidSpecError(f"wait takes an iterable of job ids, got {job_ids!r}; for one job: wait([job_id])")
+    return {integer(j, "a job id passed to wait") for j in job_ids}
 
 
 def enqueue_lock(backend: Backend) -> threading.Lock:
@@ -94,6 +110,8 @@ class TransferQueue:
     """
 
     def __init__(self, backend: Backend, direction: Direction):
+        if not isinstance(backend, Backend) or not isinstance(direction, Direction):
+            raise InvalidSpecError(f"TransferQueue needs a Backend and a Direction, got {backend!r} and {direction!r}")
         self.backend = backend
         self.direction = direction
         self._stream = backend.new_stream()
@@ -128,7 +146,15 @@ class TransferQueue:
     def release_scratch(self, scratch: np.ndarray) -> None:
         """Return a buffer from `scratch` that no job was submitted with."""
         with self._lock:
-            self._free_scratch.append(scratch)
+            self._pool(scratch)
+
+    def _pool(self, scratch: np.ndarray) -> None:
+        """Keep `scratch` for reuse; past `_POOLED` buffers, the smallest is let go (pinned
+        memory is scarce, and a few sizes serve an engine's jobs)."""
+        pool = self._free_scratch
+        pool.append(scratch)
+        if len(pool) > _POOLED:
+            pool.remove(min(pool, key=lambda b: b.shape[1]))
 
     def submit(self, job_id: int, batch: CopyBatch, scratch: np.ndarray | None = None) -> None:
         """Enqueue one job behind every earlier one and behind the compute stream.
@@ -191,7 +217,7 @@ class TransferQueue:
                 if ok:  # events that saw a fault are not trusted again
                     self._free_events += (job.start, job.end)
                 if job.scratch is not None:
-                    self._free_scratch.append(job.scratch)
+                    self._pool(job.scratch)
                 self.stats.failed += not ok
                 results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism))
         return results
@@ -200,9 +226,13 @@ class TransferQueue:
         """Block until the named jobs (and so every job before them) have completed.
 
         Results are not consumed: `poll` still reports them. Unknown ids are ignored.
+
+        Raises:
+            InvalidSpecError: `job_ids` is not an iterable of integers.
         """
+        wanted = job_id_set(job_ids)
         with self._lock:
-            wanted = set(job_ids) & self._ids
+            wanted &= self._ids
             last = None
             if wanted:
                 for job in self._jobs:

@@ -56,6 +56,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _NAME_RULE = "1 to 128 characters from A-Z a-z 0-9 . _ -, the first a letter or digit"
 _OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _POLL_S = 0.005
+_MAX_TIMEOUT_S = 1e6
+_TMP_AGE_S = 60.0  # a temporary file this old belongs to a creator that died before publishing
 _LOCK_GRACE_S = 1.0  # exclusive locks are held only for an unlink: wait this long even with timeout=0
 
 
@@ -152,8 +154,8 @@ class SharedHostRegion:
             raise InvalidSpecError(f"region name {name!r} is not allowed: use {_NAME_RULE}")
         num_blocks = _integer(num_blocks, "num_blocks", 1)
         rank = _integer(rank, "rank", 0)
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
-            raise InvalidSpecError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 <= timeout <= _MAX_TIMEOUT_S:
+            raise InvalidSpecError(f"timeout must be a number of seconds from 0 to {_MAX_TIMEOUT_S:.0f}, got {timeout!r}")
         if (slot_bytes is None) == (canonical_bytes is None):
             raise InvalidSpecError("give exactly one of slot_bytes (per rank) and canonical_bytes")
         if slot_bytes is None:
@@ -218,6 +220,11 @@ class SharedHostRegion:
             raise RegionError(
                 f"region {self.path} was removed or replaced while this rank used it; "
                 "ranks would no longer share it: restart every rank"
+            )
+        if st.st_size != self.size:  # touching a page past a shortened file's end is SIGBUS
+            raise RegionError(
+                f"region {self.path} is {st.st_size} bytes, not {self.size}: something truncated it while "
+                "ranks used it; restart every rank"
             )
 
     # ---- life cycle ---------------------------------------------------------
@@ -304,7 +311,9 @@ class SharedHostRegion:
             os.ftruncate(fd, self.size)
             try:
                 os.link(tmp, self.path)  # atomic, and never replaces a file another rank published
-            except FileExistsError:
+            except (FileExistsError, FileNotFoundError):
+                # another rank published first (or, in a race we lost, swept our temporary file):
+                # join theirs, or try again
                 return False
             published = True
         except OSError as exc:
@@ -463,15 +472,20 @@ class SharedHostRegion:
         return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
     def _sweep_temporaries(self) -> None:
-        """Remove temporary files of this region left by creators that died before publishing."""
-        for entry in self.path.parent.glob(f".{self.name}.*.tmp"):
+        """Remove temporary files of this region left by creators that died before publishing
+        (old, and unlocked: a live creator locks its file right after making it)."""
+        mine = re.compile(rf"\.{re.escape(self.name)}\.\d+\.[0-9a-f]{{16}}\.tmp")
+        for entry in self.path.parent.iterdir():
+            if not mine.fullmatch(entry.name):
+                continue
             try:
                 fd = os.open(entry, _OPEN)
             except OSError:
                 continue
             try:
                 st = os.fstat(fd)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and _try_flock(fd, fcntl.LOCK_EX):
+                old = time.time() - st.st_mtime > _TMP_AGE_S
+                if old and stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and _try_flock(fd, fcntl.LOCK_EX):
                     again = os.stat(entry, follow_symlinks=False)
                     if (again.st_dev, again.st_ino) == (st.st_dev, st.st_ino):
                         os.unlink(entry)
@@ -507,6 +521,8 @@ def _given_directory(directory: Any) -> pathlib.Path:
         path = pathlib.Path(directory)
     except TypeError:
         raise InvalidSpecError(f"directory must be a path, got {directory!r}") from None
+    if not str(directory) or "\0" in str(directory):
+        raise InvalidSpecError(f"directory must be a non-empty path without NUL, got {directory!r}")
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -531,7 +547,7 @@ def _parse_header(raw: bytes) -> dict | None:
         return None
     try:
         header = json.loads(body)
-    except ValueError:  # also UnicodeDecodeError
+    except (ValueError, RecursionError):  # also UnicodeDecodeError; absurdly nested JSON
         return None
     if not isinstance(header, dict) or set(header) != {"layout", "token"} or not isinstance(header["token"], str):
         return None

@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 from typing import Union
 
 from offload_core.backend import Backend
-from offload_core.errors import BackendUnavailableError, UnknownBackendError
+from offload_core.errors import BackendUnavailableError, InvalidSpecError, UnknownBackendError
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +49,19 @@ def register_backend(name: str, target: Target, *, clobber: bool = False) -> Non
         clobber: replace an existing registration of the same name.
 
     Raises:
-        ValueError: `name` is taken and `clobber` is False, or `target` is malformed.
+        InvalidSpecError: `name` is taken and `clobber` is False, or `target` is malformed
+            (a `ValueError` too).
     """
+    if not isinstance(name, str) or not name:
+        raise InvalidSpecError(f"a backend name must be a non-empty string, got {name!r}")
     if isinstance(target, str) and ":" not in target:
-        raise ValueError(f"lazy backend target must look like 'module:Class', got {target!r}")
+        raise InvalidSpecError(f"lazy backend target must look like 'module:Class', got {target!r}")
     if not isinstance(target, str) and not (isinstance(target, type) and issubclass(target, Backend)):
-        raise ValueError(f"backend target must be a Backend subclass or 'module:Class', got {target!r}")
+        raise InvalidSpecError(f"backend target must be a Backend subclass or 'module:Class', got {target!r}")
     with _lock:
         _load_plugins()
         if name in _targets and not clobber:
-            raise ValueError(f"offload backend {name!r} is already registered (pass clobber=True to replace it)")
+            raise InvalidSpecError(f"offload backend {name!r} is already registered (pass clobber=True to replace it)")
         _targets[name] = target
         for key in [k for k in _instances if k[0] == name]:
             del _instances[key]
@@ -127,6 +130,8 @@ def select_backend_name(name: str | None = None) -> str:
         UnknownBackendError: an explicit or environment name that is not registered.
         BackendUnavailableError: no backend at all is usable.
     """
+    if name is not None and not isinstance(name, str):
+        raise UnknownBackendError(repr(name), backend_names())
     name = name or os.environ.get(ENV_BACKEND) or None
     if name is not None:
         backend_class(name)  # unknown names fail loudly here

@@ -8,18 +8,16 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from offload_core.backend import Backend, Direction
-from offload_core.errors import InvalidSpecError, OffloadError
+from offload_core.errors import InvalidSpecError, OffloadError, RegionError
 from offload_core.hostmem import check_host_bytes
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches, integer, positive_int
 from offload_core.plan import Geometry, Planner
-from offload_core.queue import QueueStats, TransferQueue, TransferResult
+from offload_core.queue import QueueStats, TransferQueue, TransferResult, job_id_set
+from offload_core.region import SharedHostRegion
 from offload_core.registry import ENV_BACKEND, get_backend
 
-if TYPE_CHECKING:
-    from offload_core.region import SharedHostRegion
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +70,7 @@ class OffloadWorker:
         blocks_per_chunk: int = 1,
         backend: Backend | str | None = None,
         canonical_layout: bool = False,
-        host_region: "SharedHostRegion | None" = None,
+        host_region: SharedHostRegion | None = None,
     ):
         if not isinstance(kv_caches, KVCaches):
             raise InvalidSpecError(f"kv_caches must be KVCaches, got {type(kv_caches).__name__}")
@@ -81,6 +79,10 @@ class OffloadWorker:
         import torch  # deferred: `import offload_core` stays light
 
         device = kv_caches.device
+        if backend is not None and not isinstance(backend, (Backend, str)):
+            raise InvalidSpecError(f"backend must be a Backend, a backend name or None, got {backend!r}")
+        if host_region is not None and not isinstance(host_region, SharedHostRegion):
+            raise InvalidSpecError(f"host_region must be a SharedHostRegion, got {type(host_region).__name__}")
         if not isinstance(backend, Backend):
             name = backend or os.environ.get(ENV_BACKEND) or device.type
             backend = get_backend(name, device_index=device.index or 0)
@@ -102,8 +104,10 @@ class OffloadWorker:
             rows, stride, slot = self._host.view(self.num_host_blocks, row), row, 0
         else:
             _check_region(host_region, self.num_host_blocks, row, canonical_layout)
-            host_region.check()
-            self._host = host_region.tensor
+            self._host = host_region.tensor  # read once: another thread may be closing the region
+            host_region.check()  # raises if it is closed
+            if self._host is None:
+                raise RegionError(f"region {host_region.path} is being closed")
             rows, stride, slot = self._host, host_region.row_stride, host_region.slot_offset
         self._next_region_check = time.monotonic() + _REGION_CHECK_S
         rows = rows.view(torch.int8)
@@ -137,13 +141,14 @@ class OffloadWorker:
         self._in_flight: set[int] = set()  # job ids reserved or queued, both directions
         self._submitting = 0
         self._closed = False
-        self._shut_down = threading.Event()
         self._drained: list[TransferResult] = []
         # Holds what queued copies may touch until they have finished, should the worker be
         # dropped without `shutdown`.
+        self._pid = os.getpid()
         self._finalizer = weakref.finalize(
-            self, _dropped, tuple(self._queues.values()), backend, self._host, self._registered, kv_caches
+            self, _dropped, self._pid, tuple(self._queues.values()), backend, self._host, self._registered, kv_caches
         )
+        self._shutdown_lock = threading.Lock()  # held while draining: a second shutdown waits for it
 
     @property
     def host_row_bytes(self) -> int:
@@ -176,6 +181,7 @@ class OffloadWorker:
         return self._submit(Direction.LOAD, job_id, dst, src)
 
     def _submit(self, direction: Direction, job_id: int, device: DeviceBlocks, host: HostBlocks) -> bool:
+        self._same_process()
         job_id = integer(job_id, "job_id")
         if not isinstance(device, DeviceBlocks) or not isinstance(host, HostBlocks):
             raise InvalidSpecError(
@@ -223,6 +229,7 @@ class OffloadWorker:
     def get_finished(self) -> list[TransferResult]:
         """Results of completed jobs: stores, then loads, each in submission order. Never blocks
         on the device; each result is returned once, to one caller."""
+        self._same_process()
         polled = [r for queue in self._queues.values() for r in queue.poll()]
         with self._lock:
             results, self._drained = self._drained + polled, []
@@ -237,36 +244,46 @@ class OffloadWorker:
         Raises:
             InvalidSpecError: `job_ids` is not an iterable of integers (a bare id, say).
         """
-        if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
-            raise InvalidSpecError(f"wait takes an iterable of job ids, got {job_ids!r}; for one job: wait([job_id])")
-        job_ids = {integer(j, "a job id passed to wait") for j in job_ids}
+        self._same_process()
+        job_ids = job_id_set(job_ids)
         for queue in self._queues.values():
             queue.wait(job_ids)
 
     def shutdown(self) -> None:
         """Refuse new jobs, let submits under way finish, wait for every job in flight, then
-        release the host memory. Calling it again (from any thread) waits for the first call.
+        release the host memory. Calling it again (from any thread) waits for the first call;
+        if that one was interrupted (Ctrl-C), the next call finishes its work.
 
-        Results of jobs that finished here stay available from `get_finished`.
+        Results of jobs that finished here stay available from `get_finished`. In a process
+        forked from the one that made the worker, it only marks the worker closed: the
+        parent's copies are not the child's to wait for.
         """
         with self._lock:
-            first = not self._closed
             self._closed = True
             while self._submitting:
                 self._idle.wait()
-        if not first:
-            self._shut_down.wait()
+        if os.getpid() != self._pid:
             return
-        try:
-            _, _, held, _ = self._finalizer.detach()
-            results = _drain(*held)
-            del held
+        with self._shutdown_lock:
+            if self._host is None:
+                return  # an earlier call finished
+            # Drained while the finalizer still holds the memory: an interruption here leaves
+            # it held, and the next call (or the collector) drains again.
+            results = [r for queue in self._queues.values() for r in queue.drain()]
+            detached = self._finalizer.detach()
+            if detached is not None:
+                results += _drain(*detached[2][1:])
             with self._lock:
                 self._drained += results
             self.host_tensors = []
             self._host = None  # a shared region outlives the worker: its owner closes it
-        finally:
-            self._shut_down.set()
+
+    def _same_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise OffloadError(
+                f"this OffloadWorker was made in process {self._pid}; a forked child cannot use its streams: "
+                "make a new worker in the child"
+            )
 
     def __enter__(self) -> "OffloadWorker":
         return self
@@ -290,8 +307,10 @@ def _drain(queues, backend: Backend, host, registered: bool, kv_caches) -> list[
     return results
 
 
-def _dropped(*held) -> None:
+def _dropped(pid: int, *held) -> None:
     """The garbage collector took a worker that was never shut down (or the interpreter exits)."""
+    if os.getpid() != pid:
+        return  # a forked child: the copies, and the streams that run them, are the parent's
     queues = held[0]
     pending = sum(len(q) for q in queues)
     if pending:

@@ -123,6 +123,53 @@ def shutdown_racing_submits() -> None:
         del junk, worker
 
 
+def interrupted_shutdown() -> None:
+    """Ctrl-C while shutdown drains: the memory stays held, and the next shutdown finishes the job."""
+    import os
+    import signal
+
+    backend = get_backend(BACKEND)
+    kv = _kv(4)
+    worker = OffloadWorker(kv, 4, backend=backend)
+    go = _hold_compute(backend, 1.0)
+    worker.submit_store(1, DeviceBlocks([0, 1, 2, 3]), HostBlocks([0, 1, 2, 3]))
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        worker.shutdown()
+        raise AssertionError("the interrupt did not arrive during the drain")
+    except KeyboardInterrupt:
+        pass
+    assert worker.host_tensors, "memory released although the drain was interrupted"
+    go.set()
+    worker.shutdown()  # finishes what the first call started
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    assert worker.host_tensors == []
+
+
+def forked_child() -> None:
+    """A child forked with a job in flight refuses to use the worker and exits without hanging."""
+    import os
+
+    backend = get_backend(BACKEND)
+    kv = _kv(4)
+    worker = OffloadWorker(kv, 4, backend=backend)
+    go = _hold_compute(backend)
+    worker.submit_store(1, DeviceBlocks([0]), HostBlocks([0]))
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            worker.submit_store(2, DeviceBlocks([1]), HostBlocks([1]))
+        except OffloadError as exc:
+            code = 0 if "forked child" in str(exc) else 1
+        os._exit(code) if code else sys.exit(0)  # a normal exit runs the worker's finalizer: it must not wait
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child used the parent's worker or hung"
+    go.set()
+    worker.shutdown()
+    assert [r.job_id for r in worker.get_finished()] == [1]
+
+
 if __name__ == "__main__":
     BACKEND = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     globals()[sys.argv[1]]()

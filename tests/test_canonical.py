@@ -47,12 +47,32 @@ def test_vllm_example_four_heads_at_tp2():
         ((CopyRun(0, 0, 32),), "exactly once"),  # leaves local bytes uncovered
         ((CopyRun(0, 0, 64), CopyRun(32, 64, 32)), "exactly once"),  # covers some twice
         ((CopyRun(0, 100, 64),), "leaves the canonical page"),
-        ((CopyRun(0, 0, 0),), "positive size"),
+        ((CopyRun(0, 0, 16, 2**62),), "exactly once"),  # refused before 2**62 fragments are unrolled
+        (None, "sequence of CopyRun"),
+        (5, "sequence of CopyRun"),
+        (((0, 0, 64),), "CopyRun objects"),
     ],
 )
 def test_invalid_mappings(runs, message):
     with pytest.raises(InvalidSpecError, match=message):
         CanonicalPageMapping(128, 64, runs)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: CopyRun(0, 0, 0), "fragment_size must be a positive integer, got 0"),
+        (lambda: CopyRun(0.0, 0, 64), "local_offset must be an integer, got 0.0"),
+        (lambda: CopyRun(0, 0, 64.0), "fragment_size must be an integer, got 64.0"),
+        (lambda: CopyRun(0, 0, "64"), "fragment_size must be an integer"),
+        (lambda: CanonicalPageMapping(64.5, 64, [CopyRun(0, 0, 64)]), "canonical_page_size_bytes must be an integer, got 64.5"),
+        (lambda: CanonicalPageMapping(64, 64.0, [CopyRun(0, 0, 64)]), "local_page_size_bytes must be an integer"),
+        (lambda: CanonicalPageMapping(64, 64, [CopyRun(0, 0, 64)], num_writers=0), "num_writers must be a positive integer"),
+    ],
+)
+def test_mapping_sizes_must_be_integers(make, message):
+    with pytest.raises(InvalidSpecError, match=message):
+        make()
 
 
 def test_adjacent_runs_are_merged_and_writers_rotate():

@@ -391,12 +391,18 @@ def test_a_forked_child_closing_its_copy_leaves_the_region_to_its_parent(tmp_pat
 
 
 def test_temporary_files_of_creators_that_died_are_swept(tmp_path):
-    dead, live = tmp_path / ".s.123.dead.tmp", tmp_path / ".s.456.live.tmp"
-    write_file(dead)
-    write_file(live)
+    """Only old, unlocked temporaries of this very name go: a creator that has just made its
+    file and not yet locked it, or another region whose name starts with this one, keeps its own."""
+    dead, live, young = (tmp_path / f".s.{pid}.{tag * 16}.tmp" for pid, tag in ((123, "d"), (456, "e"), (789, "f")))
+    other = tmp_path / f".s.x.123.{'a' * 16}.tmp"  # region "s.x"
+    for path in (dead, live, young, other):
+        write_file(path)
+    old = time.time() - 3600
+    for path in (dead, live, other):
+        os.utime(path, (old, old))
     with held(live), small("s", tmp_path):
-        assert not dead.exists() and live.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+        assert not dead.exists() and live.exists() and young.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (live, young, other))
 
 
 # ---- closing while views are alive -------------------------------------------
@@ -531,10 +537,11 @@ def test_the_longest_name_is_fine(tmp_path):
         ({"canonical_bytes": None, "slot_bytes": "64"}, "slot_bytes must be a sequence"),
         ({"canonical_bytes": None, "slot_bytes": 64}, "slot_bytes must be a sequence"),
         ({"canonical_bytes": None, "slot_bytes": [1] * 2000}, "2000 slots do not fit"),
-        ({"timeout": -1}, "timeout must be a non-negative number of seconds, got -1"),
-        ({"timeout": "5"}, "timeout must be a non-negative number"),
-        ({"timeout": float("nan")}, "timeout must be a non-negative number"),
-        ({"timeout": None}, "timeout must be a non-negative number"),
+        ({"timeout": -1}, "timeout must be a number of seconds from 0 to 1000000, got -1"),
+        ({"timeout": 2**2000}, "timeout must be a number of seconds"),
+        ({"timeout": "5"}, "timeout must be a number of seconds"),
+        ({"timeout": float("nan")}, "timeout must be a number of seconds"),
+        ({"timeout": None}, "timeout must be a number of seconds"),
     ],
 )
 def test_bad_sizes_name_the_value_and_the_rule(tmp_path, kw, message):
@@ -547,3 +554,17 @@ def test_numpy_integers_are_integers(tmp_path):
     np = pytest.importorskip("numpy")
     with small("n", tmp_path, num_blocks=np.int64(3), canonical_bytes=np.int32(64), timeout=np.float64(1)) as reg:
         assert reg.num_blocks == 3 and type(reg.num_blocks) is int
+
+
+@pytest.mark.parametrize("directory, message", [("", "non-empty path"), ("a\0b", "without NUL")])
+def test_bad_directories_are_refused(directory, message):
+    with pytest.raises(InvalidSpecError, match=message):
+        SharedHostRegion("d", num_blocks=1, canonical_bytes=64, directory=directory)
+
+
+def test_check_fails_loudly_once_the_file_is_truncated(tmp_path):
+    with small("t", tmp_path) as reg:
+        os.truncate(reg.path, 4096)
+        with pytest.raises(RegionError, match="truncated"):
+            reg.check()
+        os.truncate(reg.path, reg.size)  # so that close() can finish normally

@@ -141,3 +141,14 @@ def test_import_offload_core_loads_no_backend_or_device_sdk():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_bad_names_and_targets_are_offload_errors():
+    from offload_core import InvalidSpecError, UnknownBackendError
+
+    with pytest.raises(UnknownBackendError):
+        registry.get_backend(["cpu"])
+    with pytest.raises(InvalidSpecError, match="Backend subclass"):
+        registry.register_backend("x", 5)
+    with pytest.raises(InvalidSpecError, match="non-empty string"):
+        registry.register_backend(None, "a:B")

@@ -19,7 +19,9 @@ from helpers import small_kv
 HERE = pathlib.Path(__file__).parent
 
 
-@pytest.mark.parametrize("case", ["dropped_worker", "dropped_worker_off_main_thread", "shutdown_racing_submits"])
+@pytest.mark.parametrize(
+    "case", ["dropped_worker", "dropped_worker_off_main_thread", "shutdown_racing_submits", "interrupted_shutdown", "forked_child"]
+)
 @pytest.mark.parametrize("name", [pytest.param("cpu", marks=pytest.mark.cpu), pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_memory_outlives_the_copies_that_touch_it(case, name):
     reason = registry.availability()[name]

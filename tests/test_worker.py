@@ -206,6 +206,14 @@ def test_ids_may_come_as_lists_arrays_or_tensors():
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 16), 64)], [[KVCacheRef(0, 64), KVCacheRef(0, 32)]]),
          "names tensor 0 twice"),
         (lambda: KVCaches([torch.zeros(2, 8)], [[KVCacheRef(0, 32)]]), "must be a KVCacheTensor"),
+        (lambda: KVCaches(5, [[KVCacheRef(0, 32)]]), "KVCaches.tensors must be a sequence"),
+        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [5]), r"group_refs\[0\] must be a sequence"),
+        (lambda: KVCacheTensor(torch.zeros(4, 16, dtype=torch.int8, device="meta"), 16), "dense .* with memory"),
+        (lambda: KVCacheTensor(torch.zeros(4, 16).to_sparse(), 64), "dense"),
+        (lambda: OffloadWorker(small_kv(), 4, backend=["cpu"]), "backend must be a Backend, a backend name or None"),
+        (lambda: OffloadWorker(small_kv(), 4, host_region=object()), "host_region must be a SharedHostRegion"),
+        (lambda: DeviceBlocks([1], [2**63 - 1, 2**63 - 1, 3]), "exceeds the 1 block ids"),
+        (lambda: DeviceBlocks(np.array([2**64 - 1], dtype=np.uint64)), "beyond any block id"),
     ],
 )
 def test_invalid_layouts_are_rejected(make, message):
@@ -281,3 +289,43 @@ def test_wait_takes_an_iterable_of_integer_ids(ids):
         with pytest.raises(InvalidSpecError, match="wait"):
             worker.wait(ids)
         worker.wait(iter([1, 2]))  # any iterable; unknown ids are ignored
+
+
+def test_specs_keep_what_was_validated():
+    """Neither the caller's lists nor its id arrays can change what a worker addresses."""
+    tensors = [KVCacheTensor(torch.zeros(8, 64, dtype=torch.uint8), 64)]
+    refs = [KVCacheRef(0, 64)]
+    kv = KVCaches(tensors, [refs])
+    tensors.clear()
+    refs.append(KVCacheRef(7, 64))
+    assert len(kv.tensors) == 1 and kv.group_refs == ((KVCacheRef(0, 64),),)
+    ids = np.array([3])
+    device = DeviceBlocks(ids)
+    ids[0] = 1 << 40
+    assert device.block_ids.tolist() == [3] and not device.block_ids.flags.writeable
+    with OffloadWorker(kv, 8, backend="cpu") as worker:
+        assert worker.submit_store(1, device, HostBlocks([0]))
+
+
+def test_a_wild_block_count_is_refused_before_any_scratch_is_sized():
+    from offload_core.testing.fake import FakeBackend
+
+    class Counting(FakeBackend):
+        asked: list = []
+
+        def alloc_host(self, nbytes):
+            Counting.asked.append(nbytes)
+            return super().alloc_host(nbytes)
+
+    with OffloadWorker(small_kv(blocks=16), 4, backend=Counting()) as worker:
+        before = len(Counting.asked)
+        with pytest.raises(InvalidSpecError, match="more than any transfer can move"):
+            worker.submit_store(1, DeviceBlocks(np.zeros(10**6, dtype=np.int64)), HostBlocks([0]))
+        assert len(Counting.asked) == before
+
+
+@pytest.mark.parametrize("job_id", [torch.tensor(5, device="meta")])
+def test_job_ids_that_are_tensors_without_data_are_refused(job_id):
+    with OffloadWorker(small_kv(), 4, backend="cpu") as worker:
+        with pytest.raises(InvalidSpecError, match="job_id must be an integer"):
+            worker.submit_store(job_id, DeviceBlocks([0]), HostBlocks([0]))
