@@ -216,9 +216,7 @@ def _ids(values: Any, what: str) -> np.ndarray:
         raise InvalidSpecError(f"{what} holds {int(arr.max())}, beyond any block id")
     # A copy, read-only: the caller's array may change after validation (another thread, a
     # reused buffer), and the planner must address exactly what was checked.
-    ids = arr.astype(np.int64, copy=True)
-    ids.flags.writeable = False
-    return ids
+    return _read_only(arr.astype(np.int64, copy=True))
 
 
 @dataclass(frozen=True, init=False)
@@ -243,22 +241,33 @@ class DeviceBlocks:
 
     def __init__(self, block_ids: Any, group_sizes: Any = None, block_indices: Any = None):
         ids = _ids(block_ids, "DeviceBlocks.block_ids")
-        sizes = np.array([ids.size], dtype=np.int64) if group_sizes is None else _ids(group_sizes, "group_sizes")
+        if group_sizes is None:
+            sizes = _read_only(np.array([ids.size], dtype=np.int64))
+        else:
+            sizes = _ids(group_sizes, "group_sizes")
         if block_indices is None:
-            indices = np.zeros(sizes.size, dtype=np.int64)
+            indices = _ZEROS[sizes.size] if sizes.size < len(_ZEROS) else _read_only(np.zeros(sizes.size, dtype=np.int64))
         else:
             indices = _ids(block_indices, "block_indices")
-        if indices.size != sizes.size:
-            raise InvalidSpecError(f"{sizes.size} group sizes but {indices.size} block indices")
-        if sizes.size and (sizes.min() < 0 or indices.min() < 0):
+        # A few groups: plain Python on lists is cheaper than numpy reductions here.
+        size_list, index_list = sizes.tolist(), indices.tolist()
+        if len(index_list) != len(size_list):
+            raise InvalidSpecError(f"{len(size_list)} group sizes but {len(index_list)} block indices")
+        if size_list and (min(size_list) < 0 or min(index_list) < 0):
             raise InvalidSpecError("group sizes and block indices must be non-negative")
-        if sizes.size and sizes.max() > ids.size:  # also keeps the sum below from wrapping around
-            raise InvalidSpecError(f"a group size of {int(sizes.max())} exceeds the {ids.size} block ids given")
-        if int(sizes.sum()) != ids.size:
-            raise InvalidSpecError(f"group sizes add up to {int(sizes.sum())}, but there are {ids.size} block ids")
+        if sum(size_list) != ids.size:
+            raise InvalidSpecError(f"group sizes add up to {sum(size_list)}, but there are {ids.size} block ids")
         object.__setattr__(self, "block_ids", ids)
         object.__setattr__(self, "group_sizes", sizes)
         object.__setattr__(self, "block_indices", indices)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+_ZEROS = [_read_only(np.zeros(n, dtype=np.int64)) for n in range(17)]  # shared block_indices of few groups
 
 
 @dataclass(frozen=True, init=False)

@@ -212,7 +212,7 @@ def test_ids_may_come_as_lists_arrays_or_tensors():
         (lambda: KVCacheTensor(torch.zeros(4, 16).to_sparse(), 64), "dense"),
         (lambda: OffloadWorker(small_kv(), 4, backend=["cpu"]), "backend must be a Backend, a backend name or None"),
         (lambda: OffloadWorker(small_kv(), 4, host_region=object()), "host_region must be a SharedHostRegion"),
-        (lambda: DeviceBlocks([1], [2**63 - 1, 2**63 - 1, 3]), "exceeds the 1 block ids"),
+        (lambda: DeviceBlocks([1], [2**63 - 1, 2**63 - 1, 3]), "add up to 18446744073709551617"),
         (lambda: DeviceBlocks(np.array([2**64 - 1], dtype=np.uint64)), "beyond any block id"),
     ],
 )
