@@ -162,7 +162,9 @@ def forked_child() -> None:
             worker.submit_store(2, DeviceBlocks([1]), HostBlocks([1]))
         except OffloadError as exc:
             code = 0 if "forked child" in str(exc) else 1
-        os._exit(code) if code else sys.exit(0)  # a normal exit runs the worker's finalizer: it must not wait
+        if code or BACKEND == "cuda":  # CUDA cannot be torn down in a forked child: leave at once
+            os._exit(code)
+        sys.exit(0)  # a normal exit runs the worker's finalizer: it must not wait for the parent's copies
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the child used the parent's worker or hung"
     go.set()
