@@ -43,12 +43,12 @@ class XpuBackend(TorchDeviceBackend):
 
     def __init__(self, device_index: int = 0):
         super().__init__(device_index)
-        self._starts = np.zeros(0, dtype=np.int64)  # registered buffers, sorted by address
-        self._ends = np.zeros(0, dtype=np.int64)
-        # Weak: the backend outlives workers (the registry keeps it), and must neither keep
-        # their memory alive nor pin a shared region's mapping; whoever queues copies keeps
-        # the memory alive until they finish.
-        self._tensors: list[weakref.ref] = []
+        # Registered buffers: (start, end, weak ref to the tensor), sorted by address, with their
+        # bounds as arrays for searchsorted, in one tuple so that a reader never sees a mix of
+        # two versions (a tensor's collection rebuilds it from any thread). Weak: the backend
+        # outlives workers (the registry keeps it) and must neither keep their memory alive nor
+        # pin a shared region's mapping; whoever queues copies keeps the memory until they finish.
+        self._table: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     def new_stream(self):
         # torch.xpu hands out pooled queues round robin, starting with the slot the compute
@@ -66,19 +66,17 @@ class XpuBackend(TorchDeviceBackend):
 
     def register_tensor(self, tensor) -> None:
         start = tensor.data_ptr()
-        self._index(lambda t: t is not None and t.data_ptr() != start, (start, tensor.nbytes, weakref.ref(tensor, self._forget)))
+        entry = (start, start + tensor.nbytes, weakref.ref(tensor, self._forget))
+        self._rebuild([e for e in self._table[0] if e[0] != start and e[2]() is not None] + [entry])
 
     def _forget(self, ref: weakref.ref) -> None:
-        self._index(lambda t: t is not None)
+        self._rebuild([e for e in self._table[0] if e[2]() is not None])
 
-    def _index(self, keep, new=None) -> None:
-        """Keep the registered buffers whose tensor passes `keep`, add `new` (start, nbytes, ref), sort."""
-        entries = [(s, e - s, r) for s, e, r in zip(self._starts.tolist(), self._ends.tolist(), self._tensors) if keep(r())]
-        entries += [new] if new else []
-        entries.sort(key=lambda x: x[0])
-        self._starts = np.array([x[0] for x in entries], dtype=np.int64)
-        self._ends = np.array([x[0] + x[1] for x in entries], dtype=np.int64)
-        self._tensors = [x[2] for x in entries]
+    def _rebuild(self, entries: list) -> None:
+        entries = sorted(entries, key=lambda e: e[0])
+        starts = np.array([e[0] for e in entries], dtype=np.int64)
+        ends = np.array([e[1] for e in entries], dtype=np.int64)
+        self._table = (entries, starts, ends)
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         self._bind_thread()
@@ -100,13 +98,14 @@ class XpuBackend(TorchDeviceBackend):
 
     def _resolve(self, addresses: np.ndarray, sizes: np.ndarray):
         """Each address as (a flat byte view of its registered buffer, offset in it)."""
-        i = np.searchsorted(self._starts, addresses, side="right") - 1
-        if i.min(initial=0) < 0 or np.any(addresses + sizes > self._ends[i]):
+        entries, starts, ends = self._table
+        i = np.searchsorted(starts, addresses, side="right") - 1
+        if i.min(initial=0) < 0 or np.any(addresses + sizes > ends[i]):
             raise ValueError("xpu copies need their memory registered (register_tensor or alloc_host)")
         views = {}
         for k in set(i.tolist()):
-            tensor = self._tensors[k]()
+            tensor = entries[k][2]()
             if tensor is None:  # freed since: its address range is no longer the caller's
                 raise ValueError("xpu copies need their memory registered (register_tensor or alloc_host)")
             views[k] = tensor.view(-1).view(self._torch.uint8)
-        return [views[k] for k in i.tolist()], addresses - self._starts[i]
+        return [views[k] for k in i.tolist()], addresses - starts[i]

@@ -139,6 +139,25 @@ def test_xpu_needs_registered_memory(sim_xpu):
         backend.copy_batch(one * stray.data_ptr(), one * host.data_ptr(), one * 8, Direction.STORE, backend.new_stream())
 
 
+@pytest.mark.xpu
+def test_xpu_holds_registered_memory_weakly(sim_xpu):
+    """The registry keeps the backend for good: holding a worker's host buffer (or a region's
+    view) strongly would keep it, and the region's mapping, alive for good too."""
+    import gc
+    import weakref
+
+    backend, _ = sim_xpu
+    tensor = torch.zeros(64, dtype=torch.uint8)
+    backend.register_tensor(tensor)
+    gone = weakref.ref(tensor)
+    del tensor
+    gc.collect()
+    assert gone() is None
+    host = backend.alloc_host(64)
+    one = np.ones(1, dtype=np.int64)
+    backend.copy_batch(one * host.data_ptr(), one * (host.data_ptr() + 32), one * 8, Direction.STORE, backend.new_stream())
+
+
 @pytest.mark.skipif(bool(os.environ.get("OFFLOAD_CORE_SIMULATE")), reason="a session-wide simulation is installed")
 def test_simulations_leave_no_trace():
     from offload_core import availability
