@@ -11,6 +11,7 @@ stays asynchronous and the source may change as soon as the call returns.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numpy as np
@@ -49,6 +50,7 @@ class XpuBackend(TorchDeviceBackend):
         # outlives workers (the registry keeps it) and must neither keep their memory alive nor
         # pin a shared region's mapping; whoever queues copies keeps the memory until they finish.
         self._table: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._table_lock = threading.RLock()  # re-entrant: a collection during a rebuild calls _forget
 
     def new_stream(self):
         # torch.xpu hands out pooled queues round robin, starting with the slot the compute
@@ -67,10 +69,12 @@ class XpuBackend(TorchDeviceBackend):
     def register_tensor(self, tensor) -> None:
         start = tensor.data_ptr()
         entry = (start, start + tensor.nbytes, weakref.ref(tensor, self._forget))
-        self._rebuild([e for e in self._table[0] if e[0] != start and e[2]() is not None] + [entry])
+        with self._table_lock:
+            self._rebuild([e for e in self._table[0] if e[0] != start and e[2]() is not None] + [entry])
 
     def _forget(self, ref: weakref.ref) -> None:
-        self._rebuild([e for e in self._table[0] if e[2]() is not None])
+        with self._table_lock:
+            self._rebuild([e for e in self._table[0] if e[2]() is not None])
 
     def _rebuild(self, entries: list) -> None:
         entries = sorted(entries, key=lambda e: e[0])

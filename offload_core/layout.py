@@ -207,7 +207,7 @@ def _ids(values: Any, what: str) -> np.ndarray:
     except Exception as exc:  # e.g. a device tensor: ids must live on the host
         raise InvalidSpecError(f"{what} must be host integers (list, numpy array or CPU tensor): {exc}") from exc
     if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
+        return _ZEROS[0]
     if arr.ndim != 1:
         raise InvalidSpecError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":

@@ -220,8 +220,9 @@ class Planner:
         total = self._descriptors(sizes)
         if out is None or out.shape[1] < total:
             out = np.empty((3, total), dtype=np.int64)
-        if self._arange.size < max(sizes, default=0):
-            self._arange = np.arange(2 * max(sizes), dtype=np.int64)
+        arange = self._arange  # one read: another thread may swap in a smaller one meanwhile
+        if arange.size < max(sizes, default=0):
+            arange = self._arange = np.arange(2 * max(sizes), dtype=np.int64)
         store = direction is Direction.STORE
         dev_row, host_row = (0, 1) if store else (1, 0)
         row = self.host_row_bytes
@@ -239,7 +240,7 @@ class Planner:
             if bpc == 1:
                 hids, sub = group_hids, None
             else:  # the group's sub-pages, counted from its first host block
-                q = self._arange[:n] + skip
+                q = arange[:n] + skip
                 hids, sub = group_hids[q // bpc], q % bpc
             if self._groups_share_tensors:
                 shared_keys.append(dev_ids if not store else hids * bpc + (0 if sub is None else sub))

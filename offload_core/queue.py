@@ -153,8 +153,8 @@ class TransferQueue:
         memory is scarce, and a few sizes serve an engine's jobs)."""
         pool = self._free_scratch
         pool.append(scratch)
-        if len(pool) > _POOLED:
-            pool.remove(min(pool, key=lambda b: b.shape[1]))
+        if len(pool) > _POOLED:  # by position: list.remove would compare arrays with ==
+            del pool[min(range(len(pool)), key=lambda i: pool[i].shape[1])]
 
     def submit(self, job_id: int, batch: CopyBatch, scratch: np.ndarray | None = None) -> None:
         """Enqueue one job behind every earlier one and behind the compute stream.
@@ -169,6 +169,7 @@ class TransferQueue:
         with self._lock:
             start, end = self._event(), self._event()
         stream = self._stream
+        failed = None
         with self._enqueue:
             try:
                 stream.wait_stream(self.backend.current_stream())
@@ -177,26 +178,33 @@ class TransferQueue:
                 if len(batch):
                     mechanism = self.backend.copy_batch(batch.src, batch.dst, batch.sizes, self.direction, stream)
                 end.record(stream)
-            except Exception:
-                # Part of the batch may be queued already: keep the descriptors alive until the
-                # stream has passed them. If even that fails the device is lost; drop them all.
+            except Exception as exc:
+                failed = exc
                 try:
                     end.record(stream)
-                    end.synchronize()
                 except Exception:
-                    scratch = None
-                if scratch is not None:
-                    self.release_scratch(scratch)
-                raise
-            mechanism = mechanism or ""
-            # appended under the enqueue lock, so the deque's order is the stream's order
-            with self._lock:
-                self._jobs.append(_Job(job_id, start, end, batch.nbytes, scratch, mechanism))
-                self._ids.add(job_id)
-                self.stats.jobs += 1
-                self.stats.bytes += batch.nbytes
-                self.stats.descriptors += len(batch)
-                self.stats.mechanisms[mechanism] += 1
+                    end = None
+            if failed is None:
+                mechanism = mechanism or ""
+                # appended under the enqueue lock, so the deque's order is the stream's order
+                with self._lock:
+                    self._jobs.append(_Job(job_id, start, end, batch.nbytes, scratch, mechanism))
+                    self._ids.add(job_id)
+                    self.stats.jobs += 1
+                    self.stats.bytes += batch.nbytes
+                    self.stats.descriptors += len(batch)
+                    self.stats.mechanisms[mechanism] += 1
+                return
+        # Part of the batch may be queued already: keep the descriptors until the stream has
+        # passed them, waiting outside the enqueue lock that every queue on the backend shares.
+        # If even that fails, the device is lost: drop them all.
+        try:
+            end.synchronize()  # None when even recording failed
+        except Exception:
+            scratch = None
+        if scratch is not None:
+            self.release_scratch(scratch)
+        raise failed
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs completed so far, from the head of the queue, without blocking."""
@@ -214,12 +222,12 @@ class TransferQueue:
                     ok, elapsed = False, 0.0
                 self._jobs.popleft()
                 self._ids.discard(job.job_id)
+                self.stats.failed += not ok
+                results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism))
                 if ok:  # events that saw a fault are not trusted again
                     self._free_events += (job.start, job.end)
                 if job.scratch is not None:
                     self._pool(job.scratch)
-                self.stats.failed += not ok
-                results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism))
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:

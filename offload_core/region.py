@@ -43,6 +43,7 @@ import re
 import secrets
 import stat
 import time
+import weakref
 from typing import Any, Sequence
 
 from offload_core.errors import InvalidSpecError, OffloadError, RegionError, ResourceInUseError
@@ -148,6 +149,7 @@ class SharedHostRegion:
         directory: str | os.PathLike | None = None,
     ):
         self._mmap: mmap.mmap | None = None
+        self._closer: weakref.finalize | None = None
         self._fd = -1
         self.tensor = None
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -182,6 +184,9 @@ class SharedHostRegion:
         self._identity: tuple[int, int] | None = None
         self._pid = os.getpid()
         self._open(float(timeout))
+        # A region dropped without close(): its fd, and so its lock, go when the mapping goes,
+        # which lives as long as any view of it (the file is then reclaimed at the next start).
+        self._closer = weakref.finalize(self._mmap, os.close, self._fd)
 
     # ---- where this rank's bytes are -----------------------------------------
 
@@ -251,6 +256,7 @@ class SharedHostRegion:
                     f"region {self.path} is still in use by tensors or memoryviews made from it (or a worker "
                     "using it): shut the worker down and drop those views before closing the region"
                 ) from None
+        self._closer.detach()  # before the mapping goes: this close releases the fd itself
         self._mmap = None
         self._release()
 
@@ -444,6 +450,8 @@ class SharedHostRegion:
 
     def _release(self) -> None:
         """Drop our lock and fd; remove the file if no one else holds it."""
+        if self._closer is not None:
+            self._closer.detach()
         fd, self._fd = self._fd, -1
         try:
             # A forked child shares its parent's lock (one open file description): only the

@@ -164,7 +164,8 @@ class OffloadWorker:
 
         Raises:
             InvalidSpecError: bad specs or a job id still in flight; nothing was enqueued.
-            OffloadError: the worker is shut down.
+            RegionError: the shared region was removed, replaced or truncated under this rank.
+            OffloadError: the worker is shut down, or used from a forked child.
         """
         return self._submit(Direction.STORE, job_id, src, dst)
 
@@ -176,7 +177,8 @@ class OffloadWorker:
 
         Raises:
             InvalidSpecError: bad specs or a job id still in flight; nothing was enqueued.
-            OffloadError: the worker is shut down.
+            RegionError: the shared region was removed, replaced or truncated under this rank.
+            OffloadError: the worker is shut down, or used from a forked child.
         """
         return self._submit(Direction.LOAD, job_id, dst, src)
 
@@ -258,23 +260,29 @@ class OffloadWorker:
         forked from the one that made the worker, it only marks the worker closed: the
         parent's copies are not the child's to wait for.
         """
+        if os.getpid() != self._pid:
+            # No lock: the fork may have copied it held, or a submit count no thread will lower.
+            self._closed = True
+            return
         with self._lock:
             self._closed = True
             while self._submitting:
                 self._idle.wait()
-        if os.getpid() != self._pid:
-            return
         with self._shutdown_lock:
             if self._host is None:
                 return  # an earlier call finished
             # Drained while the finalizer still holds the memory: an interruption here leaves
-            # it held, and the next call (or the collector) drains again.
-            results = [r for queue in self._queues.values() for r in queue.drain()]
+            # it held, and the next call (or the collector) drains again; each queue's results
+            # are kept as soon as it is drained.
+            for queue in self._queues.values():
+                results = queue.drain()
+                with self._lock:
+                    self._drained += results
             detached = self._finalizer.detach()
             if detached is not None:
-                results += _drain(*detached[2][1:])
-            with self._lock:
-                self._drained += results
+                results = _drain(*detached[2][1:])
+                with self._lock:
+                    self._drained += results
             self.host_tensors = []
             self._host = None  # a shared region outlives the worker: its owner closes it
 

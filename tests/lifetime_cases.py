@@ -53,7 +53,8 @@ def dropped_worker() -> None:
     worker.wait([1])
     go = _hold_compute(backend)
     worker.submit_load(2, HostBlocks([0, 1, 2, 3]), DeviceBlocks([4, 5, 6, 7]))
-    threading.Timer(0.2, go.set).start()  # the load is still queued when the worker goes
+    threading.Timer(1.0, go.set).start()
+    assert not go.is_set(), "the machine stalled for a second: the load was not in flight when the worker went"
     del worker
     gc.collect()
     junk = [_junk(4 * PAGE), _junk(4 * PAGE)]  # the host buffer's size: reuses it where it was freed
@@ -168,6 +169,46 @@ def forked_child() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the child used the parent's worker or hung"
     go.set()
+    worker.shutdown()
+    assert [r.job_id for r in worker.get_finished()] == [1]
+
+
+def forked_during_a_submit() -> None:
+    """A fork while another thread is inside submit: the child's shutdown returns at once
+    (the copied submit count, or a lock copied held, would otherwise stop it for good)."""
+    import os
+
+    from offload_core.backends.cpu import CpuBackend
+
+    entered, leave = threading.Event(), threading.Event()
+
+    class Slow(CpuBackend):
+        def copy_batch(self, *args):
+            entered.set()
+            leave.wait(30)
+            return super().copy_batch(*args)
+
+    backend = Slow()
+    worker = OffloadWorker(_kv(2), 2, backend=backend)
+    submitter = threading.Thread(target=worker.submit_store, args=(1, DeviceBlocks([0]), HostBlocks([0])))
+    submitter.start()
+    entered.wait(30)
+    pid = os.fork()
+    if pid == 0:
+        worker.shutdown()  # must return: a hang here is killed below and fails the case
+        os._exit(0)
+    for _ in range(1000):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        threading.Event().wait(0.01)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child's shutdown hung")
+    assert os.waitstatus_to_exitcode(status) == 0
+    leave.set()
+    submitter.join()
     worker.shutdown()
     assert [r.job_id for r in worker.get_finished()] == [1]
 

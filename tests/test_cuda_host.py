@@ -405,3 +405,36 @@ def test_kernels_launch_falls_back_to_triton_dispatch_when_its_launcher_differs(
     for _ in range(3):
         kernels._launch(kernel, 4, [64], {"W": 32}, stream)
     assert len(kernel.calls) == 3 and kernels._fast is False
+
+
+def test_addressable_reads_the_host_ranges_while_other_threads_change_them():
+    """alloc_host (a scratch-pool miss) and tensor finalizers change the ranges outside the
+    enqueue lock while copy_batch asks whether memory is addressable."""
+    import threading
+
+    from offload_core.backends.cuda import CudaBackend
+
+    backend = CudaBackend.__new__(CudaBackend)  # no GPU here: only the bookkeeping under test
+    backend._host_ranges = {i << 12: (i << 12, (i + 1) << 12) for i in range(1, 5000)}
+    stop = threading.Event()
+
+    def churn():
+        k = 1 << 40
+        while not stop.is_set():
+            backend._host_ranges[k] = (k, k + 1)
+            k += 1
+            if k % 7 == 0:
+                for j in range(k - 7, k):
+                    backend._host_ranges.pop(j, None)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so that the race is hit, not just possible
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(300):  # not addressable: every range is looked at, twice
+            assert not backend.addressable(np.array([1 << 50]), np.array([64]))
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)

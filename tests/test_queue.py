@@ -246,3 +246,37 @@ class QueueContract(RuleBasedStateMachine):
 
 QueueContract.TestCase.settings = _settings(max_examples=40, stateful_step_count=30, deadline=None)
 test_queue_contract = QueueContract.TestCase
+
+
+def test_more_pooled_scratch_than_the_cap_of_mixed_sizes_loses_no_result():
+    """Past the pool's cap the smallest buffer goes; every result is still reported once."""
+    backend = FakeBackend()
+    with OffloadWorker(small_kv(pages=(64,) * 64, blocks=32), 32, backend=backend) as worker:
+        for job in range(24):  # 24 jobs in flight, 24 down to 1 blocks: buffers of 64 x 24 .. 256 descriptors
+            n = 24 - job
+            assert worker.submit_store(job, DeviceBlocks(range(n)), HostBlocks(range(n)))
+        backend.complete_all()
+        assert [r.job_id for r in worker.get_finished()] == list(range(24))
+        assert len(worker._queues[Direction.STORE]._free_scratch) <= 16
+
+
+def test_a_failed_enqueue_waits_for_its_partial_copies_outside_the_shared_enqueue_lock():
+    from offload_core.queue import enqueue_lock
+    from offload_core.testing.fake import FakeBackend, FakeEvent
+
+    class Checking(FakeBackend):
+        def new_event(self):
+            backend = self
+
+            class Event(FakeEvent):
+                def synchronize(self):
+                    assert not enqueue_lock(backend).locked(), "waited on the device holding the enqueue lock"
+                    super().synchronize()
+
+            return Event(self)
+
+    backend = Checking()
+    with OffloadWorker(small_kv(), 8, backend=backend) as worker:
+        backend.fail_enqueue = RuntimeError("boom")
+        assert not store(worker, 1)
+        assert backend.syncs == 1 and len(worker._queues[Direction.STORE]) == 0

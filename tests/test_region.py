@@ -568,3 +568,18 @@ def test_check_fails_loudly_once_the_file_is_truncated(tmp_path):
         with pytest.raises(RegionError, match="truncated"):
             reg.check()
         os.truncate(reg.path, reg.size)  # so that close() can finish normally
+
+
+def test_a_region_dropped_without_close_lets_go_of_its_file_once_its_views_are_gone(tmp_path):
+    import gc
+
+    reg = small("g", tmp_path)
+    view = reg.tensor[0]
+    del reg
+    gc.collect()
+    with small("g", tmp_path, timeout=0) as other:  # still held through the view: joined
+        assert not other.is_creator
+    del view
+    gc.collect()
+    with small("g", tmp_path, timeout=0) as again:  # nobody holds it now: reclaimed
+        assert again.is_creator

@@ -158,6 +158,36 @@ def test_xpu_holds_registered_memory_weakly(sim_xpu):
     backend.copy_batch(one * host.data_ptr(), one * (host.data_ptr() + 32), one * 8, Direction.STORE, backend.new_stream())
 
 
+@pytest.mark.xpu
+def test_xpu_registrations_survive_collections_on_other_threads(sim_xpu):
+    import sys
+    import threading
+
+    backend, _ = sim_xpu
+    live = []
+    stop = threading.Event()
+
+    def churn():  # tensors registered and collected on another thread: their finalizers rebuild too
+        while not stop.is_set():
+            backend.register_tensor(torch.zeros(16, dtype=torch.uint8))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(300):
+            tensor = torch.zeros(16, dtype=torch.uint8)
+            backend.register_tensor(tensor)
+            live.append(tensor)
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    starts = set(backend._table[1].tolist())
+    assert all(t.data_ptr() in starts for t in live)
+
+
 @pytest.mark.skipif(bool(os.environ.get("OFFLOAD_CORE_SIMULATE")), reason="a session-wide simulation is installed")
 def test_simulations_leave_no_trace():
     from offload_core import availability

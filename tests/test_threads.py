@@ -20,7 +20,15 @@ HERE = pathlib.Path(__file__).parent
 
 
 @pytest.mark.parametrize(
-    "case", ["dropped_worker", "dropped_worker_off_main_thread", "shutdown_racing_submits", "interrupted_shutdown", "forked_child"]
+    "case",
+    [
+        "dropped_worker",
+        "dropped_worker_off_main_thread",
+        "shutdown_racing_submits",
+        "interrupted_shutdown",
+        "forked_child",
+        "forked_during_a_submit",
+    ],
 )
 @pytest.mark.parametrize("name", [pytest.param("cpu", marks=pytest.mark.cpu), pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_memory_outlives_the_copies_that_touch_it(case, name):
@@ -129,6 +137,7 @@ def test_shutdown_from_two_threads_returns_after_the_drain():
     worker.submit_store(1, DeviceBlocks([0]), HostBlocks([0]))
     threading.Timer(0.05, go.set).start()
     _run_threads([worker.shutdown, worker.shutdown])
+    assert go.is_set()  # both returned only after the drain, which waited for the held compute stream
     assert worker.host_tensors == []
     assert [r.job_id for r in worker.get_finished()] == [1]
     with pytest.raises(OffloadError, match="shut down"):
@@ -152,3 +161,37 @@ def test_a_dropped_worker_keeps_its_buffers_until_its_jobs_finish():
     assert go.is_set()
     assert torch.equal(kv.tensors[0].tensor[3], kv.tensors[0].tensor[0])
     del storage
+
+
+@pytest.mark.cpu
+def test_one_planner_from_several_threads():
+    """Workers plan on the caller's thread: the planner's shared buffers must not race."""
+    import sys
+
+    from offload_core import Direction, Geometry, Planner
+
+    planner = Planner(
+        Geometry(
+            device_base=[1 << 40], device_page=[64], device_blocks=[8192], host_base=1 << 44, host_row_bytes=64 * 4,
+            host_offset=[0], host_page=[64], host_blocks=4096, group_refs=[[(0, 64)]], blocks_per_chunk=4,
+        )
+    )
+
+    def plans(t):
+        def run():
+            rng = np.random.default_rng(t)
+            for _ in range(300):
+                n = int(rng.integers(1, 4000))
+                device = DeviceBlocks(rng.permutation(8192)[:n], [n], [int(rng.integers(0, 4))])
+                hosts = -(-(n + int(device.block_indices[0]) % 4) // 4)
+                batch = planner.plan(Direction.STORE, device, HostBlocks(rng.permutation(4096)[:hosts]))
+                assert batch.nbytes == 64 * n and int(batch.sizes.sum()) == 64 * n
+
+        return run
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        _run_threads([plans(t) for t in range(3)])
+    finally:
+        sys.setswitchinterval(interval)

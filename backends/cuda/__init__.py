@@ -216,10 +216,11 @@ class CudaBackend(TorchDeviceBackend):
         """Whether every host range lies in pinned or registered memory the GPU can dereference."""
         lo, hi = int(host.min()), int(host.max())
         top = hi + (int(sizes.max()) if largest is None else largest)  # bounds every end: one pass less
-        if any(start <= lo and top <= end for start, end in self._host_ranges.values()):
+        ranges = tuple(self._host_ranges.values())  # a copy: other threads add and drop ranges
+        if any(start <= lo and top <= end for start, end in ranges):
             return True
         top = int((host + sizes).max())
-        return any(start <= lo and top <= end for start, end in self._host_ranges.values())
+        return any(start <= lo and top <= end for start, end in ranges)
 
     # ---- the mechanisms ----------------------------------------------------
 
