@@ -22,9 +22,10 @@ PAGE = 8 << 20  # large enough that freed buffers go back to the OS: a use after
 BACKEND = "cpu"
 
 
-def _kv(blocks: int) -> KVCaches:
+def _kv(blocks: int, device=None) -> KVCaches:
     data = torch.arange(blocks * PAGE, dtype=torch.int64).to(torch.uint8).view(blocks, PAGE)
-    return KVCaches([KVCacheTensor(data.to(get_backend(BACKEND).device), PAGE)], [[KVCacheRef(0, PAGE)]])
+    device = device or get_backend(BACKEND).device
+    return KVCaches([KVCacheTensor(data.to(device), PAGE)], [[KVCacheRef(0, PAGE)]])
 
 
 def _hold_compute(backend, seconds: float = 0.5):
@@ -188,8 +189,8 @@ def forked_during_a_submit() -> None:
             leave.wait(30)
             return super().copy_batch(*args)
 
-    backend = Slow()
-    worker = OffloadWorker(_kv(2), 2, backend=backend)
+    backend = Slow()  # on every backend name: the fork logic is the worker's, not the device's
+    worker = OffloadWorker(_kv(2, "cpu"), 2, backend=backend)
     submitter = threading.Thread(target=worker.submit_store, args=(1, DeviceBlocks([0]), HostBlocks([0])))
     submitter.start()
     entered.wait(30)
