@@ -1,0 +1,129 @@
+"""The engine's view: many small jobs over a many-layer KV cache, back to back, random block ids.
+
+For each page size and job size, J store jobs are submitted one after another through
+`OffloadWorker` (then J loads of the same blocks into other device blocks), and the wall
+clock from the first submit to the last completion is compared with the link's limit
+measured in the same run (the best of several single pinned copies of the same bytes, each
+way). Reported per shape and mechanism: the ratio to the limit, median and p99 host time of
+a submit (specs built from id arrays included), device memory the backend allocated beyond
+the KV cache, and whether the last job's bytes arrived. On `cuda`, every mechanism is also
+forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
+
+    python benchmarks/engine_bench.py [--backend cuda] [--pages 256,1024,4096,32768]
+        [--blocks-per-job 1,16,128] [--layers 32] [--jobs 32] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+import torch
+
+from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker, get_backend
+from offload_core.bench import _limit_gbps
+
+
+def _backends(name: str | None, mechanisms: list[str] | None):
+    base = get_backend(name)
+    if base.name != "cuda":
+        return [("default", base)]
+    from offload_core.backends.cuda import CudaBackend
+
+    return [(m, CudaBackend(mechanism=m)) for m in mechanisms or ["auto", *base.available_mechanisms]]
+
+
+def _allocated(backend) -> int:
+    return torch.cuda.memory_allocated(backend.device) if backend.device.type == "cuda" else 0
+
+
+def run_shape(backend, page: int, per_job: int, layers: int, jobs: int, seed: int = 0) -> dict:
+    """One page size and job size on one backend: stores, then loads, J jobs back to back."""
+    blocks = max(2 * per_job, (1 << 29) // (2 * layers * page), 64)  # about 512 MiB of KV, at least two jobs' worth
+    blocks = min(blocks, 8192)
+    device = backend.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = [
+        KVCacheTensor(torch.randint(-128, 128, (blocks, page), dtype=torch.int8, generator=gen, device=device), page)
+        for _ in range(2 * layers)
+    ]
+    kv = KVCaches(tensors, [[KVCacheRef(i, page) for i in range(len(tensors))]])
+    rng = np.random.default_rng(seed)
+    specs = [(rng.choice(blocks, per_job, replace=False), rng.choice(blocks, per_job, replace=False)) for _ in range(jobs)]
+    job_bytes = per_job * page * len(tensors)
+    before = _allocated(backend)
+    out = {"page": page, "blocks_per_job": per_job, "tensors": len(tensors), "job_bytes": job_bytes, "jobs": jobs}
+    with OffloadWorker(kv, blocks, backend=backend) as worker:
+        for warm in (True, False):  # the first pass warms pools, rings, compiled kernels
+            for direction in ("store", "load"):
+                submit_s = []
+                t0 = time.perf_counter()
+                for j, (dev, host) in enumerate(specs):
+                    s0 = time.perf_counter()
+                    if direction == "store":
+                        worker.submit_store(j, DeviceBlocks(dev), HostBlocks(host))
+                    else:  # into other blocks: the ids shifted by one job
+                        worker.submit_load(j, HostBlocks(host), DeviceBlocks(specs[(j + 1) % jobs][0]))
+                    submit_s.append(time.perf_counter() - s0)
+                worker.wait(range(jobs))
+                wall = time.perf_counter() - t0
+                results = worker.get_finished()
+                if not warm:
+                    us = np.array(submit_s) * 1e6
+                    out[f"{direction}_wall_gbps"] = jobs * job_bytes / wall / 1e9
+                    out[f"{direction}_submit_us_median"] = float(np.median(us))
+                    out[f"{direction}_submit_us_p99"] = float(np.percentile(us, 99))
+                    out[f"{direction}_ok"] = all(r.success for r in results) and len(results) == jobs
+                    out[f"{direction}_mechanisms"] = sorted({r.mechanism for r in results})
+                    # the last job's bytes: host rows after the stores, device pages after the loads
+                    last_dev, last_host = specs[-1]
+                    host_rows = torch.stack([h[last_host] for h in worker.host_tensors]).to(device)
+                    pages = specs[-1][0] if direction == "store" else specs[0][0]
+                    out[f"{direction}_verified"] = torch.equal(host_rows, torch.stack([t.tensor[pages] for t in tensors]))
+        out["verified"] = out.pop("store_verified") and out.pop("load_verified")
+        out["device_bytes_beyond_kv"] = _allocated(backend) - before
+        total = jobs * job_bytes
+        limit_host = backend.alloc_host(total)
+        limit_dev = torch.empty(total, dtype=torch.uint8, device=device)
+        limit = _limit_gbps(backend, total, limit_host, limit_dev)
+    for direction in ("store", "load"):
+        out[f"{direction}_limit_gbps"] = limit[direction]
+        out[f"{direction}_ratio"] = out[f"{direction}_wall_gbps"] / limit[direction]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", help="backend name (default: the best available)")
+    parser.add_argument("--mechanisms", help="cuda: comma-separated mechanisms (default: auto and every available one)")
+    parser.add_argument("--pages", default="256,1024,4096,32768", help="page sizes in bytes (default: %(default)s)")
+    parser.add_argument("--blocks-per-job", default="1,16,128", help="blocks per job (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=32, help="layers; K and V are separate tensors (default: %(default)s)")
+    parser.add_argument("--jobs", type=int, default=32, help="jobs back to back per direction (default: %(default)s)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    rows = []
+    mechanisms = args.mechanisms.split(",") if args.mechanisms else None
+    for name, backend in _backends(args.backend, mechanisms):
+        for page in map(int, args.pages.split(",")):
+            for per_job in map(int, args.blocks_per_job.split(",")):
+                row = {"backend": backend.name, "mechanism": name, **run_shape(backend, page, per_job, args.layers, args.jobs)}
+                rows.append(row)
+                print(
+                    f"{backend.name:5} {name:9} page {page:>6} B x {per_job:>3} blocks ({row['job_bytes'] / 2**20:7.2f} MiB): "
+                    f"store {row['store_ratio']:5.2f} load {row['load_ratio']:5.2f} of the link; submit median "
+                    f"{row['store_submit_us_median']:6.0f} / {row['load_submit_us_median']:6.0f} us, p99 "
+                    f"{row['store_submit_us_p99']:6.0f} / {row['load_submit_us_p99']:6.0f} us; "
+                    f"+{row['device_bytes_beyond_kv'] / 2**20:.0f} MiB device; verified {row['verified']}",
+                    flush=True,
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": platform.node(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
