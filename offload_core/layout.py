@@ -90,10 +90,7 @@ class KVCacheRef:
     mapping: CanonicalPageMapping | None = None
 
     def __post_init__(self) -> None:
-        index = integer(self.tensor_idx, "KVCacheRef.tensor_idx")
-        if index < 0:
-            raise InvalidSpecError(f"KVCacheRef.tensor_idx must be >= 0, got {index}")
-        object.__setattr__(self, "tensor_idx", index)
+        object.__setattr__(self, "tensor_idx", integer(self.tensor_idx, "KVCacheRef.tensor_idx", 0))
         object.__setattr__(self, "page_size_bytes", positive_int(self.page_size_bytes, "KVCacheRef.page_size_bytes"))
 
 
@@ -174,30 +171,28 @@ def _tuple(values: Any, what: str) -> tuple:
     return tuple(values)
 
 
-def integer(value: Any, what: str) -> int:
-    """`value` as an int if it is an integer (Python or numpy; not bool, float or str).
+def integer(value: Any, what: str, minimum: int | None = None) -> int:
+    """`value` as an int if it is an integer (Python or numpy; not bool, float or str), at
+    least `minimum` when one is given.
 
     Raises:
         InvalidSpecError: naming `what`, the value and the rule.
     """
+    rule = "an integer" if minimum is None else "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     if isinstance(value, bool):
-        raise InvalidSpecError(f"{what} must be an integer, got {value!r}")
+        raise InvalidSpecError(f"{what} must be {rule}, got {value!r}")
     try:
-        return operator.index(value)
+        number = operator.index(value)
     except Exception:  # TypeError; a tensor on a device without data raises others
-        raise InvalidSpecError(f"{what} must be an integer, got {value!r} ({type(value).__name__})") from None
+        raise InvalidSpecError(f"{what} must be {rule}, got {value!r} ({type(value).__name__})") from None
+    if minimum is not None and number < minimum:
+        raise InvalidSpecError(f"{what} must be {rule}, got {number}")
+    return number
 
 
 def positive_int(value: Any, what: str) -> int:
-    """`value` as an int if it is an integer >= 1.
-
-    Raises:
-        InvalidSpecError: naming `what`, the value and the rule.
-    """
-    number = integer(value, what)
-    if number < 1:
-        raise InvalidSpecError(f"{what} must be a positive integer, got {number}")
-    return number
+    """`value` as an int if it is an integer >= 1 (see `integer`)."""
+    return integer(value, what, 1)
 
 
 def _ids(values: Any, what: str) -> np.ndarray:

@@ -36,7 +36,6 @@ import gc
 import json
 import mmap
 import numbers
-import operator
 import os
 import pathlib
 import re
@@ -48,6 +47,7 @@ from typing import Any, Sequence
 
 from offload_core.errors import InvalidSpecError, OffloadError, RegionError, ResourceInUseError
 from offload_core.hostmem import check_host_bytes
+from offload_core.layout import integer
 
 SHM_ROOT = pathlib.Path("/dev/shm")  # memory, not disk; the per-user directory goes here
 
@@ -154,18 +154,18 @@ class SharedHostRegion:
         self.tensor = None
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise InvalidSpecError(f"region name {name!r} is not allowed: use {_NAME_RULE}")
-        num_blocks = _integer(num_blocks, "num_blocks", 1)
-        rank = _integer(rank, "rank", 0)
+        num_blocks = integer(num_blocks, "num_blocks", 1)
+        rank = integer(rank, "rank", 0)
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 <= timeout <= _MAX_TIMEOUT_S:
             raise InvalidSpecError(f"timeout must be a number of seconds from 0 to {_MAX_TIMEOUT_S:.0f}, got {timeout!r}")
         if (slot_bytes is None) == (canonical_bytes is None):
             raise InvalidSpecError("give exactly one of slot_bytes (per rank) and canonical_bytes")
         if slot_bytes is None:
-            slots = [_integer(canonical_bytes, "canonical_bytes", 1)]
+            slots = [integer(canonical_bytes, "canonical_bytes", 1)]
         else:
             if isinstance(slot_bytes, (str, bytes)) or not hasattr(slot_bytes, "__iter__"):
                 raise InvalidSpecError(f"slot_bytes must be a sequence of sizes, one per rank, got {slot_bytes!r}")
-            slots = [_integer(b, f"slot_bytes[{i}]", 1) for i, b in enumerate(slot_bytes)]
+            slots = [integer(b, f"slot_bytes[{i}]", 1) for i, b in enumerate(slot_bytes)]
             if not slots:
                 raise InvalidSpecError("slot_bytes must give one size per rank, got none")
             if rank >= len(slots):
@@ -509,19 +509,6 @@ def _try_flock(fd: int, kind: int) -> bool:
     except BlockingIOError:
         return False
     return True
-
-
-def _integer(value: Any, what: str, minimum: int) -> int:
-    rule = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-    if isinstance(value, bool):
-        raise InvalidSpecError(f"{what} must be {rule}, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise InvalidSpecError(f"{what} must be {rule}, got {value!r} ({type(value).__name__})") from None
-    if number < minimum:
-        raise InvalidSpecError(f"{what} must be {rule}, got {number}")
-    return number
 
 
 def _given_directory(directory: Any) -> pathlib.Path:

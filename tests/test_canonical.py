@@ -63,10 +63,10 @@ def test_invalid_mappings(runs, message):
     [
         (lambda: CopyRun(0, 0, 0), "fragment_size must be a positive integer, got 0"),
         (lambda: CopyRun(0.0, 0, 64), "local_offset must be an integer, got 0.0"),
-        (lambda: CopyRun(0, 0, 64.0), "fragment_size must be an integer, got 64.0"),
-        (lambda: CopyRun(0, 0, "64"), "fragment_size must be an integer"),
-        (lambda: CanonicalPageMapping(64.5, 64, [CopyRun(0, 0, 64)]), "canonical_page_size_bytes must be an integer, got 64.5"),
-        (lambda: CanonicalPageMapping(64, 64.0, [CopyRun(0, 0, 64)]), "local_page_size_bytes must be an integer"),
+        (lambda: CopyRun(0, 0, 64.0), "fragment_size must be a positive integer, got 64.0"),
+        (lambda: CopyRun(0, 0, "64"), "fragment_size must be a positive integer"),
+        (lambda: CanonicalPageMapping(64.5, 64, [CopyRun(0, 0, 64)]), "canonical_page_size_bytes must be a positive integer, got 64.5"),
+        (lambda: CanonicalPageMapping(64, 64.0, [CopyRun(0, 0, 64)]), "local_page_size_bytes must be a positive integer"),
         (lambda: CanonicalPageMapping(64, 64, [CopyRun(0, 0, 64)], num_writers=0), "num_writers must be a positive integer"),
     ],
 )

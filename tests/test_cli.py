@@ -179,8 +179,8 @@ def test_an_interrupted_bench_says_so(capsys, monkeypatch):
     [
         ({"blocks": 0}, "blocks must be a positive integer, got 0"),
         ({"blocks": -16}, "blocks must be a positive integer, got -16"),
-        ({"blocks": 4.0}, "blocks must be an integer, got 4.0"),
-        ({"blocks": True}, "blocks must be an integer, got True"),
+        ({"blocks": 4.0}, "blocks must be a positive integer, got 4.0"),
+        ({"blocks": True}, "blocks must be a positive integer, got True"),
         ({"blocks_per_job": 0}, "blocks_per_job must be a positive integer, got 0"),
         ({"blocks_per_chunk": 0}, "blocks_per_chunk must be a positive integer, got 0"),
         ({"iters": 0}, "iters must be a positive integer, got 0"),
