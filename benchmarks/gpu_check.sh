@@ -2,7 +2,7 @@
 # Everything the cuda backend needs checked on a GPU (how docs/benchmarks.md's H200 figures were
 # made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|reliability|all]   (default ./gpu-check, all)
 # "checks": tests, compute-sanitizer, the canonical benchmark per mechanism (about 4 minutes);
-# "bench": calibrate, offload-core bench, benchmarks/transfer_bench.py (about 5 minutes);
+# "bench": calibrate, offload-core bench, benchmarks/transfer_bench.py, benchmarks/engine_bench.py (about 6 minutes);
 # "reliability" (not part of "all"): the whole suite, the lifetime cases under compute-sanitizer,
 # the soak on cuda, submit overhead, offload-core bench (about 6 minutes).
 set +e
@@ -48,4 +48,6 @@ if [ "$phase" != checks ]; then
   echo "== calibrate"; timeout 60 python3 -m offload_core calibrate > "$out/calibrate.json" 2>&1; tail -5 "$out/calibrate.json"
   echo "== bench"; timeout 60 python3 -m offload_core bench --blocks 256 --blocks-per-job 64 --json > "$out/bench.json" 2>&1; cat "$out/bench.json"
   echo "== transfer"; timeout 400 python3 benchmarks/transfer_bench.py --out "$out" > "$out/transfer.log" 2>&1; tail -3 "$out/transfer.log"
+  echo "== engine"; timeout 300 python3 benchmarks/engine_bench.py --backend cuda --mechanisms auto,ce_batch,staged,sm_gather \
+      --pages 256,4096,32768 --blocks-per-job 1,16,128 --json "$out/engine.json" > "$out/engine.log" 2>&1; tail -9 "$out/engine.log"
 fi
