@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
     import torch
+
+    from offload_core.compact import CompactJob, CompactLayout
 
 
 class Direction(str, enum.Enum):
@@ -50,6 +52,8 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     priority: ClassVar[int] = 0
     install_hint: ClassVar[str] = ""
+    # Whether this backend expands compact jobs on the device (`prepare_layout`, `copy_blocks`).
+    expands_blocks: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -128,3 +132,30 @@ class Backend(abc.ABC):
 
     def synchronize(self) -> None:
         """Block until all work on this device has finished."""
+
+    def prepare_layout(self, layout: "CompactLayout") -> Any:
+        """Take a worker's layout once, for `copy_blocks` (upload its tables, say).
+
+        Called only where `expands_blocks` is True, once per worker, before its first job.
+
+        Returns:
+            What `copy_blocks` receives with each job of this layout (held by the worker
+            until its last job has finished), or None if this backend cannot expand this
+            layout: the worker then plans descriptors on the host for every job.
+        """
+        return None
+
+    def copy_blocks(self, job: "CompactJob", prepared: Any, stream: Stream) -> str | None:
+        """Enqueue a compact job (see `offload_core.compact`) on `stream`: copy every entry of
+        every block, as `CompactLayout.descriptors` expands them, and nothing else.
+
+        Enqueue only, as `copy_batch`. The job's arrays stay alive and unchanged until an event
+        recorded after this call completes; the ids are validated against the layout.
+
+        Returns:
+            The mechanism's name, as `copy_batch`.
+
+        Raises:
+            Exception: anything that stops the copies from being enqueued.
+        """
+        raise NotImplementedError(f"backend {self.name!r} does not expand compact jobs")

@@ -91,6 +91,19 @@ class _Group(NamedTuple):
     descriptors_per_block: int
 
 
+class _Checked(NamedTuple):
+    """One group of a validated transfer."""
+
+    index: int
+    group: _Group
+    n: int  # blocks
+    dev_ids: np.ndarray
+    hids: np.ndarray  # per block, its host block
+    sub: np.ndarray | None  # per block, its sub-page in that host block; None where blocks_per_chunk is 1
+    first_chunk: int  # position of the group's first host block in HostBlocks
+    skip: int  # sub-pages of the first host block the group skips
+
+
 class Planner:
     """Turns (DeviceBlocks, HostBlocks) into a `CopyBatch` for one KV-cache geometry.
 
@@ -109,6 +122,7 @@ class Planner:
         self.blocks_per_chunk = bpc = int(g.blocks_per_chunk)
         self.host_blocks = int(g.host_blocks)
         self.host_row_bytes = row = int(g.host_row_bytes)
+        self.host_base = int(g.host_base)
         if bpc < 1:
             raise InvalidSpecError(f"blocks_per_chunk must be >= 1, got {bpc}")
         if self.host_blocks < 1:
@@ -202,50 +216,15 @@ class Planner:
             InvalidSpecError: wrong group count, host ids that do not add up, a block id out
                 of range on either side, or a destination page named twice in one transfer.
         """
-        # Per-group bookkeeping is a handful of Python ints: cheaper than numpy calls on tiny arrays.
-        sizes = device.group_sizes.tolist()
-        if len(sizes) != len(self._groups):
-            raise InvalidSpecError(f"DeviceBlocks has {len(sizes)} groups, the KV cache has {len(self._groups)}")
-        bpc = self.blocks_per_chunk
-        skips = [i % bpc for i in device.block_indices.tolist()]
-        host_counts = [-(-(n + skip) // bpc) if n else 0 for n, skip in zip(sizes, skips)]
-        host_ids = host.block_ids
-        if sum(host_counts) != host_ids.size:
-            raise InvalidSpecError(
-                f"{host_ids.size} host block ids given, the device blocks need {sum(host_counts)} "
-                f"(per group: {host_counts}, blocks_per_chunk={bpc})"
-            )
-        if host_ids.size and (host_ids.min() < 0 or host_ids.max() >= self.host_blocks):
-            _raise_out_of_range("host", host_ids, self.host_blocks)
+        checked, sizes = self._check(direction, device, host)
         total = self._descriptors(sizes)
         if out is None or out.shape[1] < total:
             out = np.empty((3, total), dtype=np.int64)
-        arange = self._arange  # one read: another thread may swap in a smaller one meanwhile
-        if arange.size < max(sizes, default=0):
-            arange = self._arange = np.arange(2 * max(sizes), dtype=np.int64)
         store = direction is Direction.STORE
         dev_row, host_row = (0, 1) if store else (1, 0)
         row = self.host_row_bytes
-        pos = d0 = h0 = nbytes = 0
-        shared_keys = []
-        for grp, n, skip, hc in zip(self._groups, sizes, skips, host_counts):
-            if n == 0:
-                continue
-            dev_ids = device.block_ids[d0 : d0 + n]
-            d0 += n
-            if dev_ids.min() < 0 or dev_ids.max() >= grp.device_limit:
-                _raise_out_of_range("device", dev_ids, grp.device_limit)
-            group_hids = host_ids[h0 : h0 + hc]
-            h0 += hc
-            if bpc == 1:
-                hids, sub = group_hids, None
-            else:  # the group's sub-pages, counted from its first host block
-                q = arange[:n] + skip
-                hids, sub = group_hids[q // bpc], q % bpc
-            if self._groups_share_tensors:
-                shared_keys.append(dev_ids if not store else hids * bpc + (0 if sub is None else sub))
-            else:
-                _check_unique(group_hids if store else dev_ids, "host block id" if store else "device block id")
+        pos = nbytes = 0
+        for _, grp, n, dev_ids, hids, sub, _, _ in checked:
             host_rows = hids * row
             for part in grp.parts:
                 dev_off = dev_ids * part.device_page
@@ -264,9 +243,57 @@ class Planner:
                 np.add.outer(host_off, part.host_base, out=out[host_row, pos:end].reshape(m, -1))
                 out[2, pos:end].reshape(m, -1)[:] = np.reshape(run_bytes, (-1, 1))
                 pos = end
+        return CopyBatch(out[0, :pos], out[1, :pos], out[2, :pos], nbytes)
+
+    def _check(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> tuple[list, list[int]]:
+        """Validate a transfer (see `plan`'s Raises) before anything is computed from it.
+
+        Returns:
+            A `_Checked` per group that moves blocks, and the group sizes.
+        """
+        # Per-group bookkeeping is a handful of Python ints: cheaper than numpy calls on tiny arrays.
+        sizes = device.group_sizes.tolist()
+        if len(sizes) != len(self._groups):
+            raise InvalidSpecError(f"DeviceBlocks has {len(sizes)} groups, the KV cache has {len(self._groups)}")
+        bpc = self.blocks_per_chunk
+        skips = [i % bpc for i in device.block_indices.tolist()]
+        host_counts = [-(-(n + skip) // bpc) if n else 0 for n, skip in zip(sizes, skips)]
+        host_ids = host.block_ids
+        if sum(host_counts) != host_ids.size:
+            raise InvalidSpecError(
+                f"{host_ids.size} host block ids given, the device blocks need {sum(host_counts)} "
+                f"(per group: {host_counts}, blocks_per_chunk={bpc})"
+            )
+        if host_ids.size and (host_ids.min() < 0 or host_ids.max() >= self.host_blocks):
+            _raise_out_of_range("host", host_ids, self.host_blocks)
+        arange = self._arange  # one read: another thread may swap in a smaller one meanwhile
+        if arange.size < max(sizes, default=0):
+            arange = self._arange = np.arange(2 * max(sizes), dtype=np.int64)
+        store = direction is Direction.STORE
+        d0 = h0 = 0
+        shared_keys, checked = [], []
+        for g, (grp, n, skip, hc) in enumerate(zip(self._groups, sizes, skips, host_counts)):
+            if n == 0:
+                continue
+            dev_ids = device.block_ids[d0 : d0 + n]
+            d0 += n
+            if dev_ids.min() < 0 or dev_ids.max() >= grp.device_limit:
+                _raise_out_of_range("device", dev_ids, grp.device_limit)
+            group_hids = host_ids[h0 : h0 + hc]
+            h0 += hc
+            if bpc == 1:
+                hids, sub = group_hids, None
+            else:  # the group's sub-pages, counted from its first host block
+                q = arange[:n] + skip
+                hids, sub = group_hids[q // bpc], q % bpc
+            if self._groups_share_tensors:
+                shared_keys.append(dev_ids if not store else hids * bpc + (0 if sub is None else sub))
+            else:
+                _check_unique(group_hids if store else dev_ids, "host block id" if store else "device block id")
+            checked.append(_Checked(g, grp, n, dev_ids, hids, sub, h0 - hc, skip))
         if shared_keys:
             _check_unique(np.concatenate(shared_keys), "device block id" if not store else "host sub-page")
-        return CopyBatch(out[0, :pos], out[1, :pos], out[2, :pos], nbytes)
+        return checked, sizes
 
     def _plan_mapped(self, part, dev_off, host_off, hids, sub, store, out, pos) -> tuple[int, int]:
         """Descriptors of a part whose pages go through a canonical mapping: one per (block, ref,

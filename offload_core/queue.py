@@ -21,11 +21,12 @@ import weakref
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from offload_core.backend import Backend, Direction, Event
+from offload_core.compact import CompactJob
 from offload_core.errors import InvalidSpecError
 from offload_core.layout import integer
 from offload_core.plan import CopyBatch
@@ -156,12 +157,16 @@ class TransferQueue:
         if len(pool) > _POOLED:  # by position: list.remove would compare arrays with ==
             del pool[min(range(len(pool)), key=lambda i: pool[i].shape[1])]
 
-    def submit(self, job_id: int, batch: CopyBatch, scratch: np.ndarray | None = None) -> None:
+    def submit(
+        self, job_id: int, batch: CopyBatch | CompactJob, scratch: np.ndarray | None = None, prepared: Any = None
+    ) -> None:
         """Enqueue one job behind every earlier one and behind the compute stream.
 
         Args:
             job_id: reported back in the job's `TransferResult`.
-            batch: the descriptors; `scratch` (if they live in it) is held until the job completes.
+            batch: the descriptors, or a compact job for a backend that expands them; `scratch`
+                (if descriptors live in it) is held until the job completes.
+            prepared: for a compact job, what `Backend.prepare_layout` returned for its layout.
 
         Raises:
             Exception: whatever the backend raised while enqueueing; the job is then not queued.
@@ -175,7 +180,11 @@ class TransferQueue:
                 stream.wait_stream(self.backend.current_stream())
                 start.record(stream)
                 mechanism = None
-                if len(batch):
+                if not len(batch):
+                    pass
+                elif isinstance(batch, CompactJob):
+                    mechanism = self.backend.copy_blocks(batch, prepared, stream)
+                else:
                     mechanism = self.backend.copy_batch(batch.src, batch.dst, batch.sizes, self.direction, stream)
                 end.record(stream)
             except Exception as exc:
@@ -192,7 +201,7 @@ class TransferQueue:
                     self._ids.add(job_id)
                     self.stats.jobs += 1
                     self.stats.bytes += batch.nbytes
-                    self.stats.descriptors += len(batch)
+                    self.stats.descriptors += batch.items if isinstance(batch, CompactJob) else len(batch)
                     self.stats.mechanisms[mechanism] += 1
                 return
         # Part of the batch may be queued already: keep the descriptors until the stream has

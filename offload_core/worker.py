@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Iterable
 
 from offload_core.backend import Backend, Direction
+from offload_core.compact import CompactLayout
 from offload_core.errors import InvalidSpecError, OffloadError, RegionError
 from offload_core.hostmem import check_host_bytes
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches, integer, positive_int
@@ -134,6 +135,13 @@ class OffloadWorker:
         for t in kv_caches.tensors:
             backend.register_tensor(t.tensor)
         backend.register_tensor(self._host)
+        # A backend that expands jobs on the device gets them as block ids (offload_core.compact).
+        self._layout = self._prepared = None
+        if backend.expands_blocks:
+            layout = CompactLayout(self._planner)
+            self._prepared = backend.prepare_layout(layout)
+            if self._prepared is not None:
+                self._layout = layout
         if host_region is not None:  # last: nothing after it can fail and leave it registered
             self._registered = backend.host_register(self._host)
         self._lock = threading.Lock()
@@ -146,7 +154,8 @@ class OffloadWorker:
         # dropped without `shutdown`.
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(
-            self, _dropped, self._pid, tuple(self._queues.values()), backend, self._host, self._registered, kv_caches
+            self, _dropped, self._pid, tuple(self._queues.values()), backend, self._host, self._registered,
+            (kv_caches, self._prepared),
         )
         self._shutdown_lock = threading.Lock()  # held while draining: a second shutdown waits for it
 
@@ -203,14 +212,17 @@ class OffloadWorker:
                 self._region.check()
                 self._next_region_check = time.monotonic() + _REGION_CHECK_S
             queue = self._queues[direction]
-            scratch = queue.scratch(self._planner.max_descriptors(device))
+            if self._layout is not None:
+                batch, scratch = self._layout.job(direction, device, host), None
+            else:
+                scratch = queue.scratch(self._planner.max_descriptors(device))
+                try:
+                    batch = self._planner.plan(direction, device, host, out=scratch)
+                except BaseException:
+                    queue.release_scratch(scratch)
+                    raise
             try:
-                batch = self._planner.plan(direction, device, host, out=scratch)
-            except BaseException:
-                queue.release_scratch(scratch)
-                raise
-            try:
-                queue.submit(job_id, batch, scratch)
+                queue.submit(job_id, batch, scratch, self._prepared)
             except Exception:
                 log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
                 return False
@@ -284,6 +296,7 @@ class OffloadWorker:
                 with self._lock:
                     self._drained += results
             self.host_tensors = []
+            self._layout = self._prepared = None
             self._host = None  # a shared region outlives the worker: its owner closes it
 
     def _same_process(self) -> None:
@@ -300,9 +313,10 @@ class OffloadWorker:
         self.shutdown()
 
 
-def _drain(queues, backend: Backend, host, registered: bool, kv_caches) -> list[TransferResult]:
-    """Wait for every job in `queues`, then undo the host registration. `host` and
-    `kv_caches` are passed only to be held: they may be freed once this returns.
+def _drain(queues, backend: Backend, host, registered: bool, kept) -> list[TransferResult]:
+    """Wait for every job in `queues`, then undo the host registration. `host` and `kept`
+    (the KV caches, the backend's prepared layout) are passed only to be held: they may be
+    freed once this returns.
     """
     results: list[TransferResult] = []
     for queue in queues:

@@ -41,17 +41,29 @@ def _listed(var: str) -> set[str] | None:
     return {n.strip() for n in value.split(",") if n.strip()} if value else None
 
 
+# The cpu backend once more per path of the core that only expanding backends take (compact
+# jobs, offload_core/testing/expanding.py): expanded into staging, or straight into host rows.
+_EXPANDING = {"cpu-expand-staged": True, "cpu-expand-direct": False}
+
+
 def _backend_params():
     chosen = _listed("OFFLOAD_CORE_TEST_BACKENDS")
     for name in registry.backend_names():
         if chosen is None or name in chosen:
             marks = [getattr(pytest.mark, name)] if name in ("cpu", "cuda", "npu", "xpu") else []
             yield pytest.param(name, marks=marks, id=name)
+            if name == "cpu":
+                for variant in _EXPANDING:
+                    yield pytest.param(variant, marks=marks, id=variant)
 
 
 @pytest.fixture(params=list(_backend_params()), scope="session")
 def backend(request):
     name = request.param
+    if name in _EXPANDING:
+        from offload_core.testing.expanding import ExpandingCpuBackend
+
+        return ExpandingCpuBackend(staged=_EXPANDING[name])
     reason = registry.availability()[name]
     if reason is not None:
         if name in (_listed("OFFLOAD_CORE_REQUIRE_BACKENDS") or ()):

@@ -1,0 +1,280 @@
+"""Compact jobs: a transfer as block ids against a layout computed once per worker.
+
+The planner's descriptors cost host time per page: a job of 16 blocks over 64 layer tensors
+is 1024 descriptors to compute, hand over and enqueue. A backend that expands descriptors on
+the device (`Backend.expands_blocks`) is instead handed, per job, one entry per device block
+(`CompactJob`) and, once per worker, a table of what every block copies (`CompactLayout`):
+
+* an **entry** is one contiguous copy a block makes: one ref's page, or one fragment of it
+  where a canonical mapping scatters the page. Entry ``e`` of a block ``b`` copies
+  ``size[e]`` bytes between device address
+  ``dev_base[e] + dev_id[b] * dev_page[e] + dev_off[e]`` and host address
+  ``row(b) + host_off[e] + sub[b] * host_sub[e]``, where ``row(b)`` is where the host block
+  (row) of ``b`` lies: in the host buffer, or in a staging buffer that mirrors host rows.
+  A store skips the entry unless ``writers[e] == 1`` or
+  ``page[b] % writers[e] == writer[e]`` (writer election of canonical layouts);
+* a **segment** is a contiguous range of host bytes a job touches: where staging mirrors host
+  rows, one copy per segment moves the whole job over the link (`CompactLayout.segments`).
+
+`CompactLayout.descriptors` expands a job on the host, exactly as a device kernel must: it is
+the reference the device expansions are tested against, and the path of backends whose
+kernels cannot handle a job.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from offload_core.backend import Direction
+from offload_core.layout import DeviceBlocks, HostBlocks
+from offload_core.plan import Planner
+
+ENTRY_COLUMNS = ("dev_base", "dev_page", "dev_off", "host_off", "host_sub", "size", "writers", "writer")
+BLOCK_COLUMNS = ("dev_id", "chunk", "sub", "page", "group")
+
+
+class CompactJob(NamedTuple):
+    """One validated transfer, one entry per device block.
+
+    Attributes:
+        layout: the layout the ids refer to.
+        direction: STORE or LOAD.
+        blocks: int64 ``(5, n)``, rows named by `BLOCK_COLUMNS`: device block id, position
+            of its host block in `host_ids` (its chunk), sub-page in that host block, canonical
+            page id (``host block * blocks_per_chunk + sub``) and KV-cache group.
+        host_ids: int64, the host block of each chunk.
+        groups: per group that moves blocks, ``(group, first block, end block, first chunk,
+            end chunk, skip)``: its range in `blocks` and in `host_ids`, and the sub-pages
+            of its first chunk it skips.
+        nbytes: bytes the job copies.
+        items: copies the job expands to (blocks times their group's entries).
+    """
+
+    layout: "CompactLayout"
+    direction: Direction
+    blocks: np.ndarray
+    host_ids: np.ndarray
+    groups: tuple
+    nbytes: int
+    items: int
+
+    def __len__(self) -> int:
+        return self.blocks.shape[1]
+
+
+class CompactLayout:
+    """What every transfer of one worker has in common, for expanding its jobs.
+
+    Args:
+        planner: the worker's planner (its geometry, and its validation of each job).
+
+    Attributes:
+        entries: int64 ``(8, E)``, rows named by `ENTRY_COLUMNS`, group by group.
+        group_entries: int64 ``(2, G)``: per group, its first entry and how many it has.
+        row_bytes, host_base, blocks_per_chunk, host_blocks: the host buffer's geometry.
+        largest: the largest entry, in bytes.
+    """
+
+    def __init__(self, planner: Planner):
+        self._planner = planner
+        self.row_bytes = planner.host_row_bytes
+        self.host_base = planner.host_base
+        self.host_blocks = planner.host_blocks
+        self.blocks_per_chunk = planner.blocks_per_chunk
+        columns, starts, counts, periods = [], [], [], []
+        for grp in planner._groups:
+            starts.append(sum(counts))
+            rows = []
+            for part in grp.parts:
+                if part.mapping is None:
+                    local, canon, sizes = (np.zeros(1, np.int64),) * 2 + (np.array([part.copy_bytes], np.int64),)
+                    writers, writer = 1, 0
+                else:
+                    local, canon, sizes = (np.asarray(a, np.int64) for a in part.mapping.fragments)
+                    writers, writer = part.mapping.num_writers, part.mapping.writer_index
+                for dev_base, host_base in zip(part.device_base.tolist(), part.host_base.tolist()):
+                    f = sizes.size
+                    rows.append(np.stack([
+                        np.full(f, dev_base), np.full(f, part.device_page), local,
+                        canon + (host_base - self.host_base), np.full(f, part.host_page), sizes,
+                        np.full(f, writers), np.full(f, writer),
+                    ]).astype(np.int64))
+            block = np.concatenate(rows, axis=1) if rows else np.zeros((8, 0), np.int64)
+            columns.append(block)
+            counts.append(block.shape[1])
+            periods.append(math.lcm(*block[6].tolist()) if block.shape[1] else 1)
+        self.entries = np.ascontiguousarray(np.concatenate(columns, axis=1))
+        self.group_entries = np.array([starts, counts], dtype=np.int64).reshape(2, -1)
+        self.largest = int(self.entries[5].max()) if self.entries.shape[1] else 0
+        self._entry_bytes = [int(c[5].sum()) for c in columns]
+        self._periods = periods  # per group: the pattern of writer elections repeats every this many pages
+        self._templates: dict = {}
+
+    @property
+    def max_entries(self) -> int:
+        """The most entries of any group: the copies one block makes at most."""
+        return int(self.group_entries[1].max()) if self.group_entries.size else 0
+
+    def job(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> CompactJob:
+        """Validate a transfer, as `Planner.plan` does, and describe it by blocks.
+
+        Raises:
+            InvalidSpecError: as `Planner.plan`.
+        """
+        checked, _ = self._planner._check(direction, device, host)
+        bpc = self.blocks_per_chunk
+        store = direction is Direction.STORE
+        n = sum(c.n for c in checked)
+        blocks = np.empty((5, n), dtype=np.int64)
+        groups, pos, nbytes, items = [], 0, 0, 0
+        for c in checked:
+            end = pos + c.n
+            out = blocks[:, pos:end]
+            out[0] = c.dev_ids
+            if bpc == 1:
+                out[1] = np.arange(c.first_chunk, c.first_chunk + c.n)
+                out[2] = 0
+                out[3] = c.hids
+            else:
+                q = np.arange(c.skip, c.skip + c.n)
+                out[1] = c.first_chunk + q // bpc
+                out[2] = c.sub
+                out[3] = c.hids * bpc + c.sub
+            out[4] = c.index
+            count = int(self.group_entries[1, c.index])
+            items += c.n * count
+            if store and self._periods[c.index] > 1:
+                nbytes += int(self._elected(c.index, out[3]).sum())
+            else:
+                nbytes += c.n * self._entry_bytes[c.index]
+            chunks = -(-(c.n + c.skip) // bpc)
+            groups.append((c.index, pos, end, c.first_chunk, c.first_chunk + chunks, c.skip))
+            pos = end
+        return CompactJob(self, direction, blocks, host.block_ids, tuple(groups), nbytes, items)
+
+    def _elected(self, group: int, pages: np.ndarray) -> np.ndarray:
+        """Bytes each (block, entry) of `group` stores, given the blocks' canonical page ids."""
+        e0, count = self.group_entries[:, group].tolist()
+        e = self.entries[:, e0 : e0 + count]
+        mine = (pages[:, None] % e[6]) == e[7]
+        return np.where(mine, e[5], 0)
+
+    def descriptors(self, job: CompactJob, row_base: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Expand `job` into copies on the host: the reference for device expansions.
+
+        Args:
+            job: from `job`.
+            row_base: where host rows lie: None for the host buffer (chunk ``j`` at
+                ``host_base + host_ids[j] * row_bytes``), or the address of a staging buffer
+                that mirrors the job's host rows (chunk ``j`` at ``row_base + j * row_bytes``).
+
+        Returns:
+            ``(device, host, sizes)`` addresses and byte counts, block by block, entry by entry;
+            on store, only the entries the block is elected to write.
+        """
+        dev, side, size = [], [], []
+        store = job.direction is Direction.STORE
+        for g, b0, b1, *_ in job.groups:
+            e0, count = self.group_entries[:, g].tolist()
+            e = self.entries[:, e0 : e0 + count]
+            b = job.blocks[:, b0:b1]
+            if row_base is None:
+                rows = self.host_base + job.host_ids[b[1]] * self.row_bytes
+            else:
+                rows = row_base + b[1] * self.row_bytes
+            d = b[0][:, None] * e[1] + (e[0] + e[2])
+            h = (rows[:, None] + b[2][:, None] * e[4]) + e[3]
+            s = np.broadcast_to(e[5], d.shape)
+            if store and self._periods[g] > 1:
+                mine = (b[3][:, None] % e[6]) == e[7]
+                d, h, s = d[mine], h[mine], s[mine]
+            dev.append(d.ravel())
+            side.append(h.ravel())
+            size.append(s.ravel())
+        if not dev:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        return np.concatenate(dev), np.concatenate(side), np.concatenate(size)
+
+    def segments(self, job: CompactJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The host bytes `job` touches, as contiguous ranges, for staging that mirrors host rows.
+
+        Returns:
+            ``(stage, host, sizes)``: per range, its offset in the staging buffer (chunk ``j``
+            at ``j * row_bytes``), its offset from `host_base`, and its length; in staging order,
+            ranges that continue each other on both sides merged into one.
+        """
+        row, bpc = self.row_bytes, self.blocks_per_chunk
+        store = job.direction is Direction.STORE
+        host_ids = job.host_ids
+        pieces = []  # (chunk positions, template starts, template lengths)
+        for g, b0, b1, c0, c1, skip in job.groups:
+            period = self._periods[g] if store else 1
+            last = (skip + (b1 - b0) - 1) % bpc
+            if bpc == 1 and period == 1:
+                starts, lengths = self._template(g, 0, 0, 0, store)
+                pieces.append((np.arange(c0, c1), starts, lengths))
+                continue
+            residue = (host_ids[c0:c1] * bpc) % period
+            for j in (c0, c1 - 1) if c1 - c0 > 1 else (c0,):
+                s0 = skip if j == c0 else 0
+                s1 = last if j == c1 - 1 else bpc - 1
+                pieces.append((np.array([j]), *self._template(g, s0, s1, int(residue[j - c0]), store)))
+            if c1 - c0 > 2:
+                middle = residue[1:-1]
+                for r in np.unique(middle).tolist():
+                    chunks = c0 + 1 + np.flatnonzero(middle == r)
+                    pieces.append((chunks, *self._template(g, 0, bpc - 1, r, store)))
+        stage_parts, host_parts, size_parts = [], [], []
+        for chunks, starts, lengths in pieces:
+            if not starts.size:
+                continue
+            stage_parts.append((chunks[:, None] * row + starts).ravel())
+            host_parts.append((host_ids[chunks][:, None] * row + starts).ravel())
+            size_parts.append(np.broadcast_to(lengths, (chunks.size, lengths.size)).ravel())
+        if not stage_parts:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        stage, host, sizes = (np.concatenate(p) for p in (stage_parts, host_parts, size_parts))
+        if len(stage_parts) > 1:
+            order = np.argsort(stage, kind="stable")
+            stage, host, sizes = stage[order], host[order], sizes[order]
+        if stage.size > 1:
+            ends = stage[:-1] + sizes[:-1]
+            joins = (ends == stage[1:]) & (host[:-1] + sizes[:-1] == host[1:])
+            if joins.any():
+                first = np.flatnonzero(np.concatenate(([True], ~joins)))
+                last = np.append(first[1:], stage.size) - 1
+                sizes = stage[last] + sizes[last] - stage[first]
+                stage, host = stage[first], host[first]
+        return stage, host, sizes
+
+    def _template(self, group: int, s0: int, s1: int, residue: int, store: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The ranges of a host row that a chunk of `group` touches through sub-pages s0..s1,
+        where its first page's id is `residue` modulo the group's election period: sorted,
+        touching ranges merged. Cached: a worker's jobs use a handful."""
+        key = (group, s0, s1, residue, store)
+        found = self._templates.get(key)
+        if found is not None:
+            return found
+        e0, count = self.group_entries[:, group].tolist()
+        e = self.entries[:, e0 : e0 + count]
+        subs = np.arange(s0, s1 + 1)
+        starts = (e[3][None, :] + subs[:, None] * e[4][None, :]).ravel()
+        lengths = np.broadcast_to(e[5], (subs.size, count)).ravel()
+        if store:
+            mine = (((residue + subs)[:, None] % e[6][None, :]) == e[7][None, :]).ravel()
+            starts, lengths = starts[mine], lengths[mine]
+        order = np.argsort(starts, kind="stable")
+        merged: list[list[int]] = []
+        for a, n in zip(starts[order].tolist(), lengths[order].tolist()):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], a + n)
+            else:
+                merged.append([a, a + n])
+        found = (np.array([a for a, _ in merged], np.int64), np.array([b - a for a, b in merged], np.int64))
+        self._templates[key] = found
+        return found

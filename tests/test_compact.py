@@ -1,0 +1,156 @@
+"""Compact jobs against the planner and the page-at-a-time reference model, on numpy buffers.
+
+A compact job expanded on the host (`CompactLayout.descriptors`), straight into the host rows
+or into staging that mirrors them and then out by segments, must move exactly the bytes the
+planner's descriptors move: every layout feature (blocks per chunk, partial first chunks,
+several groups, groups sharing tensors, padded pages, canonical mappings with writer election).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from offload_core import CanonicalPageMapping, CopyRun, DeviceBlocks, Direction, Geometry, HostBlocks, InvalidSpecError, Planner
+from offload_core.canonical import attention_mappings
+from offload_core.compact import CompactLayout
+from offload_core.testing.reference import reference_transfer
+
+from test_plan import Model, transfers
+
+POISON = 0xA5
+
+
+def execute(src, dst, sizes):
+    for s, d, n in zip(np.asarray(src).tolist(), np.asarray(dst).tolist(), np.asarray(sizes).tolist()):
+        ctypes.memmove(d, s, n)
+
+
+def run_compact(layout, job, staged: bool) -> None:
+    """What an expanding backend does with a job, on the host."""
+    store = job.direction is Direction.STORE
+    if not staged:
+        dev, host, sizes = layout.descriptors(job)
+        execute(*((dev, host) if store else (host, dev)), sizes)
+        return
+    staging = np.full(max(1, job.host_ids.size * layout.row_bytes), POISON, dtype=np.uint8)
+    base = staging.ctypes.data
+    dev, side, sizes = layout.descriptors(job, base)
+    st_, ho, sz = layout.segments(job)
+    st_, ho = st_ + base, ho + layout.host_base
+    if store:
+        execute(dev, side, sizes)
+        execute(st_, ho, sz)
+    else:
+        execute(ho, st_, sz)
+        execute(side, dev, sizes)
+    assert (np.sort(st_) == st_).all(), "segments come in staging order"
+    assert (sz > 0).all()
+
+
+def check_against_planner(model, direction, device, host, staged):
+    planner = Planner(model.geometry)
+    layout = CompactLayout(planner)
+    devices, rows = model.snapshot()
+    batch = planner.plan(direction, device, host)
+    execute(batch.src, batch.dst, batch.sizes)
+    want_dev, want_host = model.snapshot()
+    for a, b in zip(model.device, devices):
+        a[:] = b
+    model.host[:] = rows
+    job = layout.job(direction, device, host)
+    assert job.nbytes == batch.nbytes
+    assert job.items == sum(int(layout.group_entries[1, g]) * (b1 - b0) for g, b0, b1, *_ in job.groups)
+    run_compact(layout, job, staged)
+    for a, b in zip(model.device, want_dev):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(model.host, want_host)
+
+
+@given(case=transfers(), staged=st.booleans())
+def test_compact_jobs_move_what_the_planner_moves(case, staged):
+    model, direction, device, host = case
+    check_against_planner(model, direction, device, host, staged)
+
+
+@st.composite
+def canonical_transfers(draw):
+    """Attention pages sharded over TP with replicated heads (writer election), several groups."""
+    heads = draw(st.sampled_from([1, 2, 4]))
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    tokens = draw(st.integers(1, 4))
+    head_bytes = draw(st.sampled_from([8, 16, 24]))
+    kv = draw(st.sampled_from([None, "split"]))
+    maps = attention_mappings(total_kv_heads=heads, tp_size=tp, block_tokens=tokens, head_bytes=head_bytes, kv=kv)
+    mapping = maps[draw(st.integers(0, tp - 1))]
+    n_tensors = draw(st.integers(1, 3))
+    local, canon = mapping.local_page_size_bytes, mapping.canonical_page_size_bytes
+    pad = draw(st.sampled_from([0, 8]))
+    plain_page = draw(st.integers(1, 40))
+    bpc = draw(st.integers(1, 4))
+    # tensor 0..n-1 canonical; one more plain tensor in a second group
+    dev_pages = [local + pad] * n_tensors + [plain_page]
+    host_pages = [canon] * n_tensors + [plain_page]
+    refs = [[(t, local, mapping) for t in range(n_tensors)], [(n_tensors, plain_page)]]
+    device_blocks, host_blocks = 12, 10
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    sizes = [draw(st.integers(0, 5)), draw(st.integers(0, 5))]
+    indices = [draw(st.integers(0, 7)), draw(st.integers(0, 7))]
+    counts = [-(-(s + i % bpc) // bpc) if s else 0 for s, i in zip(sizes, indices)]
+    if sum(counts) > host_blocks:
+        sizes[1], counts[1] = 0, 0
+    dev_ids = rng.permutation(device_blocks)[: sum(sizes)]
+    host_ids = rng.permutation(host_blocks)[: sum(counts)]
+    direction = draw(st.sampled_from(list(Direction)))
+    model = Model(host_pages, refs, bpc, device_blocks, host_blocks, seed=int(rng.integers(1 << 16)))
+    # device pages differ from host pages here: rebuild the device side and the geometry
+    model.device = [rng.integers(0, 256, (device_blocks, p), dtype=np.uint8) for p in dev_pages]
+    model.geometry = Geometry(
+        device_base=[a.ctypes.data for a in model.device], device_page=dev_pages, device_blocks=[device_blocks] * len(dev_pages),
+        host_base=model.host.ctypes.data, host_row_bytes=model.host.shape[1], host_offset=model.offsets,
+        host_page=host_pages, host_blocks=host_blocks, group_refs=refs, blocks_per_chunk=bpc,
+    )
+    return model, direction, DeviceBlocks(dev_ids, sizes, indices), HostBlocks(host_ids)
+
+
+@given(case=canonical_transfers(), staged=st.booleans())
+def test_canonical_compact_jobs_move_what_the_planner_moves(case, staged):
+    model, direction, device, host = case
+    check_against_planner(model, direction, device, host, staged)
+
+
+def test_full_rows_become_one_segment_per_run_of_host_blocks():
+    model = Model([64, 32, 16], [[(0, 64), (1, 32), (2, 16)]], 1, 16, 12)
+    layout = CompactLayout(Planner(model.geometry))
+    job = layout.job(Direction.STORE, DeviceBlocks([5, 1, 9, 2]), HostBlocks([3, 4, 5, 9]))
+    stage, host, sizes = layout.segments(job)
+    assert stage.tolist() == [0, 3 * 112] and host.tolist() == [3 * 112, 9 * 112] and sizes.tolist() == [3 * 112, 112]
+
+
+def test_writer_election_leaves_other_ranks_pages_alone():
+    m = CanonicalPageMapping(128, 64, (CopyRun(0, 0, 64),), num_writers=2, writer_index=1)
+    model = Model([128], [[(0, 64, m)]], 1, 8, 8)
+    layout = CompactLayout(Planner(model.geometry))
+    job = layout.job(Direction.STORE, DeviceBlocks([0, 1, 2, 3]), HostBlocks([0, 1, 2, 3]))
+    stage, host, sizes = layout.segments(job)
+    assert host.tolist() == [1 * 128, 3 * 128] and sizes.tolist() == [64, 64]
+    assert job.nbytes == 128
+
+
+@pytest.mark.parametrize(
+    "device, host, message",
+    [
+        (DeviceBlocks([0, 16]), HostBlocks([0, 1]), "device block id 16 out of range"),
+        (DeviceBlocks([0, 1]), HostBlocks([0, 12]), "host block id 12 out of range"),
+        (DeviceBlocks([0, 1]), HostBlocks([0]), "1 host block ids given"),
+        (DeviceBlocks([0, 1]), HostBlocks([3, 3]), "host block id 3 is the destination of two copies"),
+    ],
+)
+def test_compact_jobs_are_validated_as_plans_are(device, host, message):
+    model = Model([64], [[(0, 64)]], 1, 16, 12)
+    with pytest.raises(InvalidSpecError, match=message):
+        CompactLayout(Planner(model.geometry)).job(Direction.STORE, device, host)
