@@ -210,6 +210,15 @@ class CompactLayout:
         row, bpc = self.row_bytes, self.blocks_per_chunk
         store = job.direction is Direction.STORE
         host_ids = job.host_ids
+        if len(job.groups) == 1 and bpc == 1:  # the common case, in a few numpy calls
+            g, _, _, c0, c1, _ = job.groups[0]
+            starts, lengths = self._template(g, 0, 0, 0, store)
+            if starts.size == 1 and (not store or self._periods[g] == 1):
+                a, n = int(starts[0]), int(lengths[0])
+                stage = np.arange(c0 * row + a, c1 * row + a, row, dtype=np.int64)
+                host = host_ids[c0:c1] * row + a
+                sizes = np.full(stage.size, n, dtype=np.int64)
+                return _merged(stage, host, sizes) if n == row else (stage, host, sizes)
         pieces = []  # (chunk positions, template starts, template lengths)
         for g, b0, b1, c0, c1, skip in job.groups:
             period = self._periods[g] if store else 1
@@ -242,15 +251,7 @@ class CompactLayout:
         if len(stage_parts) > 1:
             order = np.argsort(stage, kind="stable")
             stage, host, sizes = stage[order], host[order], sizes[order]
-        if stage.size > 1:
-            ends = stage[:-1] + sizes[:-1]
-            joins = (ends == stage[1:]) & (host[:-1] + sizes[:-1] == host[1:])
-            if joins.any():
-                first = np.flatnonzero(np.concatenate(([True], ~joins)))
-                last = np.append(first[1:], stage.size) - 1
-                sizes = stage[last] + sizes[last] - stage[first]
-                stage, host = stage[first], host[first]
-        return stage, host, sizes
+        return _merged(stage, host, sizes)
 
     def _template(self, group: int, s0: int, s1: int, residue: int, store: bool) -> tuple[np.ndarray, np.ndarray]:
         """The ranges of a host row that a chunk of `group` touches through sub-pages s0..s1,
@@ -278,3 +279,16 @@ class CompactLayout:
         found = (np.array([a for a, _ in merged], np.int64), np.array([b - a for a, b in merged], np.int64))
         self._templates[key] = found
         return found
+
+
+def _merged(stage: np.ndarray, host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ranges in staging order, those that continue each other on both sides merged into one."""
+    if stage.size < 2:
+        return stage, host, sizes
+    ends = stage[:-1] + sizes[:-1]
+    joins = (ends == stage[1:]) & (host[:-1] + sizes[:-1] == host[1:])
+    if not joins.any():
+        return stage, host, sizes
+    first = np.flatnonzero(np.concatenate(([True], ~joins)))
+    last = np.append(first[1:], stage.size) - 1
+    return stage[first], host[first], stage[last] + sizes[last] - stage[first]

@@ -2,31 +2,41 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadWorker
-from offload_core.backends.cuda import CudaBackend, kernels
+from offload_core.backends.cuda import BLOCK_MECHANISMS, CudaBackend, kernels
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import MECHANISMS
 from offload_core.testing.conformance import BackendConformance
 
+from hypothesis import given, settings
+
 from helpers import small_kv
+from test_worker import check_round_trip, round_trips
 
 REASON = CudaBackend.probe()
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(REASON is not None, reason=f"cuda: {REASON}")]
 
 
-def mechanisms():
+def mechanisms(names=MECHANISMS + BLOCK_MECHANISMS):
     if REASON is not None:
-        return list(MECHANISMS)
+        return list(names)
     probe = CudaBackend()
     return [m if probe.why_unavailable(m) is None else pytest.param(m, marks=pytest.mark.skip(probe.why_unavailable(m)))
-            for m in MECHANISMS]
+            for m in names]
 
 
 @pytest.fixture(scope="module", params=mechanisms())
 def forced(request):
+    return CudaBackend(mechanism=request.param)
+
+
+@pytest.fixture(scope="module", params=mechanisms(BLOCK_MECHANISMS))
+def expanding(request):
     return CudaBackend(mechanism=request.param)
 
 
@@ -58,6 +68,8 @@ def random_fragments(rng, count, space, max_size, equal=False):
 @pytest.mark.parametrize("max_size, equal", [(256, False), (64 * 1024, False), (4 << 20, False), (256, True), (4099, True)])
 def test_round_trip_is_bit_exact_for_random_fragments(forced, max_size, equal):
     """Equal sizes take the kernels' computed-column path (staged uploads only the device side)."""
+    if forced.mechanism in BLOCK_MECHANISMS:
+        pytest.skip("compact mechanisms take a worker's jobs; a bare batch goes as auto")
     assert round_trip(forced, max_size, equal) == forced.mechanism
 
 
@@ -147,7 +159,7 @@ def test_auto_reports_its_choice_per_job():
         worker.submit_store(1, DeviceBlocks(np.arange(32)), HostBlocks(np.arange(32)))
         worker.wait([1])
         (result,) = worker.get_finished()
-        assert result.mechanism in MECHANISMS
+        assert result.mechanism in MECHANISMS + BLOCK_MECHANISMS
         assert worker.stats()["store"].mechanisms[result.mechanism] == 1
 
 
@@ -211,3 +223,69 @@ def test_memory_allocated_and_registered_on_a_fresh_thread_is_device_addressable
     pinned = out["pinned"]
     assert backend.addressable(np.array([pinned.data_ptr()]), np.array([pinned.numel()]))
     assert out["registered"]
+
+
+# ---- compact jobs: the device expansion against the reference --------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=round_trips())
+def test_compact_jobs_are_bit_exact(expanding, case):
+    """Blocks per chunk, partial first chunks, several groups sharing tensors, padded pages."""
+    results = check_round_trip(expanding, case)
+    assert {r.mechanism for r in results} <= {expanding.mechanism, ""}  # "": a job of no blocks
+
+
+@pytest.mark.parametrize("a, b, heads", [(4, 2, 2), (4, 4, 1), (2, 4, 4)])
+def test_compact_canonical_jobs_with_writer_election(expanding, a, b, heads):
+    """In the default region directory (/dev/shm): the driver registers its memory, so
+    ``expand_direct`` reaches it (a file elsewhere may not be registrable)."""
+    from test_canonical import load_all, store_all
+    from tp_ranks import full_model, rank_kv
+
+    import torch
+
+    full = full_model(heads)
+    bpc, num_host = 2, 8
+    src, dst, hosts = [1, 4, 5, 7], [9, 2, 3, 0], [6, 2, 3]
+    name = f"test-{os.getpid()}-{expanding.mechanism}-{a}{b}{heads}"
+    regions = store_all(expanding, a, full, name, None, src, hosts, bpc, num_host, block_index=1)
+    try:
+        for rank, kv in enumerate(load_all(expanding, b, full, regions, dst, hosts, bpc, num_host, block_index=1)):
+            for t, e in zip(kv.tensors, rank_kv(full, b, rank).tensors):
+                assert torch.equal(t.tensor.cpu()[dst], e.tensor[src])
+    finally:
+        for r in reversed(regions):
+            r.close()
+
+
+@pytest.mark.parametrize("staging_kib, consecutive", [(16, True), (16, False), (24 << 10, True)])
+def test_compact_jobs_back_to_back_through_small_staging(staging_kib, consecutive):
+    """Jobs cut into pieces (a staging half holds a few rows), segments over consecutive host rows
+    cut at the pieces' edges, and many jobs in flight through the two halves: every byte checked."""
+    import torch
+
+    backend = CudaBackend(mechanism="expand_staged", staging_bytes=staging_kib << 10)
+    pages, blocks, jobs, per_job = (4096, 1024, 512, 1024), 96, 12, 8
+    kv = small_kv(pages=pages, blocks=blocks, device=backend.device)
+    before = [t.tensor.clone() for t in kv.tensors]
+    rng = np.random.default_rng(staging_kib)
+    with OffloadWorker(kv, jobs * per_job, backend=backend) as worker:
+        host_ids = np.arange(jobs * per_job) if consecutive else rng.permutation(jobs * per_job)
+        src = [rng.permutation(blocks // 2)[:per_job] for _ in range(jobs)]
+        for j in range(jobs):
+            assert worker.submit_store(j, DeviceBlocks(src[j]), HostBlocks(host_ids[j * per_job : (j + 1) * per_job]))
+        worker.wait(range(jobs))
+        for j in range(jobs):  # into the other half of the device blocks
+            dst = blocks // 2 + np.arange(per_job) + (j % 6) * per_job
+            assert worker.submit_load(100 + j, HostBlocks(host_ids[j * per_job : (j + 1) * per_job]), DeviceBlocks(dst))
+            worker.wait([100 + j])
+            for t, b in zip(kv.tensors, before):
+                assert torch.equal(t.tensor[dst], b[src[j]])
+        results = worker.get_finished()
+        assert len(results) == 2 * jobs and all(r.success for r in results)
+        assert {r.mechanism for r in results} == {"expand_staged"}
+        for j in range(jobs):
+            rows = host_ids[j * per_job : (j + 1) * per_job]
+            for h, b in zip(worker.host_tensors, before):
+                assert torch.equal(h[rows].to(backend.device), b[src[j]])

@@ -51,6 +51,11 @@ def round_trips(draw):
 @settings(max_examples=25, deadline=None)
 @given(case=round_trips())
 def test_store_then_load_into_other_blocks_matches_the_reference(backend, case):
+    check_round_trip(backend, case)
+
+
+def check_round_trip(backend, case):
+    """Store blocks, load them into other blocks; host rows and device pages against the reference."""
     pages, copy, bpc, groups, sizes, indices, src, dst, host = case
     kv = small_kv(pages, copy, blocks=24, groups=groups, device=backend.device)
     before = [t.numpy().view(np.uint8).copy() for t in snapshot(kv)]
@@ -73,6 +78,7 @@ def test_store_then_load_into_other_blocks_matches_the_reference(backend, case):
         np.testing.assert_array_equal(host_rows(worker), rows)  # untouched host bytes stay zero
         for t, exp in zip(snapshot(kv), before):  # sources unchanged, untouched pages unchanged
             np.testing.assert_array_equal(t.numpy().view(np.uint8), exp)
+    return results
 
 
 @pytest.mark.cpu

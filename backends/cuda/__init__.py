@@ -8,6 +8,10 @@
   of it), so that the link sees only host-contiguous runs: a block's pages of all layers;
 * ``ce_loop``: one ``cuMemcpyAsync`` per descriptor, for drivers without the batch API.
 
+A worker's jobs arrive compact (block ids; `blocks.BlockCopier`) and are expanded on the device:
+``expand_staged`` (a kernel into staging that mirrors host rows, then one copy per host
+segment) or ``expand_direct`` (the kernel reads or writes the host rows themselves).
+
 ``mechanism="auto"`` (the default) asks a cost model (`select.CostModel`) per job; a
 profile saved by ``offload-core calibrate`` replaces its H200 defaults. Force a mechanism with
 ``CudaBackend(mechanism=...)`` or ``OFFLOAD_CORE_CUDA_MECHANISM``.
@@ -35,8 +39,11 @@ from offload_core.backends.cuda.driver import (
     SRC_ACCESS_ORDER_STREAM,
     Driver,
 )
+from offload_core.backends.cuda.blocks import BlockCopier
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import MECHANISMS, CostModel, piece_bounds, profile_path
+
+BLOCK_MECHANISMS = ("expand_staged", "expand_direct")  # for compact jobs (a worker's)
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +58,15 @@ class CudaBackend(TorchDeviceBackend):
 
     Args:
         device_index: the GPU.
-        mechanism: ``"auto"`` or one of ``ce_batch``, ``sm_gather``, ``staged``, ``ce_loop``;
-            default ``$OFFLOAD_CORE_CUDA_MECHANISM`` or ``"auto"``.
+        mechanism: ``"auto"``, one of ``ce_batch``, ``sm_gather``, ``staged``, ``ce_loop`` (a
+            worker then plans descriptors on the host) or one of ``expand_staged``,
+            ``expand_direct`` (a worker's jobs; other batches as auto); default
+            ``$OFFLOAD_CORE_CUDA_MECHANISM`` or ``"auto"``.
         max_programs: cap on the copy kernel's programs (SMs it may occupy); default
             ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS`` or 32.
-        staging_bytes: the largest piece of ``staged``, which keeps two buffers of 1.25 times
-            this per stream; default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 32 MiB.
+        staging_bytes: the largest piece of a staged job; the compact path keeps two buffers of
+            this per copy stream (so 4x per worker), ``staged`` two of 1.25 times this;
+            default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 24 MiB.
         max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 for no limit; default
             ``$OFFLOAD_CORE_CUDA_MAX_BATCH`` or 0.
         cost_model: the selection model; default the calibrated profile of this GPU model if
@@ -71,6 +81,7 @@ class CudaBackend(TorchDeviceBackend):
     module_name = "cuda"
     priority = 100
     install_hint = "needs an NVIDIA GPU, its driver, and a CUDA build of torch"
+    expands_blocks = True
 
     @classmethod
     def probe(cls) -> str | None:
@@ -98,10 +109,10 @@ class CudaBackend(TorchDeviceBackend):
         torch = self._torch
         self.driver = Driver.load()
         self.max_programs = max_programs or int(os.environ.get(ENV_SM_PROGRAMS, 32))
-        self.staging_bytes = staging_bytes or int(os.environ.get(ENV_STAGING_MB, 32)) << 20
+        self.staging_bytes = staging_bytes or int(os.environ.get(ENV_STAGING_MB, 24)) << 20
         self.max_batch = max_batch if max_batch is not None else int(os.environ.get(ENV_MAX_BATCH, 0))
         self.cost = cost_model or self._saved_profile()
-        self.available_mechanisms = tuple(m for m in MECHANISMS if self.why_unavailable(m) is None)
+        self.available_mechanisms = tuple(m for m in MECHANISMS + BLOCK_MECHANISMS if self.why_unavailable(m) is None)
         self.mechanism = mechanism or os.environ.get(ENV_MECHANISM) or "auto"
         if self.mechanism != "auto":
             reason = self.why_unavailable(self.mechanism)
@@ -109,9 +120,11 @@ class CudaBackend(TorchDeviceBackend):
                 raise ValueError(f"cuda mechanism {self.mechanism!r} cannot be used: {reason}")
         self._host_ranges: dict[int, tuple[int, int]] = {}  # device-addressable host memory
         self._keepalive: deque = deque()  # (event, objects) the driver may still read
+        self._spare_events: list = []
         # by stream handle: (the stream, so the handle stays ours; its kernel stream; two buffers)
         self._staging: dict[int, tuple] = {}
         self._ring = DescriptorRing(torch, self._device, self.driver.memcpy_async)
+        self._blocks = BlockCopier(self, self.staging_bytes)
         sms = torch.cuda.get_device_properties(self._device).multi_processor_count
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
 
@@ -153,37 +166,59 @@ class CudaBackend(TorchDeviceBackend):
         with self._context():
             self.driver.check(self.driver.host_unregister(tensor.data_ptr()), "cuMemHostUnregister")
 
+    def prepare_layout(self, layout):
+        """The layout's tables on the GPU, or None where its jobs go as descriptors: a forced
+        descriptor mechanism, or no Triton."""
+        if self.mechanism not in ("auto",) + BLOCK_MECHANISMS or kernels.available() is not None:
+            return None
+        return self._blocks.prepare(layout)
+
+    def copy_blocks(self, job, prepared, stream) -> str:
+        forced = self.mechanism if self.mechanism in BLOCK_MECHANISMS else None
+        if forced == "expand_direct" and not self._blocks.direct_ok(prepared):
+            raise ValueError("expand_direct needs host memory from alloc_host or host_register (device-addressable)")
+        with self._enqueued(stream) as held:
+            return self._blocks.copy(job, prepared, stream, held, forced)
+
+    @contextmanager
+    def _enqueued(self, stream):
+        """Around an enqueue: yields the list of what the device may still read afterwards, and
+        holds it, with the ring's regions, until an event recorded after the enqueue has passed."""
+        while self._keepalive and self._keepalive[0][0].query():
+            self._spare_events.append(self._keepalive.popleft()[0])
+        held: list = []
+        with self._on_device():
+            try:
+                yield held
+            finally:  # also after a failed call: copies enqueued before it may still read
+                # a passed event is recorded again: a ring region still naming it is then freed later, never sooner
+                event = self._spare_events.pop() if self._spare_events else self._torch.cuda.Event()
+                event.record(stream)
+                self._keepalive.append((event, held))
+                self._ring.retire(event)
+
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
         shape = None
-        if self.mechanism == "auto":
+        if self.mechanism == "auto" or self.mechanism in BLOCK_MECHANISMS:
             mechanism, shape = self._choose(src, dst, sizes, direction)
         else:
             mechanism = self.mechanism
             if mechanism == "sm_gather" and not self.addressable(dst if direction is Direction.STORE else src, sizes):
                 raise ValueError("sm_gather needs host memory from alloc_host or host_register (device-addressable)")
-        while self._keepalive and self._keepalive[0][0].query():
-            self._keepalive.popleft()
-        held: list = []  # what the device may still read when this returns
-        with self._on_device():
-            try:
-                getattr(self, f"_{mechanism}")(src, dst, sizes, direction, stream, held, shape)
-            finally:  # also after a failed call: copies enqueued before it may still read
-                event = self._torch.cuda.Event()
-                event.record(stream)
-                self._keepalive.append((event, held))
-                self._ring.retire(event)
+        with self._enqueued(stream) as held:
+            getattr(self, f"_{mechanism}")(src, dst, sizes, direction, stream, held, shape)
         return mechanism
 
     # ---- choosing ----------------------------------------------------------
 
     def why_unavailable(self, mechanism: str) -> str | None:
         """None if `mechanism` can run here, else why not."""
-        if mechanism not in MECHANISMS:
-            return f"unknown mechanism; choose one of {', '.join(MECHANISMS)} or auto"
+        if mechanism not in MECHANISMS + BLOCK_MECHANISMS:
+            return f"unknown mechanism; choose one of {', '.join(MECHANISMS + BLOCK_MECHANISMS)} or auto"
         if mechanism == "ce_batch" and self.driver.memcpy_batch is None:
             return "the driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)"
-        if mechanism in ("sm_gather", "staged"):
+        if mechanism in ("sm_gather", "staged") + BLOCK_MECHANISMS:
             return kernels.available()
         return None
 
@@ -199,7 +234,8 @@ class CudaBackend(TorchDeviceBackend):
         uniform = int(sizes.min()) == largest
         nbytes = len(sizes) * largest if uniform else int(sizes.sum())
         # ce_loop is a fallback: it only competes where the batch API is missing
-        candidates = [m for m in self.available_mechanisms if m != "ce_loop" or "ce_batch" not in self.available_mechanisms]
+        candidates = [m for m in self.available_mechanisms
+                      if m in MECHANISMS and (m != "ce_loop" or "ce_batch" not in self.available_mechanisms)]
         if "sm_gather" in candidates and not self.addressable(host, sizes, largest):
             candidates.remove("sm_gather")
         starts = []

@@ -77,6 +77,7 @@ class Driver:
     """
 
     def __init__(self, lib: Any):
+        self._attrs: dict = {}
         self._lib = lib
         self._get_proc = lib.cuGetProcAddress_v2
         self._error_name = lib.cuGetErrorName
@@ -145,8 +146,7 @@ class Driver:
             raise CudaDriverError("cuMemcpyBatchAsync needs a CUDA 12.8 driver", 0)
         if not stream:  # the legacy default stream is rejected with INVALID_VALUE
             raise CudaDriverError("cuMemcpyBatchAsync cannot run on the legacy default stream", 1)
-        attrs = CUmemcpyAttributes(srcAccessOrder=order)
-        first = ctypes.c_size_t(0)  # attrsIdxs: the one attribute set applies from copy 0 on
+        attrs, first = self._batch_attrs(order)
         fail = ctypes.c_size_t(0)
         n = len(sizes)
         step = max_batch if max_batch > 0 else n
@@ -161,6 +161,14 @@ class Driver:
                 where = f"at index {start + fail.value} of {n}" if fail.value < count else f"in copies {start}..{start + count - 1}"
                 raise CudaDriverError(f"cuMemcpyBatchAsync failed {where}: {self.error_name(code)}", code)
         return (dst, src, sizes, attrs, first, fail)
+
+    def _batch_attrs(self, order: int) -> tuple:
+        """The attribute set of a batch that reads its sources in `order`, and its index array
+        (the one set applies from copy 0 on): made once per order, never written after."""
+        found = self._attrs.get(order)
+        if found is None:
+            found = self._attrs[order] = (CUmemcpyAttributes(srcAccessOrder=order), ctypes.c_size_t(0))
+        return found
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """One ``cuMemcpyAsync``.

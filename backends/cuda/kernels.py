@@ -1,5 +1,6 @@
-"""One copy kernel, in Triton, for every copy the SMs make: host <-> device through unified
-addresses (``sm_gather``) and device <-> device to and from a staging buffer (``staged``).
+"""The copy kernels, in Triton, for every copy the SMs make: host <-> device through unified
+addresses (``sm_gather``), device <-> device to and from a staging buffer (``staged``), and
+the expansion of compact jobs (`expand`: block ids against a layout's entry table).
 
 Triton ships with CUDA builds of torch; where it is missing, `available()` says why and the
 backend offers only copy-engine mechanisms.
@@ -84,7 +85,55 @@ def _compile():
                 m = o[None, :] < left[:, None]
                 tl.store(dst_b[:, None] + o[None, :], tl.load(src_b[:, None] + o[None, :], mask=m), mask=m)
 
-    return copy_kernel, copy_small_kernel
+    @triton.jit(do_not_specialize=["blocks", "n", "num_entries", "num_groups", "per_block"])
+    def expand_kernel(blocks, n, entries, num_entries, groups, num_groups, per_block, STORE: tl.constexpr,
+                      D: tl.constexpr, W: tl.constexpr):
+        # Item t is entry slot t % per_block of block t // per_block (offload_core.compact has the
+        # formulas); each program moves a tile of D items at once, W words or bytes of each per step.
+        rows = tl.arange(0, D)
+        cols = tl.arange(0, W)
+        blk = blocks.to(tl.pointer_type(tl.int64))
+        ent = entries.to(tl.pointer_type(tl.int64))
+        grp = groups.to(tl.pointer_type(tl.int64))
+        for first in range(tl.program_id(0) * D, n * per_block, tl.num_programs(0) * D):
+            t = first + rows
+            b = t // per_block
+            ok = b < n
+            dev_id = tl.load(blk + b, mask=ok, other=0)
+            row = tl.load(blk + n + b, mask=ok, other=0)
+            sub = tl.load(blk + 2 * n + b, mask=ok, other=0)
+            page = tl.load(blk + 3 * n + b, mask=ok, other=0)
+            g = tl.load(blk + 4 * n + b, mask=ok, other=0)
+            ok = ok & ((t % per_block) < tl.load(grp + num_groups + g, mask=ok, other=0))
+            e = tl.load(grp + g, mask=ok, other=0) + t % per_block
+            dev = (tl.load(ent + e, mask=ok, other=0) + dev_id * tl.load(ent + num_entries + e, mask=ok, other=0)
+                   + tl.load(ent + 2 * num_entries + e, mask=ok, other=0))
+            side = (row + tl.load(ent + 3 * num_entries + e, mask=ok, other=0)
+                    + sub * tl.load(ent + 4 * num_entries + e, mask=ok, other=0))
+            size = tl.load(ent + 5 * num_entries + e, mask=ok, other=0)
+            if STORE:  # writer election: a replicated page is written by one rank
+                writers = tl.load(ent + 6 * num_entries + e, mask=ok, other=1)
+                size = tl.where(page % writers == tl.load(ent + 7 * num_entries + e, mask=ok, other=0), size, 0)
+                src, dst = dev, side
+            else:
+                src, dst = side, dev
+            words = tl.where(((src | dst) & 7) == 0, size // 8, 0)
+            src_w = src.to(tl.pointer_type(tl.int64))
+            dst_w = dst.to(tl.pointer_type(tl.int64))
+            for w in range(0, tl.max(words, axis=0), W):
+                o = w + cols
+                m = o[None, :] < words[:, None]
+                tl.store(dst_w[:, None] + o[None, :], tl.load(src_w[:, None] + o[None, :], mask=m), mask=m)
+            done = words * 8
+            left = size - done
+            src_b = (src + done).to(tl.pointer_type(tl.int8))
+            dst_b = (dst + done).to(tl.pointer_type(tl.int8))
+            for c in range(0, tl.max(left, axis=0), W):
+                o = c + cols
+                m = o[None, :] < left[:, None]
+                tl.store(dst_b[:, None] + o[None, :], tl.load(src_b[:, None] + o[None, :], mask=m), mask=m)
+
+    return copy_kernel, copy_small_kernel, expand_kernel
 
 
 @functools.lru_cache(maxsize=1)
@@ -136,7 +185,7 @@ def run(src, dst, size, n: int, largest: int, stream, max_programs: int) -> None
     pair ``(base, step)`` standing for ``base + i * step`` (for `size`, a step of 0): a
     column that costs no upload. `largest` is the largest size.
     """
-    copy_kernel, copy_small_kernel = _compile()
+    copy_kernel, copy_small_kernel, _ = _compile()
     args, arrays = [], {}
     for name, col in (("SRC", src), ("DST", dst), ("SIZE", size)):
         arrays[f"{name}_ARRAY"] = not isinstance(col, tuple)
@@ -165,3 +214,28 @@ def launch(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream, max_prog
     (table,), keep = ring.upload((src, dst) if uniform else (src, dst, sizes), stream)
     run(table, table + 8 * n, (largest, 0) if uniform else table + 16 * n, n, largest, stream, max_programs)
     return keep
+
+
+def expand_tile(largest: int) -> tuple[int, int]:
+    """The expansion kernel's tile for entries of up to `largest` bytes: (items, words per step).
+    Small entries are bound by latency: many at once, few words each; large ones move 32 KiB
+    per program and step."""
+    if largest <= 256:
+        return 128, 32
+    if largest <= 1024:
+        return 32, 128
+    if largest <= 8192:
+        return 16, 256
+    return 8, 512
+
+
+def expand(blocks: int, n: int, entries: int, num_entries: int, groups: int, num_groups: int, per_block: int,
+           store: bool, largest: int, stream, max_programs: int) -> None:
+    """Enqueue the expansion of `n` blocks on `stream`: the device addresses of the block table
+    (`offload_core.compact.BLOCK_COLUMNS`, with the host row's address in place of the chunk),
+    the entry table (``ENTRY_COLUMNS``, `num_entries` wide) and the group table (first entry,
+    count; `num_groups` wide); `per_block` is the most entries of any group."""
+    rows, width = expand_tile(largest)
+    programs = max(1, min(max_programs, -(-(n * per_block) // rows)))
+    args = [blocks, n, entries, num_entries, groups, num_groups, per_block]
+    _launch(_compile()[2], programs, args, {"STORE": store, "D": rows, "W": width}, stream)

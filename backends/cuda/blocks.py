@@ -1,0 +1,204 @@
+"""Compact jobs on the GPU: the block ids go up, the device expands them (`offload_core.compact`).
+
+Per job the host uploads one small table (five int64 per block, through the descriptor ring)
+and enqueues one expansion kernel and at most one batch of copies per piece:
+
+* ``expand_staged``: the kernel gathers every entry of every block into a staging buffer that
+  mirrors the job's host rows (store), or scatters them out of it (load); the copy engines move
+  the job's segments (`CompactLayout.segments`): host-contiguous ranges, a whole row or a run
+  of rows each where the layout allows. The first step runs on a side stream and the second
+  on the queue's stream, into two alternating halves of the staging buffer, so the kernel of
+  one job overlaps the copies of the one before;
+* ``expand_direct``: the kernel reads or writes the host rows themselves through their unified
+  addresses; no staging, no copy engines, but it holds SMs while the bytes cross the link. For
+  jobs whose segments are too small for the copy engines (a single tensor's pages in
+  scattered host blocks).
+
+Staging takes ``2 * half_bytes`` of device memory per queue stream, allocated on first use.
+A job larger than a half is cut into pieces of whole host rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from offload_core.backend import Direction
+from offload_core.compact import CompactJob, CompactLayout
+from offload_core.backends.cuda import kernels
+from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
+
+SEGMENT_BYTES = 4096  # below this mean segment size, the copy engines are bound per copy: go direct
+MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
+
+
+class Prepared:
+    """A layout's tables on the device, and what the backend decided about it once."""
+
+    def __init__(self, torch, device, layout: CompactLayout):
+        self.layout = layout
+        self.entries = torch.from_numpy(layout.entries.copy()).to(device)
+        self.groups = torch.from_numpy(layout.group_entries.copy()).to(device)
+        self.entry_count = layout.entries.shape[1]
+        self.group_count = layout.group_entries.shape[1]
+        self.per_block = max(1, layout.max_entries)
+        self.direct_ok: bool | None = None  # the host rows are device-addressable; known at the first job
+
+
+class _Staging:
+    """Per queue stream: its side stream, two halves of staging and their hand-over events."""
+
+    def __init__(self, torch, device, stream, side, half_bytes: int):
+        self.stream, self.side = stream, side  # the stream is held so its handle stays ours
+        with torch.cuda.stream(side):
+            self.buffer = torch.empty(2 * half_bytes, dtype=torch.uint8, device=device)
+        self.halves = (self.buffer.data_ptr(), self.buffer.data_ptr() + half_bytes)
+        self.free = [torch.cuda.Event(), torch.cuda.Event()]  # a half may be overwritten once passed
+        self.ready = torch.cuda.Event()  # the side stream's step is done
+        self.compute = torch.cuda.Event()
+        self.next = 0  # the half the next piece uses
+
+
+class BlockCopier:
+    """Enqueues compact jobs for a `CudaBackend`.
+
+    Args:
+        backend: the backend (its driver, ring, streams and host ranges).
+        half_bytes: bytes of each staging half.
+    """
+
+    def __init__(self, backend, half_bytes: int):
+        self.backend = backend
+        self.half_bytes = half_bytes
+        self._staging: dict[int, _Staging] = {}
+
+    def prepare(self, layout: CompactLayout) -> Prepared:
+        """Upload the layout's tables, and compile the kernel for it in both directions (a
+        second or so, once per process and tile) so that no job waits for the compiler."""
+        b = self.backend
+        with b._on_device():
+            prepared = Prepared(b._torch, b.device, layout)
+            stream = b._torch.cuda.current_stream(b.device)
+            for store in (True, False):
+                kernels.expand(prepared.groups.data_ptr(), 0, prepared.entries.data_ptr(), prepared.entry_count,
+                               prepared.groups.data_ptr(), prepared.group_count, prepared.per_block, store,
+                               layout.largest, stream, 1)
+        return prepared
+
+    def direct_ok(self, prepared: Prepared) -> bool:
+        """Whether the kernel may address the layout's host rows (registered by the worker
+        after `prepare`, so asked at the first job)."""
+        if prepared.direct_ok is None:
+            layout = prepared.layout
+            span = layout.host_blocks * layout.row_bytes
+            prepared.direct_ok = span > 0 and self.backend.addressable(np.array([layout.host_base]), np.array([span]))
+        return prepared.direct_ok
+
+    def choose(self, job: CompactJob, prepared: Prepared, segments) -> str:
+        """``expand_staged`` unless the segments are too small for the copy engines and the
+        host rows are addressable; ``ce_batch`` (host-expanded) where a host row does not fit
+        a staging half."""
+        if prepared.layout.row_bytes > self.half_bytes:
+            return "ce_batch"
+        if job.nbytes < SEGMENT_BYTES * segments[0].size and self.direct_ok(prepared):
+            return "expand_direct"
+        return "expand_staged"
+
+    def copy(self, job: CompactJob, prepared: Prepared, stream, held: list, mechanism: str | None = None) -> str:
+        """Enqueue `job` on `stream` (the queue's); returns the mechanism used."""
+        layout = prepared.layout
+        segments = layout.segments(job) if mechanism in (None, "expand_staged") else None
+        mechanism = mechanism or self.choose(job, prepared, segments)
+        store = job.direction is Direction.STORE
+        if mechanism == "ce_batch":
+            dev, host, sizes = layout.descriptors(job)
+            if sizes.size:
+                src, dst = (dev, host) if store else (host, dev)
+                order = SRC_ACCESS_ORDER_STREAM if store else SRC_ACCESS_ORDER_ANY
+                held.append(self.backend.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream))
+            return mechanism
+        if mechanism == "expand_direct":
+            rows = layout.host_base + job.host_ids[job.blocks[1]] * layout.row_bytes
+            self._expand(job, prepared, rows, 0, len(job), stream, held)
+            return mechanism
+        self._staged(job, prepared, segments, stream, held)
+        return mechanism
+
+    def _expand(self, job, prepared, rows, b0, b1, stream, held) -> None:
+        """Upload blocks b0..b1 (their host row addresses `rows`) and enqueue the kernel on `stream`."""
+        blocks = job.blocks
+        cols = (blocks[0, b0:b1], rows, blocks[2, b0:b1], blocks[3, b0:b1], blocks[4, b0:b1])
+        b = self.backend
+        (table,), keep = b._ring.upload(cols, stream)
+        held.append(keep)
+        kernels.expand(table, b1 - b0, prepared.entries.data_ptr(), prepared.entry_count, prepared.groups.data_ptr(),
+                       prepared.group_count, prepared.per_block, job.direction is Direction.STORE,
+                       prepared.layout.largest, stream, b.gather_programs)
+
+    def _staged(self, job, prepared, segments, stream, held) -> None:
+        layout, b = prepared.layout, self.backend
+        torch = b._torch
+        store = job.direction is Direction.STORE
+        st = self._staging_for(stream)
+        row = layout.row_bytes
+        seg_stage, seg_host, seg_sizes = segments
+        seg_host = seg_host + layout.host_base
+        chunks = job.host_ids.size
+        per_piece = max(1, min(self.half_bytes // row, MAX_ITEMS // (prepared.per_block * max(1, layout.blocks_per_chunk))))
+        cuts = list(range(0, chunks, per_piece)) + [chunks]
+        if len(cuts) > 2:  # a segment may run across a cut (consecutive host rows): split it there
+            seg_stage, seg_host, seg_sizes = _split(seg_stage, seg_host, seg_sizes, np.array(cuts[1:-1]) * row)
+        chunk_of = job.blocks[1]
+        if store:  # the gather reads what the compute stream wrote; the queue's stream already waits for it
+            st.compute.record(b.current_stream())
+        for j0, j1 in zip(cuts[:-1], cuts[1:]):
+            half = st.halves[st.next]
+            free = st.free[st.next]
+            st.next ^= 1
+            b0, b1 = (np.searchsorted(chunk_of, (j0, j1)).tolist() if len(cuts) > 2 else (0, len(job)))
+            s0, s1 = (np.searchsorted(seg_stage, (j0 * row, j1 * row)).tolist() if len(cuts) > 2 else (0, seg_stage.size))
+            stage_addr = seg_stage[s0:s1] + (half - j0 * row)
+            rows = (half - j0 * row) + chunk_of[b0:b1] * row
+            if store:
+                st.side.wait_event(st.compute)
+                st.side.wait_event(free)  # the copies that last read this half are done
+                if b1 > b0:
+                    self._expand(job, prepared, rows, b0, b1, st.side, held)
+                st.ready.record(st.side)
+                stream.wait_event(st.ready)
+                if s1 > s0:
+                    held.append(b.driver.memcpy_batch_async(seg_host[s0:s1], stage_addr, seg_sizes[s0:s1],
+                                                            SRC_ACCESS_ORDER_STREAM, stream.cuda_stream))
+                free.record(stream)
+            else:
+                st.side.wait_event(free)  # the scatter that last read this half is done
+                if s1 > s0:
+                    held.append(b.driver.memcpy_batch_async(stage_addr, seg_host[s0:s1], seg_sizes[s0:s1],
+                                                            SRC_ACCESS_ORDER_ANY, st.side.cuda_stream))
+                st.ready.record(st.side)
+                stream.wait_event(st.ready)
+                if b1 > b0:
+                    self._expand(job, prepared, rows, b0, b1, stream, held)
+                free.record(stream)
+
+    def _staging_for(self, stream) -> _Staging:
+        st = self._staging.get(stream.cuda_stream)
+        if st is None:
+            b = self.backend
+            st = self._staging[stream.cuda_stream] = _Staging(b._torch, b.device, stream, b.new_stream(), self.half_bytes)
+        return st
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory held for staging."""
+        return sum(st.buffer.numel() for st in self._staging.values())
+
+
+def _split(stage: np.ndarray, host: np.ndarray, sizes: np.ndarray, cuts: np.ndarray):
+    """Segments cut at the staging offsets `cuts`, so that none runs across one."""
+    ends = stage + sizes
+    points = np.union1d(stage, cuts)
+    owner = np.searchsorted(stage, points, "right") - 1  # the segment each point falls in, if any
+    inside = (owner >= 0) & (points < ends[np.maximum(owner, 0)])
+    points, owner = points[inside], owner[inside]
+    stop = np.minimum(np.append(points[1:], ends[-1]), ends[owner])
+    return points, host[owner] + (points - stage[owner]), stop - points
