@@ -95,6 +95,43 @@ def run_shape(backend, page: int, per_job: int, layers: int, jobs: int, seed: in
     return out
 
 
+def interference(backend, page: int, per_job: int, layers: int, jobs: int, seed: int = 0) -> dict:
+    """How much store jobs in flight slow a bf16 matmul loop on the compute stream, as an engine's
+    next step runs while the last step's blocks are offloaded: median of 5 rounds, each the
+    loop alone and then behind `jobs` stores submitted just before it."""
+    device = backend.device
+    blocks = max(2 * per_job * jobs // 4, 64)
+    tensors = [KVCacheTensor(torch.zeros(blocks, page, dtype=torch.int8, device=device), page) for _ in range(2 * layers)]
+    kv = KVCaches(tensors, [[KVCacheRef(i, page) for i in range(len(tensors))]])
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    rng = np.random.default_rng(seed)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def matmuls_ms(count=12) -> float:
+        start.record()
+        for _ in range(count):
+            torch.mm(a, a)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    alone, busy, ids = [], [], 0
+    with OffloadWorker(kv, blocks, backend=backend) as worker:
+        matmuls_ms(3)
+        for _ in range(6):
+            alone.append(matmuls_ms())
+            for _ in range(jobs):
+                worker.submit_store(ids, DeviceBlocks(rng.choice(blocks, per_job, replace=False)),
+                                    HostBlocks(rng.choice(blocks, per_job, replace=False)))
+                ids += 1
+            busy.append(matmuls_ms())
+            worker.wait(range(ids))
+            mechanisms = sorted({r.mechanism for r in worker.get_finished()})
+    alone_ms, busy_ms = float(np.median(alone[1:])), float(np.median(busy[1:]))
+    return {"page": page, "blocks_per_job": per_job, "jobs": jobs, "matmul_ms": alone_ms, "matmul_busy_ms": busy_ms,
+            "slowdown": busy_ms / alone_ms - 1, "mechanisms": mechanisms}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", help="backend name (default: the best available)")
@@ -104,9 +141,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32, help="layers; K and V are separate tensors (default: %(default)s)")
     parser.add_argument("--jobs", type=int, default=32, help="jobs back to back per direction (default: %(default)s)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--interference", action="store_true",
+                        help="cuda: instead, the slowdown of a matmul loop while store jobs run, per shape and mechanism")
     args = parser.parse_args()
     rows = []
     mechanisms = args.mechanisms.split(",") if args.mechanisms else None
+    if args.interference:
+        for name, backend in _backends(args.backend, mechanisms):
+            for page in map(int, args.pages.split(",")):
+                for per_job in map(int, args.blocks_per_job.split(",")):
+                    row = {"mechanism": name, **interference(backend, page, per_job, args.layers, args.jobs)}
+                    rows.append(row)
+                    print(f"{name:13} page {page:>6} B x {per_job:>3} blocks: matmul {row['matmul_ms']:.2f} ms alone, "
+                          f"{row['matmul_busy_ms']:.2f} ms behind {args.jobs} stores ({row['slowdown']:+.1%}; "
+                          f"{','.join(row['mechanisms'])})", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": platform.node(), "torch": torch.__version__, "interference": rows}, f, indent=1)
+        return
     for name, backend in _backends(args.backend, mechanisms):
         for page in map(int, args.pages.split(",")):
             for per_job in map(int, args.blocks_per_job.split(",")):

@@ -118,13 +118,15 @@ class BlockCopier:
             return mechanism
         if mechanism == "expand_direct":
             rows = layout.host_base + job.host_ids[job.blocks[1]] * layout.row_bytes
-            self._expand(job, prepared, rows, 0, len(job), stream, held)
+            # it holds its SMs while the bytes cross the link: as few as keep the link busy
+            self._expand(job, prepared, rows, 0, len(job), stream, held, self.backend.max_programs)
             return mechanism
         self._staged(job, prepared, segments, stream, held)
         return mechanism
 
-    def _expand(self, job, prepared, rows, b0, b1, stream, held) -> None:
-        """Upload blocks b0..b1 (their host row addresses `rows`) and enqueue the kernel on `stream`."""
+    def _expand(self, job, prepared, rows, b0, b1, stream, held, programs: int) -> None:
+        """Upload blocks b0..b1 (their host row addresses `rows`) and enqueue the kernel on `stream`
+        with at most `programs` programs."""
         blocks = job.blocks
         cols = (blocks[0, b0:b1], rows, blocks[2, b0:b1], blocks[3, b0:b1], blocks[4, b0:b1])
         b = self.backend
@@ -132,7 +134,7 @@ class BlockCopier:
         held.append(keep)
         kernels.expand(table, b1 - b0, prepared.entries.data_ptr(), prepared.entry_count, prepared.groups.data_ptr(),
                        prepared.group_count, prepared.per_block, job.direction is Direction.STORE,
-                       prepared.layout.largest, stream, b.gather_programs)
+                       prepared.layout.largest, stream, programs)
 
     def _staged(self, job, prepared, segments, stream, held) -> None:
         layout, b = prepared.layout, self.backend
@@ -162,7 +164,7 @@ class BlockCopier:
                 st.side.wait_event(st.compute)
                 st.side.wait_event(free)  # the copies that last read this half are done
                 if b1 > b0:
-                    self._expand(job, prepared, rows, b0, b1, st.side, held)
+                    self._expand(job, prepared, rows, b0, b1, st.side, held, b.gather_programs)
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if s1 > s0:
@@ -177,7 +179,7 @@ class BlockCopier:
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if b1 > b0:
-                    self._expand(job, prepared, rows, b0, b1, stream, held)
+                    self._expand(job, prepared, rows, b0, b1, stream, held, b.gather_programs)
                 free.record(stream)
 
     def _staging_for(self, stream) -> _Staging:
