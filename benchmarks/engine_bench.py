@@ -83,6 +83,7 @@ def run_shape(backend, page: int, per_job: int, layers: int, jobs: int, seed: in
                     host_rows = torch.stack([h[last_host] for h in worker.host_tensors]).to(device)
                     pages = specs[-1][0] if direction == "store" else specs[0][0]
                     out[f"{direction}_verified"] = torch.equal(host_rows, torch.stack([t.tensor[pages] for t in tensors]))
+                    del host_rows  # a job's size of device memory: not the backend's
         out["verified"] = out.pop("store_verified") and out.pop("load_verified")
         out["device_bytes_beyond_kv"] = _allocated(backend) - before
         total = jobs * job_bytes
