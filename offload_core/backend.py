@@ -145,12 +145,16 @@ class Backend(abc.ABC):
         """
         return None
 
-    def copy_blocks(self, job: "CompactJob", prepared: Any, stream: Stream) -> str | None:
+    def copy_blocks(self, job: "CompactJob", prepared: Any, stream: Stream, after: "list[Event]") -> str | None:
         """Enqueue a compact job (see `offload_core.compact`) on `stream`: copy every entry of
         every block, as `CompactLayout.descriptors` expands them, and nothing else.
 
         Enqueue only, as `copy_batch`. The job's arrays stay alive and unchanged until an event
-        recorded after this call completes; the ids are validated against the layout.
+        recorded after this call completes; the ids are validated against the layout. Every
+        device access of the job must follow the events `after` (recorded on the compute
+        streams of the jobs in it; `stream` already waits for them): this call may run on
+        another thread than the submit, so the current stream is not the compute stream.
+        The job may be several submitted jobs in one (`CompactJob.concat`).
 
         Returns:
             The mechanism's name, as `copy_batch`.

@@ -64,6 +64,30 @@ class CompactJob(NamedTuple):
     def __len__(self) -> int:
         return self.blocks.shape[1]
 
+    def destinations(self) -> np.ndarray:
+        """A key per block that two blocks share if they may write the same bytes: the host
+        page for a store, the device block for a load (conservative across groups)."""
+        return self.blocks[3] if self.direction is Direction.STORE else self.blocks[0]
+
+    @staticmethod
+    def concat(jobs: "list[CompactJob]") -> "CompactJob":
+        """Consecutive jobs of one layout and direction as one job (their chunks renumbered).
+        The caller makes sure that no two of them write the same bytes (`destinations`)."""
+        if len(jobs) == 1:
+            return jobs[0]
+        blocks = np.concatenate([j.blocks for j in jobs], axis=1)
+        groups, b_off, c_off = [], 0, 0
+        for j in jobs:
+            n = len(j)
+            if c_off:
+                blocks[1, b_off : b_off + n] += c_off
+            groups += [(g, b0 + b_off, b1 + b_off, c0 + c_off, c1 + c_off, skip) for g, b0, b1, c0, c1, skip in j.groups]
+            b_off += n
+            c_off += j.host_ids.size
+        first = jobs[0]
+        return CompactJob(first.layout, first.direction, blocks, np.concatenate([j.host_ids for j in jobs]), tuple(groups),
+                          sum(j.nbytes for j in jobs), sum(j.items for j in jobs))
+
 
 class CompactLayout:
     """What every transfer of one worker has in common, for expanding its jobs.
@@ -210,8 +234,9 @@ class CompactLayout:
         row, bpc = self.row_bytes, self.blocks_per_chunk
         store = job.direction is Direction.STORE
         host_ids = job.host_ids
-        if len(job.groups) == 1 and bpc == 1:  # the common case, in a few numpy calls
-            g, _, _, c0, c1, _ = job.groups[0]
+        g = job.groups[0][0] if job.groups else 0
+        if job.groups and bpc == 1 and all(grp[0] == g for grp in job.groups):  # the common case, in a few numpy calls
+            c0, c1 = job.groups[0][3], job.groups[-1][4]  # one group: its chunks follow each other
             starts, lengths = self._template(g, 0, 0, 0, store)
             if starts.size == 1 and (not store or self._periods[g] == 1):
                 a, n = int(starts[0]), int(lengths[0])

@@ -6,6 +6,17 @@ one has finished on the device; every job first waits for the caller's compute s
 pending work on its destination blocks, such as zeroing of fresh blocks). Completions
 are reported from the head of the queue, so in submission order.
 
+Compact jobs (`offload_core.compact`, for backends that expand them on the device) are
+coalesced: `submit` records where the caller's compute stream is and hands the job to the
+queue's launcher thread, which sends every job waiting at that moment to the device as one
+launch. While a launch is being enqueued, later jobs wait for the next one, so jobs arriving
+faster than one launch takes go together, and a job waits at most for the launch under way
+plus its own. Results stay per job. `wait` on a job that has not been launched yet waits for
+its launch, which takes it with whatever came before it, never with later submissions. The
+launcher holds the GIL like any Python thread: while the caller runs Python code without
+releasing it, a launch may start up to `sys.getswitchinterval()` (5 ms) late; waiting, device
+work and most torch calls release it.
+
 Threads: every method may be called from any thread. A queue's bookkeeping is guarded by
 its own lock, held only for list and set operations and non-blocking event queries; the
 enqueue itself (`Backend.copy_batch` and the events around it) runs under one lock per
@@ -17,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -27,13 +39,15 @@ import numpy as np
 
 from offload_core.backend import Backend, Direction, Event
 from offload_core.compact import CompactJob
-from offload_core.errors import InvalidSpecError
+from offload_core.errors import InvalidSpecError, OffloadError
 from offload_core.layout import integer
 from offload_core.plan import CopyBatch
 
 log = logging.getLogger(__name__)
 
 _POOLED = 16  # descriptor buffers a queue keeps for reuse
+MAX_PENDING = 1024  # compact jobs waiting for a launch before submit waits (back-pressure)
+MAX_LAUNCH = 256  # compact jobs in one launch at most
 
 _enqueue_locks: "weakref.WeakKeyDictionary[Backend, threading.Lock]" = weakref.WeakKeyDictionary()
 _enqueue_locks_guard = threading.Lock()
@@ -89,15 +103,28 @@ class QueueStats:
     descriptors: int = 0
     failed: int = 0
     mechanisms: Counter = field(default_factory=Counter)  # jobs per mechanism
+    launches: int = 0  # times the device was given work: jobs / launches is how much coalescing did
+    backpressure_waits: int = 0  # submits that waited because MAX_PENDING jobs were waiting for a launch
+    backpressure_s: float = 0.0  # seconds those submits waited
 
 
 class _Job(NamedTuple):
     job_id: int
-    start: Event
-    end: Event
+    start: Event | None  # None: the launch failed to enqueue
+    end: Event | None
     nbytes: int
     scratch: np.ndarray | None  # descriptor memory the device may still read
     mechanism: str
+    share: float = 1.0  # of the launch's time, this job's part (by bytes)
+    last: bool = True  # the last job of its launch: its events go back to the pool with it
+
+
+class _Pending(NamedTuple):
+    job_id: int
+    job: CompactJob
+    prepared: Any
+    ready: Event  # recorded on the caller's compute stream at submit
+    stream: Any  # that stream
 
 
 class TransferQueue:
@@ -123,12 +150,17 @@ class TransferQueue:
         self._free_events: list[Event] = []
         self._free_scratch: list[np.ndarray] = []
         self.stats = QueueStats()
+        self._pending: deque[_Pending] = deque()  # compact jobs waiting for a launch
+        self._launching: set[int] = set()  # ids of the launch being enqueued
+        self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
+        self._launcher: threading.Thread | None = None
+        self._closed = False
 
     def __contains__(self, job_id: int) -> bool:
         return job_id in self._ids
 
     def __len__(self) -> int:
-        return len(self._jobs)
+        return len(self._jobs) + len(self._pending) + len(self._launching)
 
     def scratch(self, descriptors: int) -> np.ndarray:
         """A pooled int64 ``(3, >= descriptors)`` buffer for the planner to write into.
@@ -170,7 +202,12 @@ class TransferQueue:
 
         Raises:
             Exception: whatever the backend raised while enqueueing; the job is then not queued.
+                A compact job is enqueued later, by the launcher: if that fails, its result says so.
+            OffloadError: the queue is closed.
         """
+        if isinstance(batch, CompactJob):
+            self._submit_compact(job_id, batch, prepared)
+            return
         with self._lock:
             start, end = self._event(), self._event()
         stream = self._stream
@@ -180,11 +217,7 @@ class TransferQueue:
                 stream.wait_stream(self.backend.current_stream())
                 start.record(stream)
                 mechanism = None
-                if not len(batch):
-                    pass
-                elif isinstance(batch, CompactJob):
-                    mechanism = self.backend.copy_blocks(batch, prepared, stream)
-                else:
+                if len(batch):
                     mechanism = self.backend.copy_batch(batch.src, batch.dst, batch.sizes, self.direction, stream)
                 end.record(stream)
             except Exception as exc:
@@ -201,7 +234,8 @@ class TransferQueue:
                     self._ids.add(job_id)
                     self.stats.jobs += 1
                     self.stats.bytes += batch.nbytes
-                    self.stats.descriptors += batch.items if isinstance(batch, CompactJob) else len(batch)
+                    self.stats.descriptors += len(batch)
+                    self.stats.launches += 1
                     self.stats.mechanisms[mechanism] += 1
                 return
         # Part of the batch may be queued already: keep the descriptors until the stream has
@@ -222,10 +256,13 @@ class TransferQueue:
             while self._jobs:
                 job = self._jobs[0]
                 try:
-                    if not job.end.query():
-                        break
-                    elapsed = job.start.elapsed_time(job.end) / 1e3
-                    ok = True
+                    if job.end is None:
+                        ok, elapsed = False, 0.0  # its launch failed to enqueue (logged then)
+                    else:
+                        if not job.end.query():
+                            break
+                        elapsed = job.start.elapsed_time(job.end) / 1e3 * job.share
+                        ok = True
                 except Exception as exc:  # a device fault fails this job, not the caller's loop
                     log.error("%s job %s failed on the device: %r", self.direction.value, job.job_id, exc)
                     ok, elapsed = False, 0.0
@@ -233,7 +270,7 @@ class TransferQueue:
                 self._ids.discard(job.job_id)
                 self.stats.failed += not ok
                 results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism))
-                if ok:  # events that saw a fault are not trusted again
+                if ok and job.last:  # events that saw a fault are not trusted again
                     self._free_events += (job.start, job.end)
                 if job.scratch is not None:
                     self._pool(job.scratch)
@@ -250,26 +287,163 @@ class TransferQueue:
         wanted = job_id_set(job_ids)
         with self._lock:
             wanted &= self._ids
+            while wanted and self._unlaunched(wanted):  # the launcher takes them with the jobs before them
+                self._launched.wait()
             last = None
             if wanted:
                 for job in self._jobs:
                     if job.job_id in wanted:
                         last = job
-        if last is not None:
+        if last is not None and last.end is not None:
             _settle(last.end)
 
     def drain(self) -> list[TransferResult]:
-        """Wait for every queued job and return all pending results."""
+        """Wait for every queued job (compact ones launched first) and return all pending results."""
         with self._lock:
-            ends = [job.end for job in self._jobs]
+            while self._pending or self._launching:
+                self._launched.wait()
+            ends = [job.end for job in self._jobs if job.end is not None]
         if ends:
             _settle(ends[-1])
         for end in ends:  # a fault on one event may not have waited for the rest
             _settle(end)
         return self.poll()
 
+    def close(self) -> list[TransferResult]:
+        """Refuse further jobs, drain, and stop the launcher thread. Returns all pending results."""
+        with self._lock:
+            self._closed = True
+        results = self.drain()
+        with self._lock:
+            self._launched.notify_all()  # the launcher sees `_closed` with nothing left, and ends
+        return results
+
     def _event(self) -> Event:
         return self._free_events.pop() if self._free_events else self.backend.new_event()
+
+    # ---- compact jobs: coalesced launches -------------------------------------
+
+    def _unlaunched(self, ids: set[int]) -> bool:
+        return any(p.job_id in ids for p in self._pending) or not self._launching.isdisjoint(ids)
+
+    def _submit_compact(self, job_id: int, job: CompactJob, prepared: Any) -> None:
+        compute = self.backend.current_stream()  # the caller's: the launcher thread has its own
+        with self._lock:
+            ready = self._event()
+        ready.record(compute)
+        with self._lock:
+            if self._closed:
+                self._free_events.append(ready)
+                raise OffloadError(f"the {self.direction.value} queue is closed")
+            if len(self._pending) >= MAX_PENDING:
+                t0 = time.perf_counter()
+                while len(self._pending) >= MAX_PENDING and not self._closed:
+                    self._launched.wait()
+                self.stats.backpressure_waits += 1
+                self.stats.backpressure_s += time.perf_counter() - t0
+                if self._closed:
+                    raise OffloadError(f"the {self.direction.value} queue was closed while the job waited")
+            if self._launcher is None or not self._launcher.is_alive():
+                launcher = threading.Thread(target=_launch_loop, args=(weakref.ref(self),), daemon=True,
+                                            name=f"offload-core-{self.direction.value}-launcher")
+                try:
+                    launcher.start()
+                except RuntimeError as exc:  # no more threads (or the interpreter is exiting)
+                    raise OffloadError(f"cannot start the {self.direction.value} launcher thread: {exc}") from exc
+                self._launcher = launcher
+            self._pending.append(_Pending(job_id, job, prepared, ready, compute))
+            self._ids.add(job_id)
+            self._launched.notify_all()
+
+    def _take(self) -> list[_Pending] | None:
+        """The jobs of the next launch: everything waiting, up to the first one that would write
+        bytes an earlier one of the launch writes (copies within a launch run in any order).
+        None once the queue is closed and empty, [] if nothing came within a second. Call with
+        the lock held."""
+        if not self._pending:
+            if self._closed:
+                return None
+            self._launched.wait(1.0)
+            if not self._pending:
+                return None if self._closed else []
+        batch = [self._pending.popleft() for _ in range(min(MAX_LAUNCH, len(self._pending)))]
+        if len(batch) > 1:
+            keys = np.concatenate([p.job.destinations() for p in batch])
+            owner = np.repeat(np.arange(len(batch)), [len(p.job) for p in batch])
+            order = np.argsort(keys, kind="stable")
+            same = keys[order][1:] == keys[order][:-1]
+            if same.any():
+                cut = int(np.maximum(owner[order][1:], owner[order][:-1])[same].min())
+                self._pending.extendleft(reversed(batch[cut:]))
+                batch = batch[:cut]
+        self._launching = {p.job_id for p in batch}
+        return batch
+
+    def _launch(self, batch: list[_Pending]) -> None:
+        """Enqueue `batch` as one job on the device; its jobs' results share the launch's events."""
+        with self._lock:
+            start, end = self._event(), self._event()
+        job = CompactJob.concat([p.job for p in batch])
+        stream = self._stream
+        after = list({id(p.stream): p.ready for p in batch}.values())  # the last event of each compute stream
+        failed = None
+        with self._enqueue:
+            try:
+                for ready in after:
+                    stream.wait_event(ready)
+                start.record(stream)
+                mechanism = self.backend.copy_blocks(job, batch[0].prepared, stream, after) if len(job) else None
+                end.record(stream)
+            except Exception as exc:
+                failed = exc
+                log.error("%s jobs %s could not be enqueued on %s: %r", self.direction.value,
+                          [p.job_id for p in batch], self.backend.name, exc)
+            with self._lock:
+                total = max(1, job.nbytes)
+                for i, p in enumerate(batch):
+                    if failed is None:
+                        self._jobs.append(_Job(p.job_id, start, end, p.job.nbytes, None, mechanism or "",
+                                               p.job.nbytes / total, i == len(batch) - 1))
+                    else:
+                        self._jobs.append(_Job(p.job_id, None, None, p.job.nbytes, None, ""))
+                self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
+                self.stats.launches += failed is None
+                if failed is None:
+                    self.stats.jobs += len(batch)
+                    self.stats.bytes += job.nbytes
+                    self.stats.descriptors += job.items
+                    self.stats.mechanisms[mechanism or ""] += len(batch)
+                self._launching = set()
+                self._launched.notify_all()
+        if failed is not None:  # part of it may be queued: nothing of ours to free, the backend keeps its own
+            _settle(end)
+
+
+def _launch_loop(queue_ref: "weakref.ref[TransferQueue]") -> None:
+    """The launcher thread of one queue: launches what is waiting until the queue is closed.
+    Holds the queue only while it has work or waits for some (a second at a time), so that a
+    dropped queue can be collected."""
+    while True:
+        queue = queue_ref()
+        if queue is None:
+            return
+        with queue._lock:
+            batch = queue._take()
+        if batch is None:
+            return
+        if not batch:  # idle: let go of the queue for a moment, so that a dropped one can be collected
+            del queue
+            continue
+        try:
+            queue._launch(batch)
+        except BaseException:  # never leave waiters hanging: the jobs fail instead
+            log.exception("the %s launcher failed", queue.direction.value)
+            with queue._lock:
+                for p in batch:
+                    queue._jobs.append(_Job(p.job_id, None, None, p.job.nbytes, None, ""))
+                queue._launching = set()
+                queue._launched.notify_all()
+        del queue, batch
 
 
 def _settle(event: Event) -> None:

@@ -169,7 +169,9 @@ class OffloadWorker:
 
         Returns:
             True if queued; False if the backend failed to enqueue it (logged; nothing of
-            the job stays in flight).
+            the job stays in flight). On a backend that expands jobs on the device, jobs are
+            enqueued by the queue's launcher, coalesced (see `offload_core.queue`): there an
+            enqueue failure is reported as a failed result instead.
 
         Raises:
             InvalidSpecError: bad specs or a job id still in flight; nothing was enqueued.
@@ -182,7 +184,7 @@ class OffloadWorker:
         """Start copying host blocks to device blocks (host -> device).
 
         Returns:
-            True if queued; False if the backend failed to enqueue it.
+            True if queued; False if the backend failed to enqueue it (as `submit_store`).
 
         Raises:
             InvalidSpecError: bad specs or a job id still in flight; nothing was enqueued.
@@ -237,7 +239,10 @@ class OffloadWorker:
                     self._idle.notify_all()
 
     def stats(self) -> dict[str, QueueStats]:
-        """Counters per direction (``"store"``, ``"load"``): jobs, bytes, descriptors after merging, failures."""
+        """Counters per direction (``"store"``, ``"load"``): jobs, bytes, descriptors after merging
+        (copies expanded, for compact jobs), failures, jobs per mechanism, launches (jobs /
+        launches: how much coalescing did), and back-pressure: submits that waited because
+        `queue.MAX_PENDING` jobs were waiting for a launch, and for how long."""
         return {d.value: q.stats for d, q in self._queues.items()}
 
     def get_finished(self) -> list[TransferResult]:
@@ -320,7 +325,7 @@ def _drain(queues, backend: Backend, host, registered: bool, kept) -> list[Trans
     """
     results: list[TransferResult] = []
     for queue in queues:
-        results += queue.drain()
+        results += queue.close()
     if registered:
         try:
             backend.host_unregister(host)

@@ -81,10 +81,20 @@ def check_round_trip(backend, case):
     return results
 
 
+@pytest.fixture(params=["planned", "expand-staged", "expand-direct"])
+def cpu_backend(request):
+    """The cpu backend on each of the core's paths: host-planned descriptors, compact jobs."""
+    if request.param == "planned":
+        return get_backend("cpu")
+    from offload_core.testing.expanding import ExpandingCpuBackend
+
+    return ExpandingCpuBackend(staged=request.param == "expand-staged")
+
+
 @pytest.mark.cpu
-def test_a_store_sees_what_the_compute_stream_writes_before_it():
+def test_a_store_sees_what_the_compute_stream_writes_before_it(cpu_backend):
     kv = small_kv()
-    backend = get_backend("cpu")
+    backend = cpu_backend
     with OffloadWorker(kv, 4, backend=backend) as worker:
         def slow_kernel():
             time.sleep(0.05)
@@ -98,9 +108,9 @@ def test_a_store_sees_what_the_compute_stream_writes_before_it():
 
 
 @pytest.mark.cpu
-def test_a_load_lands_after_pending_compute_on_its_blocks():
+def test_a_load_lands_after_pending_compute_on_its_blocks(cpu_backend):
     kv = small_kv()
-    backend = get_backend("cpu")
+    backend = cpu_backend
     with OffloadWorker(kv, 4, backend=backend) as worker:
         for h in worker.host_tensors:
             h[1] = 5

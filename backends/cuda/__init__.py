@@ -173,12 +173,12 @@ class CudaBackend(TorchDeviceBackend):
             return None
         return self._blocks.prepare(layout)
 
-    def copy_blocks(self, job, prepared, stream) -> str:
+    def copy_blocks(self, job, prepared, stream, after) -> str:
         forced = self.mechanism if self.mechanism in BLOCK_MECHANISMS else None
         if forced == "expand_direct" and not self._blocks.direct_ok(prepared):
             raise ValueError("expand_direct needs host memory from alloc_host or host_register (device-addressable)")
         with self._enqueued(stream) as held:
-            return self._blocks.copy(job, prepared, stream, held, forced)
+            return self._blocks.copy(job, prepared, stream, after, held, forced)
 
     @contextmanager
     def _enqueued(self, stream):

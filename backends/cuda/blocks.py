@@ -54,7 +54,6 @@ class _Staging:
         self.halves = (self.buffer.data_ptr(), self.buffer.data_ptr() + half_bytes)
         self.free = [torch.cuda.Event(), torch.cuda.Event()]  # a half may be overwritten once passed
         self.ready = torch.cuda.Event()  # the side stream's step is done
-        self.compute = torch.cuda.Event()
         self.next = 0  # the half the next piece uses
 
 
@@ -103,8 +102,9 @@ class BlockCopier:
             return "expand_direct"
         return "expand_staged"
 
-    def copy(self, job: CompactJob, prepared: Prepared, stream, held: list, mechanism: str | None = None) -> str:
-        """Enqueue `job` on `stream` (the queue's); returns the mechanism used."""
+    def copy(self, job: CompactJob, prepared: Prepared, stream, after: list, held: list, mechanism: str | None = None) -> str:
+        """Enqueue `job` on `stream` (the queue's, which waits for `after` already: the compute
+        streams' events); returns the mechanism used."""
         layout = prepared.layout
         segments = layout.segments(job) if mechanism in (None, "expand_staged") else None
         mechanism = mechanism or self.choose(job, prepared, segments)
@@ -121,7 +121,7 @@ class BlockCopier:
             # it holds its SMs while the bytes cross the link: as few as keep the link busy
             self._expand(job, prepared, rows, 0, len(job), stream, held, self.backend.max_programs)
             return mechanism
-        self._staged(job, prepared, segments, stream, held)
+        self._staged(job, prepared, segments, stream, after, held)
         return mechanism
 
     def _expand(self, job, prepared, rows, b0, b1, stream, held, programs: int) -> None:
@@ -136,7 +136,7 @@ class BlockCopier:
                        prepared.group_count, prepared.per_block, job.direction is Direction.STORE,
                        prepared.layout.largest, stream, programs)
 
-    def _staged(self, job, prepared, segments, stream, held) -> None:
+    def _staged(self, job, prepared, segments, stream, after, held) -> None:
         layout, b = prepared.layout, self.backend
         torch = b._torch
         store = job.direction is Direction.STORE
@@ -150,8 +150,9 @@ class BlockCopier:
         if len(cuts) > 2:  # a segment may run across a cut (consecutive host rows): split it there
             seg_stage, seg_host, seg_sizes = _split(seg_stage, seg_host, seg_sizes, np.array(cuts[1:-1]) * row)
         chunk_of = job.blocks[1]
-        if store:  # the gather reads what the compute stream wrote; the queue's stream already waits for it
-            st.compute.record(b.current_stream())
+        if store:  # the gather reads what the compute streams wrote; the queue's stream already waits for them
+            for event in after:
+                st.side.wait_event(event)
         for j0, j1 in zip(cuts[:-1], cuts[1:]):
             half = st.halves[st.next]
             free = st.free[st.next]
@@ -161,7 +162,6 @@ class BlockCopier:
             stage_addr = seg_stage[s0:s1] + (half - j0 * row)
             rows = (half - j0 * row) + chunk_of[b0:b1] * row
             if store:
-                st.side.wait_event(st.compute)
                 st.side.wait_event(free)  # the copies that last read this half are done
                 if b1 > b0:
                     self._expand(job, prepared, rows, b0, b1, st.side, held, b.gather_programs)

@@ -38,7 +38,7 @@ class ExpandingCpuBackend(CpuBackend):
     def prepare_layout(self, layout: CompactLayout):
         return None if self.refuse else layout
 
-    def copy_blocks(self, job: CompactJob, prepared, stream: CpuStream) -> str:
+    def copy_blocks(self, job: CompactJob, prepared, stream: CpuStream, after) -> str:
         layout = job.layout
         assert prepared is layout, "copy_blocks got another layout's tables"
         self.jobs += 1
