@@ -60,6 +60,7 @@ def run_shape(backend, page: int, per_job: int, layers: int, jobs: int, seed: in
         for warm in (True, False):  # the first pass warms pools, rings, compiled kernels
             for direction in ("store", "load"):
                 submit_s = []
+                launches = worker.stats()[direction].launches
                 t0 = time.perf_counter()
                 for j, (dev, host) in enumerate(specs):
                     s0 = time.perf_counter()
@@ -77,6 +78,7 @@ def run_shape(backend, page: int, per_job: int, layers: int, jobs: int, seed: in
                     out[f"{direction}_submit_us_median"] = float(np.median(us))
                     out[f"{direction}_submit_us_p99"] = float(np.percentile(us, 99))
                     out[f"{direction}_ok"] = all(r.success for r in results) and len(results) == jobs
+                    out[f"{direction}_jobs_per_launch"] = jobs / max(1, worker.stats()[direction].launches - launches)
                     out[f"{direction}_mechanisms"] = sorted({r.mechanism for r in results})
                     # the last job's bytes: host rows after the stores, device pages after the loads
                     last_dev, last_host = specs[-1]
@@ -170,7 +172,8 @@ def main() -> None:
                     f"store {row['store_ratio']:5.2f} load {row['load_ratio']:5.2f} of the link; submit median "
                     f"{row['store_submit_us_median']:6.0f} / {row['load_submit_us_median']:6.0f} us, p99 "
                     f"{row['store_submit_us_p99']:6.0f} / {row['load_submit_us_p99']:6.0f} us; "
-                    f"+{row['device_bytes_beyond_kv'] / 2**20:.0f} MiB device; verified {row['verified']}",
+                    f"+{row['device_bytes_beyond_kv'] / 2**20:.0f} MiB device; jobs per launch "
+                    f"{row['store_jobs_per_launch']:.1f} / {row['load_jobs_per_launch']:.1f}; verified {row['verified']}",
                     flush=True,
                 )
     if args.json:
