@@ -154,6 +154,7 @@ class TransferQueue:
         self._launching: set[int] = set()  # ids of the launch being enqueued
         self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
         self._launcher: threading.Thread | None = None
+        self._last_end: Event | None = None  # of the last launch: is the device still busy with it?
         self._closed = False
 
     def __contains__(self, job_id: int) -> bool:
@@ -353,19 +354,40 @@ class TransferQueue:
                 self._launcher = launcher
             self._pending.append(_Pending(job_id, job, prepared, ready, compute))
             self._ids.add(job_id)
-            self._launched.notify_all()
+            batch = self._take() if not self._launching and self._device_idle() else None
+            if batch is None:
+                self._launched.notify_all()  # the launcher takes it
+                return
+        # Nothing for the device to do: waiting for the launcher (it may not get the GIL for
+        # a while) would only leave it idle, so this thread launches, and coalesces nothing.
+        self._run(batch)
+
+    def _run(self, batch: list[_Pending]) -> None:
+        """`_launch`, and if even that is interrupted (Ctrl-C), the jobs fail rather than leave
+        waiters hanging."""
+        try:
+            self._launch(batch)
+        except BaseException:
+            with self._lock:
+                for p in batch:
+                    self._jobs.append(_Job(p.job_id, None, None, p.job.nbytes, None, ""))
+                self._launching = set()
+                self._launched.notify_all()
+            raise
+
+    def _device_idle(self) -> bool:
+        end = self._last_end
+        try:
+            return end is None or end.query()
+        except Exception:  # a fault: reported with its jobs; new work may go
+            return True
 
     def _take(self) -> list[_Pending] | None:
-        """The jobs of the next launch: everything waiting, up to the first one that would write
-        bytes an earlier one of the launch writes (copies within a launch run in any order).
-        None once the queue is closed and empty, [] if nothing came within a second. Call with
-        the lock held."""
+        """The jobs of the next launch, marked as launching: everything waiting, up to the first
+        one that would write bytes an earlier one of the launch writes (copies within a launch
+        run in any order); None if nothing waits. Call with the lock held, nothing launching."""
         if not self._pending:
-            if self._closed:
-                return None
-            self._launched.wait(1.0)
-            if not self._pending:
-                return None if self._closed else []
+            return None
         batch = [self._pending.popleft() for _ in range(min(MAX_LAUNCH, len(self._pending)))]
         if len(batch) > 1:
             keys = np.concatenate([p.job.destinations() for p in batch])
@@ -409,6 +431,8 @@ class TransferQueue:
                 self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
                 self.stats.launches += failed is None
                 if failed is None:
+                    self._last_end = end
+                if failed is None:
                     self.stats.jobs += len(batch)
                     self.stats.bytes += job.nbytes
                     self.stats.descriptors += job.items
@@ -428,21 +452,17 @@ def _launch_loop(queue_ref: "weakref.ref[TransferQueue]") -> None:
         if queue is None:
             return
         with queue._lock:
+            if not queue._pending or queue._launching:
+                if queue._closed and not queue._pending and not queue._launching:
+                    return
+                queue._launched.wait(1.0)  # then let go of the queue a moment: a dropped one can be collected
+                del queue
+                continue
             batch = queue._take()
-        if batch is None:
-            return
-        if not batch:  # idle: let go of the queue for a moment, so that a dropped one can be collected
-            del queue
-            continue
         try:
-            queue._launch(batch)
-        except BaseException:  # never leave waiters hanging: the jobs fail instead
+            queue._run(batch)
+        except BaseException:
             log.exception("the %s launcher failed", queue.direction.value)
-            with queue._lock:
-                for p in batch:
-                    queue._jobs.append(_Job(p.job_id, None, None, p.job.nbytes, None, ""))
-                queue._launching = set()
-                queue._launched.notify_all()
         del queue, batch
 
 

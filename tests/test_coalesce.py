@@ -32,10 +32,20 @@ def until(predicate, timeout=10.0):
         time.sleep(0.001)
 
 
+def first_in_flight(worker, job_id=0, dev=(0,), host=(0,)):
+    """Submit a job from another thread, which launches it (the device is idle) and blocks on the
+    held enqueue lock: jobs submitted now wait for a launch. Returns that thread."""
+    queue = worker._queues[next(iter(worker._queues))]
+    thread = threading.Thread(target=store, args=(worker, job_id, list(dev), list(host)))
+    thread.start()
+    until(lambda: queue._launching)
+    return thread
+
+
 @pytest.fixture
 def held():
-    """A backend whose enqueue lock the test holds: the launcher blocks on its first launch, so
-    later jobs wait, and go together."""
+    """A backend whose enqueue lock the test holds: the first launch blocks on it, so later jobs
+    wait, and go together."""
     backend = ExpandingCpuBackend()
     lock = enqueue_lock(backend)
     lock.acquire()
@@ -48,12 +58,11 @@ def test_jobs_waiting_for_a_launch_go_as_one_with_results_per_job(held):
     backend, lock = held
     kv = small_kv(pages=(64, 32), blocks=32)
     with OffloadWorker(kv, 32, backend=backend) as worker:
-        queue = worker._queues[next(iter(worker._queues))]
-        store(worker, 0, [0], [0])
-        until(lambda: queue._launching)  # the launcher took job 0 and waits for the lock
+        first = first_in_flight(worker)
         for j in range(1, 9):
             store(worker, j, [2 * j, 2 * j + 1], [2 * j, 2 * j + 1])
         lock.release()
+        first.join()
         worker.wait(range(9))
         results = worker.get_finished()
         assert [r.job_id for r in results] == list(range(9))
@@ -70,13 +79,12 @@ def test_two_writes_of_the_same_bytes_never_share_a_launch(held):
     backend, lock = held
     kv = small_kv(pages=(64,), blocks=32)
     with OffloadWorker(kv, 8, backend=backend) as worker:
-        queue = worker._queues[next(iter(worker._queues))]
-        store(worker, 0, [0], [0])
-        until(lambda: queue._launching)
+        first = first_in_flight(worker)
         store(worker, 1, [1], [5])
         store(worker, 2, [2], [5])  # host block 5 again: must land after job 1
         store(worker, 3, [3], [6])
         lock.release()
+        first.join()
         worker.wait(range(4))
         assert [r.job_id for r in worker.get_finished()] == [0, 1, 2, 3]
         assert worker.stats()["store"].launches == 3  # 0; 1; 2 and 3
@@ -111,9 +119,7 @@ def test_submit_waits_when_too_many_jobs_wait_for_a_launch(held, monkeypatch):
     monkeypatch.setattr(queue_module, "MAX_PENDING", 3)
     kv = small_kv(pages=(64,), blocks=32)
     with OffloadWorker(kv, 32, backend=backend) as worker:
-        queue = worker._queues[next(iter(worker._queues))]
-        store(worker, 0, [0], [0])
-        until(lambda: queue._launching)
+        first = first_in_flight(worker)
         for j in range(1, 4):
             store(worker, j, [j], [j])
         done = threading.Event()
@@ -122,6 +128,7 @@ def test_submit_waits_when_too_many_jobs_wait_for_a_launch(held, monkeypatch):
         time.sleep(0.05)
         assert not done.is_set()  # three jobs wait for a launch: the fourth waits for room
         lock.release()
+        first.join()
         blocked.join(10)
         assert done.is_set()
         worker.wait(range(5))
@@ -134,12 +141,11 @@ def test_wait_for_a_job_not_yet_launched_returns_once_it_has_landed(held):
     backend, lock = held
     kv = small_kv(pages=(64,), blocks=16)
     with OffloadWorker(kv, 8, backend=backend) as worker:
-        queue = worker._queues[next(iter(worker._queues))]
-        store(worker, 0, [0], [0])
-        until(lambda: queue._launching)
+        first = first_in_flight(worker)
         store(worker, 1, [1], [1])
         threading.Timer(0.05, lock.release).start()
         worker.wait([1])
+        first.join()
         assert torch.equal(worker.host_tensors[0][1], kv.tensors[0].tensor[1])
 
 
@@ -148,11 +154,20 @@ def test_shutdown_launches_what_waits_and_stops_the_launchers(held):
     kv = small_kv(pages=(64,), blocks=16)
     worker = OffloadWorker(kv, 8, backend=backend)
     queue = worker._queues[next(iter(worker._queues))]
-    store(worker, 0, [0], [0])
-    until(lambda: queue._launching)
+    first = first_in_flight(worker)
     store(worker, 1, [1], [1])
     threading.Timer(0.05, lock.release).start()
     worker.shutdown()
+    first.join()
     assert sorted(r.job_id for r in worker.get_finished()) == [0, 1]
     queue._launcher.join(5)
     assert not queue._launcher.is_alive()
+
+
+def test_a_lone_job_on_an_idle_device_is_launched_by_its_submit():
+    kv = small_kv(pages=(64,), blocks=16)
+    with OffloadWorker(kv, 8, backend=ExpandingCpuBackend()) as worker:
+        store(worker, 1, [1], [1])
+        queue = worker._queues[next(iter(worker._queues))]
+        assert queue.stats.launches == 1 and not queue._pending  # launched before submit returned
+        assert queue._launcher is not None
