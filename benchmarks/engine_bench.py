@@ -10,7 +10,8 @@ the KV cache, and whether the last job's bytes arrived. On `cuda`, every mechani
 forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
 
     python benchmarks/engine_bench.py [--backend cuda] [--pages 256,1024,4096,32768]
-        [--blocks-per-job 1,16,128] [--layers 32] [--jobs 32] [--json FILE]
+        [--blocks-per-job 1,16,128 | --job-mib 256] [--layers 32 | --tensors 1] [--jobs 32] [--json FILE]
+        [--interference]
 """
 
 from __future__ import annotations
@@ -40,15 +41,16 @@ def _allocated(backend) -> int:
     return torch.cuda.memory_allocated(backend.device) if backend.device.type == "cuda" else 0
 
 
-def run_shape(backend, page: int, per_job: int, layers: int, jobs: int, seed: int = 0) -> dict:
-    """One page size and job size on one backend: stores, then loads, J jobs back to back."""
-    blocks = max(2 * per_job, (1 << 29) // (2 * layers * page), 64)  # about 512 MiB of KV, at least two jobs' worth
-    blocks = min(blocks, 8192)
+def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int = 0) -> dict:
+    """One page size and job size over `count` KV tensors on one backend: stores, then loads,
+    J jobs back to back."""
+    # about 512 MiB of KV (at most 8192 blocks), and at least two jobs' worth
+    blocks = max(2 * per_job, min(8192, (1 << 29) // (count * page)), 64)
     device = backend.device
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = [
         KVCacheTensor(torch.randint(-128, 128, (blocks, page), dtype=torch.int8, generator=gen, device=device), page)
-        for _ in range(2 * layers)
+        for _ in range(count)
     ]
     kv = KVCaches(tensors, [[KVCacheRef(i, page) for i in range(len(tensors))]])
     rng = np.random.default_rng(seed)
@@ -146,6 +148,8 @@ def main() -> None:
     parser.add_argument("--pages", default="256,1024,4096,32768", help="page sizes in bytes (default: %(default)s)")
     parser.add_argument("--blocks-per-job", default="1,16,128", help="blocks per job (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=32, help="layers; K and V are separate tensors (default: %(default)s)")
+    parser.add_argument("--tensors", type=int, help="KV tensors, instead of 2 x layers (1: one tensor, pages scattered over host blocks)")
+    parser.add_argument("--job-mib", type=float, help="job size in MiB, instead of --blocks-per-job")
     parser.add_argument("--jobs", type=int, default=32, help="jobs back to back per direction (default: %(default)s)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--interference", action="store_true",
@@ -168,8 +172,10 @@ def main() -> None:
         return
     for name, backend in _backends(args.backend, mechanisms):
         for page in map(int, args.pages.split(",")):
-            for per_job in map(int, args.blocks_per_job.split(",")):
-                row = {"backend": backend.name, "mechanism": name, **run_shape(backend, page, per_job, args.layers, args.jobs)}
+            count = args.tensors or 2 * args.layers
+            sizes = [max(1, int(args.job_mib * 2**20) // (page * count))] if args.job_mib else map(int, args.blocks_per_job.split(","))
+            for per_job in sizes:
+                row = {"backend": backend.name, "mechanism": name, **run_shape(backend, page, per_job, count, args.jobs)}
                 rows.append(row)
                 print(
                     f"{backend.name:5} {name:9} page {page:>6} B x {per_job:>3} blocks ({row['job_bytes'] / 2**20:7.2f} MiB): "
