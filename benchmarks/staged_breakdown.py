@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from offload_core.backend import Direction
-from offload_core.backends.cuda import CudaBackend, host_runs, kernels, measure
+from offload_core.backends.cuda import CudaBackend, kernels, measure
+from offload_core.backends.cuda.select import host_runs
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 
 MIB = 1 << 20

@@ -13,9 +13,8 @@ import json
 
 import numpy as np
 
-import offload_core.backends.cuda as cuda_backend
 from offload_core.backend import Direction
-from offload_core.backends.cuda import CudaBackend, measure
+from offload_core.backends.cuda import CudaBackend, measure, select
 
 CASES = ((256, 16), (1024, 16), (1024, 64))  # (fragment bytes, MiB a job)
 
@@ -35,7 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
     args = parser.parse_args()
-    current = cuda_backend.piece_bounds
+    current = select.piece_bounds  # auto's piece count and staged's cuts both read it from select
     backend = CudaBackend()
     torch = backend._torch
     span = 256 << 20
@@ -54,7 +53,7 @@ def main() -> None:
             dev, hst, sizes = measure.fragments((mib << 20) // size, size, device.data_ptr(), host.data_ptr())
             jobs = {Direction.STORE: (dev, hst, sizes, Direction.STORE), Direction.LOAD: (hst, dev + span, sizes, Direction.LOAD)}
             for variant in ("geometric", "current", "geometric", "current"):
-                cuda_backend.piece_bounds = current if variant == "current" else geometric
+                select.piece_bounds = current if variant == "current" else geometric
                 row = {"fragment": size, "job_mib": mib, "variant": variant}
                 for d, job in jobs.items():
                     event = measure.time_copy(backend, "staged", *job, busy=True, reps=5)["event_s"]
@@ -66,7 +65,7 @@ def main() -> None:
                 row["both_gbps"] = [2 * gb / max(both), 2 * gb / min(both)]
                 rows.append(row)
     finally:
-        cuda_backend.piece_bounds = current
+        select.piece_bounds = current
     print("| fragment | job | variant | store / load (of limit) | 8 jobs back to back | host µs per job | both at once GB/s, worst / best |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -157,15 +157,13 @@ def main() -> None:
                     go = torch.cuda.Event()
                     go.record(stream)
                     for _ in range(jobs):
-                        be.copy_batch(src, dst, sizes, direction, stream)
+                        be.enqueue_with(mech, src, dst, sizes, direction, stream)
                     return go
 
-                saved, be.mechanism = be.mechanism, mech
                 with_copies = []
                 for _ in range(3):  # alone and with copies interleaved: clocks drift over the run
                     alone.append(matmul_ms())
                     with_copies.append(matmul_ms(copies))
-                be.mechanism = saved
                 cases.append((size, mech, direction.value, min(with_copies)))
     baseline = min(alone)
     interference = [{"size": z, "mechanism": m, "direction": d, "matmul_ms_alone": baseline, "matmul_ms_with_copies": t,

@@ -54,6 +54,8 @@ class Backend(abc.ABC):
     install_hint: ClassVar[str] = ""
     # Whether this backend expands compact jobs on the device (`prepare_layout`, `copy_blocks`).
     expands_blocks: ClassVar[bool] = False
+    # Whether this backend measures its copy costs (`calibrate`, `offload-core calibrate`).
+    calibrates: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -163,3 +165,18 @@ class Backend(abc.ABC):
             Exception: anything that stops the copies from being enqueued.
         """
         raise NotImplementedError(f"backend {self.name!r} does not expand compact jobs")
+
+    def calibrate(self, save: bool = True) -> dict:
+        """Measure this device's copy costs, use them from now on, and save them as its
+        profile unless `save` is False (`offload-core calibrate`).
+
+        Implemented only where `calibrates` is True.
+
+        Returns:
+            What was measured, as a JSON-serializable dict.
+
+        Raises:
+            NotImplementedError: this backend has nothing to calibrate.
+            Exception: anything the measurement raises.
+        """
+        raise NotImplementedError(f"backend {self.name!r} has nothing to calibrate")

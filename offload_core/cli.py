@@ -145,11 +145,10 @@ def _positive_int(text: str) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     backend = registry.get_backend(args.backend)
-    calibrate = getattr(backend, "calibrate", None)
-    if calibrate is None:
+    if not backend.calibrates:
         print(f"backend {backend.name} has nothing to calibrate")
         return 0
-    print(json.dumps(calibrate(save=not args.dry_run), indent=1))
+    print(json.dumps(backend.calibrate(save=not args.dry_run), indent=1))
     return 0
 
 

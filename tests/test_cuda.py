@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadWorker
-from offload_core.backends.cuda import BLOCK_MECHANISMS, CudaBackend, kernels
+from offload_core.backends.cuda import BLOCK_MECHANISMS, MECHANISMS, CudaBackend, kernels
 from offload_core.backends.cuda.ring import DescriptorRing
-from offload_core.backends.cuda.select import MECHANISMS
 from offload_core.testing.conformance import BackendConformance
 
 from hypothesis import given, settings

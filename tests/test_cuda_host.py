@@ -11,9 +11,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from offload_core.backends.cuda import host_runs, kernels, run_starts
+from offload_core.backend import Direction
+from offload_core.backends.cuda import MECHANISMS, kernels, staging
 from offload_core.backends.cuda import driver as drv
-from offload_core.backends.cuda.select import MECHANISMS, CostModel, piece_bounds, profile_path
+from offload_core.backends.cuda.select import CostModel, host_runs, piece_bounds, profile_path, run_starts
 
 
 def test_memcpy_attributes_has_the_driver_layout():
@@ -203,19 +204,16 @@ def test_streams_are_created_non_blocking():
 )
 @example(sizes=[1048577, 1048577], store=False, staging_mb=32)  # a load's bound just past a fragment's start
 def test_staged_pieces_cover_the_job_in_order_and_fit_a_buffer(sizes, store, staging_mb):
-    from offload_core.backends.cuda import CudaBackend
-
-    staging = staging_mb << 20
-    sizes = np.array([s for s in sizes if s <= staging // 4] or [1], dtype=np.int64)  # larger ones bypass staging
+    staging_bytes = staging_mb << 20
+    sizes = np.array([s for s in sizes if s <= staging_bytes // 4] or [1], dtype=np.int64)  # larger ones bypass staging
     edges = np.concatenate(([0], np.cumsum(sizes)))
-    backend = SimpleNamespace(staging_bytes=staging)
-    firsts = np.array(CudaBackend._pieces(backend, edges, int(sizes.max()), sizes.size, store))
+    firsts = np.array(staging.pieces(edges, int(sizes.max()), sizes.size, store, staging_bytes))
     lasts = np.append(firsts[1:], sizes.size)
     assert firsts[0] == 0 and lasts[-1] == sizes.size
     assert (firsts[1:] == lasts[:-1]).all() and (lasts > firsts).all()
     piece_bytes = np.add.reduceat(sizes, firsts)
-    assert (piece_bytes <= staging * 5 // 4).all()  # the buffer size
-    if sizes.sum() <= staging:
+    assert (piece_bytes <= staging_bytes * 5 // 4).all()  # the buffer size
+    if sizes.sum() <= staging_bytes:
         assert firsts.size == 1  # each piece costs host time; one that fits the buffer is one piece
     else:
         exposed = piece_bytes[0] if store else piece_bytes[-1]  # the gather or scatter not hidden behind the link
@@ -250,11 +248,8 @@ def test_small_jobs_go_to_the_kernel_and_large_ones_to_staging():
 @settings(max_examples=30, deadline=None)
 @given(size=st.integers(1, 4096), n=st.integers(1, 5000), store=st.booleans())
 def test_staged_pieces_of_equal_sizes_match_the_offsets_path(size, n, store):
-    from offload_core.backends.cuda import CudaBackend
-
-    backend = SimpleNamespace(staging_bytes=4 << 20)
     edges = np.arange(n + 1, dtype=np.int64) * size
-    assert CudaBackend._pieces(backend, None, size, n, store) == CudaBackend._pieces(backend, edges, size, n, store)
+    assert staging.pieces(None, size, n, store, 4 << 20) == staging.pieces(edges, size, n, store, 4 << 20)
 
 
 def test_triton_specialization_key_separates_what_triton_specializes_on():
@@ -438,3 +433,126 @@ def test_addressable_reads_the_host_ranges_while_other_threads_change_them():
         stop.set()
         thread.join()
         sys.setswitchinterval(interval)
+
+
+# ---- the adapter: one table of mechanisms, runs by name, calibration as a capability ------------
+
+
+class Weigh:
+    """A cost model that records what it was asked to weigh and picks `pick`."""
+
+    def __init__(self, pick):
+        self.pick, self.asked = pick, []
+
+    def choose(self, direction, n, nbytes, available, runs, pieces=1):
+        self.asked.append(available)
+        return self.pick
+
+
+def host_only_backend(monkeypatch, lib, triton=True, mechanism="auto", cost=None):
+    """A CudaBackend over a stand-in libcuda, built as __init__ builds it minus the GPU: the
+    table decides what is available; enqueues need no events."""
+    import contextlib
+
+    from offload_core.backends.cuda import CudaBackend
+    from offload_core.backends.cuda.mechanisms import TABLE, contenders
+
+    monkeypatch.setattr(kernels, "available", (lambda: None) if triton else (lambda: "triton is not importable"))
+    backend = CudaBackend.__new__(CudaBackend)
+    backend.driver = drv.Driver(lib)
+    backend.max_batch, backend.max_programs, backend.staging_bytes = 0, 32, 24 << 20
+    backend.cost = cost or CostModel()
+    backend.available_mechanisms = tuple(n for n, m in TABLE.items() if m.why_unavailable(backend) is None)
+    backend._contenders = contenders(backend.available_mechanisms)
+    backend.mechanism = mechanism
+    backend._host_ranges = {}
+    backend._enqueued = lambda stream: contextlib.nullcontext([])
+    return backend
+
+
+def test_the_table_lists_every_mechanism_once_batch_ones_in_order_of_preference():
+    from offload_core.backends.cuda import BLOCK_MECHANISMS
+    from offload_core.backends.cuda.mechanisms import TABLE
+
+    assert MECHANISMS == ("ce_batch", "staged", "sm_gather", "ce_loop")
+    assert BLOCK_MECHANISMS == ("expand_staged", "expand_direct")
+    assert tuple(TABLE) == MECHANISMS + BLOCK_MECHANISMS
+    assert all(name == m.name for name, m in TABLE.items())
+
+
+def test_availability_comes_from_the_table(monkeypatch):
+    backend = host_only_backend(monkeypatch, FakeLib(with_batch=False), triton=False)
+    assert backend.available_mechanisms == ("ce_loop",)
+    assert "12.8" in backend.why_unavailable("ce_batch")
+    assert all("triton" in backend.why_unavailable(m) for m in ("staged", "sm_gather", "expand_staged", "expand_direct"))
+    assert backend.why_unavailable("nosuch") == (
+        "unknown mechanism; choose one of ce_batch, staged, sm_gather, ce_loop, expand_staged, expand_direct or auto")
+    assert host_only_backend(monkeypatch, FakeLib()).available_mechanisms == MECHANISMS + ("expand_staged", "expand_direct")
+
+
+def test_auto_weighs_the_available_batch_mechanisms_a_fallback_only_without_its_original(monkeypatch):
+    """ce_loop stands in for ce_batch; sm_gather drops out where the host side is not
+    device-addressable, and is weighed where it is."""
+    from offload_core.backends.cuda.mechanisms import contenders
+
+    dst, src, sizes = arrays(4)
+    model = Weigh("ce_loop")
+    backend = host_only_backend(monkeypatch, FakeLib(with_batch=False), cost=model)
+    backend.available_mechanisms += ("staged",)  # as if triton were there for it alone
+    backend._contenders = contenders(backend.available_mechanisms)
+    assert backend.copy_batch(src, dst, sizes, Direction.LOAD, SimpleNamespace(cuda_stream=7)) == "ce_loop"
+    assert model.asked == [("staged", "ce_loop")]
+
+    model = Weigh("ce_batch")
+    backend = host_only_backend(monkeypatch, FakeLib(), cost=model)
+    backend.copy_batch(src, dst, sizes, Direction.STORE, SimpleNamespace(cuda_stream=7))
+    backend._host_ranges[0] = (0, 1 << 20)  # now the host side is addressable
+    backend.copy_batch(src, dst, sizes, Direction.STORE, SimpleNamespace(cuda_stream=7))
+    assert model.asked == [("ce_batch", "staged"), ("ce_batch", "staged", "sm_gather")]
+
+
+def test_enqueue_with_runs_one_mechanism_and_leaves_the_backends_alone(monkeypatch):
+    lib = FakeLib()
+    backend = host_only_backend(monkeypatch, lib, mechanism="ce_batch")
+    dst, src, sizes = arrays(3)
+    stream = SimpleNamespace(cuda_stream=9)
+    assert backend.enqueue_with("ce_loop", src, dst, sizes, Direction.LOAD, stream) == "ce_loop"
+    assert [c[0] for c in lib.calls] == ["memcpy"] * 3 and backend.mechanism == "ce_batch"
+    lib.calls.clear()
+    assert backend.copy_batch(src, dst, sizes, Direction.STORE, stream) == "ce_batch"
+    (call,) = lib.calls
+    assert call[0] == "batch" and call[4] == drv.SRC_ACCESS_ORDER_STREAM
+    # a compact-job mechanism takes a bare batch as auto
+    assert host_only_backend(monkeypatch, lib, cost=Weigh("ce_loop")).enqueue_with(
+        "expand_staged", src, dst, sizes, Direction.LOAD, stream) == "ce_loop"
+
+
+@pytest.mark.parametrize("mechanism, message", [
+    ("nosuch", "cuda mechanism 'nosuch' cannot be used: unknown mechanism"),
+    ("ce_batch", "cuda mechanism 'ce_batch' cannot be used: the driver has no cuMemcpyBatchAsync"),
+    ("sm_gather", "sm_gather needs host memory from alloc_host or host_register"),
+])
+def test_enqueue_with_refuses_what_cannot_run_before_enqueueing(monkeypatch, mechanism, message):
+    lib = FakeLib(with_batch=mechanism != "ce_batch")
+    backend = host_only_backend(monkeypatch, lib)
+    dst, src, sizes = arrays(2)
+    with pytest.raises(ValueError, match=message):
+        backend.enqueue_with(mechanism, src, dst, sizes, Direction.STORE, SimpleNamespace(cuda_stream=1))
+    assert lib.calls == []
+
+
+def test_calibration_is_a_capability_the_cli_asks_for(monkeypatch, capsys):
+    import json
+
+    from offload_core import cli, registry
+    from offload_core.backends.cpu import CpuBackend
+    from offload_core.backends.cuda import CudaBackend
+
+    assert CudaBackend.calibrates and not CpuBackend.calibrates
+    with pytest.raises(NotImplementedError, match="nothing to calibrate"):
+        CpuBackend().calibrate()
+    backend = CudaBackend.__new__(CudaBackend)
+    monkeypatch.setattr(backend, "calibrate", lambda save=True: {"saved": save}, raising=False)
+    monkeypatch.setattr(registry, "get_backend", lambda name=None: backend)
+    assert cli.main(["calibrate", "--backend", "cuda", "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"saved": False}

@@ -14,11 +14,17 @@ and enqueues one expansion kernel and at most one batch of copies per piece:
   jobs whose segments are too small for the copy engines (a single tensor's pages in
   scattered host blocks).
 
-Staging takes ``2 * half_bytes`` of device memory per queue stream, allocated on first use.
-A job larger than a half is cut into pieces of whole host rows.
+Staging takes ``2 * half_bytes`` of device memory per queue stream, allocated on first use
+(`staging.StagingHalves`). A job larger than a half is cut into pieces of whole host rows.
+
+Each is an object (`JobMechanism`); both stand in `mechanisms.TABLE` beside the batch
+mechanisms, which says whether they can run.
 """
 
 from __future__ import annotations
+
+import abc
+from typing import ClassVar
 
 import numpy as np
 
@@ -26,6 +32,7 @@ from offload_core.backend import Direction
 from offload_core.compact import CompactJob, CompactLayout
 from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
+from offload_core.backends.cuda.staging import PerStream, StagingHalves
 
 SEGMENT_BYTES = 4096  # below this mean segment size, the copy engines are bound per copy: go direct
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
@@ -44,19 +51,6 @@ class Prepared:
         self.direct_ok: bool | None = None  # the host rows are device-addressable; known at the first job
 
 
-class _Staging:
-    """Per queue stream: its side stream, two halves of staging and their hand-over events."""
-
-    def __init__(self, torch, device, stream, side, half_bytes: int):
-        self.stream, self.side = stream, side  # the stream is held so its handle stays ours
-        with torch.cuda.stream(side):
-            self.buffer = torch.empty(2 * half_bytes, dtype=torch.uint8, device=device)
-        self.halves = (self.buffer.data_ptr(), self.buffer.data_ptr() + half_bytes)
-        self.free = [torch.cuda.Event(), torch.cuda.Event()]  # a half may be overwritten once passed
-        self.ready = torch.cuda.Event()  # the side stream's step is done
-        self.next = 0  # the half the next piece uses
-
-
 class BlockCopier:
     """Enqueues compact jobs for a `CudaBackend`.
 
@@ -68,7 +62,8 @@ class BlockCopier:
     def __init__(self, backend, half_bytes: int):
         self.backend = backend
         self.half_bytes = half_bytes
-        self._staging: dict[int, _Staging] = {}
+        self.staging = PerStream(lambda stream: StagingHalves(backend._torch, backend.device, stream, backend.new_stream(),
+                                                              half_bytes))
 
     def prepare(self, layout: CompactLayout) -> Prepared:
         """Upload the layout's tables, and compile the kernel for it in both directions (a
@@ -92,39 +87,26 @@ class BlockCopier:
             prepared.direct_ok = span > 0 and self.backend.addressable(np.array([layout.host_base]), np.array([span]))
         return prepared.direct_ok
 
-    def choose(self, job: CompactJob, prepared: Prepared, segments) -> str:
+    def choose(self, job: CompactJob, prepared: Prepared, segments) -> "JobMechanism":
         """``expand_staged`` unless the segments are too small for the copy engines and the
         host rows are addressable; ``ce_batch`` (host-expanded) where a host row does not fit
         a staging half."""
         if prepared.layout.row_bytes > self.half_bytes:
-            return "ce_batch"
+            return HOST_EXPANDED
         if job.nbytes < SEGMENT_BYTES * segments[0].size and self.direct_ok(prepared):
-            return "expand_direct"
-        return "expand_staged"
+            return EXPAND_DIRECT
+        return EXPAND_STAGED
 
-    def copy(self, job: CompactJob, prepared: Prepared, stream, after: list, held: list, mechanism: str | None = None) -> str:
+    def copy(self, job: CompactJob, prepared: Prepared, stream, after: list, held: list,
+             forced: "JobMechanism | None" = None) -> str:
         """Enqueue `job` on `stream` (the queue's, which waits for `after` already: the compute
-        streams' events); returns the mechanism used."""
-        layout = prepared.layout
-        segments = layout.segments(job) if mechanism in (None, "expand_staged") else None
-        mechanism = mechanism or self.choose(job, prepared, segments)
-        store = job.direction is Direction.STORE
-        if mechanism == "ce_batch":
-            dev, host, sizes = layout.descriptors(job)
-            if sizes.size:
-                src, dst = (dev, host) if store else (host, dev)
-                order = SRC_ACCESS_ORDER_STREAM if store else SRC_ACCESS_ORDER_ANY
-                held.append(self.backend.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream))
-            return mechanism
-        if mechanism == "expand_direct":
-            rows = layout.host_base + job.host_ids[job.blocks[1]] * layout.row_bytes
-            # it holds its SMs while the bytes cross the link: as few as keep the link busy
-            self._expand(job, prepared, rows, 0, len(job), stream, held, self.backend.max_programs)
-            return mechanism
-        self._staged(job, prepared, segments, stream, after, held)
-        return mechanism
+        streams' events) by `forced`, or by what `choose` picks; returns the mechanism used."""
+        segments = prepared.layout.segments(job) if forced is None or forced.needs_segments else None
+        mechanism = forced or self.choose(job, prepared, segments)
+        mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
+        return mechanism.name
 
-    def _expand(self, job, prepared, rows, b0, b1, stream, held, programs: int) -> None:
+    def expand(self, job, prepared, rows, b0, b1, stream, held, programs: int) -> None:
         """Upload blocks b0..b1 (their host row addresses `rows`) and enqueue the kernel on `stream`
         with at most `programs` programs."""
         blocks = job.blocks
@@ -136,16 +118,90 @@ class BlockCopier:
                        prepared.group_count, prepared.per_block, job.direction is Direction.STORE,
                        prepared.layout.largest, stream, programs)
 
-    def _staged(self, job, prepared, segments, stream, after, held) -> None:
-        layout, b = prepared.layout, self.backend
-        torch = b._torch
+    @property
+    def device_bytes(self) -> int:
+        """Device memory held for staging."""
+        return sum(st.buffer.numel() for st in self.staging.values())
+
+
+class JobMechanism(abc.ABC):
+    """One way to enqueue a compact job, for `BlockCopier`. Keeps no state: the copier holds
+    the staging, the backend the rest."""
+
+    name: ClassVar[str]
+    takes_batches: ClassVar[bool] = False  # a bare batch on a backend forced to it goes as auto
+    needs_segments: ClassVar[bool] = False  # whether `enqueue_job` takes the job's host segments
+
+    def refuses_layout(self, copier: BlockCopier, prepared: Prepared) -> str | None:
+        """None if this mechanism can take the jobs of `prepared`'s layout, else why not."""
+        return None
+
+    @abc.abstractmethod
+    def enqueue_job(self, copier: BlockCopier, job: CompactJob, prepared: Prepared, segments, stream, after: list,
+                    held: list) -> None:
+        """Enqueue `job` on `stream`, as `BlockCopier.copy` describes; `segments` are the
+        layout's (`CompactLayout.segments`) where `needs_segments`, else None.
+
+        Raises:
+            Exception: anything that stops the copies from being enqueued.
+        """
+
+
+class HostExpanded(JobMechanism):
+    """A job whose host row does not fit a staging half: its descriptors, expanded on the
+    host, in one ``cuMemcpyBatchAsync``. Reported as ``ce_batch``; `BlockCopier.choose` picks
+    it, never a caller, so it is not in the table."""
+
+    name = "ce_batch"
+
+    def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
+        dev, host, sizes = prepared.layout.descriptors(job)
+        if sizes.size:
+            store = job.direction is Direction.STORE
+            src, dst = (dev, host) if store else (host, dev)
+            order = SRC_ACCESS_ORDER_STREAM if store else SRC_ACCESS_ORDER_ANY
+            held.append(copier.backend.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream))
+
+
+class _Expansion(JobMechanism):
+    def why_unavailable(self, backend) -> str | None:
+        """None if this mechanism can run on `backend`, else why not."""
+        return kernels.available()
+
+
+class ExpandDirect(_Expansion):
+    """The kernel reads or writes the host rows themselves, through their unified addresses."""
+
+    name = "expand_direct"
+
+    def refuses_layout(self, copier, prepared) -> str | None:
+        if copier.direct_ok(prepared):
+            return None
+        return "expand_direct needs host memory from alloc_host or host_register (device-addressable)"
+
+    def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
+        layout = prepared.layout
+        rows = layout.host_base + job.host_ids[job.blocks[1]] * layout.row_bytes
+        # it holds its SMs while the bytes cross the link: as few as keep the link busy
+        copier.expand(job, prepared, rows, 0, len(job), stream, held, copier.backend.max_programs)
+
+
+class ExpandStaged(_Expansion):
+    """The kernel gathers into staging that mirrors the job's host rows (or scatters out of
+    it), the copy engines move the job's segments; pieces alternate between two halves."""
+
+    name = "expand_staged"
+    needs_segments = True
+
+    def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
+        layout, b = prepared.layout, copier.backend
         store = job.direction is Direction.STORE
-        st = self._staging_for(stream)
+        st = copier.staging.for_stream(stream)
         row = layout.row_bytes
         seg_stage, seg_host, seg_sizes = segments
         seg_host = seg_host + layout.host_base
         chunks = job.host_ids.size
-        per_piece = max(1, min(self.half_bytes // row, MAX_ITEMS // (prepared.per_block * max(1, layout.blocks_per_chunk))))
+        per_piece = max(1, min(copier.half_bytes // row, MAX_ITEMS // (prepared.per_block * max(1, layout.blocks_per_chunk))))
         cuts = list(range(0, chunks, per_piece)) + [chunks]
         if len(cuts) > 2:  # a segment may run across a cut (consecutive host rows): split it there
             seg_stage, seg_host, seg_sizes = _split(seg_stage, seg_host, seg_sizes, np.array(cuts[1:-1]) * row)
@@ -164,7 +220,7 @@ class BlockCopier:
             if store:
                 st.side.wait_event(free)  # the copies that last read this half are done
                 if b1 > b0:
-                    self._expand(job, prepared, rows, b0, b1, st.side, held, b.gather_programs)
+                    copier.expand(job, prepared, rows, b0, b1, st.side, held, b.gather_programs)
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if s1 > s0:
@@ -179,20 +235,11 @@ class BlockCopier:
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if b1 > b0:
-                    self._expand(job, prepared, rows, b0, b1, stream, held, b.gather_programs)
+                    copier.expand(job, prepared, rows, b0, b1, stream, held, b.gather_programs)
                 free.record(stream)
 
-    def _staging_for(self, stream) -> _Staging:
-        st = self._staging.get(stream.cuda_stream)
-        if st is None:
-            b = self.backend
-            st = self._staging[stream.cuda_stream] = _Staging(b._torch, b.device, stream, b.new_stream(), self.half_bytes)
-        return st
 
-    @property
-    def device_bytes(self) -> int:
-        """Device memory held for staging."""
-        return sum(st.buffer.numel() for st in self._staging.values())
+HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT = HostExpanded(), ExpandStaged(), ExpandDirect()
 
 
 def _split(stage: np.ndarray, host: np.ndarray, sizes: np.ndarray, cuts: np.ndarray):

@@ -3,6 +3,10 @@
 A *busy* measurement first puts a sleep kernel on the copy stream, so the host has enqueued
 everything before the copies start and the events time the device alone; an *idle* one
 enqueues on an idle stream and also reports wall-clock time from submission to completion.
+
+Every function runs the mechanism it is given through `CudaBackend.enqueue_with`, leaving the
+backend's own `mechanism` alone (another thread may be copying through it); ``"auto"``
+measures what auto picks.
 """
 
 from __future__ import annotations
@@ -32,31 +36,27 @@ def time_copy(backend, mechanism: str, src, dst, sizes, direction: Direction, *,
     seconds (the enqueue call alone)."""
     torch = backend._torch
     stream = streams(backend)[0]
-    saved, backend.mechanism = backend.mechanism, mechanism
     best = {"event_s": float("inf"), "wall_s": float("inf"), "host_s": float("inf"), "mechanism": mechanism}
-    try:
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            start, end = backend.new_event(), backend.new_event()
-            if busy:
-                with torch.cuda.stream(stream):
-                    torch.cuda._sleep(SLEEP_CYCLES)
-            t0 = time.perf_counter()
-            start.record(stream)
-            best["mechanism"] = backend.copy_batch(src, dst, sizes, direction, stream)
-            best["host_s"] = min(best["host_s"], time.perf_counter() - t0)
-            end.record(stream)
-            end.synchronize()
-            wall = time.perf_counter() - t0
-            best["event_s"] = min(best["event_s"], start.elapsed_time(end) / 1e3)
-            best["wall_s"] = min(best["wall_s"], wall)
-    finally:
-        backend.mechanism = saved
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = backend.new_event(), backend.new_event()
+        if busy:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        start.record(stream)
+        best["mechanism"] = backend.enqueue_with(mechanism, src, dst, sizes, direction, stream)
+        best["host_s"] = min(best["host_s"], time.perf_counter() - t0)
+        end.record(stream)
+        end.synchronize()
+        wall = time.perf_counter() - t0
+        best["event_s"] = min(best["event_s"], start.elapsed_time(end) / 1e3)
+        best["wall_s"] = min(best["wall_s"], wall)
     return best
 
 
 def host_time(backend, mechanism: str, src, dst, sizes, direction: Direction, reps: int = 15) -> float:
-    """Median host seconds of one enqueue (``copy_batch``) as an engine makes them: job after
+    """Median host seconds of one enqueue (`CudaBackend.enqueue_with`) as an engine makes them: job after
     job while the GPU works on the earlier ones (`time_jobs`). Two other ways read high on the
     H200's host: the first enqueue after the GPU went idle (2-4x), and enqueues behind a
     sleeping stream (1.3-1.5x)."""
@@ -69,21 +69,17 @@ def time_jobs(backend, mechanism: str, src, dst, sizes, direction: Direction, jo
     median host seconds of one enqueue."""
     torch = backend._torch
     stream, end = streams(backend)[0], backend.new_event()
-    saved, backend.mechanism = backend.mechanism, mechanism
-    try:
-        backend.copy_batch(src, dst, sizes, direction, stream)  # staging buffers, compiled kernels
-        torch.cuda.synchronize()
-        enqueue = []
-        t0 = time.perf_counter()
-        for _ in range(jobs):
-            t = time.perf_counter()
-            backend.copy_batch(src, dst, sizes, direction, stream)
-            enqueue.append(time.perf_counter() - t)
-        end.record(stream)
-        end.synchronize()
-        wall = time.perf_counter() - t0
-    finally:
-        backend.mechanism = saved
+    backend.enqueue_with(mechanism, src, dst, sizes, direction, stream)  # staging buffers, compiled kernels
+    torch.cuda.synchronize()
+    enqueue = []
+    t0 = time.perf_counter()
+    for _ in range(jobs):
+        t = time.perf_counter()
+        backend.enqueue_with(mechanism, src, dst, sizes, direction, stream)
+        enqueue.append(time.perf_counter() - t)
+    end.record(stream)
+    end.synchronize()
+    wall = time.perf_counter() - t0
     return {"wall_s": wall, "host_s": float(np.median(enqueue))}
 
 
@@ -100,30 +96,26 @@ def time_both(backend, mechanism: str, store_args, load_args, *, released: str, 
     """
     torch = backend._torch
     s1, s2, gate_stream = streams(backend)
-    saved, backend.mechanism = backend.mechanism, mechanism
     times = []
-    try:
-        for rep in range(reps + 1):  # rep 0 warms up: the new streams' staging buffers are made in it
-            torch.cuda.synchronize()
-            gate, start, e1, e2 = (backend.new_event() for _ in range(4))
-            with torch.cuda.stream(gate_stream):
-                torch.cuda._sleep(SLEEP_CYCLES)
-            gate.record(gate_stream)
-            for stream in (s1, s2):
-                stream.wait_event(gate)
-                if released == "own":
-                    with torch.cuda.stream(stream):
-                        torch.cuda._sleep(SLEEP_CYCLES // 100)
-            start.record(s1)
-            for stream, args, end in ((s1, store_args, e1), (s2, load_args, e2)):
-                backend.copy_batch(*args, stream)
-                end.record(stream)
-            e1.synchronize()
-            e2.synchronize()
-            if rep:
-                times.append(max(start.elapsed_time(e1), start.elapsed_time(e2)) / 1e3)
-    finally:
-        backend.mechanism = saved
+    for rep in range(reps + 1):  # rep 0 warms up: the new streams' staging buffers are made in it
+        torch.cuda.synchronize()
+        gate, start, e1, e2 = (backend.new_event() for _ in range(4))
+        with torch.cuda.stream(gate_stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        gate.record(gate_stream)
+        for stream in (s1, s2):
+            stream.wait_event(gate)
+            if released == "own":
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(SLEEP_CYCLES // 100)
+        start.record(s1)
+        for stream, args, end in ((s1, store_args, e1), (s2, load_args, e2)):
+            backend.enqueue_with(mechanism, *args, stream)
+            end.record(stream)
+        e1.synchronize()
+        e2.synchronize()
+        if rep:
+            times.append(max(start.elapsed_time(e1), start.elapsed_time(e2)) / 1e3)
     return times
 
 

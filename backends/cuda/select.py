@@ -1,4 +1,5 @@
-"""Which mechanism moves a job fastest: a small cost model, H200 defaults, and calibration profiles.
+"""Which mechanism moves a job fastest: a small cost model, H200 defaults, calibration
+profiles, and `choose`, which weighs a batch's contenders (`mechanisms.contenders`) with it.
 
 Per job, from its direction, descriptor count, bytes and (for ``staged``) how many
 host-contiguous runs its descriptors form. A job costs the larger of its device time and
@@ -40,10 +41,11 @@ import json
 import os
 import pathlib
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
-# In order of preference on a tie: copy engines first, then staging (SMs for a moment), then
-# the SM kernel (SMs for the whole transfer), then the per-copy loop.
-MECHANISMS = ("ce_batch", "staged", "sm_gather", "ce_loop")
+import numpy as np
+
+from offload_core.backend import Direction
 
 
 @dataclass
@@ -148,3 +150,56 @@ def profile_path(device_name: str) -> pathlib.Path:
     root = os.environ.get("OFFLOAD_CORE_PROFILE_DIR") or pathlib.Path.home() / ".cache" / "offload-core"
     slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
     return pathlib.Path(root) / f"cuda-{slug}.json"
+
+
+class Shape(NamedTuple):
+    """What `choose` learned about a batch on the way, handed to the mechanism it picked so
+    that no pass over the descriptors is made twice."""
+
+    largest: int  # the largest size
+    uniform: bool  # whether every size equals `largest`
+    starts: np.ndarray | None  # where the host-contiguous runs start (`run_starts`), or None where not counted
+
+
+def choose(backend, contenders, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction) -> tuple[str, Shape]:
+    """The mechanism ``auto`` picks for a batch, by `backend.cost`, and what was learned on the way.
+
+    Args:
+        backend: the `CudaBackend` (its cost model, staging size and host ranges).
+        contenders: the batch mechanisms that may compete (`mechanisms.contenders`), in order
+            of preference on a tie; one that refuses this batch (`Mechanism.refuses`) drops out.
+        src, dst, sizes, direction: the batch, as `copy_batch` takes it (int64 arrays).
+    """
+    store = direction is Direction.STORE
+    host = dst if store else src
+    largest = int(sizes.max())
+    uniform = int(sizes.min()) == largest
+    nbytes = len(sizes) * largest if uniform else int(sizes.sum())
+    names = tuple(m.name for m in contenders if m.refuses(backend, host, sizes, largest) is None)
+    starts = []
+
+    def count_runs():  # a pass over the descriptors: only if ``staged`` competes
+        starts.append(run_starts(host, sizes, largest if uniform else None))
+        return starts[0].size
+
+    pieces = 1 + len(piece_bounds(nbytes, backend.staging_bytes, store))
+    mechanism = backend.cost.choose(direction.value, len(sizes), nbytes, names, count_runs, pieces)
+    return mechanism, Shape(largest, uniform, starts[0] if starts else None)
+
+
+def run_starts(host: np.ndarray, sizes: np.ndarray, size: int | None = None) -> np.ndarray:
+    """The indices where runs of descriptors that are contiguous on the host start; `size`,
+    where every descriptor has that size, saves a pass."""
+    new_run = np.empty(host.size, dtype=bool)
+    new_run[0] = True
+    if size is None:
+        np.not_equal(host[1:], host[:-1] + sizes[:-1], out=new_run[1:])
+    else:
+        np.not_equal(host[1:] - host[:-1], size, out=new_run[1:])
+    return new_run.nonzero()[0]
+
+
+def host_runs(host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where runs of descriptors that are contiguous on the host start, and their bytes."""
+    starts = run_starts(host, sizes)
+    return starts, np.add.reduceat(sizes, starts)

@@ -1,0 +1,121 @@
+"""Calibration: measure a GPU's copy costs into a `select.CostModel`, save it as that GPU
+model's profile, and find the saved profile when a backend starts (`offload-core calibrate`).
+
+Measurements run each mechanism by name (`CudaBackend.enqueue_with`, through `measure`), so
+the backend's own mechanism is never touched while they run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+
+import numpy as np
+
+from offload_core.backend import Direction
+from offload_core.backends.cuda import kernels, measure, select
+from offload_core.backends.cuda.select import CostModel, profile_path
+
+log = logging.getLogger(__name__)
+
+
+def saved_profile(device_name: str) -> CostModel:
+    """The profile saved for this GPU model, or the H200 defaults where none is saved or it
+    cannot be read (which is logged)."""
+    path = profile_path(device_name)
+    if path.exists():
+        try:
+            return CostModel.load(path)
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable cuda profile %s: %s", path, exc)
+    return CostModel()
+
+
+def calibrate(backend, save: bool = True) -> dict:
+    """Measure `backend`'s copy costs (a few seconds), make them its cost model, and save
+    them as its GPU model's profile unless `save` is False.
+
+    Returns:
+        The measured cost model as a dict, with ``profile`` (the file) and ``saved``.
+
+    Raises:
+        ValueError: a mechanism the measurement needs is unavailable (the copy engines' batch
+            API measures the link).
+        Exception: anything the GPU, its driver or the profile's folder raises.
+    """
+    model = measure_costs(backend)
+    path = profile_path(backend._torch.cuda.get_device_name(backend.device))
+    if save:
+        model.save(path)
+    backend.cost = model
+    return {"profile": str(path), "saved": save, **asdict(model)}
+
+
+def measure_costs(backend) -> CostModel:
+    """A cost model of `backend`'s GPU, from copies timed on it: link speed and per-copy costs
+    of each available mechanism, the host time of their enqueues, and the staging gather."""
+    torch = backend._torch
+    available = backend.available_mechanisms
+    span = 256 << 20
+    device = torch.zeros(2 * span, dtype=torch.uint8, device=backend.device)  # fragments scatter over 2x
+    staging = torch.zeros(span, dtype=torch.uint8, device=backend.device)
+    host = backend.alloc_host(span)
+    model = CostModel(source=f"offload-core calibrate on {torch.cuda.get_device_name(backend.device)}")
+    one = np.ones(1, dtype=np.int64)
+    for direction in Direction:
+        d = direction.value
+
+        def run(mechanism, n, size, seed=0):
+            dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr(), seed=seed)
+            src, dst = (dev, hst) if direction is Direction.STORE else (hst, dev)
+            return measure.time_copy(backend, mechanism, src, dst, sizes, direction, busy=True)["event_s"]
+
+        whole = measure.time_copy(
+            backend, "ce_batch", *((one * device.data_ptr(), one * host.data_ptr()) if direction is Direction.STORE
+                                   else (one * host.data_ptr(), one * device.data_ptr())), one * span, direction, busy=True
+        )["event_s"]
+        model.ce_gbps[d] = span / whole / 1e9
+        if "ce_batch" in available:
+            model.ce_desc_s[d] = run("ce_batch", 65536, 256) / 65536
+            model.ce_tail_s = max(0.0, run("ce_batch", 16384, 16384) / 16384 - 16384 / (model.ce_gbps[d] * 1e9))
+        if "sm_gather" in available:
+            model.sm_gbps[d] = span / run("sm_gather", 4096, 65536) / 1e9
+            model.sm_desc_s[d] = run("sm_gather", 65536, 256) / 65536
+
+    def host_s(mechanism, n, size, reps=15):  # the enqueue call's time on this machine's CPU
+        dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr())
+        return measure.host_time(backend, mechanism, dev, hst, sizes, Direction.STORE, reps)
+
+    if "ce_batch" in available:
+        model.ce_host_s = host_s("ce_batch", 16384, 16384, reps=5) / 16384
+    if "sm_gather" in available:
+        few, many = host_s("sm_gather", 4096, 256), host_s("sm_gather", 65536, 256)
+        per_copy = max(0.0, (many - few) / (65536 - 4096))
+        model.sm_host_s = (max(0.0, few - 4096 * per_copy), per_copy)
+    if "staged" in available:
+        # 4096 and 65536 copies in one piece tell the part per copy; 4096 copies in a job
+        # larger than the staging buffers, the part per piece (`select.piece_bounds`)
+        staging_bytes = backend.staging_bytes
+        wide = 4096 * min(span // (2 * 4096), 1 << (staging_bytes // 4096).bit_length())
+        small, many, large = (host_s("staged", n, size) for n, size in ((4096, 256), (65536, 256), (4096, wide // 4096)))
+        per_copy = max(0.0, (many - small) / (65536 - 4096))
+        one, more = (1 + len(select.piece_bounds(b, staging_bytes, True)) for b in (4096 * 256, wide))
+        per_piece = max(0.0, (large - small) / (more - one)) if more > one else 0.0
+        model.staged_host_s = (max(0.0, small - 4096 * per_copy - one * per_piece), per_copy, per_piece)
+    if kernels.available() is None:
+        stream, start, end = backend.new_stream(), backend.new_event(), backend.new_event()
+        ring = backend._ring
+
+        def gather_s(n, size):
+            dev_a, dev_b, sizes = measure.fragments(n, size, device.data_ptr(), staging.data_ptr())
+            for _ in range(2):  # the first launch compiles
+                start.record(stream)
+                kernels.launch(dev_a, dev_b, sizes, stream, backend.gather_programs, ring)
+                end.record(stream)
+                ring.retire(end)
+                end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        model.gather_gbps = span / gather_s(16384, 16384) / 1e9
+        model.gather_desc_s = max(0.0, gather_s(65536, 256) / 65536 - 256 / (model.gather_gbps * 1e9))
+    return model
