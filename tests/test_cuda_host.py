@@ -556,3 +556,20 @@ def test_calibration_is_a_capability_the_cli_asks_for(monkeypatch, capsys):
     monkeypatch.setattr(registry, "get_backend", lambda name=None: backend)
     assert cli.main(["calibrate", "--backend", "cuda", "--dry-run"]) == 0
     assert json.loads(capsys.readouterr().out) == {"saved": False}
+
+
+@pytest.mark.parametrize(
+    "items, nbytes, segments, cheaper",
+    [
+        (65536, 256 << 20, 65536, "expand_direct"),  # one tensor, 4 KiB pages, scattered host blocks
+        (1 << 20, 256 << 20, 1 << 20, "expand_direct"),  # the same at 256 B
+        (4096, 256 << 20, 4096, "expand_staged"),  # 64 KiB pages: the copy engines keep up
+        (1024, 4 << 20, 16, "expand_staged"),  # an engine's job: 16 blocks x 64 tensors of 4 KiB
+    ],
+)
+def test_the_cost_model_weighs_the_compact_paths(items, nbytes, segments, cheaper):
+    from offload_core.backends.cuda.select import CostModel
+
+    cost = CostModel()
+    est = {m: cost.estimate_job(m, "store", items, nbytes, segments) for m in ("expand_staged", "expand_direct")}
+    assert min(est, key=est.get) == cheaper

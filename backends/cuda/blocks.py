@@ -34,7 +34,9 @@ from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 from offload_core.backends.cuda.staging import PerStream, StagingHalves
 
-SEGMENT_BYTES = 4096  # below this mean segment size, the copy engines are bound per copy: go direct
+# Only where segments average under this does the cost model weigh expand_direct: above it the
+# copy engines move a segment at link speed (16 KiB on the H200), so staging always wins.
+SEGMENT_BYTES = 16384
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
 
 
@@ -88,13 +90,18 @@ class BlockCopier:
         return prepared.direct_ok
 
     def choose(self, job: CompactJob, prepared: Prepared, segments) -> "JobMechanism":
-        """``expand_staged`` unless the segments are too small for the copy engines and the
-        host rows are addressable; ``ce_batch`` (host-expanded) where a host row does not fit
-        a staging half."""
+        """What the cost model (`select.CostModel.estimate_job`) finds cheaper: ``expand_staged``,
+        or ``expand_direct`` where the host rows are addressable and the segments too small
+        for the copy engines (ties go to staging, which leaves the SMs alone); ``ce_batch``
+        (host-expanded) where a host row does not fit a staging half."""
         if prepared.layout.row_bytes > self.half_bytes:
             return HOST_EXPANDED
-        if job.nbytes < SEGMENT_BYTES * segments[0].size and self.direct_ok(prepared):
-            return EXPAND_DIRECT
+        n_seg = segments[0].size
+        if n_seg and job.nbytes < SEGMENT_BYTES * n_seg and self.direct_ok(prepared):
+            cost, d = self.backend.cost, job.direction.value
+            staged = cost.estimate_job("expand_staged", d, job.items, job.nbytes, n_seg)
+            if cost.estimate_job("expand_direct", d, job.items, job.nbytes, n_seg) < 0.98 * staged:
+                return EXPAND_DIRECT
         return EXPAND_STAGED
 
     def copy(self, job: CompactJob, prepared: Prepared, stream, after: list, held: list,
