@@ -264,7 +264,7 @@ class Planner:
                 f"{host_ids.size} host block ids given, the device blocks need {sum(host_counts)} "
                 f"(per group: {host_counts}, blocks_per_chunk={bpc})"
             )
-        if host_ids.size and (host_ids.min() < 0 or host_ids.max() >= self.host_blocks):
+        if _outside(host_ids, self.host_blocks):
             _raise_out_of_range("host", host_ids, self.host_blocks)
         arange = self._arange  # one read: another thread may swap in a smaller one meanwhile
         if arange.size < max(sizes, default=0):
@@ -277,7 +277,7 @@ class Planner:
                 continue
             dev_ids = device.block_ids[d0 : d0 + n]
             d0 += n
-            if dev_ids.min() < 0 or dev_ids.max() >= grp.device_limit:
+            if _outside(dev_ids, grp.device_limit):
                 _raise_out_of_range("device", dev_ids, grp.device_limit)
             group_hids = host_ids[h0 : h0 + hc]
             h0 += hc
@@ -334,6 +334,12 @@ def _merge_blocks(dev_off: np.ndarray, host_off: np.ndarray, page: int):
     starts = np.flatnonzero(np.concatenate(([True], ~follows)))
     run_blocks = np.diff(np.append(starts, dev_off.size))
     return dev_off[starts], host_off[starts], run_blocks * page
+
+
+def _outside(ids: np.ndarray, limit: int) -> bool:
+    """Whether any id is negative or not below `limit`: one comparison, since a negative int64
+    read as uint64 is larger than any limit."""
+    return bool((ids.view(np.uint64) >= limit).any())
 
 
 def _raise_out_of_range(side: str, ids: np.ndarray, limit: int) -> None:
