@@ -11,8 +11,8 @@ coalesced: `submit` records where the caller's compute stream is and hands the j
 queue's launcher thread, which sends every job waiting at that moment to the device as one
 launch. While a launch is being enqueued, later jobs wait for the next one, so jobs arriving
 faster than one launch takes go together, and a job waits at most for the launch under way
-plus its own. Results stay per job. `wait` on a job that has not been launched yet waits for
-its launch, which takes it with whatever came before it, never with later submissions. The
+plus its own. Results stay per job. `wait` on a job that has not been launched yet launches
+it, with the jobs before it and none after it (after the launch under way, if any). The
 launcher holds the GIL like any Python thread: while the caller runs Python code without
 releasing it, a launch may start up to `sys.getswitchinterval()` (5 ms) late; waiting, device
 work and most torch calls release it.
@@ -117,6 +117,7 @@ class _Job(NamedTuple):
     mechanism: str
     share: float = 1.0  # of the launch's time, this job's part (by bytes)
     last: bool = True  # the last job of its launch: its events go back to the pool with it
+    failed: bool = False  # its launch failed to enqueue: reported, once `end` has passed, as failed
 
 
 class _Pending(NamedTuple):
@@ -257,13 +258,12 @@ class TransferQueue:
             while self._jobs:
                 job = self._jobs[0]
                 try:
-                    if job.end is None:
-                        ok, elapsed = False, 0.0  # its launch failed to enqueue (logged then)
-                    else:
-                        if not job.end.query():
-                            break
-                        elapsed = job.start.elapsed_time(job.end) / 1e3 * job.share
-                        ok = True
+                    # A failed launch is reported once what it enqueued has run: the engine may
+                    # reuse the blocks as soon as it sees the result.
+                    if job.end is not None and not job.end.query():
+                        break
+                    ok = not job.failed
+                    elapsed = job.start.elapsed_time(job.end) / 1e3 * job.share if ok else 0.0
                 except Exception as exc:  # a device fault fails this job, not the caller's loop
                     log.error("%s job %s failed on the device: %r", self.direction.value, job.job_id, exc)
                     ok, elapsed = False, 0.0
@@ -271,8 +271,8 @@ class TransferQueue:
                 self._ids.discard(job.job_id)
                 self.stats.failed += not ok
                 results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism))
-                if ok and job.last:  # events that saw a fault are not trusted again
-                    self._free_events += (job.start, job.end)
+                if ok and job.last and job.end is not self._last_end:  # events that saw a fault are not trusted
+                    self._free_events += (job.start, job.end)  # again; the last launch's end tells if the device idles
                 if job.scratch is not None:
                     self._pool(job.scratch)
         return results
@@ -288,8 +288,21 @@ class TransferQueue:
         wanted = job_id_set(job_ids)
         with self._lock:
             wanted &= self._ids
-            while wanted and self._unlaunched(wanted):  # the launcher takes them with the jobs before them
-                self._launched.wait()
+            while wanted:
+                # A named job not launched yet is launched now, by this thread, with the jobs
+                # before it and none after it (unless a launch is under way: then after that).
+                pos = max((i for i, p in enumerate(self._pending) if p.job_id in wanted), default=-1)
+                if pos < 0 and self._launching.isdisjoint(wanted):
+                    break
+                if pos < 0 or self._launching:
+                    self._launched.wait()
+                    continue
+                batch = self._take(pos + 1)
+                self._lock.release()
+                try:
+                    self._run_quietly(batch)
+                finally:
+                    self._lock.acquire()
             last = None
             if wanted:
                 for job in self._jobs:
@@ -324,8 +337,9 @@ class TransferQueue:
 
     # ---- compact jobs: coalesced launches -------------------------------------
 
-    def _unlaunched(self, ids: set[int]) -> bool:
-        return any(p.job_id in ids for p in self._pending) or not self._launching.isdisjoint(ids)
+    def waiting_for_launch(self) -> bool:
+        """Whether compact jobs wait for a launch, or one is being enqueued."""
+        return bool(self._pending or self._launching)
 
     def _submit_compact(self, job_id: int, job: CompactJob, prepared: Any) -> None:
         compute = self.backend.current_stream()  # the caller's: the launcher thread has its own
@@ -360,19 +374,28 @@ class TransferQueue:
                 return
         # Nothing for the device to do: waiting for the launcher (it may not get the GIL for
         # a while) would only leave it idle, so this thread launches, and coalesces nothing.
-        self._run(batch)
+        # The job is queued from here on: whatever happens to the launch, its result says so.
+        self._run_quietly(batch)
+
+    def _run_quietly(self, batch: list[_Pending]) -> None:
+        """`_run`, its failures left to the jobs' results (and the log); Ctrl-C still propagates."""
+        try:
+            self._run(batch)
+        except Exception:
+            log.exception("launching %s jobs %s failed", self.direction.value, [p.job_id for p in batch])
 
     def _run(self, batch: list[_Pending]) -> None:
-        """`_launch`, and if even that is interrupted (Ctrl-C), the jobs fail rather than leave
-        waiters hanging."""
+        """`_launch`, and if even that fails or is interrupted (Ctrl-C), the jobs fail rather
+        than leave waiters hanging."""
         try:
             self._launch(batch)
         except BaseException:
             with self._lock:
-                for p in batch:
-                    self._jobs.append(_Job(p.job_id, None, None, p.job.nbytes, None, ""))
-                self._launching = set()
-                self._launched.notify_all()
+                if self._launching:  # not yet recorded by `_launch`
+                    for p in batch:
+                        self._jobs.append(_Job(p.job_id, None, None, p.job.nbytes, None, "", failed=True))
+                    self._launching = set()
+                    self._launched.notify_all()
             raise
 
     def _device_idle(self) -> bool:
@@ -382,20 +405,24 @@ class TransferQueue:
         except Exception:  # a fault: reported with its jobs; new work may go
             return True
 
-    def _take(self) -> list[_Pending] | None:
-        """The jobs of the next launch, marked as launching: everything waiting, up to the first
-        one that would write bytes an earlier one of the launch writes (copies within a launch
-        run in any order); None if nothing waits. Call with the lock held, nothing launching."""
+    def _take(self, limit: int = MAX_LAUNCH) -> list[_Pending] | None:
+        """The jobs of the next launch, marked as launching: the first `limit` waiting (at most
+        `MAX_LAUNCH`), up to the first one that would write bytes an earlier one of the launch
+        writes (copies within a launch run in any order); None if nothing waits. Call with the
+        lock held, nothing launching."""
         if not self._pending:
             return None
-        batch = [self._pending.popleft() for _ in range(min(MAX_LAUNCH, len(self._pending)))]
+        batch = [self._pending.popleft() for _ in range(min(limit, MAX_LAUNCH, len(self._pending)))]
         if len(batch) > 1:
             keys = np.concatenate([p.job.destinations() for p in batch])
             owner = np.repeat(np.arange(len(batch)), [len(p.job) for p in batch])
-            order = np.argsort(keys, kind="stable")
-            same = keys[order][1:] == keys[order][:-1]
-            if same.any():
-                cut = int(np.maximum(owner[order][1:], owner[order][:-1])[same].min())
+            order = np.argsort(keys, kind="stable")  # equal keys in job order
+            k, o = keys[order], owner[order]
+            # Only keys of two different jobs conflict: one job's blocks may share a key (groups
+            # on different tensors write one host block), and the planner has checked those.
+            clash = (k[1:] == k[:-1]) & (o[1:] != o[:-1])
+            if clash.any():
+                cut = int(o[1:][clash].min())  # >= 1: the later job of the first clash
                 self._pending.extendleft(reversed(batch[cut:]))
                 batch = batch[:cut]
         self._launching = {p.job_id for p in batch}
@@ -407,7 +434,9 @@ class TransferQueue:
             start, end = self._event(), self._event()
         job = CompactJob.concat([p.job for p in batch])
         stream = self._stream
-        after = list({id(p.stream): p.ready for p in batch}.values())  # the last event of each compute stream
+        # Every job's event, not one per compute stream: two threads' jobs may enter the list in
+        # another order than they recorded their events.
+        after = [p.ready for p in batch]
         failed = None
         with self._enqueue:
             try:
@@ -420,6 +449,10 @@ class TransferQueue:
                 failed = exc
                 log.error("%s jobs %s could not be enqueued on %s: %r", self.direction.value,
                           [p.job_id for p in batch], self.backend.name, exc)
+                try:  # what was enqueued before the failure must have run before the jobs are reported
+                    end.record(stream)
+                except Exception:
+                    end = None  # the device is lost
             with self._lock:
                 total = max(1, job.nbytes)
                 for i, p in enumerate(batch):
@@ -427,7 +460,7 @@ class TransferQueue:
                         self._jobs.append(_Job(p.job_id, start, end, p.job.nbytes, None, mechanism or "",
                                                p.job.nbytes / total, i == len(batch) - 1))
                     else:
-                        self._jobs.append(_Job(p.job_id, None, None, p.job.nbytes, None, ""))
+                        self._jobs.append(_Job(p.job_id, None, end, p.job.nbytes, None, "", failed=True))
                 self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
                 self.stats.launches += failed is None
                 if failed is None:
@@ -439,8 +472,6 @@ class TransferQueue:
                     self.stats.mechanisms[mechanism or ""] += len(batch)
                 self._launching = set()
                 self._launched.notify_all()
-        if failed is not None:  # part of it may be queued: nothing of ours to free, the backend keeps its own
-            _settle(end)
 
 
 def _launch_loop(queue_ref: "weakref.ref[TransferQueue]") -> None:

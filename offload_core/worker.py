@@ -232,7 +232,8 @@ class OffloadWorker:
             return True
         finally:
             with self._lock:
-                if not queued:
+                # a compact job interrupted (Ctrl-C) while its submit launched it is queued: its result will come
+                if not queued and job_id not in self._queues[direction]:
                     self._in_flight.discard(job_id)
                 self._submitting -= 1
                 if not self._submitting:
@@ -342,9 +343,12 @@ def _dropped(pid: int, *held) -> None:
     pending = sum(len(q) for q in queues)
     if pending:
         log.warning("OffloadWorker dropped without shutdown() with %d jobs in flight: draining them first", pending)
-    # The collector may run on any thread, even one a backend's stream needs to make progress:
-    # only the main thread waits here; elsewhere a thread of its own waits, holding the memory.
-    if pending and threading.current_thread() is not threading.main_thread():
+    # The collector may run on any thread, even one a backend's stream needs to make progress,
+    # or one that holds the backend's enqueue lock, which jobs still waiting for a launch need:
+    # only the main thread waits here, and only for jobs already launched; otherwise a thread
+    # of its own waits, holding the memory.
+    unlaunched = any(q.waiting_for_launch() for q in queues)
+    if pending and (unlaunched or threading.current_thread() is not threading.main_thread()):
         try:
             threading.Thread(target=_drain, args=held, name="offload-core-drain", daemon=True).start()
             return

@@ -171,3 +171,148 @@ def test_a_lone_job_on_an_idle_device_is_launched_by_its_submit():
         queue = worker._queues[next(iter(worker._queues))]
         assert queue.stats.launches == 1 and not queue._pending  # launched before submit returned
         assert queue._launcher is not None
+
+
+def test_jobs_whose_groups_share_a_host_block_still_coalesce(held):
+    """Two groups on different tensors may store into one host block; only clashes between two
+    jobs split a launch."""
+    backend, lock = held
+    kv = small_kv(pages=(64, 32), blocks=16, groups=[[0], [1]])
+    with OffloadWorker(kv, 16, backend=backend) as worker:
+        first = threading.Thread(target=worker.submit_store, args=(2, DeviceBlocks([3], [1, 0]), HostBlocks([0])))
+        first.start()
+        until(lambda: worker._queues[next(iter(worker._queues))]._launching)
+        assert worker.submit_store(3, DeviceBlocks([1, 2], [1, 1]), HostBlocks([6, 6]))
+        assert worker.submit_store(4, DeviceBlocks([5, 4], [1, 1]), HostBlocks([7, 7]))
+        lock.release()
+        first.join()
+        worker.wait([3, 4])
+        assert [r.success for r in worker.get_finished()] == [True] * 3
+        assert worker.stats()["store"].launches == 2
+        assert torch.equal(worker.host_tensors[0][7], kv.tensors[0].tensor[5])
+        assert torch.equal(worker.host_tensors[1][7], kv.tensors[1].tensor[4])
+
+
+def test_a_launch_waits_for_every_jobs_compute_event():
+    """Thread A records its compute event, then stalls; thread B queues compute work and a store
+    that enters the pending list first: the launch must wait for B's event too."""
+    from offload_core.backends.cpu import CpuEvent
+
+    stalled = {}
+
+    class SlowEvent(CpuEvent):
+        def record(self, stream):
+            super().record(stream)
+            if threading.current_thread() is stalled.get("thread"):
+                time.sleep(0.3)
+
+    class Backend(ExpandingCpuBackend):
+        def new_event(self):
+            return SlowEvent()
+
+    backend = Backend()
+    lock = enqueue_lock(backend)
+    kv = small_kv(pages=(64,), blocks=16)
+    with OffloadWorker(kv, 16, backend=backend) as worker:
+        lock.acquire()
+        first = first_in_flight(worker)
+        a = threading.Thread(target=store, args=(worker, 1, [1], [1]))
+        stalled["thread"] = a
+        a.start()
+        time.sleep(0.1)
+        gate = threading.Event()
+
+        def compute():  # the model writes block 5 before B's store of it
+            gate.wait()
+            time.sleep(0.5)
+            kv.tensors[0].tensor[5].fill_(0x77)
+
+        backend.current_stream().launch(compute)
+        store(worker, 2, [5], [5])
+        gate.set()
+        a.join()
+        lock.release()
+        first.join()
+        worker.wait([0, 1, 2])
+        assert (worker.host_tensors[0][5] == 0x77).all()
+
+
+def test_a_failed_launch_is_reported_after_what_it_enqueued_has_run():
+    class HalfWay(ExpandingCpuBackend):
+        def copy_blocks(self, job, prepared, stream, after):
+            stream.launch(lambda: time.sleep(0.2))
+            super().copy_blocks(job, prepared, stream, after)
+            raise RuntimeError("failed half-way")
+
+    kv = small_kv(pages=(64,), blocks=16)
+    with OffloadWorker(kv, 16, backend=HalfWay()) as worker:
+        worker.host_tensors[0][3].fill_(0x11)
+        assert worker.submit_load(1, HostBlocks([3]), DeviceBlocks([9]))
+        worker.wait([1])
+        (result,) = worker.get_finished()
+        assert not result.success
+        kv.tensors[0].tensor[9].fill_(0x42)  # the engine reuses the block of a failed load
+        time.sleep(0.3)
+        assert (kv.tensors[0].tensor[9] == 0x42).all()
+
+
+def test_a_submit_after_a_poll_still_finds_the_device_idle():
+    class Who(ExpandingCpuBackend):
+        def copy_blocks(self, job, prepared, stream, after):
+            self.by = threading.current_thread()
+            return super().copy_blocks(job, prepared, stream, after)
+
+    backend = Who()
+    with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
+        store(worker, 0, [0], [0])
+        worker.wait([0])
+        worker.get_finished()  # the launch's events go back to the pool
+        busy = threading.Event()
+        backend.current_stream().launch(lambda: busy.wait(5))  # the model is busy
+        store(worker, 1, [1], [1])
+        assert backend.by is threading.current_thread()  # launched by the submit, not the launcher
+        busy.set()
+
+
+def test_a_worker_collected_while_its_backend_enqueues_does_not_deadlock():
+    """The collector may free a worker with jobs waiting for a launch on the thread that holds the
+    backend's enqueue lock (inside another worker's copy_blocks): the drain goes to a thread."""
+    import gc
+
+    class Backend(ExpandingCpuBackend):
+        hook = None
+
+        def copy_blocks(self, job, prepared, stream, after):
+            hook, self.hook = self.hook, None
+            if hook:
+                hook()
+            return super().copy_blocks(job, prepared, stream, after)
+
+    backend = Backend()
+    gc.disable()
+    try:
+        w1 = OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend)
+        w2 = OffloadWorker(small_kv(pages=(64,), blocks=16, seed=1), 16, backend=backend)
+        w1.cycle = w1  # only the cyclic collector frees it
+        block = threading.Event()
+        w1._queues[next(iter(w1._queues))]._stream.launch(block.wait)
+        store(w1, 0, [0], [0])  # launched, behind the block: the next ones wait for the launcher
+        ref = [w1]
+        del w1
+
+        def hook():  # inside copy_blocks, the enqueue lock held by this thread
+            t = threading.Thread(target=lambda: [store(ref[0], i, [i], [i]) for i in (1, 2)])
+            t.start()
+            t.join()
+            time.sleep(0.1)
+            block.set()
+            ref.clear()
+            gc.collect()
+
+        backend.hook = hook
+        done = threading.Event()
+        threading.Thread(target=lambda: (store(w2, 7, [3], [3]), done.set()), daemon=True).start()
+        assert done.wait(10), "deadlock: the collector drained inline under the enqueue lock"
+        w2.shutdown()
+    finally:
+        gc.enable()
