@@ -138,6 +138,8 @@ class TransferQueue:
         direction: STORE or LOAD; recorded in results and passed to the backend.
     """
 
+    max_pending = MAX_PENDING  # compact jobs waiting for a launch before a submit waits
+
     def __init__(self, backend: Backend, direction: Direction):
         if not isinstance(backend, Backend) or not isinstance(direction, Direction):
             raise InvalidSpecError(f"TransferQueue needs a Backend and a Direction, got {backend!r} and {direction!r}")
@@ -350,9 +352,9 @@ class TransferQueue:
             if self._closed:
                 self._free_events.append(ready)
                 raise OffloadError(f"the {self.direction.value} queue is closed")
-            if len(self._pending) >= MAX_PENDING:
+            if len(self._pending) >= self.max_pending:
                 t0 = time.perf_counter()
-                while len(self._pending) >= MAX_PENDING and not self._closed:
+                while len(self._pending) >= self.max_pending and not self._closed:
                     self._launched.wait()
                 self.stats.backpressure_waits += 1
                 self.stats.backpressure_s += time.perf_counter() - t0

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from offload_core import DeviceBlocks, HostBlocks, OffloadWorker
-from offload_core import queue as queue_module
 from offload_core.queue import enqueue_lock
 from offload_core.testing.expanding import ExpandingCpuBackend
 
@@ -114,11 +113,11 @@ def test_a_launch_that_fails_fails_its_jobs_and_the_queue_goes_on():
         assert torch.equal(worker.host_tensors[0][2], kv.tensors[0].tensor[2])
 
 
-def test_submit_waits_when_too_many_jobs_wait_for_a_launch(held, monkeypatch):
+def test_submit_waits_when_too_many_jobs_wait_for_a_launch(held):
     backend, lock = held
-    monkeypatch.setattr(queue_module, "MAX_PENDING", 3)
     kv = small_kv(pages=(64,), blocks=32)
     with OffloadWorker(kv, 32, backend=backend) as worker:
+        worker._queues[next(iter(worker._queues))].max_pending = 3
         first = first_in_flight(worker)
         for j in range(1, 4):
             store(worker, j, [j], [j])
@@ -316,3 +315,14 @@ def test_a_worker_collected_while_its_backend_enqueues_does_not_deadlock():
         w2.shutdown()
     finally:
         gc.enable()
+
+
+def test_a_backend_that_refuses_the_layout_gets_planned_descriptors():
+    backend = ExpandingCpuBackend(refuse=True)
+    kv = small_kv(pages=(64,), blocks=16)
+    with OffloadWorker(kv, 8, backend=backend) as worker:
+        store(worker, 1, [1, 2], [3, 4])
+        worker.wait([1])
+        (result,) = worker.get_finished()
+        assert result.success and result.mechanism == "memmove" and backend.jobs == 0
+        assert torch.equal(worker.host_tensors[0][3], kv.tensors[0].tensor[1])

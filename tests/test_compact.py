@@ -18,12 +18,10 @@ from hypothesis import strategies as st
 from offload_core import CanonicalPageMapping, CopyRun, DeviceBlocks, Direction, Geometry, HostBlocks, InvalidSpecError, Planner
 from offload_core.canonical import attention_mappings
 from offload_core.compact import CompactLayout
+from offload_core.testing.expanding import POISON, steps
 from offload_core.testing.reference import reference_transfer
 
 from test_plan import Model, transfers
-
-POISON = 0xA5
-
 
 def execute(src, dst, sizes):
     for s, d, n in zip(np.asarray(src).tolist(), np.asarray(dst).tolist(), np.asarray(sizes).tolist()):
@@ -31,25 +29,14 @@ def execute(src, dst, sizes):
 
 
 def run_compact(layout, job, staged: bool) -> None:
-    """What an expanding backend does with a job, on the host."""
-    store = job.direction is Direction.STORE
-    if not staged:
-        dev, host, sizes = layout.descriptors(job)
-        execute(*((dev, host) if store else (host, dev)), sizes)
-        return
+    """What an expanding backend does with a job, on the host; staging poisoned."""
     staging = np.full(max(1, job.host_ids.size * layout.row_bytes), POISON, dtype=np.uint8)
-    base = staging.ctypes.data
-    dev, side, sizes = layout.descriptors(job, base)
-    st_, ho, sz = layout.segments(job)
-    st_, ho = st_ + base, ho + layout.host_base
-    if store:
-        execute(dev, side, sizes)
-        execute(st_, ho, sz)
-    else:
-        execute(ho, st_, sz)
-        execute(side, dev, sizes)
-    assert (np.sort(st_) == st_).all(), "segments come in staging order"
-    assert (sz > 0).all()
+    batches = steps(job, staging.ctypes.data if staged else None)
+    for src, dst, sizes in batches:
+        execute(src, dst, sizes)
+    if staged:
+        stage = batches[1][0] if job.direction is Direction.STORE else batches[0][1]
+        assert (np.sort(stage) == stage).all(), "segments come in staging order"
 
 
 def check_against_planner(model, direction, device, host, staged):

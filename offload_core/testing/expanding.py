@@ -39,25 +39,29 @@ class ExpandingCpuBackend(CpuBackend):
         return None if self.refuse else layout
 
     def copy_blocks(self, job: CompactJob, prepared, stream: CpuStream, after) -> str:
-        layout = job.layout
-        assert prepared is layout, "copy_blocks got another layout's tables"
+        assert prepared is job.layout, "copy_blocks got another layout's tables"
         self.jobs += 1
-        store = job.direction is Direction.STORE
-        if not self.staged:
-            dev, host, sizes = layout.descriptors(job)
-            src, dst = (dev, host) if store else (host, dev)
+        for event in after:
+            stream.wait_event(event)
+        staging = np.full(max(1, job.host_ids.size * job.layout.row_bytes), POISON, dtype=np.uint8) if self.staged else None
+        for src, dst, sizes in steps(job, None if staging is None else staging.ctypes.data):
             self.copy_batch(src, dst, sizes, job.direction, stream)
-            return "expand_direct"
-        staging = np.full(max(1, job.host_ids.size * layout.row_bytes), POISON, dtype=np.uint8)
-        base = staging.ctypes.data
-        dev, side, sizes = layout.descriptors(job, base)
-        seg_stage, seg_host, seg_sizes = layout.segments(job)
-        seg_stage, seg_host = seg_stage + base, seg_host + layout.host_base
-        if store:
-            self.copy_batch(dev, side, sizes, job.direction, stream)
-            self.copy_batch(seg_stage, seg_host, seg_sizes, job.direction, stream)
-        else:
-            self.copy_batch(seg_host, seg_stage, seg_sizes, job.direction, stream)
-            self.copy_batch(side, dev, sizes, job.direction, stream)
-        stream.launch(lambda: staging.size)  # holds the staging buffer until the stream is past it
-        return "expand_staged"
+        stream.launch(lambda: staging)  # holds the staging buffer until the stream is past it
+        return "expand_staged" if self.staged else "expand_direct"
+
+
+def steps(job: CompactJob, staging: int | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The copy batches, in order, that move `job` as a device backend does: expanded straight
+    into the host rows (`staging` None), or expanded into a staging buffer at address `staging`
+    that mirrors the job's host rows, and moved between it and the host by segments."""
+    layout = job.layout
+    store = job.direction is Direction.STORE
+    if staging is None:
+        dev, host, sizes = layout.descriptors(job)
+        return [(dev, host, sizes) if store else (host, dev, sizes)]
+    dev, side, sizes = layout.descriptors(job, staging)
+    seg_stage, seg_host, seg_sizes = layout.segments(job)
+    seg_stage, seg_host = seg_stage + staging, seg_host + layout.host_base
+    if store:
+        return [(dev, side, sizes), (seg_stage, seg_host, seg_sizes)]
+    return [(seg_host, seg_stage, seg_sizes), (side, dev, sizes)]
