@@ -314,10 +314,19 @@ class TransferQueue:
             _settle(last.end)
 
     def drain(self) -> list[TransferResult]:
-        """Wait for every queued job (compact ones launched first) and return all pending results."""
+        """Wait for every queued job (compact ones launched first, by this thread where no launch
+        is under way) and return all pending results."""
         with self._lock:
             while self._pending or self._launching:
-                self._launched.wait()
+                if self._launching:
+                    self._launched.wait()
+                    continue
+                batch = self._take()
+                self._lock.release()
+                try:
+                    self._run_quietly(batch)
+                finally:
+                    self._lock.acquire()
             ends = [job.end for job in self._jobs if job.end is not None]
         if ends:
             _settle(ends[-1])
