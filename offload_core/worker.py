@@ -243,7 +243,7 @@ class OffloadWorker:
         """Counters per direction (``"store"``, ``"load"``): jobs, bytes, descriptors after merging
         (copies expanded, for compact jobs), failures, jobs per mechanism, launches (jobs /
         launches: how much coalescing did), and back-pressure: submits that waited because
-        `queue.MAX_PENDING` jobs were waiting for a launch, and for how long."""
+        `TransferQueue.max_pending` jobs were waiting for a launch, and for how long."""
         return {d.value: q.stats for d, q in self._queues.items()}
 
     def get_finished(self) -> list[TransferResult]:

@@ -19,7 +19,6 @@ from offload_core import CanonicalPageMapping, CopyRun, DeviceBlocks, Direction,
 from offload_core.canonical import attention_mappings
 from offload_core.compact import CompactLayout
 from offload_core.testing.expanding import POISON, steps
-from offload_core.testing.reference import reference_transfer
 
 from test_plan import Model, transfers
 
