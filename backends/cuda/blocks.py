@@ -162,12 +162,12 @@ class HostExpanded(JobMechanism):
     name = "ce_batch"
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
+        from offload_core.backends.cuda.mechanisms import TABLE  # it lists this module's mechanisms
+
         dev, host, sizes = prepared.layout.descriptors(job)
         if sizes.size:
-            store = job.direction is Direction.STORE
-            src, dst = (dev, host) if store else (host, dev)
-            order = SRC_ACCESS_ORDER_STREAM if store else SRC_ACCESS_ORDER_ANY
-            held.append(copier.backend.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream))
+            src, dst = (dev, host) if job.direction is Direction.STORE else (host, dev)
+            TABLE["ce_batch"].enqueue(copier.backend, src, dst, sizes, job.direction, stream, held, None)
 
 
 class _Expansion(JobMechanism):
