@@ -7,15 +7,20 @@ pending work on its destination blocks, such as zeroing of fresh blocks). Comple
 are reported from the head of the queue, so in submission order.
 
 Compact jobs (`offload_core.compact`, for backends that expand them on the device) are
-coalesced: `submit` records where the caller's compute stream is and hands the job to the
-queue's launcher thread, which sends every job waiting at that moment to the device as one
-launch. While a launch is being enqueued, later jobs wait for the next one, so jobs arriving
-faster than one launch takes go together, and a job waits at most for the launch under way
-plus its own. Results stay per job. `wait` on a job that has not been launched yet launches
-it, with the jobs before it and none after it (after the launch under way, if any). The
-launcher holds the GIL like any Python thread: while the caller runs Python code without
-releasing it, a launch may start up to `sys.getswitchinterval()` (5 ms) late; waiting, device
-work and most torch calls release it.
+coalesced: `submit` records where the caller's compute stream is and appends the job to the
+pending list. It launches the pending jobs itself where nothing else would keep the device
+busy: no launch is under way and either the device is idle and this submit is not part of a
+burst (it follows the previous one by more than a launch's host time), or `burst_jobs` jobs
+wait. Otherwise the queue's launcher thread sends every job waiting at that moment to the
+device as one launch. So jobs arriving faster than one launch takes go together, and results
+stay per job. `wait` on a job that has not been launched yet launches it, with the jobs
+before it and none after it (after the launch under way, if any).
+
+Latency bound: a job waits at most for the launch under way plus its own, except in a burst,
+where it waits for the launcher thread or for the `burst_jobs`-th submit, whichever comes
+first. The launcher holds the GIL like any Python thread: while the caller runs Python code
+without releasing it, it may start up to `sys.getswitchinterval()` (5 ms) late; waiting,
+device work and most torch calls release it.
 
 Threads: every method may be called from any thread. A queue's bookkeeping is guarded by
 its own lock, held only for list and set operations and non-blocking event queries; the
@@ -48,6 +53,7 @@ log = logging.getLogger(__name__)
 _POOLED = 16  # descriptor buffers a queue keeps for reuse
 MAX_PENDING = 1024  # compact jobs waiting for a launch before submit waits (back-pressure)
 MAX_LAUNCH = 256  # compact jobs in one launch at most
+BURST_JOBS = 16  # jobs of a burst that wait for the launcher before a submit launches them itself
 
 _enqueue_locks: "weakref.WeakKeyDictionary[Backend, threading.Lock]" = weakref.WeakKeyDictionary()
 _enqueue_locks_guard = threading.Lock()
@@ -139,6 +145,7 @@ class TransferQueue:
     """
 
     max_pending = MAX_PENDING  # compact jobs waiting for a launch before a submit waits
+    burst_jobs = BURST_JOBS  # compact jobs of a burst that a submit launches itself
 
     def __init__(self, backend: Backend, direction: Direction):
         if not isinstance(backend, Backend) or not isinstance(direction, Direction):
@@ -158,6 +165,8 @@ class TransferQueue:
         self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
         self._launcher: threading.Thread | None = None
         self._last_end: Event | None = None  # of the last launch: is the device still busy with it?
+        self._last_submit = float("-inf")  # perf_counter when the last compact submit returned
+        self._launch_s = 0.0  # host seconds a launch takes (a moving average)
         self._closed = False
 
     def __contains__(self, job_id: int) -> bool:
@@ -355,11 +364,7 @@ class TransferQueue:
     def _submit_compact(self, job_id: int, job: CompactJob, prepared: Any) -> None:
         compute = self.backend.current_stream()  # the caller's: the launcher thread has its own
         with self._lock:
-            ready = self._event()
-        ready.record(compute)
-        with self._lock:
             if self._closed:
-                self._free_events.append(ready)
                 raise OffloadError(f"the {self.direction.value} queue is closed")
             if len(self._pending) >= self.max_pending:
                 t0 = time.perf_counter()
@@ -377,16 +382,30 @@ class TransferQueue:
                 except RuntimeError as exc:  # no more threads (or the interpreter is exiting)
                     raise OffloadError(f"cannot start the {self.direction.value} launcher thread: {exc}") from exc
                 self._launcher = launcher
+            ready = self._event()
+            # Recorded under the lock: per compute stream, the pending order is the recording
+            # order, so a launch waits for the last event of each stream only (`_after`).
+            ready.record(compute)
             self._pending.append(_Pending(job_id, job, prepared, ready, compute))
             self._ids.add(job_id)
-            batch = self._take() if not self._launching and self._device_idle() else None
+            # A burst: this submit follows the last one closer than a launch takes. Launching
+            # each job alone would keep the device waiting for the host, so they wait for the
+            # launcher thread, or for the `burst_jobs`-th of them, and go as one.
+            burst = time.perf_counter() - self._last_submit < self._launch_s
+            go = not self._launching and (len(self._pending) >= self.burst_jobs or (not burst and self._device_idle()))
+            batch = self._take() if go else None
             if batch is None:
+                self._last_submit = time.perf_counter()
                 self._launched.notify_all()  # the launcher takes it
                 return
-        # Nothing for the device to do: waiting for the launcher (it may not get the GIL for
-        # a while) would only leave it idle, so this thread launches, and coalesces nothing.
-        # The job is queued from here on: whatever happens to the launch, its result says so.
-        self._run_quietly(batch)
+        # Nothing for the device to do (or a burst's worth waits): waiting for the launcher (it
+        # may not get the GIL for a while) would only leave the device idle, so this thread
+        # launches. The job is queued from here on: whatever happens to the launch, its result
+        # says so.
+        try:
+            self._run_quietly(batch)
+        finally:
+            self._last_submit = time.perf_counter()
 
     def _run_quietly(self, batch: list[_Pending]) -> None:
         """`_run`, its failures left to the jobs' results (and the log); Ctrl-C still propagates."""
@@ -441,13 +460,12 @@ class TransferQueue:
 
     def _launch(self, batch: list[_Pending]) -> None:
         """Enqueue `batch` as one job on the device; its jobs' results share the launch's events."""
+        t0 = time.perf_counter()
         with self._lock:
             start, end = self._event(), self._event()
         job = CompactJob.concat([p.job for p in batch])
         stream = self._stream
-        # Every job's event, not one per compute stream: two threads' jobs may enter the list in
-        # another order than they recorded their events.
-        after = [p.ready for p in batch]
+        after = _after(batch)
         failed = None
         with self._enqueue:
             try:
@@ -473,14 +491,14 @@ class TransferQueue:
                     else:
                         self._jobs.append(_Job(p.job_id, None, end, p.job.nbytes, None, "", failed=True))
                 self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
-                self.stats.launches += failed is None
                 if failed is None:
                     self._last_end = end
-                if failed is None:
+                    self.stats.launches += 1
                     self.stats.jobs += len(batch)
                     self.stats.bytes += job.nbytes
                     self.stats.descriptors += job.items
                     self.stats.mechanisms[mechanism or ""] += len(batch)
+                self._launch_s += 0.25 * (time.perf_counter() - t0 - self._launch_s)
                 self._launching = set()
                 self._launched.notify_all()
 
@@ -506,6 +524,19 @@ def _launch_loop(queue_ref: "weakref.ref[TransferQueue]") -> None:
         except BaseException:
             log.exception("the %s launcher failed", queue.direction.value)
         del queue, batch
+
+
+def _after(batch: list[_Pending]) -> list[Event]:
+    """The events a launch of `batch` waits for: the last job's of each compute stream (each
+    stream's events were recorded in pending order), or every job's where a backend's streams
+    cannot be told apart by hashing."""
+    last: dict = {}
+    try:
+        for p in batch:
+            last[p.stream] = p.ready
+    except TypeError:  # an unhashable stream
+        return [p.ready for p in batch]
+    return list(last.values())
 
 
 def _settle(event: Event) -> None:

@@ -325,3 +325,49 @@ def test_a_backend_that_refuses_the_layout_gets_planned_descriptors():
         (result,) = worker.get_finished()
         assert result.success and result.mechanism == "memmove" and backend.jobs == 0
         assert torch.equal(worker.host_tensors[0][3], kv.tensors[0].tensor[1])
+
+
+class _Who(ExpandingCpuBackend):
+    """Records which thread enqueued each launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.by = []
+
+    def copy_blocks(self, job, prepared, stream, after):
+        self.by.append(threading.current_thread())
+        return super().copy_blocks(job, prepared, stream, after)
+
+
+def test_a_burst_on_an_idle_device_waits_for_the_launcher():
+    """Submits closer together than a launch takes do not launch one by one, even on an idle
+    device: the launcher (or the burst_jobs-th submit) sends them together."""
+    backend = _Who()
+    with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
+        queue = worker._queues[next(iter(worker._queues))]
+        queue._launch_s = 60.0  # a host so slow that any two submits form a burst
+        store(worker, 0, [0], [0])
+        worker.wait([0])  # the device is idle for each of the next ones
+        for j in range(1, 4):
+            store(worker, j, [j], [j])
+        until(lambda: not queue.waiting_for_launch())
+        assert backend.by[0] is threading.current_thread()  # the first found the device idle
+        assert threading.current_thread() not in backend.by[1:]
+        worker.wait(range(4))
+        assert [r.job_id for r in worker.get_finished()] == [0, 1, 2, 3]
+        for t, h in zip(kv_tensors(worker), worker.host_tensors):
+            assert torch.equal(h[:4], t[:4])
+
+
+def test_a_burst_of_burst_jobs_is_launched_by_the_submit():
+    backend = _Who()
+    with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
+        queue = worker._queues[next(iter(worker._queues))]
+        queue._launch_s, queue.burst_jobs = 60.0, 1
+        for j in range(3):
+            store(worker, j, [j], [j])
+        assert backend.by == [threading.current_thread()] * 3
+
+
+def kv_tensors(worker):
+    return [t.tensor for t in worker.kv_caches.tensors]
