@@ -5,7 +5,8 @@ sharing a block) are submitted one after another through `OffloadWorker` (then J
 clock from the first submit to the last completion is compared with the link's limit
 measured in the same run (the best of several single pinned copies of the same bytes, each
 way). Reported per shape and mechanism: the ratio to the limit, median and p99 host time of
-a submit (specs built from id arrays included), device memory the backend allocated beyond
+a submit (specs built from id arrays included), jobs per launch and the host time launches
+took per job (compact jobs, enqueued by the submit, `wait` or the queue's launcher), device memory the backend allocated beyond
 the KV cache, and whether the last job's bytes arrived. On `cuda`, every mechanism is also
 forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
 
@@ -66,7 +67,7 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
         for warm in (True, False):  # the first pass warms pools, rings, compiled kernels
             for direction in ("store", "load"):
                 submit_s = []
-                launches = worker.stats()[direction].launches
+                launches, launch_s = worker.stats()[direction].launches, worker.stats()[direction].launch_s
                 t0 = time.perf_counter()
                 for j, (dev, host) in enumerate(specs):
                     s0 = time.perf_counter()
@@ -85,6 +86,7 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
                     out[f"{direction}_submit_us_p99"] = float(np.percentile(us, 99))
                     out[f"{direction}_ok"] = all(r.success for r in results) and len(results) == jobs
                     out[f"{direction}_jobs_per_launch"] = jobs / max(1, worker.stats()[direction].launches - launches)
+                    out[f"{direction}_launch_us_per_job"] = (worker.stats()[direction].launch_s - launch_s) / jobs * 1e6
                     out[f"{direction}_mechanisms"] = sorted({r.mechanism for r in results})
                     # the last job's bytes: host rows after the stores, device pages after the loads
                     last_dev, last_host = specs[-1]
@@ -183,7 +185,8 @@ def main() -> None:
                     f"{row['store_submit_us_median']:6.0f} / {row['load_submit_us_median']:6.0f} us, p99 "
                     f"{row['store_submit_us_p99']:6.0f} / {row['load_submit_us_p99']:6.0f} us; "
                     f"+{row['device_bytes_beyond_kv'] / 2**20:.0f} MiB device; jobs per launch "
-                    f"{row['store_jobs_per_launch']:.1f} / {row['load_jobs_per_launch']:.1f}; verified {row['verified']}",
+                    f"{row['store_jobs_per_launch']:.1f} / {row['load_jobs_per_launch']:.1f} (launch "
+                    f"{row['store_launch_us_per_job']:.0f} / {row['load_launch_us_per_job']:.0f} us per job); verified {row['verified']}",
                     flush=True,
                 )
     if args.json:

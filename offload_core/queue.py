@@ -110,6 +110,7 @@ class QueueStats:
     failed: int = 0
     mechanisms: Counter = field(default_factory=Counter)  # jobs per mechanism
     launches: int = 0  # times the device was given work: jobs / launches is how much coalescing did
+    launch_s: float = 0.0  # host seconds spent enqueueing compact launches (on any thread)
     backpressure_waits: int = 0  # submits that waited because MAX_PENDING jobs were waiting for a launch
     backpressure_s: float = 0.0  # seconds those submits waited
 
@@ -440,21 +441,19 @@ class TransferQueue:
         `MAX_LAUNCH`), up to the first one that would write bytes an earlier one of the launch
         writes (copies within a launch run in any order); None if nothing waits. Call with the
         lock held, nothing launching."""
-        if not self._pending:
+        pending = self._pending
+        if not pending:
             return None
-        batch = [self._pending.popleft() for _ in range(min(limit, MAX_LAUNCH, len(self._pending)))]
-        if len(batch) > 1:
-            keys = np.concatenate([p.job.destinations() for p in batch])
-            owner = np.repeat(np.arange(len(batch)), [len(p.job) for p in batch])
-            order = np.argsort(keys, kind="stable")  # equal keys in job order
-            k, o = keys[order], owner[order]
-            # Only keys of two different jobs conflict: one job's blocks may share a key (groups
-            # on different tensors write one host block), and the planner has checked those.
-            clash = (k[1:] == k[:-1]) & (o[1:] != o[:-1])
-            if clash.any():
-                cut = int(o[1:][clash].min())  # >= 1: the later job of the first clash
-                self._pending.extendleft(reversed(batch[cut:]))
-                batch = batch[:cut]
+        n = min(limit, MAX_LAUNCH, len(pending))
+        # Windows growing fourfold: a clash early in a long pending list costs a short window,
+        # not a look at every job that waits.
+        size = min(n, 8)
+        while True:
+            take = _first_clash([pending[i].job for i in range(size)])
+            if take < size or size == n:
+                break
+            size = min(n, 4 * size)
+        batch = [pending.popleft() for _ in range(take)]
         self._launching = {p.job_id for p in batch}
         return batch
 
@@ -498,7 +497,9 @@ class TransferQueue:
                     self.stats.bytes += job.nbytes
                     self.stats.descriptors += job.items
                     self.stats.mechanisms[mechanism or ""] += len(batch)
-                self._launch_s += 0.25 * (time.perf_counter() - t0 - self._launch_s)
+                took = time.perf_counter() - t0
+                self.stats.launch_s += took
+                self._launch_s += 0.25 * (took - self._launch_s)
                 self._launching = set()
                 self._launched.notify_all()
 
@@ -524,6 +525,21 @@ def _launch_loop(queue_ref: "weakref.ref[TransferQueue]") -> None:
         except BaseException:
             log.exception("the %s launcher failed", queue.direction.value)
         del queue, batch
+
+
+def _first_clash(jobs: list[CompactJob]) -> int:
+    """How many of `jobs`, from the first, may go in one launch: up to the first that writes
+    bytes an earlier one writes. Only keys of two different jobs clash: one job's blocks may
+    share a key (groups on different tensors write one host block), and the planner has checked
+    those."""
+    if len(jobs) < 2:
+        return len(jobs)
+    keys = np.concatenate([j.destinations() for j in jobs])
+    owner = np.repeat(np.arange(len(jobs)), [len(j) for j in jobs])
+    order = np.argsort(keys, kind="stable")  # equal keys in job order
+    k, o = keys[order], owner[order]
+    clash = (k[1:] == k[:-1]) & (o[1:] != o[:-1])
+    return int(o[1:][clash].min()) if clash.any() else len(jobs)  # >= 1: the later job of the first clash
 
 
 def _after(batch: list[_Pending]) -> list[Event]:

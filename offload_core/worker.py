@@ -242,8 +242,9 @@ class OffloadWorker:
     def stats(self) -> dict[str, QueueStats]:
         """Counters per direction (``"store"``, ``"load"``): jobs, bytes, descriptors after merging
         (copies expanded, for compact jobs), failures, jobs per mechanism, launches (jobs /
-        launches: how much coalescing did), and back-pressure: submits that waited because
-        `TransferQueue.max_pending` jobs were waiting for a launch, and for how long."""
+        launches: how much coalescing did) and the host seconds they took (``launch_s``), and
+        back-pressure: submits that waited because `TransferQueue.max_pending` jobs were waiting
+        for a launch, and for how long."""
         return {d.value: q.stats for d, q in self._queues.items()}
 
     def get_finished(self) -> list[TransferResult]:

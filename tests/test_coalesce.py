@@ -371,3 +371,19 @@ def test_a_burst_of_burst_jobs_is_launched_by_the_submit():
 
 def kv_tensors(worker):
     return [t.tensor for t in worker.kv_caches.tensors]
+
+
+def test_a_clash_far_down_the_pending_list_splits_the_launch_there(held):
+    backend, lock = held
+    kv = small_kv(pages=(64,), blocks=32)
+    with OffloadWorker(kv, 32, backend=backend) as worker:
+        first = first_in_flight(worker)
+        for j in range(1, 12):
+            store(worker, j, [j], [j])
+        store(worker, 12, [20], [2])  # host block 2 again, ten jobs later: in the next launch
+        lock.release()
+        first.join()
+        worker.wait(range(13))
+        assert [r.job_id for r in worker.get_finished()] == list(range(13))
+        assert worker.stats()["store"].launches == 3  # 0; 1..11; 12
+        assert torch.equal(worker.host_tensors[0][2], kv.tensors[0].tensor[20])
