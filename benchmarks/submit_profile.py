@@ -37,8 +37,10 @@ def main() -> None:
                for _ in range(2 * args.layers)]
     kv = KVCaches(tensors, [[KVCacheRef(i, args.page) for i in range(len(tensors))]])
     rng = np.random.default_rng(0)
-    specs = [(DeviceBlocks(rng.choice(blocks, args.blocks_per_job, replace=False)),
-              HostBlocks(rng.choice(blocks, args.blocks_per_job, replace=False))) for _ in range(args.jobs)]
+    # random ids, consecutive jobs disjoint (as an engine's: no two jobs in flight write one block)
+    dev_perm, host_perm = rng.permutation(blocks), rng.permutation(blocks)
+    take = lambda perm, j: np.take(perm, np.arange(j * args.blocks_per_job, (j + 1) * args.blocks_per_job), mode="wrap")  # noqa: E731
+    specs = [(DeviceBlocks(take(dev_perm, j)), HostBlocks(take(host_perm, j))) for j in range(args.jobs)]
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         def run(first: int) -> list[float]:
             times = []
@@ -60,7 +62,8 @@ def main() -> None:
         profile.disable()
         print(f"submit median {np.median(plain) * 1e6:.1f} us, p99 {np.percentile(plain, 99) * 1e6:.1f} us "
               f"({args.jobs} jobs, {args.blocks_per_job} blocks x {2 * args.layers} tensors x {args.page} B, "
-              f"{worker.stats()['store'].mechanisms})")
+              f"{worker.stats()['store'].mechanisms}, {worker.stats()['store'].jobs / worker.stats()['store'].launches:.1f} "
+              f"jobs per launch, launches {worker.stats()['store'].launch_s / worker.stats()['store'].jobs * 1e6:.0f} us per job)")
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
 
 
