@@ -17,10 +17,11 @@ stay per job. `wait` on a job that has not been launched yet launches it, with t
 before it and none after it (after the launch under way, if any).
 
 Latency bound: a job waits at most for the launch under way plus its own, except in a burst,
-where it waits for the launcher thread or for the `burst_jobs`-th submit, whichever comes
-first. The launcher holds the GIL like any Python thread: while the caller runs Python code
-without releasing it, it may start up to `sys.getswitchinterval()` (5 ms) late; waiting,
-device work and most torch calls release it.
+where it waits for the `burst_jobs`-th submit, or for the launcher thread once no submit has
+come for a launch's host time (at most `MAX_QUIET_S`), whichever comes first. The launcher
+holds the GIL like any Python thread: while the caller runs Python code without releasing it,
+it may start up to `sys.getswitchinterval()` (5 ms) later; waiting, device work and most torch
+calls release it.
 
 Threads: every method may be called from any thread. A queue's bookkeeping is guarded by
 its own lock, held only for list and set operations and non-blocking event queries; the
@@ -54,6 +55,7 @@ _POOLED = 16  # descriptor buffers a queue keeps for reuse
 MAX_PENDING = 1024  # compact jobs waiting for a launch before submit waits (back-pressure)
 MAX_LAUNCH = 256  # compact jobs in one launch at most
 BURST_JOBS = 16  # jobs of a burst that wait for the launcher before a submit launches them itself
+MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
 
 _enqueue_locks: "weakref.WeakKeyDictionary[Backend, threading.Lock]" = weakref.WeakKeyDictionary()
 _enqueue_locks_guard = threading.Lock()
@@ -517,6 +519,15 @@ def _launch_loop(queue_ref: "weakref.ref[TransferQueue]") -> None:
                 if queue._closed and not queue._pending and not queue._launching:
                     return
                 queue._launched.wait(1.0)  # then let go of the queue a moment: a dropped one can be collected
+                del queue
+                continue
+            # While a burst goes on, its submits launch it: a launch here would stall whenever it
+            # lets go of the GIL (the submitting thread takes it for a switch interval), with
+            # the device waiting. It goes once no submit has come for a launch's time.
+            quiet = time.perf_counter() - queue._last_submit
+            wait = min(queue._launch_s, MAX_QUIET_S) - quiet
+            if wait > 0 and not queue._closed:
+                queue._launched.wait(wait)
                 del queue
                 continue
             batch = queue._take()
