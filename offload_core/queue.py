@@ -56,6 +56,7 @@ MAX_PENDING = 1024  # compact jobs waiting for a launch before submit waits (bac
 MAX_LAUNCH = 256  # compact jobs in one launch at most
 BURST_JOBS = 16  # jobs of a burst that wait for the launcher before a submit launches them itself
 MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
+IDLE_POLL_S = 0.1  # how often an idle launcher looks whether its queue was dropped or the interpreter exits
 
 _enqueue_locks: "weakref.WeakKeyDictionary[Backend, threading.Lock]" = weakref.WeakKeyDictionary()
 _enqueue_locks_guard = threading.Lock()
@@ -378,7 +379,10 @@ class TransferQueue:
                 if self._closed:
                     raise OffloadError(f"the {self.direction.value} queue was closed while the job waited")
             if self._launcher is None or not self._launcher.is_alive():
-                launcher = threading.Thread(target=_launch_loop, args=(weakref.ref(self),), daemon=True,
+                # Not a daemon: at exit, a daemon thread inside a torch call that let go of the GIL
+                # (freeing a queue's events, say) is killed by the interpreter, which aborts the
+                # process (std::terminate). The launcher ends on its own once the main thread has.
+                launcher = threading.Thread(target=_launch_loop, args=(weakref.ref(self),),
                                             name=f"offload-core-{self.direction.value}-launcher")
                 try:
                     launcher.start()
@@ -507,18 +511,19 @@ class TransferQueue:
 
 
 def _launch_loop(queue_ref: "weakref.ref[TransferQueue]") -> None:
-    """The launcher thread of one queue: launches what is waiting until the queue is closed.
-    Holds the queue only while it has work or waits for some (a second at a time), so that a
-    dropped queue can be collected."""
+    """The launcher thread of one queue: launches what is waiting until the queue is closed,
+    dropped, or the main thread has ended. Holds the queue only while it has work or waits for
+    some (`IDLE_POLL_S` at a time), so that a dropped queue can be collected."""
     while True:
         queue = queue_ref()
         if queue is None:
             return
+        exiting = not threading.main_thread().is_alive()  # the interpreter waits for this thread
         with queue._lock:
             if not queue._pending or queue._launching:
-                if queue._closed and not queue._pending and not queue._launching:
+                if (queue._closed or exiting) and not queue._pending and not queue._launching:
                     return
-                queue._launched.wait(1.0)  # then let go of the queue a moment: a dropped one can be collected
+                queue._launched.wait(IDLE_POLL_S)  # then let go of the queue a moment: a dropped one can be collected
                 del queue
                 continue
             # While a burst goes on, its submits launch it: a launch here would stall whenever it
@@ -526,7 +531,7 @@ def _launch_loop(queue_ref: "weakref.ref[TransferQueue]") -> None:
             # the device waiting. It goes once no submit has come for a launch's time.
             quiet = time.perf_counter() - queue._last_submit
             wait = min(queue._launch_s, MAX_QUIET_S) - quiet
-            if wait > 0 and not queue._closed:
+            if wait > 0 and not queue._closed and not exiting:
                 queue._launched.wait(wait)
                 del queue
                 continue

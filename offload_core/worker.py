@@ -351,7 +351,8 @@ def _dropped(pid: int, *held) -> None:
     unlaunched = any(q.waiting_for_launch() for q in queues)
     if pending and (unlaunched or threading.current_thread() is not threading.main_thread()):
         try:
-            threading.Thread(target=_drain, args=held, name="offload-core-drain", daemon=True).start()
+            # not a daemon: the interpreter waits for it rather than kill it inside a torch call
+            threading.Thread(target=_drain, args=held, name="offload-core-drain").start()
             return
         except RuntimeError:  # the interpreter is exiting and starts no threads
             pass

@@ -214,6 +214,32 @@ def forked_during_a_submit() -> None:
     assert [r.job_id for r in worker.get_finished()] == [1]
 
 
+def exit_with_live_workers() -> None:
+    """The interpreter exits with workers never shut down: one idle, one with jobs waiting for
+    a launch and copies in flight. Exit drains them and neither hangs nor aborts (a daemon
+    thread killed inside a torch call aborts the process)."""
+    import offload_core.queue as queue_module
+
+    if BACKEND == "cpu":
+        from offload_core.testing.expanding import ExpandingCpuBackend
+
+        backend = ExpandingCpuBackend()  # with a launcher thread, as on a GPU
+    else:
+        backend = get_backend(BACKEND)
+    idle = OffloadWorker(_kv(2), 2, backend=backend)
+    idle.submit_store(1, DeviceBlocks([0]), HostBlocks([0]))
+    idle.wait([1])
+    busy = OffloadWorker(_kv(4), 4, backend=backend)
+    for queue in busy._queues.values():
+        queue._launch_s = 60.0  # every submit after the first is part of a burst
+    queue_module.MAX_QUIET_S = 60.0  # and the launcher leaves the burst alone: it stays pending
+    threading.Timer(0.5, _hold_compute(backend, 0.5).set).start()
+    for j in range(4):
+        busy.submit_store(j, DeviceBlocks([j]), HostBlocks([j]))
+    assert any(q.waiting_for_launch() for q in busy._queues.values()), "nothing left waiting for a launch"
+    globals()["workers"] = (idle, busy)  # alive until the interpreter exits
+
+
 if __name__ == "__main__":
     BACKEND = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     globals()[sys.argv[1]]()

@@ -28,6 +28,7 @@ HERE = pathlib.Path(__file__).parent
         "interrupted_shutdown",
         "forked_child",
         "forked_during_a_submit",
+        "exit_with_live_workers",
     ],
 )
 @pytest.mark.parametrize("name", [pytest.param("cpu", marks=pytest.mark.cpu), pytest.param("cuda", marks=pytest.mark.cuda)])
