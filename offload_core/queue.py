@@ -11,17 +11,17 @@ coalesced: `submit` records where the caller's compute stream is and appends the
 pending list. It launches the pending jobs itself where nothing else would keep the device
 busy: no launch is under way and either the device is idle and this submit is not part of a
 burst (it follows the previous one by more than a launch's host time), or `burst_jobs` jobs
-wait. Otherwise the queue's launcher thread sends every job waiting at that moment to the
-device as one launch. So jobs arriving faster than one launch takes go together, and results
-stay per job. `wait` on a job that has not been launched yet launches it, with the jobs
-before it and none after it (after the launch under way, if any).
+or `burst_bytes` wait. Otherwise the queue's launcher thread sends every job waiting at that
+moment to the device as one launch. So jobs arriving faster than one launch takes go
+together, and results stay per job. `wait` on a job that has not been launched yet launches
+it, with the jobs before it and none after it (after the launch under way, if any).
 
 Latency bound: a job waits at most for the launch under way plus its own, except in a burst,
-where it waits for the `burst_jobs`-th submit, or for the launcher thread once no submit has
-come for a launch's host time (at most `MAX_QUIET_S`), whichever comes first. The launcher
-holds the GIL like any Python thread: while the caller runs Python code without releasing it,
-it may start up to `sys.getswitchinterval()` (5 ms) later; waiting, device work and most torch
-calls release it.
+where it waits until `burst_jobs` jobs or `burst_bytes` wait, or for the launcher thread once
+no submit has come for a launch's host time (at most `MAX_QUIET_S`), whichever comes first.
+The launcher holds the GIL like any Python thread: while the caller runs Python code without
+releasing it, it may start up to `sys.getswitchinterval()` (5 ms) later; waiting, device work
+and most torch calls release it.
 
 Threads: every method may be called from any thread. A queue's bookkeeping is guarded by
 its own lock, held only for list and set operations and non-blocking event queries; the
@@ -55,6 +55,7 @@ _POOLED = 16  # descriptor buffers a queue keeps for reuse
 MAX_PENDING = 1024  # compact jobs waiting for a launch before submit waits (back-pressure)
 MAX_LAUNCH = 256  # compact jobs in one launch at most
 BURST_JOBS = 16  # jobs of a burst that wait for the launcher before a submit launches them itself
+BURST_BYTES = 32 << 20  # or bytes: about 0.6 ms of a PCIe 5 link, more than a launch takes on the host
 MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
 IDLE_POLL_S = 0.1  # how often an idle launcher looks whether its queue was dropped or the interpreter exits
 
@@ -150,6 +151,7 @@ class TransferQueue:
 
     max_pending = MAX_PENDING  # compact jobs waiting for a launch before a submit waits
     burst_jobs = BURST_JOBS  # compact jobs of a burst that a submit launches itself
+    burst_bytes = BURST_BYTES  # or their bytes
 
     def __init__(self, backend: Backend, direction: Direction):
         if not isinstance(backend, Backend) or not isinstance(direction, Direction):
@@ -165,6 +167,7 @@ class TransferQueue:
         self._free_scratch: list[np.ndarray] = []
         self.stats = QueueStats()
         self._pending: deque[_Pending] = deque()  # compact jobs waiting for a launch
+        self._pending_bytes = 0  # their bytes
         self._launching: set[int] = set()  # ids of the launch being enqueued
         self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
         self._launcher: threading.Thread | None = None
@@ -394,12 +397,13 @@ class TransferQueue:
             # order, so a launch waits for the last event of each stream only (`_after`).
             ready.record(compute)
             self._pending.append(_Pending(job_id, job, prepared, ready, compute))
+            self._pending_bytes += job.nbytes
             self._ids.add(job_id)
             # A burst: this submit follows the last one closer than a launch takes. Launching
             # each job alone would keep the device waiting for the host, so they wait for the
-            # launcher thread, or for the `burst_jobs`-th of them, and go as one.
+            # launcher thread, or until `burst_jobs` of them or `burst_bytes` wait, and go as one.
             burst = time.perf_counter() - self._last_submit < self._launch_s
-            go = not self._launching and (len(self._pending) >= self.burst_jobs or (not burst and self._device_idle()))
+            go = not self._launching and (self._burst_full() or (not burst and self._device_idle()))
             batch = self._take() if go else None
             if batch is None:
                 self._last_submit = time.perf_counter()
@@ -435,6 +439,10 @@ class TransferQueue:
                     self._launched.notify_all()
             raise
 
+    def _burst_full(self) -> bool:
+        """Whether enough waits to launch now, burst or not: the device's time for it covers a launch."""
+        return len(self._pending) >= self.burst_jobs or self._pending_bytes >= self.burst_bytes
+
     def _device_idle(self) -> bool:
         end = self._last_end
         try:
@@ -460,6 +468,7 @@ class TransferQueue:
                 break
             size = min(n, 4 * size)
         batch = [pending.popleft() for _ in range(take)]
+        self._pending_bytes -= sum(p.job.nbytes for p in batch)
         self._launching = {p.job_id for p in batch}
         return batch
 
@@ -531,7 +540,7 @@ def _launch_loop(queue_ref: "weakref.ref[TransferQueue]") -> None:
             # the device waiting. It goes once no submit has come for a launch's time.
             quiet = time.perf_counter() - queue._last_submit
             wait = min(queue._launch_s, MAX_QUIET_S) - quiet
-            if wait > 0 and not queue._closed and not exiting:
+            if wait > 0 and not queue._closed and not exiting and not queue._burst_full():
                 queue._launched.wait(wait)
                 del queue
                 continue

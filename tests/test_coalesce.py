@@ -387,3 +387,14 @@ def test_a_clash_far_down_the_pending_list_splits_the_launch_there(held):
         assert [r.job_id for r in worker.get_finished()] == list(range(13))
         assert worker.stats()["store"].launches == 3  # 0; 1..11; 12
         assert torch.equal(worker.host_tensors[0][2], kv.tensors[0].tensor[20])
+
+
+def test_a_burst_of_burst_bytes_is_launched_by_the_submit():
+    backend = _Who()
+    with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
+        queue = worker._queues[next(iter(worker._queues))]
+        queue._launch_s, queue.burst_bytes = 60.0, 64  # one one-block job of 64 bytes is enough
+        store(worker, 0, [0], [0])
+        worker.wait([0])
+        store(worker, 1, [1], [1])  # part of a burst, on an idle device, yet launched here
+        assert backend.by == [threading.current_thread()] * 2
