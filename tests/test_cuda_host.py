@@ -573,3 +573,18 @@ def test_the_cost_model_weighs_the_compact_paths(items, nbytes, segments, cheape
     cost = CostModel()
     est = {m: cost.estimate_job(m, "store", items, nbytes, segments) for m in ("expand_staged", "expand_direct")}
     assert min(est, key=est.get) == cheaper
+
+
+@pytest.mark.parametrize(
+    "items, nbytes, segments, cheaper",
+    [
+        (4096, 1 << 20, 64, "expand_direct"),  # 64 blocks x 64 tensors of 256 B: 16 KiB host-to-device copies
+        (1024, 4 << 20, 16, "expand_staged"),  # 4 KiB pages: 256 KiB segments
+    ],
+)
+def test_small_loads_weigh_the_host_time_of_their_copies(items, nbytes, segments, cheaper):
+    from offload_core.backends.cuda.select import CostModel
+
+    cost = CostModel()
+    est = {m: cost.estimate_job(m, "load", items, nbytes, segments) for m in ("expand_staged", "expand_direct")}
+    assert est[cheaper] < 0.98 * max(est.values())

@@ -96,13 +96,20 @@ class BlockCopier:
         (host-expanded) where a host row does not fit a staging half."""
         if prepared.layout.row_bytes > self.half_bytes:
             return HOST_EXPANDED
-        n_seg = segments[0].size
-        if n_seg and job.nbytes < SEGMENT_BYTES * n_seg and self.direct_ok(prepared):
-            cost, d = self.backend.cost, job.direction.value
+        n_seg, cost, d = segments[0].size, self.backend.cost, job.direction.value
+        if n_seg and self._small_segments(job, n_seg, cost) and self.direct_ok(prepared):
             staged = cost.estimate_job("expand_staged", d, job.items, job.nbytes, n_seg)
             if cost.estimate_job("expand_direct", d, job.items, job.nbytes, n_seg) < 0.98 * staged:
                 return EXPAND_DIRECT
         return EXPAND_STAGED
+
+    @staticmethod
+    def _small_segments(job: CompactJob, n_seg: int, cost) -> bool:
+        """Whether the segments are small enough for expand_direct to compete: under
+        `SEGMENT_BYTES` on average, or loads whose batch call would move them through the CPU."""
+        if job.nbytes < SEGMENT_BYTES * n_seg:
+            return True
+        return job.direction is Direction.LOAD and job.nbytes <= cost.inline_h2d_bytes * n_seg
 
     def copy(self, job: CompactJob, prepared: Prepared, stream, after: list, held: list,
              forced: "JobMechanism | None" = None) -> str:
