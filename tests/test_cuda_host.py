@@ -576,15 +576,16 @@ def test_the_cost_model_weighs_the_compact_paths(items, nbytes, segments, cheape
 
 
 @pytest.mark.parametrize(
-    "items, nbytes, segments, cheaper",
+    "items, nbytes, segments, small, cheaper",
     [
-        (4096, 1 << 20, 64, "expand_direct"),  # 64 blocks x 64 tensors of 256 B: 16 KiB host-to-device copies
-        (1024, 4 << 20, 16, "expand_staged"),  # 4 KiB pages: 256 KiB segments
+        (4096, 1 << 20, 64, 1 << 20, "expand_direct"),  # 64 blocks x 64 tensors of 256 B: 16 KiB host-to-device copies
+        (4096, 1 << 20, 63, (1 << 20) - (32 << 10), "expand_direct"),  # the same, two rows adjacent on the host
+        (1024, 4 << 20, 16, 0, "expand_staged"),  # 4 KiB pages: 256 KiB segments
     ],
 )
-def test_small_loads_weigh_the_host_time_of_their_copies(items, nbytes, segments, cheaper):
+def test_small_loads_weigh_the_host_time_of_their_copies(items, nbytes, segments, small, cheaper):
     from offload_core.backends.cuda.select import CostModel
 
     cost = CostModel()
-    est = {m: cost.estimate_job(m, "load", items, nbytes, segments) for m in ("expand_staged", "expand_direct")}
+    est = {m: cost.estimate_job(m, "load", items, nbytes, segments, small) for m in ("expand_staged", "expand_direct")}
     assert est[cheaper] < 0.98 * max(est.values())

@@ -92,24 +92,19 @@ class BlockCopier:
     def choose(self, job: CompactJob, prepared: Prepared, segments) -> "JobMechanism":
         """What the cost model (`select.CostModel.estimate_job`) finds cheaper: ``expand_staged``,
         or ``expand_direct`` where the host rows are addressable and the segments too small
-        for the copy engines (ties go to staging, which leaves the SMs alone); ``ce_batch``
+        for the copy engines, or, on loads, mostly small enough that the batch call moves them
+        through the CPU (ties go to staging, which leaves the SMs alone); ``ce_batch``
         (host-expanded) where a host row does not fit a staging half."""
         if prepared.layout.row_bytes > self.half_bytes:
             return HOST_EXPANDED
-        n_seg, cost, d = segments[0].size, self.backend.cost, job.direction.value
-        if n_seg and self._small_segments(job, n_seg, cost) and self.direct_ok(prepared):
-            staged = cost.estimate_job("expand_staged", d, job.items, job.nbytes, n_seg)
-            if cost.estimate_job("expand_direct", d, job.items, job.nbytes, n_seg) < 0.98 * staged:
+        sizes, cost, d = segments[2], self.backend.cost, job.direction.value
+        # loads: bytes in segments small enough for the batch call to move them through the CPU
+        small = int(sizes[sizes <= cost.inline_h2d_bytes].sum()) if job.direction is Direction.LOAD else 0
+        if sizes.size and (job.nbytes < SEGMENT_BYTES * sizes.size or 2 * small >= job.nbytes) and self.direct_ok(prepared):
+            staged = cost.estimate_job("expand_staged", d, job.items, job.nbytes, sizes.size, small)
+            if cost.estimate_job("expand_direct", d, job.items, job.nbytes, sizes.size) < 0.98 * staged:
                 return EXPAND_DIRECT
         return EXPAND_STAGED
-
-    @staticmethod
-    def _small_segments(job: CompactJob, n_seg: int, cost) -> bool:
-        """Whether the segments are small enough for expand_direct to compete: under
-        `SEGMENT_BYTES` on average, or loads whose batch call would move them through the CPU."""
-        if job.nbytes < SEGMENT_BYTES * n_seg:
-            return True
-        return job.direction is Direction.LOAD and job.nbytes <= cost.inline_h2d_bytes * n_seg
 
     def copy(self, job: CompactJob, prepared: Prepared, stream, after: list, held: list,
              forced: "JobMechanism | None" = None) -> str:

@@ -103,30 +103,26 @@ class CostModel:
             return n * self.loop_s_per_desc + nbytes / ce_bw
         raise ValueError(f"unknown mechanism {mechanism!r}")
 
-    def estimate_job(self, mechanism: str, direction: str, items: int, nbytes: int, segments: int) -> float:
+    def estimate_job(self, mechanism: str, direction: str, items: int, nbytes: int, segments: int,
+                     small_bytes: int = 0) -> float:
         """Predicted seconds for a compact job of `items` expanded copies and `nbytes`, whose host
         bytes form `segments` contiguous ranges: ``expand_staged`` is the gather (or scatter)
         and the copy engines' copies of the segments, pipelined as in ``staged``, plus the batch
-        call's host time (for loads of small segments, also their bytes at `inline_h2d_gbps`);
-        ``expand_direct`` is ``sm_gather``'s device time for the items, weighed
+        call's host time (on loads, also the `small_bytes` in segments of up to
+        `inline_h2d_bytes`, at `inline_h2d_gbps`); ``expand_direct`` is ``sm_gather``'s device time for the items, weighed
         by `sm_penalty` (it holds SMs while the bytes cross the link). Their fixed host time (the
         upload, the launch, the events) is the same, and left out."""
         if mechanism == "expand_staged":
             segments = max(1, segments)
             link = segments * self._ce_per_copy(direction, nbytes / segments)
             gather = nbytes / (self.gather_gbps * 1e9) + items * self.gather_desc_s
-            return max(link, gather) + min(link, gather) / 6 + segments * self.segment_host_s(direction, nbytes / segments)
+            inline = small_bytes / (self.inline_h2d_gbps * 1e9) if direction == "load" else 0.0
+            return max(link, gather) + min(link, gather) / 6 + segments * self.ce_host_s + inline
         if mechanism == "expand_direct":
             bw = self.sm_gbps[direction] * 1e9
             per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)
             return (nbytes / bw + items * per_copy) * self.sm_penalty
         raise ValueError(f"unknown compact-job mechanism {mechanism!r}")
-
-    def segment_host_s(self, direction: str, size: float) -> float:
-        """Host seconds a batch call spends on one copy of `size` bytes."""
-        if direction == "load" and size <= self.inline_h2d_bytes:
-            return self.ce_host_s + size / (self.inline_h2d_gbps * 1e9)
-        return self.ce_host_s
 
     def _ce_per_copy(self, direction: str, size: float) -> float:
         return max(self.ce_desc_s[direction], size / (self.ce_gbps[direction] * 1e9) + self.ce_tail_s)
