@@ -288,3 +288,27 @@ def test_compact_jobs_back_to_back_through_small_staging(staging_kib, consecutiv
             rows = host_ids[j * per_job : (j + 1) * per_job]
             for h, b in zip(worker.host_tensors, before):
                 assert torch.equal(h[rows].to(backend.device), b[src[j]])
+
+
+@pytest.mark.parametrize("mechanism", ["expand_staged", "auto"])
+def test_host_rows_larger_than_a_staging_half(mechanism):
+    """Rows of 6.5 KiB against halves of 4 KiB: forced staging refuses the jobs (failed results,
+    no kernel writing past a half); auto moves them another way, every byte right."""
+    import torch
+
+    backend = CudaBackend(mechanism=mechanism, staging_bytes=4 << 10)
+    kv = small_kv(pages=(4096, 1024, 512, 1024), blocks=32, device=backend.device)
+    before = [t.tensor.clone() for t in kv.tensors]
+    src, dst, host = [3, 1, 4, 15, 9, 2], [20, 21, 22, 23, 24, 25], [7, 0, 5, 2, 6, 1]
+    with OffloadWorker(kv, 8, backend=backend) as worker:
+        assert worker.submit_store(1, DeviceBlocks(src), HostBlocks(host))
+        worker.wait([1])
+        assert worker.submit_load(2, HostBlocks(host), DeviceBlocks(dst))
+        worker.wait([2])
+        results = worker.get_finished()
+    if mechanism == "expand_staged":
+        assert [r.success for r in results] == [False, False]
+        return
+    assert all(r.success for r in results) and {r.mechanism for r in results} <= {"expand_direct", "ce_batch"}
+    for t, b in zip(kv.tensors, before):
+        assert torch.equal(t.tensor[dst], b[src])

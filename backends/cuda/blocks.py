@@ -93,11 +93,16 @@ class BlockCopier:
         """What the cost model (`select.CostModel.estimate_job`) finds cheaper: ``expand_staged``,
         or ``expand_direct`` where the host rows are addressable and the segments too small
         for the copy engines, or, on loads, mostly small enough that the batch call moves them
-        through the CPU (ties go to staging, which leaves the SMs alone); ``ce_batch``
-        (host-expanded) where a host row does not fit a staging half."""
-        if prepared.layout.row_bytes > self.half_bytes:
+        through the CPU (ties go to staging, which leaves the SMs alone). Where a host row does
+        not fit a staging half: ``expand_direct`` if it is addressable and cheaper, else
+        ``ce_batch`` (host-expanded)."""
+        cost, d = self.backend.cost, job.direction.value
+        if prepared.layout.row_bytes > self.half_bytes:  # staging cannot hold a row
+            if self.direct_ok(prepared) and (cost.estimate_job("expand_direct", d, job.items, job.nbytes, 0)
+                                             < 0.98 * cost.estimate("ce_batch", d, max(1, job.items), job.nbytes)):
+                return EXPAND_DIRECT
             return HOST_EXPANDED
-        sizes, cost, d = segments[2], self.backend.cost, job.direction.value
+        sizes = segments[2]
         # loads: bytes in segments small enough for the batch call to move them through the CPU
         small = int(sizes[sizes <= cost.inline_h2d_bytes].sum()) if job.direction is Direction.LOAD else 0
         if sizes.size and (job.nbytes < SEGMENT_BYTES * sizes.size or 2 * small >= job.nbytes) and self.direct_ok(prepared):
@@ -201,6 +206,13 @@ class ExpandStaged(_Expansion):
 
     name = "expand_staged"
     needs_segments = True
+
+    def refuses_layout(self, copier, prepared) -> str | None:
+        row = prepared.layout.row_bytes
+        if row <= copier.half_bytes:
+            return None
+        return (f"expand_staged needs a host row ({row} bytes) to fit a staging half ({copier.half_bytes} bytes): "
+                f"raise OFFLOAD_CORE_CUDA_STAGING_MB to at least {-(-row // (1 << 20))}, or let auto choose")
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
         layout, b = prepared.layout, copier.backend
