@@ -162,14 +162,16 @@ def _swap_blocks_batch_op(torch):
 
 def ascend_kv_caches(layers: Mapping[str, Sequence[Any]], groups: Sequence[Sequence[str]] | None = None) -> KVCaches:
     """KVCaches from vllm-ascend's layout: per layer a (key, value) pair of tensors whose first
-    dimension is the block, possibly padded between blocks for alignment.
+    dimension is the block, possibly padded between blocks for alignment. Each becomes an int8
+    view of its blocks' bytes, a pitch apart (`KVCacheTensor`): the padding is never copied
+    and takes no host memory.
 
     Args:
         layers: layer name -> (key_cache, value_cache).
         groups: per KV-cache group, its layer names; default one group with every layer.
 
     Raises:
-        InvalidSpecError: a tensor whose blocks are not evenly spaced in one allocation.
+        InvalidSpecError: a tensor whose blocks are not each contiguous and evenly spaced.
     """
     tensors, refs_of = [], {}
     for name, pair in layers.items():
@@ -179,20 +181,15 @@ def ascend_kv_caches(layers: Mapping[str, Sequence[Any]], groups: Sequence[Seque
             data = t[0].numel() * t.element_size()
             if not t[0].is_contiguous() or pitch < data:
                 raise InvalidSpecError(f"layer {name}: each block must be contiguous, blocks evenly spaced")
-            pages = _byte_pages(t, pitch)
             refs_of[name].append(KVCacheRef(len(tensors), data))
-            tensors.append(KVCacheTensor(pages, pitch))
+            tensors.append(KVCacheTensor(_byte_rows(t, data, pitch), data))
     group_names = groups if groups is not None else [list(layers)]
     return KVCaches(tensors, [[r for n in names for r in refs_of[n]] for names in group_names])
 
 
-def _byte_pages(t, pitch: int):
-    """`t` as int8 ``(num_blocks, pitch)`` over its storage: padding included, nothing copied."""
+def _byte_rows(t, data: int, pitch: int):
+    """`t` as an int8 ``(num_blocks, data)`` view, rows `pitch` bytes apart: nothing copied."""
     import torch
 
-    start = t.storage_offset() * t.element_size()
-    if start + t.shape[0] * pitch > t.untyped_storage().nbytes():
-        raise InvalidSpecError("the padding after the last block lies outside the tensor's storage")
     raw = torch.empty(0, dtype=torch.int8, device=t.device)
-    raw.set_(t.untyped_storage(), start, (t.shape[0], pitch), (pitch, 1))
-    return raw
+    return raw.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (t.shape[0], data), (pitch, 1))

@@ -16,7 +16,7 @@ import weakref
 
 import numpy as np
 
-from offload_core.backend import Direction
+from offload_core.backend import Direction, span_bytes
 from offload_core.backends._torch import TorchDeviceBackend
 
 
@@ -68,7 +68,7 @@ class XpuBackend(TorchDeviceBackend):
 
     def register_tensor(self, tensor) -> None:
         start = tensor.data_ptr()
-        entry = (start, start + tensor.nbytes, weakref.ref(tensor, self._forget))
+        entry = (start, start + span_bytes(tensor), weakref.ref(tensor, self._forget))
         with self._table_lock:
             self._rebuild([e for e in self._table[0] if e[0] != start and e[2]() is not None] + [entry])
 
@@ -111,5 +111,8 @@ class XpuBackend(TorchDeviceBackend):
             tensor = entries[k][2]()
             if tensor is None:  # freed since: its address range is no longer the caller's
                 raise ValueError("xpu copies need their memory registered (register_tensor or alloc_host)")
-            views[k] = tensor.view(-1).view(self._torch.uint8)
+            # its bytes from data_ptr on, between the rows of a strided view too
+            flat = self._torch.empty(0, dtype=self._torch.uint8, device=tensor.device)
+            views[k] = flat.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(),
+                                 (int(ends[k] - starts[k]),), (1,))
         return [views[k] for k in i.tolist()], addresses - starts[i]

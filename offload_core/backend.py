@@ -110,7 +110,9 @@ class Backend(abc.ABC):
 
     def register_tensor(self, tensor: "torch.Tensor") -> None:
         """Say that copies will touch `tensor`'s memory (the worker does, for its KV tensors and
-        host buffer). Backends that copy through tensor views rather than addresses need it."""
+        host buffer): the `span_bytes` from its ``data_ptr()``, which for a strided view (rows a
+        pitch apart) holds bytes between rows that copies never touch. Backends that copy
+        through tensor views rather than addresses need it."""
 
     @abc.abstractmethod
     def copy_batch(
@@ -180,3 +182,12 @@ class Backend(abc.ABC):
             Exception: anything the measurement raises.
         """
         raise NotImplementedError(f"backend {self.name!r} has nothing to calibrate")
+
+
+def span_bytes(tensor: "torch.Tensor") -> int:
+    """Bytes from ``tensor.data_ptr()`` to the end of its last element: ``nbytes`` for a
+    contiguous tensor, more for a strided view."""
+    if tensor.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
+

@@ -28,13 +28,18 @@ class KVCacheTensor:
     """One device tensor of the KV cache, seen as int8 pages, one per block.
 
     Args:
-        tensor: a contiguous device tensor whose first dimension is the block index.
-        page_size_bytes: bytes per block in `tensor` (the padded page: row pitch).
+        tensor: a device tensor whose first dimension is the block index. Its rows (one per
+            block) are each contiguous; consecutive rows may lie further apart than a row is
+            long (a strided view, such as the int8 ``(num_blocks, page)`` views vLLM and
+            vllm-ascend hand over of interleaved K and V): only each row's bytes are ever
+            copied, never those between rows.
+        page_size_bytes: bytes of each row (the padded page; a `KVCacheRef` copies a prefix
+            of it). The row pitch, `pitch_bytes`, is ``tensor.stride(0)`` elements.
 
     Raises:
         InvalidSpecError: not a tensor, a page size that is not a positive integer, a tensor
-            that is not contiguous or has no blocks, or whose size is not
-            ``num_blocks * page_size_bytes``.
+            without blocks, rows that are not contiguous or not `page_size_bytes` long, or rows
+            that overlap (a pitch below the page size).
     """
 
     tensor: "torch.Tensor"
@@ -53,8 +58,6 @@ class KVCacheTensor:
         object.__setattr__(self, "page_size_bytes", positive_int(self.page_size_bytes, "KVCacheTensor.page_size_bytes"))
         if t.dim() < 1 or t.shape[0] < 1:
             raise InvalidSpecError(f"KV tensor needs a leading block dimension, got shape {tuple(t.shape)}")
-        if not t.is_contiguous():
-            raise InvalidSpecError("KV tensor must be contiguous (its pages are addressed as data_ptr + block * page)")
         try:
             nbytes = t.nbytes
             t.data_ptr()
@@ -64,10 +67,26 @@ class KVCacheTensor:
             raise InvalidSpecError(
                 f"KV tensor of {nbytes} bytes is not {t.shape[0]} pages of page_size_bytes={self.page_size_bytes}"
             )
+        if not t[0].is_contiguous():
+            raise InvalidSpecError(
+                f"KV tensor rows must each be contiguous (pages are copied as bytes), got strides {tuple(t.stride())}"
+            )
+        pitch = self.pitch_bytes
+        if t.shape[0] > 1 and pitch < self.page_size_bytes:
+            raise InvalidSpecError(
+                f"KV tensor rows overlap: a pitch of {pitch} bytes (stride(0)={t.stride(0)}) is below "
+                f"page_size_bytes={self.page_size_bytes}"
+            )
 
     @property
     def num_blocks(self) -> int:
         return int(self.tensor.shape[0])
+
+    @property
+    def pitch_bytes(self) -> int:
+        """Bytes from one block's page to the next (`page_size_bytes` for a contiguous tensor)."""
+        t = self.tensor
+        return int(t.stride(0)) * t.element_size() if t.shape[0] > 1 else self.page_size_bytes
 
 
 @dataclass(frozen=True)

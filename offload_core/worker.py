@@ -120,7 +120,7 @@ class OffloadWorker:
         self._planner = Planner(
             Geometry(
                 device_base=[t.tensor.data_ptr() for t in kv_caches.tensors],
-                device_page=pages,
+                device_page=[t.pitch_bytes for t in kv_caches.tensors],
                 device_blocks=[t.num_blocks for t in kv_caches.tensors],
                 host_base=self._host.data_ptr() + slot,
                 host_row_bytes=stride,

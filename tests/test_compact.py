@@ -42,6 +42,7 @@ def check_against_planner(model, direction, device, host, staged):
     planner = Planner(model.geometry)
     layout = CompactLayout(planner)
     devices, rows = model.snapshot()
+    gaps = model.gaps()
     batch = planner.plan(direction, device, host)
     execute(batch.src, batch.dst, batch.sizes)
     want_dev, want_host = model.snapshot()
@@ -55,6 +56,8 @@ def check_against_planner(model, direction, device, host, staged):
     for a, b in zip(model.device, want_dev):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(model.host, want_host)
+    for a, b in zip(model.gaps(), gaps):
+        np.testing.assert_array_equal(a, b)
 
 
 @given(case=transfers(), staged=st.booleans())

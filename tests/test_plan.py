@@ -14,18 +14,21 @@ from offload_core.testing.reference import merge_contiguous, reference_transfer
 
 
 class Model:
-    """Numpy device tensors and a host row buffer, with the geometry the planner sees."""
+    """Numpy device tensors and a host row buffer, with the geometry the planner sees. Each
+    device tensor's rows may lie `gaps[t]` bytes apart beyond their length (a strided view)."""
 
-    def __init__(self, pages, copy_sizes_per_group, bpc, device_blocks=16, host_blocks=12, seed=0):
+    def __init__(self, pages, copy_sizes_per_group, bpc, device_blocks=16, host_blocks=12, seed=0, gaps=None):
         rng = np.random.default_rng(seed)
         self.pages, self.bpc = pages, bpc
-        self.device = [rng.integers(0, 256, (device_blocks, p), dtype=np.uint8) for p in pages]
+        gaps = gaps or [0] * len(pages)
+        self.backing = [rng.integers(0, 256, (device_blocks, p + gap), dtype=np.uint8) for p, gap in zip(pages, gaps)]
+        self.device = [b[:, :p] for b, p in zip(self.backing, pages)]
         self.offsets = list(np.cumsum([0] + [p * bpc for p in pages])[:-1])
         self.host = rng.integers(0, 256, (host_blocks, sum(pages) * bpc), dtype=np.uint8)
         self.group_refs = copy_sizes_per_group
         self.geometry = Geometry(
             device_base=[a.ctypes.data for a in self.device],
-            device_page=pages,
+            device_page=[b.shape[1] for b in self.backing],
             device_blocks=[device_blocks] * len(pages),
             host_base=self.host.ctypes.data,
             host_row_bytes=self.host.shape[1],
@@ -39,8 +42,12 @@ class Model:
     def snapshot(self):
         return [a.copy() for a in self.device], self.host.copy()
 
+    def gaps(self):
+        """The bytes between device rows, which no copy may touch."""
+        return [b[:, p:].copy() for b, p in zip(self.backing, self.pages)]
+
     def buffers(self):
-        spans = [(a.ctypes.data, a.nbytes) for a in self.device] + [(self.host.ctypes.data, self.host.nbytes)]
+        spans = [(a.ctypes.data, a.nbytes) for a in self.backing] + [(self.host.ctypes.data, self.host.nbytes)]
         return spans
 
 
@@ -69,7 +76,8 @@ def transfers(draw):
         dev_ids += [free_device.pop() for _ in range(size)]
         host_ids += [free_host.pop() for _ in range(need)]
     direction = draw(st.sampled_from(list(Direction)))
-    model = Model(pages, group_refs, bpc, device_blocks, host_blocks, seed=draw(st.integers(0, 2**16)))
+    gaps = [draw(st.sampled_from([0, 0, 1, 8, 40])) for _ in range(n_tensors)]  # rows a pitch apart
+    model = Model(pages, group_refs, bpc, device_blocks, host_blocks, seed=draw(st.integers(0, 2**16)), gaps=gaps)
     return model, direction, DeviceBlocks(dev_ids, sizes, indices), HostBlocks(host_ids)
 
 
@@ -86,6 +94,7 @@ def inside(addr, n, spans):
 def test_plan_moves_the_same_bytes_as_the_reference(case):
     model, direction, device, host = case
     expected_dev, expected_host = model.snapshot()
+    gaps = model.gaps()
     reference_transfer(
         direction, expected_dev, expected_host, model.offsets, model.group_refs, model.bpc,
         device.block_ids, device.group_sizes, device.block_indices, host.block_ids,
@@ -105,6 +114,8 @@ def test_plan_moves_the_same_bytes_as_the_reference(case):
     for got, exp in zip(model.device, expected_dev):
         np.testing.assert_array_equal(got, exp)
     np.testing.assert_array_equal(model.host, expected_host)
+    for got, exp in zip(model.gaps(), gaps):
+        np.testing.assert_array_equal(got, exp)
 
 
 @given(transfers())
@@ -235,12 +246,14 @@ def canonical_transfers(draw):
     dev_ids = draw(st.permutations(range(16)))[:size]
     host_ids = draw(st.permutations(range(12)))[:need]
     direction = draw(st.sampled_from(list(Direction)))
-    model = Model([local] * n_tensors, [[(t, local, mapping) for t in range(n_tensors)]], bpc, seed=draw(st.integers(0, 99)))
+    gap = draw(st.sampled_from([0, 3, 16]))  # device rows a pitch apart
+    model = Model([local] * n_tensors, [[(t, local, mapping) for t in range(n_tensors)]], bpc, seed=draw(st.integers(0, 99)),
+                  gaps=[gap] * n_tensors)
     # host pages are canonical: rebuild the host side of the geometry
     model.host = np.random.default_rng(1).integers(0, 256, (12, canon * bpc * n_tensors), dtype=np.uint8)
     model.offsets = [t * canon * bpc for t in range(n_tensors)]
     model.geometry = Geometry(
-        device_base=[a.ctypes.data for a in model.device], device_page=[local] * n_tensors,
+        device_base=[a.ctypes.data for a in model.device], device_page=[local + gap] * n_tensors,
         device_blocks=[16] * n_tensors, host_base=model.host.ctypes.data, host_row_bytes=model.host.shape[1],
         host_offset=model.offsets, host_page=[canon] * n_tensors, host_blocks=12,
         group_refs=model.group_refs, blocks_per_chunk=bpc,
@@ -252,6 +265,7 @@ def canonical_transfers(draw):
 def test_canonical_plan_matches_the_reference(case):
     model, direction, device, host, canon = case
     expected_dev, expected_host = model.snapshot()
+    gaps = model.gaps()
     reference_transfer(
         direction, expected_dev, expected_host, model.offsets, model.group_refs, model.bpc,
         device.block_ids, device.group_sizes, device.block_indices, host.block_ids,
@@ -266,3 +280,5 @@ def test_canonical_plan_matches_the_reference(case):
     for got, exp in zip(model.device, expected_dev):
         np.testing.assert_array_equal(got, exp)
     np.testing.assert_array_equal(model.host, expected_host)
+    for got, exp in zip(model.gaps(), gaps):
+        np.testing.assert_array_equal(got, exp)

@@ -107,10 +107,11 @@ def test_vllm_ascend_padded_kv_layout(sim_npu):
     value_storage = torch.randint(0, 255, (blocks * pitch,), dtype=torch.uint8)
     pair.append(value_storage.as_strided((blocks, tokens, heads, dim), (pitch, heads * dim, dim, 1)))
     kv = ascend_kv_caches({"layer.0": tuple(pair)})
-    assert [t.page_size_bytes for t in kv.tensors] == [pitch, pitch]
+    assert [(t.page_size_bytes, t.pitch_bytes) for t in kv.tensors] == [(64, pitch), (64, pitch)]
     assert [r.page_size_bytes for r in kv.group_refs[0]] == [64, 64]
     before = [storage.clone(), value_storage.clone()]
     with OffloadWorker(kv, 4, backend=backend) as worker:
+        assert [h.shape[1] for h in worker.host_tensors] == [64, 64]  # no host memory for the padding
         worker.submit_store(1, DeviceBlocks([0, 1]), HostBlocks([2, 3]))
         worker.wait([1])
         worker.submit_load(2, HostBlocks([2, 3]), DeviceBlocks([4, 5]))

@@ -186,6 +186,14 @@ def test_block_ids_must_be_1d_integers(ids, message):
         HostBlocks(ids)
 
 
+def test_a_strided_view_is_a_kv_tensor_with_a_pitch():
+    backing = torch.zeros(6, 40, dtype=torch.int8)
+    t = KVCacheTensor(backing[:, 4:36], 32)
+    assert (t.pitch_bytes, t.page_size_bytes, t.num_blocks) == (40, 32, 6)
+    assert KVCacheTensor(backing, 40).pitch_bytes == 40
+    assert KVCacheTensor(torch.zeros(6, 8, dtype=torch.float32), 32).pitch_bytes == 32
+
+
 def test_ids_may_come_as_lists_arrays_or_tensors():
     for ids in ([1, 2], np.array([1, 2], dtype=np.int32), torch.tensor([1, 2])):
         assert DeviceBlocks(ids).block_ids.tolist() == [1, 2]
@@ -197,6 +205,8 @@ def test_ids_may_come_as_lists_arrays_or_tensors():
     [
         (lambda: KVCacheTensor(torch.zeros(4, 16, dtype=torch.int8), 8), "not 4 pages"),
         (lambda: KVCacheTensor(torch.zeros(16, 4, dtype=torch.int8).t(), 16), "contiguous"),
+        (lambda: KVCacheTensor(torch.zeros(64, dtype=torch.int8).as_strided((4, 16), (8, 1)), 16), "rows overlap"),
+        (lambda: KVCacheTensor(torch.zeros(4, 2, 16, dtype=torch.int8)[:, :, :8], 16), "rows must each be contiguous"),
         (lambda: KVCacheTensor(torch.zeros(0, 4, dtype=torch.int8), 4), "leading block dimension"),
         (lambda: KVCaches([], [[]]), "at least one tensor"),
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(1, 8)]]), "ref to tensor 1"),

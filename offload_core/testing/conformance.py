@@ -99,14 +99,16 @@ class BackendConformance:
         assert torch.equal(host[n:], host[:n])
         assert start.elapsed_time(mid) >= 0
 
-    @pytest.mark.parametrize("blocks_per_chunk", [1, 3])
-    def test_worker_round_trip(self, backend: Backend, blocks_per_chunk: int) -> None:
-        rng = np.random.default_rng(blocks_per_chunk)
+    @pytest.mark.parametrize("blocks_per_chunk, gap", [(1, 0), (3, 0), (3, 40)])
+    def test_worker_round_trip(self, backend: Backend, blocks_per_chunk: int, gap: int) -> None:
+        """Stores and loads against the reference; with a `gap`, the KV tensors are strided views
+        whose rows lie `gap` bytes apart beyond their length, and those bytes stay untouched."""
+        rng = np.random.default_rng(blocks_per_chunk + gap)
         pages = [256, 512, 96]
         blocks = 24
-        tensors = [
-            KVCacheTensor(_random_bytes(rng, blocks * p).view(blocks, p).to(backend.device), p) for p in pages
-        ]
+        backing = [_random_bytes(rng, blocks * (p + gap)).view(blocks, p + gap).to(backend.device) for p in pages]
+        gaps_before = [b[:, p:].cpu().numpy().copy() for b, p in zip(backing, pages)]
+        tensors = [KVCacheTensor(b[:, :p], p) for b, p in zip(backing, pages)]
         refs = [[KVCacheRef(0, 256), KVCacheRef(1, 500)], [KVCacheRef(2, 96)]]
         kv = KVCaches(tensors, refs)
         before = [t.tensor.cpu().numpy().copy() for t in tensors]
@@ -134,3 +136,5 @@ class BackendConformance:
                 np.testing.assert_array_equal(t.tensor.cpu().numpy(), exp)
             host_rows = torch.cat(worker.host_tensors, dim=1).view(torch.uint8).numpy()
             np.testing.assert_array_equal(host_rows, rows)
+            for b, p, exp in zip(backing, pages, gaps_before):
+                np.testing.assert_array_equal(b[:, p:].cpu().numpy(), exp)
