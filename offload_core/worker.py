@@ -132,6 +132,9 @@ class OffloadWorker:
             )
         )
         self._queues = {d: TransferQueue(backend, d) for d in Direction}
+        # Loads the engine waits for at once go on their own stream, never behind regular loads.
+        self._expedited = TransferQueue(backend, Direction.LOAD)
+        self._lanes = (*self._queues.values(), self._expedited)
         for t in kv_caches.tensors:
             backend.register_tensor(t.tensor)
         backend.register_tensor(self._host)
@@ -154,7 +157,7 @@ class OffloadWorker:
         # dropped without `shutdown`.
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(
-            self, _dropped, self._pid, tuple(self._queues.values()), backend, self._host, self._registered,
+            self, _dropped, self._pid, self._lanes, backend, self._host, self._registered,
             (kv_caches, self._prepared),
         )
         self._shutdown_lock = threading.Lock()  # held while draining: a second shutdown waits for it
@@ -180,8 +183,13 @@ class OffloadWorker:
         """
         return self._submit(Direction.STORE, job_id, src, dst)
 
-    def submit_load(self, job_id: int, src: HostBlocks, dst: DeviceBlocks) -> bool:
+    def submit_load(self, job_id: int, src: HostBlocks, dst: DeviceBlocks, expedited: bool = False) -> bool:
         """Start copying host blocks to device blocks (host -> device).
+
+        Args:
+            expedited: a load the engine is about to wait for: it goes on a lane of its own
+                (a stream, ordered among expedited loads), so it never queues behind regular
+                loads. Results, waiting and shutdown are the same.
 
         Returns:
             True if queued; False if the backend failed to enqueue it (as `submit_store`).
@@ -191,9 +199,10 @@ class OffloadWorker:
             RegionError: the shared region was removed, replaced or truncated under this rank.
             OffloadError: the worker is shut down, or used from a forked child.
         """
-        return self._submit(Direction.LOAD, job_id, dst, src)
+        return self._submit(Direction.LOAD, job_id, dst, src, expedited=bool(expedited))
 
-    def _submit(self, direction: Direction, job_id: int, device: DeviceBlocks, host: HostBlocks) -> bool:
+    def _submit(self, direction: Direction, job_id: int, device: DeviceBlocks, host: HostBlocks,
+                expedited: bool = False) -> bool:
         self._same_process()
         job_id = integer(job_id, "job_id")
         if not isinstance(device, DeviceBlocks) or not isinstance(host, HostBlocks):
@@ -208,12 +217,12 @@ class OffloadWorker:
                 raise InvalidSpecError(f"job id {job_id} is still in flight")
             self._in_flight.add(job_id)
             self._submitting += 1
+        queue = self._expedited if expedited else self._queues[direction]
         queued = False
         try:
             if self._region is not None and time.monotonic() >= self._next_region_check:
                 self._region.check()
                 self._next_region_check = time.monotonic() + _REGION_CHECK_S
-            queue = self._queues[direction]
             if self._layout is not None:
                 batch, scratch = self._layout.job(direction, device, host), None
             else:
@@ -233,25 +242,25 @@ class OffloadWorker:
         finally:
             with self._lock:
                 # a compact job interrupted (Ctrl-C) while its submit launched it is queued: its result will come
-                if not queued and job_id not in self._queues[direction]:
+                if not queued and job_id not in queue:
                     self._in_flight.discard(job_id)
                 self._submitting -= 1
                 if not self._submitting:
                     self._idle.notify_all()
 
     def stats(self) -> dict[str, QueueStats]:
-        """Counters per direction (``"store"``, ``"load"``): jobs, bytes, descriptors after merging
+        """Counters per lane (``"store"``, ``"load"``, ``"expedited_load"``): jobs, bytes, descriptors after merging
         (copies expanded, for compact jobs), failures, jobs per mechanism, launches (jobs /
         launches: how much coalescing did) and the host seconds they took (``launch_s``), and
         back-pressure: submits that waited because `TransferQueue.max_pending` jobs were waiting
-        for a launch, and for how long."""
-        return {d.value: q.stats for d, q in self._queues.items()}
+        for a launch, and for how long. Expedited loads count under ``"expedited_load"``."""
+        return {**{d.value: q.stats for d, q in self._queues.items()}, "expedited_load": self._expedited.stats}
 
     def get_finished(self) -> list[TransferResult]:
-        """Results of completed jobs: stores, then loads, each in submission order. Never blocks
-        on the device; each result is returned once, to one caller."""
+        """Results of completed jobs: stores, then loads, then expedited loads, each in submission
+        order. Never blocks on the device; each result is returned once, to one caller."""
         self._same_process()
-        polled = [r for queue in self._queues.values() for r in queue.poll()]
+        polled = [r for queue in self._lanes for r in queue.poll()]
         with self._lock:
             results, self._drained = self._drained + polled, []
             self._in_flight.difference_update(r.job_id for r in polled)
@@ -267,7 +276,7 @@ class OffloadWorker:
         """
         self._same_process()
         job_ids = job_id_set(job_ids)
-        for queue in self._queues.values():
+        for queue in self._lanes:
             queue.wait(job_ids)
 
     def shutdown(self) -> None:
@@ -293,7 +302,7 @@ class OffloadWorker:
             # Drained while the finalizer still holds the memory: an interruption here leaves
             # it held, and the next call (or the collector) drains again; each queue's results
             # are kept as soon as it is drained.
-            for queue in self._queues.values():
+            for queue in self._lanes:
                 results = queue.drain()
                 with self._lock:
                     self._drained += results

@@ -62,9 +62,9 @@ def test_every_job_waits_for_the_compute_stream_then_the_previous_job(worker, fa
         ("wait_stream", "s1"), ("record", "s1"), ("copy", "s1"), ("record", "s1"),
     ]
     assert {x[2] for x in fake.log if x[0] == "wait_stream"} == {"compute"}
-    # one stream per direction: later jobs run behind earlier ones by stream order
+    # one stream per lane (store, load, expedited load): later jobs run behind earlier ones by stream order
     store(worker, 3, block=3)
-    assert fake.log[-1][:2] == ("record", "s0") and len(fake.streams) == 2
+    assert fake.log[-1][:2] == ("record", "s0") and len(fake.streams) == 3
 
 
 def test_wait_blocks_until_done_without_consuming(worker, fake):
@@ -280,3 +280,27 @@ def test_a_failed_enqueue_waits_for_its_partial_copies_outside_the_shared_enqueu
         backend.fail_enqueue = RuntimeError("boom")
         assert not store(worker, 1)
         assert backend.syncs == 1 and len(worker._queues[Direction.STORE]) == 0
+
+
+def test_an_expedited_load_never_queues_behind_regular_loads(worker, fake):
+    load(worker, 1, host=1, block=1)  # a regular load the device has not finished
+    assert worker.submit_load(2, HostBlocks([2]), DeviceBlocks([2]), expedited=True)
+    load(worker, 3, host=3, block=3)
+    load_stream, expedited_stream = fake.streams[1], fake.streams[2]
+    assert [x[1] for x in fake.log if x[0] == "copy"] == [load_stream.name, expedited_stream.name, load_stream.name]
+    for event in fake.recorded(expedited_stream):
+        fake.complete(event)
+    results = worker.get_finished()
+    assert [(r.job_id, r.direction, r.success) for r in results] == [(2, "load", True)]
+    worker.wait([1, 3])  # the regular lane, in its own order
+    assert [r.job_id for r in worker.get_finished()] == [1, 3]
+    stats = worker.stats()
+    assert (stats["load"].jobs, stats["expedited_load"].jobs) == (2, 1)
+
+
+def test_shutdown_waits_for_expedited_loads_too(worker, fake):
+    assert worker.submit_load(4, HostBlocks([4]), DeviceBlocks([4]), expedited=True)
+    worker.shutdown()
+    assert [r.job_id for r in worker.get_finished()] == [4]
+    with pytest.raises(OffloadError, match="shut down"):
+        worker.submit_load(5, HostBlocks([5]), DeviceBlocks([5]), expedited=True)

@@ -99,10 +99,11 @@ class BackendConformance:
         assert torch.equal(host[n:], host[:n])
         assert start.elapsed_time(mid) >= 0
 
-    @pytest.mark.parametrize("blocks_per_chunk, gap", [(1, 0), (3, 0), (3, 40)])
-    def test_worker_round_trip(self, backend: Backend, blocks_per_chunk: int, gap: int) -> None:
+    @pytest.mark.parametrize("blocks_per_chunk, gap, expedited", [(1, 0, False), (3, 0, False), (3, 40, True)])
+    def test_worker_round_trip(self, backend: Backend, blocks_per_chunk: int, gap: int, expedited: bool) -> None:
         """Stores and loads against the reference; with a `gap`, the KV tensors are strided views
-        whose rows lie `gap` bytes apart beyond their length, and those bytes stay untouched."""
+        whose rows lie `gap` bytes apart beyond their length, and those bytes stay untouched;
+        `expedited` loads go on their own lane."""
         rng = np.random.default_rng(blocks_per_chunk + gap)
         pages = [256, 512, 96]
         blocks = 24
@@ -121,7 +122,7 @@ class BackendConformance:
         with OffloadWorker(kv, 8, blocks_per_chunk=bpc, backend=backend) as worker:
             assert worker.submit_store(1, DeviceBlocks(src_ids, sizes, indices), HostBlocks(host_ids))
             worker.wait({1})  # the two directions are not ordered against each other
-            assert worker.submit_load(2, HostBlocks(host_ids), DeviceBlocks(dst_ids, sizes, indices))
+            assert worker.submit_load(2, HostBlocks(host_ids), DeviceBlocks(dst_ids, sizes, indices), expedited=expedited)
             worker.wait({1, 2})
             results = {r.job_id: r for r in worker.get_finished()}
             assert set(results) == {1, 2} and all(r.success for r in results.values())
