@@ -1,0 +1,173 @@
+"""offload-core as vLLM's CPU-offloading worker, through vLLM's own plug-in path.
+
+vLLM's offloading connector builds its spec from ``kv_connector_extra_config``; name this
+module and class there and the GPU <-> host copies are offload-core's, on any backend
+(``cuda``, ``npu`` through vllm-ascend, ``xpu``, ``cpu``)::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "OffloadCoreOffloadingSpec",
+        "spec_module_path": "offload_core.integrations.vllm", "cpu_bytes_to_use": 8000000000}}'
+
+Everything on the scheduler side stays vLLM's: `OffloadCoreOffloadingSpec` subclasses
+vLLM's `CPUOffloadingSpec`, so host memory sizing (``cpu_bytes_to_use``, chunks of
+``blocks_per_chunk`` blocks), the manager, eviction policies and metrics are vLLM's own.
+Only `get_worker` differs: it returns `OffloadCoreWorker`, which converts vLLM's specs and
+KV-cache description to offload-core's and back. ``offload_core_backend`` in the extra config
+names a backend; by default it follows the KV tensors' device.
+
+Each rank keeps its own host copy of its part of the KV cache: the spec never claims vLLM's
+replicated or canonical layout, which need a host region shared between the ranks (not yet
+supported here), so every rank stores its own blocks.
+
+Importable only where vLLM is installed; offload-core never depends on vLLM. Tested against
+vLLM 0.33.0; the worker also accepts the older API vllm-ascend targets (``num_blocks``
+instead of ``num_chunks`` on the spec, specs without groups, loads without ``expedited``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Iterable
+
+from vllm.v1.kv_offload.base import OffloadingWorker
+from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from offload_core.errors import InvalidSpecError
+from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
+from offload_core.worker import OffloadWorker
+
+log = logging.getLogger(__name__)
+
+BACKEND_KEY = "offload_core_backend"  # kv_connector_extra_config key: the backend's name
+
+
+class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
+    """vLLM's CPU offloading spec with offload-core's worker.
+
+    Args:
+        config: vLLM's ``OffloadingConfig``. Its replicated and canonical layouts are turned
+            off (logged), so vLLM sizes the host memory for a copy per rank and lets every
+            rank store.
+
+    Raises:
+        Exception: as vLLM's `CPUOffloadingSpec` (``cpu_bytes_to_use`` missing, say).
+    """
+
+    def __init__(self, config: Any):
+        wanted = [name for name in ("replicated_layout", "canonical_layout") if getattr(config, name, False)]
+        if wanted:
+            log.info("offload-core keeps a host copy per rank: %s turned off (needs a region shared by the ranks)",
+                     " and ".join(wanted))
+            config = dataclasses.replace(config, **{name: False for name in wanted})
+        super().__init__(config)
+        self._offload_core_worker: OffloadCoreWorker | None = None
+
+    def get_worker(self, kv_caches: Any) -> "OffloadCoreWorker":
+        """The worker of this rank, made on the first call, for CUDA, NPU, XPU and CPU alike.
+
+        Raises:
+            InvalidSpecError: vLLM sized no host memory (``cpu_bytes_to_use`` below one
+                chunk), or the KV caches do not fit offload-core's rules.
+            OffloadError: the named backend cannot be used.
+        """
+        if self._offload_core_worker is None:
+            chunks = getattr(self, "num_chunks", None)
+            if chunks is None:  # vLLM before num_chunks (vllm-ascend's)
+                chunks = getattr(self, "num_blocks", 0)
+            if not chunks:
+                raise InvalidSpecError(
+                    f"vLLM sized no host chunks (cpu_bytes_to_use={self.extra_config.get('cpu_bytes_to_use')!r} "
+                    "is below one chunk of every rank's KV bytes): raise cpu_bytes_to_use"
+                )
+            self._offload_core_worker = OffloadCoreWorker(
+                kv_caches, int(chunks), int(self.blocks_per_chunk), backend=self.extra_config.get(BACKEND_KEY)
+            )
+        return self._offload_core_worker
+
+
+class OffloadCoreWorker(OffloadingWorker):
+    """vLLM's ``OffloadingWorker`` over an `OffloadWorker`.
+
+    Args:
+        kv_caches: vLLM's ``CanonicalKVCaches``: int8 ``(num_blocks, page)`` views, possibly
+            strided (rows a pitch apart), and per group one ref per layer.
+        num_chunks: host chunks (blocks of `blocks_per_chunk` device blocks each).
+        blocks_per_chunk: device blocks per host chunk.
+        backend: a backend name, or None for the KV tensors' device.
+
+    Raises:
+        InvalidSpecError: the KV caches do not fit offload-core's rules (see `to_kv_caches`).
+        OffloadError: the backend cannot be used.
+    """
+
+    def __init__(self, kv_caches: Any, num_chunks: int, blocks_per_chunk: int = 1, backend: str | None = None):
+        self.worker = OffloadWorker(
+            to_kv_caches(kv_caches), num_chunks, blocks_per_chunk=blocks_per_chunk, backend=backend
+        )
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        """Device blocks (``GPULoadStoreSpec``) to host chunks (``CPULoadStoreSpec``).
+
+        Raises:
+            InvalidSpecError: bad specs or a job id in flight; nothing was enqueued.
+        """
+        return self.worker.submit_store(job_id, device_blocks(src_spec), host_blocks(dst_spec))
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
+        """Host chunks to device blocks; `expedited` loads (ones vLLM waits for within the step)
+        go on a lane of their own, never behind regular loads.
+
+        Raises:
+            InvalidSpecError: bad specs or a job id in flight; nothing was enqueued.
+        """
+        return self.worker.submit_load(job_id, host_blocks(src_spec), device_blocks(dst_spec), expedited=expedited)
+
+    def get_finished(self) -> list:
+        """Finished jobs as vLLM's ``TransferResult``. A failed job comes back with
+        ``success=False`` and is logged here (the device fault was logged when it was found):
+        vLLM's connector asserts success, so the log says why it stopped."""
+        results = []
+        for r in self.worker.get_finished():
+            if not r.success:
+                log.error("offload-core %s job %d failed (%d bytes, backend %s): see the error logged before for the cause",
+                          r.direction, r.job_id, r.transfer_size, self.worker.backend.name)
+            results.append(VllmTransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time))
+        return results
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until the named jobs finished; their results stay for `get_finished`."""
+        self.worker.wait(job_ids)
+
+    def shutdown(self) -> None:
+        """Wait for every job in flight, then release the host memory."""
+        self.worker.shutdown()
+
+
+def to_kv_caches(kv_caches: Any) -> KVCaches:
+    """vLLM's ``CanonicalKVCaches`` as offload-core's `KVCaches`. Layers that alias one tensor
+    in a group (vLLM shares a tensor between layers with the same memory) copy it once.
+
+    Raises:
+        InvalidSpecError: a tensor or ref that breaks `KVCacheTensor`'s or `KVCaches`' rules.
+    """
+    tensors = [KVCacheTensor(t.tensor, int(t.page_size_bytes)) for t in kv_caches.tensors]
+    groups = []
+    for refs in kv_caches.group_data_refs:
+        pages: dict[int, int] = {}
+        for ref in refs:
+            pages[ref.tensor_idx] = max(pages.get(ref.tensor_idx, 0), int(ref.page_size_bytes))
+        groups.append([KVCacheRef(i, n) for i, n in pages.items()])
+    return KVCaches(tensors, groups)
+
+
+def device_blocks(spec: Any) -> DeviceBlocks:
+    """A ``GPULoadStoreSpec`` (block ids in group order, group sizes, each group's first block
+    index) as `DeviceBlocks`; older specs without groups are one group."""
+    return DeviceBlocks(spec.block_ids, getattr(spec, "group_sizes", None), getattr(spec, "block_indices", None))
+
+
+def host_blocks(spec: Any) -> HostBlocks:
+    """A ``CPULoadStoreSpec`` (host chunk ids) as `HostBlocks`."""
+    return HostBlocks(spec.block_ids)
