@@ -7,6 +7,7 @@ instead. On a GPU the same tests run on its backend (``device`` fixture)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -79,12 +80,45 @@ def test_the_factory_builds_the_spec_from_its_module_path():
     assert spec.replicated_layout is False
 
 
-def test_replicated_and_canonical_layouts_are_turned_off_and_sized_per_rank(caplog):
+def test_a_canonical_layout_is_turned_off_and_sized_per_rank(caplog):
     with caplog.at_level(logging.INFO, logger="offload_core.integrations.vllm"):
-        spec = OffloadingSpecFactory.create_spec(offloading_config(world_size=2, replicated=True, canonical=True))
+        spec = OffloadingSpecFactory.create_spec(offloading_config(world_size=2, canonical=True))
     assert spec.replicated_layout is False and spec.config.canonical_layout is False
     assert spec.num_chunks == (1 << 20) // (2 * 4096)  # a copy per rank within cpu_bytes_to_use
-    assert "replicated_layout and canonical_layout turned off" in caplog.text
+    assert "canonical_layout turned off" in caplog.text
+
+
+def test_replicated_ranks_share_one_region_rank_0_stores_all_load(device):
+    """vLLM's replicated layout (MLA under tensor parallelism): one host copy for the engine,
+    in a region every rank opens; rank 0 stores, another rank loads what it stored."""
+    pages, blocks = [512, 256], 16
+    engine = f"test-{os.getpid()}-{device.type}"
+    specs, workers, tensors = [], [], []
+    for rank in range(2):
+        cfg = dataclasses.replace(offloading_config(world_size=2, rank=rank, replicated=True, kv_bytes_per_block=768,
+                                                    cpu_bytes=8 * 4096), engine_id=engine)
+        spec = OffloadingSpecFactory.create_spec(cfg)
+        assert spec.replicated_layout is True and spec.num_chunks == 8  # sized for one copy
+        t, _, _ = kv(device, pages, blocks, seed=0)  # replicas hold the same KV
+        if rank == 1:
+            for x in t:
+                x.tensor.zero_()
+        refs = [[CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 256)]]
+        specs.append(spec)
+        tensors.append(t)
+        workers.append(spec.get_worker(CanonicalKVCaches(t, refs)))
+    assert workers[0].region.path == workers[1].region.path
+    assert workers[0].submit_store(1, GPULoadStoreSpec([3, 7], [2], [0]), CPULoadStoreSpec([5, 2]))
+    workers[0].wait({1})
+    assert workers[1].submit_load(2, CPULoadStoreSpec([5, 2]), GPULoadStoreSpec([9, 10], [2], [0]), expedited=True)
+    workers[1].wait({2})
+    assert [r.success for w in workers for r in w.get_finished()] == [True, True]
+    for a, b in zip(tensors[0], tensors[1]):
+        assert torch.equal(b.tensor[[9, 10]].cpu(), a.tensor[[3, 7]].cpu())
+    path = workers[0].region.path
+    for w in workers:
+        w.shutdown()
+    assert not path.exists()  # the last rank to close removes it
 
 
 def kv(device, pages, blocks, copy=None, gap=0, seed=0):
@@ -294,6 +328,4 @@ def test_vllm_connector_worker_end_to_end(device):
 
 
 def dataclasses_replace_groups(config, group):
-    import dataclasses
-
     return dataclasses.replace(config, groups=(group,))

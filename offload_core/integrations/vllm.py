@@ -15,9 +15,11 @@ Only `get_worker` differs: it returns `OffloadCoreWorker`, which converts vLLM's
 KV-cache description to offload-core's and back. ``offload_core_backend`` in the extra config
 names a backend; by default it follows the KV tensors' device.
 
-Each rank keeps its own host copy of its part of the KV cache: the spec never claims vLLM's
-replicated or canonical layout, which need a host region shared between the ranks (not yet
-supported here), so every rank stores its own blocks.
+Tensor-parallel ranks: with vLLM's replicated layout (MLA models, whose KV every rank holds
+whole), the ranks of one engine share one `SharedHostRegion` (in ``/dev/shm``, opened only by
+its user): rank 0 stores each block once, every rank loads it, and vLLM sizes the host memory
+for one copy. Otherwise each rank keeps its own host copy of its part. vLLM's canonical layout
+is turned off (not supported here yet), so each rank then stores its own blocks.
 
 Importable only where vLLM is installed; offload-core never depends on vLLM. Tested against
 vLLM 0.33.0; the worker also accepts the older API vllm-ascend targets (``num_blocks``
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any, Iterable
 
 from vllm.v1.kv_offload.base import OffloadingWorker
@@ -36,6 +39,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from offload_core.errors import InvalidSpecError
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
+from offload_core.region import SharedHostRegion
 from offload_core.worker import OffloadWorker
 
 log = logging.getLogger(__name__)
@@ -47,22 +51,25 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading spec with offload-core's worker.
 
     Args:
-        config: vLLM's ``OffloadingConfig``. Its replicated and canonical layouts are turned
-            off (logged), so vLLM sizes the host memory for a copy per rank and lets every
-            rank store.
+        config: vLLM's ``OffloadingConfig``. A replicated layout is kept on every platform (the
+            ranks share a `SharedHostRegion`); a canonical layout is turned off (logged), so
+            vLLM sizes the host memory for a copy per rank and lets every rank store.
 
     Raises:
         Exception: as vLLM's `CPUOffloadingSpec` (``cpu_bytes_to_use`` missing, say).
     """
 
     def __init__(self, config: Any):
-        wanted = [name for name in ("replicated_layout", "canonical_layout") if getattr(config, name, False)]
-        if wanted:
-            log.info("offload-core keeps a host copy per rank: %s turned off (needs a region shared by the ranks)",
-                     " and ".join(wanted))
-            config = dataclasses.replace(config, **{name: False for name in wanted})
+        if getattr(config, "canonical_layout", False):
+            log.info("offload-core: canonical_layout turned off (not supported yet); each rank keeps its own host copy")
+            config = dataclasses.replace(config, canonical_layout=False)
         super().__init__(config)
         self._offload_core_worker: OffloadCoreWorker | None = None
+
+    def _uses_shared_region(self) -> bool:
+        # vLLM's own worker shares a region on CUDA and XPU only; offload-core's does on every
+        # backend, so vLLM keeps the replicated layout (and sizes one copy) everywhere.
+        return True
 
     def get_worker(self, kv_caches: Any) -> "OffloadCoreWorker":
         """The worker of this rank, made on the first call, for CUDA, NPU, XPU and CPU alike.
@@ -81,8 +88,13 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
                     f"vLLM sized no host chunks (cpu_bytes_to_use={self.extra_config.get('cpu_bytes_to_use')!r} "
                     "is below one chunk of every rank's KV bytes): raise cpu_bytes_to_use"
                 )
+            region_name = None
+            if self.replicated_layout:
+                parallel = self.config.parallel
+                region_name = _region_name(f"vllm-{self.config.engine_id}-dp{parallel.data_parallel_index}")
             self._offload_core_worker = OffloadCoreWorker(
-                kv_caches, int(chunks), int(self.blocks_per_chunk), backend=self.extra_config.get(BACKEND_KEY)
+                kv_caches, int(chunks), int(self.blocks_per_chunk), backend=self.extra_config.get(BACKEND_KEY),
+                shared_region=region_name,
             )
         return self._offload_core_worker
 
@@ -96,16 +108,30 @@ class OffloadCoreWorker(OffloadingWorker):
         num_chunks: host chunks (blocks of `blocks_per_chunk` device blocks each).
         blocks_per_chunk: device blocks per host chunk.
         backend: a backend name, or None for the KV tensors' device.
+        shared_region: for a replicated layout, the name of the `SharedHostRegion` every rank
+            of the engine opens: one copy of each block, stored by rank 0, loaded by all.
 
     Raises:
         InvalidSpecError: the KV caches do not fit offload-core's rules (see `to_kv_caches`).
         OffloadError: the backend cannot be used.
+        RegionError: the shared region is not safe to open (see `SharedHostRegion`).
     """
 
-    def __init__(self, kv_caches: Any, num_chunks: int, blocks_per_chunk: int = 1, backend: str | None = None):
-        self.worker = OffloadWorker(
-            to_kv_caches(kv_caches), num_chunks, blocks_per_chunk=blocks_per_chunk, backend=backend
-        )
+    def __init__(self, kv_caches: Any, num_chunks: int, blocks_per_chunk: int = 1, backend: str | None = None,
+                 shared_region: str | None = None):
+        kv = to_kv_caches(kv_caches)
+        self.region = None
+        if shared_region is not None:
+            row = sum(t.page_size_bytes for t in kv.tensors) * blocks_per_chunk
+            # every rank's slot 0: the replicas' bytes are the same, so one copy serves all
+            self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=0, slot_bytes=[row])
+        try:
+            self.worker = OffloadWorker(kv, num_chunks, blocks_per_chunk=blocks_per_chunk, backend=backend,
+                                        host_region=self.region)
+        except BaseException:
+            if self.region is not None:
+                self.region.close()
+            raise
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         """Device blocks (``GPULoadStoreSpec``) to host chunks (``CPULoadStoreSpec``).
@@ -141,8 +167,14 @@ class OffloadCoreWorker(OffloadingWorker):
         self.worker.wait(job_ids)
 
     def shutdown(self) -> None:
-        """Wait for every job in flight, then release the host memory."""
+        """Wait for every job in flight, then release the host memory (and this rank's hold on
+        the shared region: the last rank to close it removes it)."""
         self.worker.shutdown()
+        if self.region is not None:
+            try:
+                self.region.close()
+            except Exception:  # views still alive elsewhere: the region goes when they do
+                log.exception("closing the shared region %s", self.region.path)
 
 
 def to_kv_caches(kv_caches: Any) -> KVCaches:
@@ -171,3 +203,9 @@ def device_blocks(spec: Any) -> DeviceBlocks:
 def host_blocks(spec: Any) -> HostBlocks:
     """A ``CPULoadStoreSpec`` (host chunk ids) as `HostBlocks`."""
     return HostBlocks(spec.block_ids)
+
+
+def _region_name(text: str) -> str:
+    """`text` as a `SharedHostRegion` name: characters outside ``A-Za-z0-9._-`` replaced, at most 128."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", text)[:128].lstrip("._-") or "vllm"
+
