@@ -376,22 +376,13 @@ class TransferQueue:
             if len(self._pending) >= self.max_pending:
                 t0 = time.perf_counter()
                 while len(self._pending) >= self.max_pending and not self._closed:
-                    self._launched.wait()
+                    self._ensure_launcher()  # someone must launch what waits
+                    self._launched.wait(IDLE_POLL_S)
                 self.stats.backpressure_waits += 1
                 self.stats.backpressure_s += time.perf_counter() - t0
                 if self._closed:
                     raise OffloadError(f"the {self.direction.value} queue was closed while the job waited")
-            if self._launcher is None or not self._launcher.is_alive():
-                # Not a daemon: at exit, a daemon thread inside a torch call that let go of the GIL
-                # (freeing a queue's events, say) is killed by the interpreter, which aborts the
-                # process (std::terminate). The launcher ends on its own once the main thread has.
-                launcher = threading.Thread(target=_launch_loop, args=(weakref.ref(self),),
-                                            name=f"offload-core-{self.direction.value}-launcher")
-                try:
-                    launcher.start()
-                except RuntimeError as exc:  # no more threads (or the interpreter is exiting)
-                    raise OffloadError(f"cannot start the {self.direction.value} launcher thread: {exc}") from exc
-                self._launcher = launcher
+            self._ensure_launcher()
             ready = self._event()
             # Recorded under the lock: per compute stream, the pending order is the recording
             # order, so a launch waits for the last event of each stream only (`_after`).
@@ -417,6 +408,26 @@ class TransferQueue:
             self._run_quietly(batch)
         finally:
             self._last_submit = time.perf_counter()
+
+    def _ensure_launcher(self) -> None:
+        """Start the launcher thread if there is none (it ends when idle once the main thread
+        has, and clears `_launcher` under the lock as it goes). Call with the lock held.
+
+        Raises:
+            OffloadError: no thread can be started (none left, or the interpreter is exiting).
+        """
+        if self._launcher is not None and self._launcher.is_alive():
+            return
+        # Not a daemon: at exit, a daemon thread inside a torch call that let go of the GIL
+        # (freeing a queue's events, say) is killed by the interpreter, which aborts the
+        # process (std::terminate). The launcher ends on its own once the main thread has.
+        launcher = threading.Thread(target=_launch_loop, args=(weakref.ref(self),),
+                                    name=f"offload-core-{self.direction.value}-launcher")
+        try:
+            launcher.start()
+        except RuntimeError as exc:
+            raise OffloadError(f"cannot start the {self.direction.value} launcher thread: {exc}") from exc
+        self._launcher = launcher
 
     def _run_quietly(self, batch: list[_Pending]) -> None:
         """`_run`, its failures left to the jobs' results (and the log); Ctrl-C still propagates."""
@@ -482,6 +493,7 @@ class TransferQueue:
         after = _after(batch)
         failed = None
         with self._enqueue:
+            t_locked = time.perf_counter()  # waiting for another lane's enqueue is not the host's cost
             try:
                 for ready in after:
                     stream.wait_event(ready)
@@ -512,9 +524,9 @@ class TransferQueue:
                     self.stats.bytes += job.nbytes
                     self.stats.descriptors += job.items
                     self.stats.mechanisms[mechanism or ""] += len(batch)
-                took = time.perf_counter() - t0
-                self.stats.launch_s += took
-                self._launch_s += 0.25 * (took - self._launch_s)
+                now = time.perf_counter()
+                self.stats.launch_s += now - t0
+                self._launch_s += 0.25 * (now - t_locked - self._launch_s)
                 self._launching = set()
                 self._launched.notify_all()
 
@@ -531,6 +543,10 @@ def _launch_loop(queue_ref: "weakref.ref[TransferQueue]") -> None:
         with queue._lock:
             if not queue._pending or queue._launching:
                 if (queue._closed or exiting) and not queue._pending and not queue._launching:
+                    # Under the lock: a submit from now on starts a new launcher rather than
+                    # count on this one, which is still alive for a moment.
+                    if queue._launcher is threading.current_thread():
+                        queue._launcher = None
                     return
                 queue._launched.wait(IDLE_POLL_S)  # then let go of the queue a moment: a dropped one can be collected
                 del queue

@@ -240,6 +240,46 @@ def exit_with_live_workers() -> None:
     globals()["workers"] = (idle, busy)  # alive until the interpreter exits
 
 
+def submits_after_the_main_thread_ended() -> None:
+    """A thread that outlives the main thread submits jobs the launcher must send while the
+    previous launcher is on its way out (it ends when idle once the main thread has): no job
+    may be left waiting for a launch that never comes."""
+    import os
+    import time
+
+    from offload_core.testing.expanding import ExpandingCpuBackend
+
+    def slow_exit(frame, event, arg):  # widens the moment between the launcher's last look and its end
+        if frame.f_code.co_name == "_launch_loop":
+            return lambda f, e, a: time.sleep(0.2) if e == "return" else None
+        return None
+
+    def body() -> None:
+        try:
+            threading.main_thread().join()
+            threading.settrace(slow_exit)
+            backend = ExpandingCpuBackend() if BACKEND == "cpu" else get_backend(BACKEND)
+            worker = OffloadWorker(_kv(4), 4, backend=backend)
+            for base in (0, 3):
+                go = _hold_compute(backend, 0.3)
+                threading.Timer(0.3, go.set).start()
+                worker.submit_store(base, DeviceBlocks([0]), HostBlocks([0]))  # launched by the submit
+                worker.submit_store(base + 1, DeviceBlocks([1]), HostBlocks([1]))  # the device is busy: the launcher's
+                time.sleep(0.05)
+                worker.submit_store(base + 2, DeviceBlocks([2]), HostBlocks([2]))
+                got, end = set(), time.monotonic() + 10
+                while len(got) < 3 and time.monotonic() < end:
+                    got |= {r.job_id for r in worker.get_finished()}
+                    time.sleep(0.005)
+                assert got == {base, base + 1, base + 2}, f"jobs {sorted({base, base + 1, base + 2} - got)} never launched"
+            worker.shutdown()
+        except BaseException as exc:  # no main thread left to report it: say it and fail the process
+            print(f"submits_after_the_main_thread_ended: {exc!r}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    threading.Thread(target=body).start()
+
+
 if __name__ == "__main__":
     BACKEND = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     globals()[sys.argv[1]]()

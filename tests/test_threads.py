@@ -29,6 +29,7 @@ HERE = pathlib.Path(__file__).parent
         "forked_child",
         "forked_during_a_submit",
         "exit_with_live_workers",
+        "submits_after_the_main_thread_ended",
     ],
 )
 @pytest.mark.parametrize("name", [pytest.param("cpu", marks=pytest.mark.cpu), pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -86,6 +86,8 @@ def test_a_canonical_layout_is_turned_off_and_sized_per_rank(caplog):
     assert spec.replicated_layout is False and spec.config.canonical_layout is False
     assert spec.num_chunks == (1 << 20) // (2 * 4096)  # a copy per rank within cpu_bytes_to_use
     assert "canonical_layout turned off" in caplog.text
+    one = OffloadingSpecFactory.create_spec(offloading_config(canonical=True, replicated=True))  # vLLM's canonical MLA rule
+    assert one.replicated_layout is False  # one rank: nothing to share, no region
 
 
 def test_replicated_ranks_share_one_region_rank_0_stores_all_load(device):

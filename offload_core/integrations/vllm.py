@@ -61,8 +61,12 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
 
     def __init__(self, config: Any):
         if getattr(config, "canonical_layout", False):
-            log.info("offload-core: canonical_layout turned off (not supported yet); each rank keeps its own host copy")
-            config = dataclasses.replace(config, canonical_layout=False)
+            # vLLM's canonical rules may also have set replicated_layout, for a single rank too:
+            # keep it only where there are replicas to share a copy.
+            replicated = bool(config.replicated_layout) and config.parallel.tp_size > 1
+            log.info("offload-core: canonical_layout turned off (not supported yet); %s",
+                     "the ranks share one replicated copy" if replicated else "each rank keeps its own host copy")
+            config = dataclasses.replace(config, canonical_layout=False, replicated_layout=replicated)
         super().__init__(config)
         self._offload_core_worker: OffloadCoreWorker | None = None
 
