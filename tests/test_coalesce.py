@@ -154,12 +154,13 @@ def test_shutdown_launches_what_waits_and_stops_the_launchers(held):
     queue = worker._queues[next(iter(worker._queues))]
     first = first_in_flight(worker)
     store(worker, 1, [1], [1])
+    launcher = queue._launcher
     threading.Timer(0.05, lock.release).start()
     worker.shutdown()
     first.join()
     assert sorted(r.job_id for r in worker.get_finished()) == [0, 1]
-    queue._launcher.join(5)
-    assert not queue._launcher.is_alive()
+    launcher.join(5)
+    assert not launcher.is_alive() and queue._launcher is None
 
 
 def test_a_lone_job_on_an_idle_device_is_launched_by_its_submit():
