@@ -80,14 +80,61 @@ def test_the_factory_builds_the_spec_from_its_module_path():
     assert spec.replicated_layout is False
 
 
-def test_a_canonical_layout_is_turned_off_and_sized_per_rank(caplog):
-    with caplog.at_level(logging.INFO, logger="offload_core.integrations.vllm"):
-        spec = OffloadingSpecFactory.create_spec(offloading_config(world_size=2, canonical=True))
-    assert spec.replicated_layout is False and spec.config.canonical_layout is False
-    assert spec.num_chunks == (1 << 20) // (2 * 4096)  # a copy per rank within cpu_bytes_to_use
-    assert "canonical_layout turned off" in caplog.text
-    one = OffloadingSpecFactory.create_spec(offloading_config(canonical=True, replicated=True))  # vLLM's canonical MLA rule
-    assert one.replicated_layout is False  # one rank: nothing to share, no region
+def to_vllm(kv) -> CanonicalKVCaches:
+    """offload-core KVCaches (with our canonical mappings) as vLLM's CanonicalKVCaches."""
+    from vllm.v1.kv_offload.base import CanonicalPageMapping, CopyRun
+
+    def mapping(m):
+        runs = tuple(CopyRun(r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments, r.local_stride,
+                             r.canonical_stride) for r in m.runs)
+        return CanonicalPageMapping(m.canonical_page_size_bytes, m.local_page_size_bytes, runs, m.num_writers,
+                                    m.writer_index, True)
+
+    tensors = [CanonicalKVCacheTensor(t.tensor.reshape(t.num_blocks, -1).view(torch.int8), t.page_size_bytes)
+               for t in kv.tensors]
+    refs = [[CanonicalKVCacheRef(r.tensor_idx, r.page_size_bytes, mapping(r.mapping) if r.mapping else None) for r in g]
+            for g in kv.group_refs]
+    return CanonicalKVCaches(tensors, refs)
+
+
+def test_canonical_blocks_stored_at_tp2_load_at_tp1(device):
+    """vLLM's canonical layout: the ranks share one region of unsharded pages; each TP=2 rank
+    stores its heads, and a TP=1 worker of the same engine loads whole pages back."""
+    from tp_ranks import full_model, rank_kv
+
+    full = full_model(heads=2)
+    page, n = full[0][0].nbytes, len(full)
+    chunk = -(-n * page // 4096) * 4096
+    engine = f"canon-{os.getpid()}-{device.type}"
+
+    def spec(tp, rank):
+        cfg = offloading_config(world_size=tp, rank=rank, canonical=True, kv_bytes_per_block=n * page // tp,
+                                cpu_bytes=8 * chunk)
+        return OffloadingSpecFactory.create_spec(dataclasses.replace(cfg, engine_id=engine))
+
+    writers = [spec(2, r).get_worker(to_vllm(rank_kv(full, 2, r, device=device))) for r in range(2)]
+    for w in writers:
+        assert w.submit_store(1, GPULoadStoreSpec([1, 4], [2], [0]), CPULoadStoreSpec([6, 2]))
+        w.wait({1})
+    whole = to_vllm(rank_kv(full, 1, 0, empty=True, device=device))
+    reader = spec(1, 0).get_worker(whole)
+    assert reader.region.path == writers[0].region.path
+    assert reader.submit_load(2, CPULoadStoreSpec([6, 2]), GPULoadStoreSpec([9, 3], [2], [0]))
+    reader.wait({2})
+    assert all(r.success for w in (*writers, reader) for r in w.get_finished())
+    for t, f in zip(whole.tensors, full):
+        assert np.array_equal(t.tensor.cpu().numpy()[[9, 3]], f[[1, 4]].reshape(2, -1).view(np.int8))
+    for w in (*writers, reader):
+        w.shutdown()
+
+
+def test_a_canonical_layout_needs_vllm_certified_refs():
+    from offload_core import InvalidSpecError
+
+    tensors, _, _ = kv("cpu", [256], 16)
+    cfg = dataclasses.replace(offloading_config(canonical=True, kv_bytes_per_block=256), engine_id=f"uncert-{os.getpid()}")
+    with pytest.raises(InvalidSpecError, match="could not certify .* remove canonical_layout"):
+        OffloadingSpecFactory.create_spec(cfg).get_worker(CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 256)]]))
 
 
 def test_replicated_ranks_share_one_region_rank_0_stores_all_load(device):

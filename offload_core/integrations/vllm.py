@@ -15,11 +15,12 @@ Only `get_worker` differs: it returns `OffloadCoreWorker`, which converts vLLM's
 KV-cache description to offload-core's and back. ``offload_core_backend`` in the extra config
 names a backend; by default it follows the KV tensors' device.
 
-Tensor-parallel ranks: with vLLM's replicated layout (MLA models, whose KV every rank holds
-whole), the ranks of one engine share one `SharedHostRegion` (in ``/dev/shm``, opened only by
-its user): rank 0 stores each block once, every rank loads it, and vLLM sizes the host memory
-for one copy. Otherwise each rank keeps its own host copy of its part. vLLM's canonical layout
-is turned off (not supported here yet), so each rank then stores its own blocks.
+Tensor-parallel ranks share one `SharedHostRegion` (in ``/dev/shm``, opened only by its user)
+where vLLM's layout asks for it: with its replicated layout (MLA models, whose KV every rank
+holds whole) rank 0 stores each block once and every rank loads it; with its canonical layout
+(``canonical_layout`` in the extra config) host pages are the unsharded, TP-independent pages,
+each rank writes the fragments it is elected for and reads its own. Otherwise each rank keeps
+its own host copy of its part.
 
 Importable only where vLLM is installed; offload-core never depends on vLLM. Tested against
 vLLM 0.33.0; the worker also accepts the older API vllm-ascend targets (``num_blocks``
@@ -37,10 +38,11 @@ from vllm.v1.kv_offload.base import OffloadingWorker
 from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+from offload_core.canonical import CanonicalPageMapping, CopyRun
 from offload_core.errors import InvalidSpecError
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
 from offload_core.region import SharedHostRegion
-from offload_core.worker import OffloadWorker
+from offload_core.worker import OffloadWorker, _canonical_pages
 
 log = logging.getLogger(__name__)
 
@@ -51,22 +53,14 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading spec with offload-core's worker.
 
     Args:
-        config: vLLM's ``OffloadingConfig``. A replicated layout is kept on every platform (the
-            ranks share a `SharedHostRegion`); a canonical layout is turned off (logged), so
-            vLLM sizes the host memory for a copy per rank and lets every rank store.
+        config: vLLM's ``OffloadingConfig``. Replicated and canonical layouts are kept on every
+            platform: the ranks share a `SharedHostRegion`.
 
     Raises:
         Exception: as vLLM's `CPUOffloadingSpec` (``cpu_bytes_to_use`` missing, say).
     """
 
     def __init__(self, config: Any):
-        if getattr(config, "canonical_layout", False):
-            # vLLM's canonical rules may also have set replicated_layout, for a single rank too:
-            # keep it only where there are replicas to share a copy.
-            replicated = bool(config.replicated_layout) and config.parallel.tp_size > 1
-            log.info("offload-core: canonical_layout turned off (not supported yet); %s",
-                     "the ranks share one replicated copy" if replicated else "each rank keeps its own host copy")
-            config = dataclasses.replace(config, canonical_layout=False, replicated_layout=replicated)
         super().__init__(config)
         self._offload_core_worker: OffloadCoreWorker | None = None
 
@@ -93,12 +87,13 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
                     "is below one chunk of every rank's KV bytes): raise cpu_bytes_to_use"
                 )
             region_name = None
-            if self.replicated_layout:
-                parallel = self.config.parallel
+            canonical = bool(getattr(self.config, "canonical_layout", False))
+            parallel = self.config.parallel
+            if self.replicated_layout or canonical:
                 region_name = _region_name(f"vllm-{self.config.engine_id}-dp{parallel.data_parallel_index}")
             self._offload_core_worker = OffloadCoreWorker(
                 kv_caches, int(chunks), int(self.blocks_per_chunk), backend=self.extra_config.get(BACKEND_KEY),
-                shared_region=region_name,
+                shared_region=region_name, canonical=canonical, rank=int(parallel.rank),
             )
         return self._offload_core_worker
 
@@ -112,8 +107,12 @@ class OffloadCoreWorker(OffloadingWorker):
         num_chunks: host chunks (blocks of `blocks_per_chunk` device blocks each).
         blocks_per_chunk: device blocks per host chunk.
         backend: a backend name, or None for the KV tensors' device.
-        shared_region: for a replicated layout, the name of the `SharedHostRegion` every rank
-            of the engine opens: one copy of each block, stored by rank 0, loaded by all.
+        shared_region: the name of the `SharedHostRegion` every rank of the engine opens, for a
+            replicated layout (one copy of each block, stored by rank 0, loaded by all) or a
+            canonical one; None for host memory of this rank's own.
+        canonical: host pages in the canonical (TP-independent) layout, through the refs'
+            mappings; needs `shared_region`.
+        rank: this rank, in the canonical region.
 
     Raises:
         InvalidSpecError: the KV caches do not fit offload-core's rules (see `to_kv_caches`).
@@ -122,16 +121,21 @@ class OffloadCoreWorker(OffloadingWorker):
     """
 
     def __init__(self, kv_caches: Any, num_chunks: int, blocks_per_chunk: int = 1, backend: str | None = None,
-                 shared_region: str | None = None):
-        kv = to_kv_caches(kv_caches)
+                 shared_region: str | None = None, canonical: bool = False, rank: int = 0):
+        if canonical and shared_region is None:
+            raise InvalidSpecError("a canonical layout needs the name of the region the ranks share (shared_region)")
+        kv = to_kv_caches(kv_caches, canonical=canonical)
         self.region = None
         if shared_region is not None:
-            row = sum(t.page_size_bytes for t in kv.tensors) * blocks_per_chunk
-            # every rank's slot 0: the replicas' bytes are the same, so one copy serves all
-            self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=0, slot_bytes=[row])
+            if canonical:  # the unsharded pages, one area for all ranks
+                row = sum(_canonical_pages(kv)) * blocks_per_chunk
+                self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=rank, canonical_bytes=row)
+            else:  # every rank's slot 0: the replicas' bytes are the same, so one copy serves all
+                row = sum(t.page_size_bytes for t in kv.tensors) * blocks_per_chunk
+                self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=0, slot_bytes=[row])
         try:
             self.worker = OffloadWorker(kv, num_chunks, blocks_per_chunk=blocks_per_chunk, backend=backend,
-                                        host_region=self.region)
+                                        canonical_layout=canonical, host_region=self.region)
         except BaseException:
             if self.region is not None:
                 self.region.close()
@@ -181,21 +185,46 @@ class OffloadCoreWorker(OffloadingWorker):
                 log.exception("closing the shared region %s", self.region.path)
 
 
-def to_kv_caches(kv_caches: Any) -> KVCaches:
-    """vLLM's ``CanonicalKVCaches`` as offload-core's `KVCaches`. Layers that alias one tensor
-    in a group (vLLM shares a tensor between layers with the same memory) copy it once.
+def to_kv_caches(kv_caches: Any, canonical: bool = False) -> KVCaches:
+    """vLLM's ``CanonicalKVCaches`` as offload-core's `KVCaches`, with the refs' canonical
+    mappings where `canonical`. Layers that alias one tensor in a group (vLLM shares a tensor
+    between layers with the same memory) copy it once.
 
     Raises:
-        InvalidSpecError: a tensor or ref that breaks `KVCacheTensor`'s or `KVCaches`' rules.
+        InvalidSpecError: a tensor or ref that breaks `KVCacheTensor`'s or `KVCaches`' rules, or,
+            where `canonical`, a ref vLLM could not certify (no mapping).
     """
     tensors = [KVCacheTensor(t.tensor, int(t.page_size_bytes)) for t in kv_caches.tensors]
     groups = []
-    for refs in kv_caches.group_data_refs:
-        pages: dict[int, int] = {}
+    for g, refs in enumerate(kv_caches.group_data_refs):
+        kept: dict[int, Any] = {}
         for ref in refs:
-            pages[ref.tensor_idx] = max(pages.get(ref.tensor_idx, 0), int(ref.page_size_bytes))
-        groups.append([KVCacheRef(i, n) for i, n in pages.items()])
+            if canonical and ref.mapping is None:
+                raise InvalidSpecError(
+                    f"canonical_layout was requested, but vLLM could not certify the layout of group {g}'s ref to "
+                    f"tensor {ref.tensor_idx} (no canonical mapping): remove canonical_layout from kv_connector_extra_config"
+                )
+            if ref.tensor_idx not in kept or ref.page_size_bytes > kept[ref.tensor_idx].page_size_bytes:
+                kept[ref.tensor_idx] = ref
+        groups.append([KVCacheRef(i, int(r.page_size_bytes), mapping=to_mapping(r.mapping) if canonical else None)
+                       for i, r in kept.items()])
     return KVCaches(tensors, groups)
+
+
+def to_mapping(mapping: Any) -> CanonicalPageMapping:
+    """vLLM's ``CanonicalPageMapping`` as offload-core's. ``parallelism_agnostic`` (whether the
+    pages come out the same at every TP size) needs no field: the runs say where each byte goes."""
+    runs = tuple(
+        CopyRun(r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments, r.local_stride, r.canonical_stride)
+        for r in mapping.runs
+    )
+    return CanonicalPageMapping(
+        canonical_page_size_bytes=int(mapping.canonical_page_size_bytes),
+        local_page_size_bytes=int(mapping.local_page_size_bytes),
+        runs=runs,
+        num_writers=int(mapping.num_writers),
+        writer_index=int(mapping.writer_index),
+    )
 
 
 def device_blocks(spec: Any) -> DeviceBlocks:
