@@ -29,22 +29,22 @@ instead of ``num_chunks`` on the spec, specs without groups, loads without ``exp
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import re
-from typing import Any, Iterable
+from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingWorker
 from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from offload_core.canonical import CanonicalPageMapping, CopyRun
 from offload_core.errors import InvalidSpecError
-from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
-from offload_core.region import SharedHostRegion
-from offload_core.worker import OffloadWorker, _canonical_pages
-
-log = logging.getLogger(__name__)
+from offload_core.integrations.vllm_convert import (  # noqa: F401  (re-exported)
+    WorkerAdapter,
+    device_blocks,
+    host_blocks,
+    log,
+    region_name,
+    to_kv_caches,
+    to_mapping,
+)
 
 BACKEND_KEY = "offload_core_backend"  # kv_connector_extra_config key: the backend's name
 
@@ -86,159 +86,20 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
                     f"vLLM sized no host chunks (cpu_bytes_to_use={self.extra_config.get('cpu_bytes_to_use')!r} "
                     "is below one chunk of every rank's KV bytes): raise cpu_bytes_to_use"
                 )
-            region_name = None
+            shared = None
             canonical = bool(getattr(self.config, "canonical_layout", False))
             parallel = self.config.parallel
             if self.replicated_layout or canonical:
-                region_name = _region_name(f"vllm-{self.config.engine_id}-dp{parallel.data_parallel_index}")
+                shared = region_name(f"vllm-{self.config.engine_id}-dp{parallel.data_parallel_index}")
             self._offload_core_worker = OffloadCoreWorker(
                 kv_caches, int(chunks), int(self.blocks_per_chunk), backend=self.extra_config.get(BACKEND_KEY),
-                shared_region=region_name, canonical=canonical, rank=int(parallel.rank),
+                shared_region=shared, canonical=canonical, rank=int(parallel.rank),
             )
         return self._offload_core_worker
 
 
-class OffloadCoreWorker(OffloadingWorker):
-    """vLLM's ``OffloadingWorker`` over an `OffloadWorker`.
+class OffloadCoreWorker(WorkerAdapter, OffloadingWorker):
+    """vLLM's ``OffloadingWorker`` over an `OffloadWorker` (`WorkerAdapter` with vLLM's base
+    class and result type)."""
 
-    Args:
-        kv_caches: vLLM's ``CanonicalKVCaches``: int8 ``(num_blocks, page)`` views, possibly
-            strided (rows a pitch apart), and per group one ref per layer.
-        num_chunks: host chunks (blocks of `blocks_per_chunk` device blocks each).
-        blocks_per_chunk: device blocks per host chunk.
-        backend: a backend name, or None for the KV tensors' device.
-        shared_region: the name of the `SharedHostRegion` every rank of the engine opens, for a
-            replicated layout (one copy of each block, stored by rank 0, loaded by all) or a
-            canonical one; None for host memory of this rank's own.
-        canonical: host pages in the canonical (TP-independent) layout, through the refs'
-            mappings; needs `shared_region`.
-        rank: this rank, in the canonical region.
-
-    Raises:
-        InvalidSpecError: the KV caches do not fit offload-core's rules (see `to_kv_caches`).
-        OffloadError: the backend cannot be used.
-        RegionError: the shared region is not safe to open (see `SharedHostRegion`).
-    """
-
-    def __init__(self, kv_caches: Any, num_chunks: int, blocks_per_chunk: int = 1, backend: str | None = None,
-                 shared_region: str | None = None, canonical: bool = False, rank: int = 0):
-        if canonical and shared_region is None:
-            raise InvalidSpecError("a canonical layout needs the name of the region the ranks share (shared_region)")
-        kv = to_kv_caches(kv_caches, canonical=canonical)
-        self.region = None
-        if shared_region is not None:
-            if canonical:  # the unsharded pages, one area for all ranks
-                row = sum(_canonical_pages(kv)) * blocks_per_chunk
-                self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=rank, canonical_bytes=row)
-            else:  # every rank's slot 0: the replicas' bytes are the same, so one copy serves all
-                row = sum(t.page_size_bytes for t in kv.tensors) * blocks_per_chunk
-                self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=0, slot_bytes=[row])
-        try:
-            self.worker = OffloadWorker(kv, num_chunks, blocks_per_chunk=blocks_per_chunk, backend=backend,
-                                        canonical_layout=canonical, host_region=self.region)
-        except BaseException:
-            if self.region is not None:
-                self.region.close()
-            raise
-
-    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        """Device blocks (``GPULoadStoreSpec``) to host chunks (``CPULoadStoreSpec``).
-
-        Raises:
-            InvalidSpecError: bad specs or a job id in flight; nothing was enqueued.
-        """
-        return self.worker.submit_store(job_id, device_blocks(src_spec), host_blocks(dst_spec))
-
-    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
-        """Host chunks to device blocks; `expedited` loads (ones vLLM waits for within the step)
-        go on a lane of their own, never behind regular loads.
-
-        Raises:
-            InvalidSpecError: bad specs or a job id in flight; nothing was enqueued.
-        """
-        return self.worker.submit_load(job_id, host_blocks(src_spec), device_blocks(dst_spec), expedited=expedited)
-
-    def get_finished(self) -> list:
-        """Finished jobs as vLLM's ``TransferResult``. A failed job comes back with
-        ``success=False`` and is logged here (the device fault was logged when it was found):
-        vLLM's connector asserts success, so the log says why it stopped."""
-        results = []
-        for r in self.worker.get_finished():
-            if not r.success:
-                log.error("offload-core %s job %d failed (%d bytes, backend %s): see the error logged before for the cause",
-                          r.direction, r.job_id, r.transfer_size, self.worker.backend.name)
-            results.append(VllmTransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time))
-        return results
-
-    def wait(self, job_ids: Iterable[int]) -> None:
-        """Block until the named jobs finished; their results stay for `get_finished`."""
-        self.worker.wait(job_ids)
-
-    def shutdown(self) -> None:
-        """Wait for every job in flight, then release the host memory (and this rank's hold on
-        the shared region: the last rank to close it removes it)."""
-        self.worker.shutdown()
-        if self.region is not None:
-            try:
-                self.region.close()
-            except Exception:  # views still alive elsewhere: the region goes when they do
-                log.exception("closing the shared region %s", self.region.path)
-
-
-def to_kv_caches(kv_caches: Any, canonical: bool = False) -> KVCaches:
-    """vLLM's ``CanonicalKVCaches`` as offload-core's `KVCaches`, with the refs' canonical
-    mappings where `canonical`. Layers that alias one tensor in a group (vLLM shares a tensor
-    between layers with the same memory) copy it once.
-
-    Raises:
-        InvalidSpecError: a tensor or ref that breaks `KVCacheTensor`'s or `KVCaches`' rules, or,
-            where `canonical`, a ref vLLM could not certify (no mapping).
-    """
-    tensors = [KVCacheTensor(t.tensor, int(t.page_size_bytes)) for t in kv_caches.tensors]
-    groups = []
-    for g, refs in enumerate(kv_caches.group_data_refs):
-        kept: dict[int, Any] = {}
-        for ref in refs:
-            if canonical and ref.mapping is None:
-                raise InvalidSpecError(
-                    f"canonical_layout was requested, but vLLM could not certify the layout of group {g}'s ref to "
-                    f"tensor {ref.tensor_idx} (no canonical mapping): remove canonical_layout from kv_connector_extra_config"
-                )
-            if ref.tensor_idx not in kept or ref.page_size_bytes > kept[ref.tensor_idx].page_size_bytes:
-                kept[ref.tensor_idx] = ref
-        groups.append([KVCacheRef(i, int(r.page_size_bytes), mapping=to_mapping(r.mapping) if canonical else None)
-                       for i, r in kept.items()])
-    return KVCaches(tensors, groups)
-
-
-def to_mapping(mapping: Any) -> CanonicalPageMapping:
-    """vLLM's ``CanonicalPageMapping`` as offload-core's. ``parallelism_agnostic`` (whether the
-    pages come out the same at every TP size) needs no field: the runs say where each byte goes."""
-    runs = tuple(
-        CopyRun(r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments, r.local_stride, r.canonical_stride)
-        for r in mapping.runs
-    )
-    return CanonicalPageMapping(
-        canonical_page_size_bytes=int(mapping.canonical_page_size_bytes),
-        local_page_size_bytes=int(mapping.local_page_size_bytes),
-        runs=runs,
-        num_writers=int(mapping.num_writers),
-        writer_index=int(mapping.writer_index),
-    )
-
-
-def device_blocks(spec: Any) -> DeviceBlocks:
-    """A ``GPULoadStoreSpec`` (block ids in group order, group sizes, each group's first block
-    index) as `DeviceBlocks`; older specs without groups are one group."""
-    return DeviceBlocks(spec.block_ids, getattr(spec, "group_sizes", None), getattr(spec, "block_indices", None))
-
-
-def host_blocks(spec: Any) -> HostBlocks:
-    """A ``CPULoadStoreSpec`` (host chunk ids) as `HostBlocks`."""
-    return HostBlocks(spec.block_ids)
-
-
-def _region_name(text: str) -> str:
-    """`text` as a `SharedHostRegion` name: characters outside ``A-Za-z0-9._-`` replaced, at most 128."""
-    return re.sub(r"[^A-Za-z0-9._-]", "-", text)[:128].lstrip("._-") or "vllm"
-
+    result_type = VllmTransferResult

@@ -1,0 +1,101 @@
+"""The vLLM adapter's worker side without vLLM (`offload_core.integrations.vllm_convert`): vLLM's
+objects stood in for by plain ones with the same fields, on every backend, so the conversion
+runs on machines where vLLM cannot be installed (the GPU one here) too."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+
+from offload_core import InvalidSpecError, get_backend, registry
+from offload_core.integrations.vllm_convert import WorkerAdapter
+
+from tp_ranks import full_model, rank_kv
+
+
+@pytest.fixture(params=[pytest.param(n, marks=getattr(pytest.mark, n)) for n in ("cpu", "cuda", "npu", "xpu")])
+def backend(request):
+    """(name, device) of each available backend (npu and xpu where simulated)."""
+    reason = registry.availability()[request.param]
+    if reason is not None:
+        pytest.skip(f"{request.param}: {reason}")
+    return request.param, get_backend(request.param).device
+
+
+def gpu_spec(ids, sizes, indices):
+    return NS(block_ids=np.array(ids, dtype=np.int32), group_sizes=sizes, block_indices=indices)
+
+
+def cpu_spec(ids):
+    return NS(block_ids=np.array(ids, dtype=np.int32))
+
+
+def test_groups_strided_rows_and_expedited_loads(backend):
+    """Two groups (one moving nothing), strided int8 rows with padding after each page, three
+    blocks per chunk entered mid-chunk; the bytes between rows stay untouched."""
+    name, device = backend
+    blocks, pages, gap, bpc = 24, [256, 512, 128], 40, 3
+    gen = torch.Generator().manual_seed(7)
+    backing = [torch.randint(-128, 128, (blocks, p + gap), dtype=torch.int8, generator=gen).to(device) for p in pages]
+    tensors = [NS(tensor=b[:, :p], page_size_bytes=p) for b, p in zip(backing, pages)]
+    refs = [[NS(tensor_idx=0, page_size_bytes=256, mapping=None), NS(tensor_idx=1, page_size_bytes=500, mapping=None)],
+            [NS(tensor_idx=2, page_size_bytes=128, mapping=None)]]
+    worker = WorkerAdapter(NS(tensors=tensors, group_data_refs=refs), 8, bpc, backend=name)
+    before = [b.cpu().clone() for b in backing]
+    src, dst, sizes, indices, chunks = [3, 5, 7, 9], [13, 15, 17, 19], [4, 0], [2, 0], [6, 1]
+    assert worker.submit_store(1, gpu_spec(src, sizes, indices), cpu_spec(chunks))
+    worker.wait({1})
+    assert worker.submit_load(2, cpu_spec(chunks), gpu_spec(dst, sizes, indices), expedited=True)
+    worker.wait([2])
+    results = worker.get_finished()
+    assert [(r.job_id, r.success, r.transfer_size) for r in results] == [(1, True, 4 * 756), (2, True, 4 * 756)]
+    assert worker.worker.stats()["expedited_load"].jobs == 1
+    for t, (b, p, c) in enumerate(zip(backing, pages, [256, 500, 128])):
+        got = b.cpu()
+        if t < 2:
+            assert torch.equal(got[dst, :c], before[t][src, :c])
+        untouched = [i for i in range(blocks) if t == 2 or i not in dst]
+        assert torch.equal(got[untouched], before[t][untouched])
+        assert torch.equal(got[:, p:], before[t][:, p:])  # between rows
+    worker.shutdown()
+
+
+def test_canonical_pages_through_a_shared_region(backend):
+    """Mappings converted: TP=2 ranks store their heads into one canonical region, TP=1 loads."""
+    backend_name, device = backend
+    full = full_model(heads=2)
+    name = f"convert-{os.getpid()}-{backend_name}"
+
+    def vllm_like(kv):
+        return NS(tensors=[NS(tensor=t.tensor.reshape(t.num_blocks, -1).view(torch.int8), page_size_bytes=t.page_size_bytes)
+                           for t in kv.tensors],
+                  group_data_refs=[[NS(tensor_idx=r.tensor_idx, page_size_bytes=r.page_size_bytes, mapping=r.mapping)
+                                    for r in g] for g in kv.group_refs])
+
+    writers = [WorkerAdapter(vllm_like(rank_kv(full, 2, r, device=device)), 8, backend=backend_name, shared_region=name,
+                             canonical=True, rank=r) for r in range(2)]
+    for w in writers:
+        assert w.submit_store(1, gpu_spec([1, 4], [2], [0]), cpu_spec([6, 2]))
+        w.wait({1})
+    whole = vllm_like(rank_kv(full, 1, 0, empty=True, device=device))
+    reader = WorkerAdapter(whole, 8, backend=backend_name, shared_region=name, canonical=True)
+    assert reader.submit_load(2, cpu_spec([6, 2]), gpu_spec([9, 3], [2], [0]))
+    reader.wait({2})
+    assert all(r.success for w in (*writers, reader) for r in w.get_finished())
+    for t, f in zip(whole.tensors, full):
+        assert np.array_equal(t.tensor.cpu().numpy()[[9, 3]], f[[1, 4]].reshape(2, -1).view(np.int8))
+    for w in (*writers, reader):
+        w.shutdown()
+
+
+def test_a_canonical_layout_needs_a_region_and_mappings():
+    tensors = [NS(tensor=torch.zeros(4, 64, dtype=torch.int8), page_size_bytes=64)]
+    refs = [[NS(tensor_idx=0, page_size_bytes=64, mapping=None)]]
+    with pytest.raises(InvalidSpecError, match="needs the name of the region"):
+        WorkerAdapter(NS(tensors=tensors, group_data_refs=refs), 4, canonical=True)
+    with pytest.raises(InvalidSpecError, match="could not certify"):
+        WorkerAdapter(NS(tensors=tensors, group_data_refs=refs), 4, canonical=True, shared_region=f"x-{os.getpid()}")
