@@ -33,11 +33,12 @@ fi
 if [ "$phase" != bench ]; then
   echo "== tests"
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_conformance.py tests/test_worker.py \
-      tests/test_cli.py tests/test_queue.py tests/test_canonical.py tests/test_cuda_host.py > "$out/pytest.log" 2>&1
+      tests/test_cli.py tests/test_queue.py tests/test_canonical.py tests/test_cuda_host.py tests/test_coalesce.py \
+      tests/test_threads.py tests/test_vllm_convert.py > "$out/pytest.log" 2>&1
   echo "pytest rc=$?"; tail -1 "$out/pytest.log"; grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head
   echo "== sanitizer"
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-      -k "bit_exact and (sm_gather or staged) and not 4194304" > "$out/sanitizer.log" 2>&1
+      -k "(bit_exact and (sm_gather or staged) and not 4194304) or compact or larger_than_a_staging" > "$out/sanitizer.log" 2>&1
   echo "sanitizer rc=$?"; tail -2 "$out/sanitizer.log"
   echo "== canonical"
   timeout 150 python3 benchmarks/canonical_bench.py --backend cuda --mechanisms ce_batch,sm_gather,staged,auto \
@@ -48,6 +49,6 @@ if [ "$phase" != checks ]; then
   echo "== calibrate"; timeout 60 python3 -m offload_core calibrate > "$out/calibrate.json" 2>&1; tail -5 "$out/calibrate.json"
   echo "== bench"; timeout 60 python3 -m offload_core bench --blocks 256 --blocks-per-job 64 --json > "$out/bench.json" 2>&1; cat "$out/bench.json"
   echo "== transfer"; timeout 400 python3 benchmarks/transfer_bench.py --out "$out" > "$out/transfer.log" 2>&1; tail -3 "$out/transfer.log"
-  echo "== engine"; timeout 300 python3 benchmarks/engine_bench.py --backend cuda --mechanisms auto,ce_batch,staged,sm_gather \
-      --pages 256,4096,32768 --blocks-per-job 1,16,128 --json "$out/engine.json" > "$out/engine.log" 2>&1; tail -9 "$out/engine.log"
+  echo "== engine"; timeout 300 python3 benchmarks/engine_bench.py --backend cuda --mechanisms auto,expand_staged,expand_direct,ce_batch \
+      --pages 256,4096,32768 --blocks-per-job 16,64 --jobs 128 --json "$out/engine.json" > "$out/engine.log" 2>&1; tail -24 "$out/engine.log"
 fi

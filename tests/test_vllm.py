@@ -378,3 +378,22 @@ def test_vllm_connector_worker_end_to_end(device):
 
 def dataclasses_replace_groups(config, group):
     return dataclasses.replace(config, groups=(group,))
+
+
+def test_older_vllm_specs_without_num_chunks_or_groups():
+    """vllm-ascend's vLLM: the spec sizes `num_blocks`, GPU specs carry no groups, loads no
+    `expedited` argument."""
+    spec = OffloadingSpecFactory.create_spec(offloading_config(kv_bytes_per_block=256, cpu_bytes=8 * 4096))
+    spec.num_blocks = spec.num_chunks
+    del spec.num_chunks
+    tensors, _, _ = kv("cpu", [256], 16, seed=9)
+    worker = spec.get_worker(CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 256)]]))
+    assert worker.worker.num_host_blocks == 8
+    old_gpu = SimpleNamespace(block_ids=np.array([2, 3], dtype=np.int32))  # no group_sizes, no block_indices
+    assert worker.submit_store(1, old_gpu, CPULoadStoreSpec([4, 5]))
+    worker.wait({1})
+    assert worker.submit_load(2, CPULoadStoreSpec([4, 5]), SimpleNamespace(block_ids=np.array([8, 9], dtype=np.int32)))
+    worker.wait({2})
+    assert [r.success for r in worker.get_finished()] == [True, True]
+    assert torch.equal(tensors[0].tensor[[8, 9]], tensors[0].tensor[[2, 3]])
+    worker.shutdown()
