@@ -31,6 +31,7 @@ longer share their KV.
 from __future__ import annotations
 
 import errno
+import logging
 import fcntl
 import gc
 import json
@@ -50,6 +51,8 @@ from offload_core.hostmem import check_host_bytes
 from offload_core.layout import integer
 
 SHM_ROOT = pathlib.Path("/dev/shm")  # memory, not disk; the per-user directory goes here
+
+log = logging.getLogger(__name__)
 
 _MAGIC = b"offload-core region v2\n"  # v1 files (pid liveness) are never joined
 _HEADER = mmap.PAGESIZE  # magic, then the JSON header and a NUL; rows start on the next page
@@ -105,7 +108,9 @@ class SharedHostRegion:
     Only processes of the user who created the region can open it (see the module docstring).
     Each holds a shared lock on the file while it has it open; the last to close removes the
     file. A file nobody holds (its users died) is replaced by a fresh one at the next start;
-    one still held is joined, even if its creator has gone. Call `check()` to confirm that the
+    one still held is joined, even if its creator has gone. Making a region also removes
+    any other region of this user's in its directory that nobody holds (a crashed engine's,
+    whose name no later engine uses). Call `check()` to confirm that the
     file is still the one this rank mapped (the worker does, now and then). A forked child
     shares its parent's lock: it may use or close an inherited region, but only the parent's
     close counts; a process of its own should open the region itself.
@@ -301,6 +306,7 @@ class SharedHostRegion:
         check_host_bytes(self.size, f"shared region {self.path}")
         directory = self.path.parent
         self._sweep_temporaries()
+        self._sweep_abandoned()
         tmp = directory / f".{self.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
         try:
             fd = os.open(tmp, _OPEN | os.O_CREAT | os.O_EXCL, 0o600)
@@ -501,6 +507,40 @@ class SharedHostRegion:
                 pass  # another process swept it first
             finally:
                 os.close(fd)
+
+
+    def _sweep_abandoned(self) -> None:
+        """Remove regions of this user's that no process holds any more (their ranks died: a
+        crashed engine's file would otherwise stay in memory for good)."""
+        for entry in self.path.parent.glob("*.shm"):
+            if entry == self.path:
+                continue  # our own name: `_open` decides about it
+            try:
+                fd = os.open(entry, _OPEN)
+            except OSError:
+                continue
+            try:
+                if _abandoned(fd):
+                    again = os.stat(entry, follow_symlinks=False)
+                    st = os.fstat(fd)
+                    if (again.st_dev, again.st_ino) == (st.st_dev, st.st_ino):
+                        os.unlink(entry)
+                        log.info("removed the abandoned shared region %s (%d bytes)", entry, st.st_size)
+            except OSError:
+                pass  # another process removed it first
+            finally:
+                os.close(fd)
+
+def _abandoned(fd: int) -> bool:
+    """Whether the file open at `fd` is a region of this user that no process holds: every
+    live user keeps a shared lock on it, so an exclusive one is granted only to a file whose
+    users all died (an engine that crashed; its next start gets a new name)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    if os.pread(fd, len(_MAGIC), 0) != _MAGIC:
+        return False  # not a region: someone else's file in a directory the caller chose
+    return _try_flock(fd, fcntl.LOCK_EX)
 
 
 def _try_flock(fd: int, kind: int) -> bool:

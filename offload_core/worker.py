@@ -377,13 +377,15 @@ def _alloc_host(backend: Backend, nbytes: int):
 
 
 def _canonical_pages(kv_caches: KVCaches) -> list[int]:
-    """Per tensor, the largest canonical page among the refs into it (its own page if none)."""
-    pages = [t.page_size_bytes for t in kv_caches.tensors]
+    """Per tensor, its host page in the canonical layout: the largest canonical page among the
+    refs into it, never its own padded page, which depends on the TP size (the largest copy of
+    a ref without a mapping; its padded page if no ref names it)."""
+    pages = [0] * len(kv_caches.tensors)
     for refs in kv_caches.group_refs:
         for r in refs:
             size = r.mapping.canonical_page_size_bytes if r.mapping is not None else r.page_size_bytes
             pages[r.tensor_idx] = max(pages[r.tensor_idx], size)
-    return pages
+    return [p or t.page_size_bytes for p, t in zip(pages, kv_caches.tensors)]
 
 
 def _check_region(region, num_blocks: int, row: int, canonical: bool) -> None:

@@ -278,3 +278,16 @@ def test_ranks_in_separate_processes_share_the_region(tmp_path):
     assert outcome == {0: True, 1: True}
     assert [p.exitcode for p in procs] == [0, 0]
     assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_padded_pages_do_not_change_the_canonical_host_page():
+    """A rank's padded page depends on its TP size; the canonical host page must not."""
+    from offload_core import KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
+    from offload_core.canonical import attention_mappings
+
+    (m0, _) = attention_mappings(total_kv_heads=2, tp_size=2, block_tokens=4, head_bytes=16)
+    padded = m0.local_page_size_bytes + 128  # more than the canonical page
+    kv = KVCaches([KVCacheTensor(torch.zeros(8, padded, dtype=torch.int8), padded)],
+                  [[KVCacheRef(0, m0.local_page_size_bytes, mapping=m0)]])
+    with OffloadWorker(kv, 4, canonical_layout=True, backend="cpu") as worker:
+        assert worker.host_row_bytes == m0.canonical_page_size_bytes

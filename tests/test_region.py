@@ -583,3 +583,21 @@ def test_a_region_dropped_without_close_lets_go_of_its_file_once_its_views_are_g
     gc.collect()
     with small("g", tmp_path, timeout=0) as again:  # nobody holds it now: reclaimed
         assert again.is_creator
+
+
+def test_a_region_nobody_holds_is_removed_when_another_is_made(tmp_path):
+    """An engine that crashed leaves its file, under a name no later engine uses: the next
+    region made in the directory removes it; one still held stays, and so do other files."""
+    import subprocess
+    import sys
+
+    crash = ("import os, sys; from offload_core import SharedHostRegion; "
+             "SharedHostRegion('crashed', num_blocks=2, slot_bytes=[4096], directory=sys.argv[1]); os._exit(0)")
+    subprocess.run([sys.executable, "-c", crash, str(tmp_path)], check=True)
+    assert (tmp_path / "crashed.shm").exists()
+    live = SharedHostRegion("live", num_blocks=2, slot_bytes=[4096], directory=tmp_path)
+    (tmp_path / "other.shm").write_bytes(b"not a region")
+    with SharedHostRegion("next", num_blocks=2, slot_bytes=[4096], directory=tmp_path):
+        assert not (tmp_path / "crashed.shm").exists()
+        assert live.path.exists() and (tmp_path / "other.shm").exists()
+    live.close()

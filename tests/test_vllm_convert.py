@@ -99,3 +99,19 @@ def test_a_canonical_layout_needs_a_region_and_mappings():
         WorkerAdapter(NS(tensors=tensors, group_data_refs=refs), 4, canonical=True)
     with pytest.raises(InvalidSpecError, match="could not certify"):
         WorkerAdapter(NS(tensors=tensors, group_data_refs=refs), 4, canonical=True, shared_region=f"x-{os.getpid()}")
+
+
+def test_host_memory_beyond_vllms_budget_is_refused():
+    tensors = [NS(tensor=torch.zeros(4, 64, dtype=torch.int8), page_size_bytes=64)]
+    refs = [[NS(tensor_idx=0, page_size_bytes=64, mapping=None)]]
+    with pytest.raises(InvalidSpecError, match="vLLM budgeted 32"):
+        WorkerAdapter(NS(tensors=tensors, group_data_refs=refs), 4, 1, row_budget=32)
+
+
+def test_region_names_are_unique_and_keep_the_replica():
+    from offload_core.integrations.vllm_convert import region_name
+
+    long = "x" * 300
+    assert region_name(long, 0) != region_name(long, 1) and len(region_name(long, 1)) <= 128
+    assert region_name("team/a:b", 0) != region_name("team:a/b", 0)
+    assert region_name("engine-1", 2).startswith("vllm-engine-1-dp2-")

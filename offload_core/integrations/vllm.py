@@ -65,7 +65,7 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
         self._offload_core_worker: OffloadCoreWorker | None = None
 
     def _uses_shared_region(self) -> bool:
-        # vLLM's own worker shares a region on CUDA and XPU only; offload-core's does on every
+        # vLLM's own worker shares a region on CUDA (not ROCm) and XPU only; offload-core's does on every
         # backend, so vLLM keeps the replicated layout (and sizes one copy) everywhere.
         return True
 
@@ -86,14 +86,18 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
                     f"vLLM sized no host chunks (cpu_bytes_to_use={self.extra_config.get('cpu_bytes_to_use')!r} "
                     "is below one chunk of every rank's KV bytes): raise cpu_bytes_to_use"
                 )
-            shared = None
+            shared, budget = None, None
             canonical = bool(getattr(self.config, "canonical_layout", False))
-            parallel = self.config.parallel
+            parallel = getattr(self.config, "parallel", None)  # absent before vLLM 0.33
+            rank = int(getattr(parallel, "rank", 0))
             if self.replicated_layout or canonical:
-                shared = region_name(f"vllm-{self.config.engine_id}-dp{parallel.data_parallel_index}")
+                shared = region_name(self.config.engine_id, int(getattr(parallel, "data_parallel_index", 0)))
+                budget = getattr(self, "kv_bytes_per_chunk", None)  # the whole (shared) chunk
+            else:
+                budget = getattr(self, "cpu_page_size_per_worker", None)  # this rank's part of a chunk
             self._offload_core_worker = OffloadCoreWorker(
                 kv_caches, int(chunks), int(self.blocks_per_chunk), backend=self.extra_config.get(BACKEND_KEY),
-                shared_region=shared, canonical=canonical, rank=int(parallel.rank),
+                shared_region=shared, canonical=canonical, rank=rank, row_budget=budget or None,
             )
         return self._offload_core_worker
 

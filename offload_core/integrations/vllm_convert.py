@@ -11,6 +11,7 @@ names as offload-core's), ``GPULoadStoreSpec`` (``block_ids``, ``group_sizes``,
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from typing import Any, Iterable
@@ -40,6 +41,8 @@ class WorkerAdapter:
         canonical: host pages in the canonical (TP-independent) layout, through the refs'
             mappings; needs `shared_region`.
         rank: this rank, in the canonical region.
+        row_budget: host bytes per chunk vLLM sized for this rank (its slot of a chunk); more is
+            refused rather than allocated beyond ``cpu_bytes_to_use``.
 
     Raises:
         InvalidSpecError: the KV caches do not fit offload-core's rules (see `to_kv_caches`).
@@ -51,24 +54,39 @@ class WorkerAdapter:
     result_type: Any = None
 
     def __init__(self, kv_caches: Any, num_chunks: int, blocks_per_chunk: int = 1, backend: str | None = None,
-                 shared_region: str | None = None, canonical: bool = False, rank: int = 0):
+                 shared_region: str | None = None, canonical: bool = False, rank: int = 0,
+                 row_budget: int | None = None):
         if canonical and shared_region is None:
             raise InvalidSpecError("a canonical layout needs the name of the region the ranks share (shared_region)")
         kv = to_kv_caches(kv_caches, canonical=canonical)
+        pages = _canonical_pages(kv) if canonical else [t.page_size_bytes for t in kv.tensors]
+        row = sum(pages) * blocks_per_chunk
+        if row_budget is not None and row > row_budget:
+            raise InvalidSpecError(
+                f"the KV pages need {row} bytes per host chunk, vLLM budgeted {row_budget} (its "
+                "worker_kv_bytes_per_block does not cover these tensors): the host memory would exceed cpu_bytes_to_use"
+            )
         self.region = None
         if shared_region is not None:
+            # The creator reserves and touches every page before a joiner may map it: give the
+            # joiners time for that at a slow 0.25 GB/s, as well as the usual 30 s.
+            timeout = 30.0 + num_chunks * row / 0.25e9
             if canonical:  # the unsharded pages, one area for all ranks
-                row = sum(_canonical_pages(kv)) * blocks_per_chunk
-                self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=rank, canonical_bytes=row)
+                self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=rank, canonical_bytes=row,
+                                               timeout=timeout)
             else:  # every rank's slot 0: the replicas' bytes are the same, so one copy serves all
-                row = sum(t.page_size_bytes for t in kv.tensors) * blocks_per_chunk
-                self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=0, slot_bytes=[row])
+                self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=0, slot_bytes=[row],
+                                               timeout=timeout)
         try:
             self.worker = OffloadWorker(kv, num_chunks, blocks_per_chunk=blocks_per_chunk, backend=backend,
                                         canonical_layout=canonical, host_region=self.region)
         except BaseException:
             if self.region is not None:
-                self.region.close()
+                try:  # the failure's traceback may still hold views of it: then it goes with them
+                    self.region.close()
+                except Exception:
+                    log.warning("the shared region %s stays open until the failed worker's views are gone",
+                                self.region.path)
             raise
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
@@ -169,7 +187,10 @@ def host_blocks(spec: Any) -> HostBlocks:
     return HostBlocks(spec.block_ids)
 
 
-def region_name(text: str) -> str:
-    """`text` as a `SharedHostRegion` name: characters outside ``A-Za-z0-9._-`` replaced, at most 128."""
-    return re.sub(r"[^A-Za-z0-9._-]", "-", text)[:128].lstrip("._-") or "vllm"
+def region_name(engine_id: str, data_parallel_index: int) -> str:
+    """The `SharedHostRegion` name of one engine's data-parallel replica: readable, and unique
+    (a hash of the whole id), within the name's 128 characters of ``A-Za-z0-9._-``."""
+    digest = hashlib.sha256(f"{engine_id}\0{data_parallel_index}".encode()).hexdigest()[:16]
+    readable = re.sub(r"[^A-Za-z0-9._-]", "-", str(engine_id))[:80]
+    return f"vllm-{readable}-dp{int(data_parallel_index)}-{digest}"
 
