@@ -109,7 +109,7 @@ class NpuBackend(TorchDeviceBackend):
         register = getattr(npurt() if npurt else None, "npuHostRegister", None)
         if register is None:
             return False
-        return int(register(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)) == 0
+        return int(register(tensor.data_ptr(), tensor.nbytes, 0)) == 0
 
     def host_unregister(self, tensor) -> None:
         npurt = getattr(self.module, "npurt", None)
@@ -178,7 +178,7 @@ def ascend_kv_caches(layers: Mapping[str, Sequence[Any]], groups: Sequence[Seque
         refs_of[name] = []
         for t in pair:
             pitch = t.stride(0) * t.element_size()
-            data = t[0].numel() * t.element_size()
+            data = t[0].nbytes
             if not t[0].is_contiguous() or pitch < data:
                 raise InvalidSpecError(f"layer {name}: each block must be contiguous, blocks evenly spaced")
             refs_of[name].append(KVCacheRef(len(tensors), data))

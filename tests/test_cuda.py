@@ -88,8 +88,8 @@ class Prefer:
 @pytest.mark.parametrize("max_size, equal", [(256, False), (256, True), (4099, True)])
 def test_auto_round_trip_is_bit_exact_whichever_it_picks(mechanism, max_size, equal):
     """auto hands what it learned while choosing (sizes, host runs) to the mechanism."""
-    if kernels.available() is not None and mechanism != "ce_batch":
-        pytest.skip(kernels.available())
+    if kernels.why_unavailable() is not None and mechanism != "ce_batch":
+        pytest.skip(kernels.why_unavailable())
     backend = CudaBackend(mechanism="auto", cost_model=Prefer(mechanism))
     assert round_trip(backend, max_size, equal) == mechanism
 
@@ -129,8 +129,8 @@ def test_descriptor_tables_are_not_reused_while_a_job_may_read_them(mechanism):
     it wraps, then falls back to one-off memory; every job must still copy its own fragments."""
     import torch
 
-    if kernels.available() is not None:
-        pytest.skip(kernels.available())
+    if kernels.why_unavailable() is not None:
+        pytest.skip(kernels.why_unavailable())
     backend = CudaBackend(mechanism=mechanism)
     n, size, jobs = 4096, 256, 8
     backend._ring = DescriptorRing(torch, backend.device, backend.driver.memcpy_async, entries=2 * 2 * n + 7)

@@ -130,12 +130,12 @@ def test_probe_explains_a_machine_without_cuda():
 
 
 def test_missing_triton_takes_kernel_mechanisms_away(monkeypatch):
-    kernels.available.cache_clear()
+    kernels.why_unavailable.cache_clear()
     monkeypatch.setitem(sys.modules, "triton", None)
     try:
-        assert "triton is not importable" in kernels.available()
+        assert "triton is not importable" in kernels.why_unavailable()
     finally:
-        kernels.available.cache_clear()
+        kernels.why_unavailable.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -457,7 +457,7 @@ def host_only_backend(monkeypatch, lib, triton=True, mechanism="auto", cost=None
     from offload_core.backends.cuda import CudaBackend
     from offload_core.backends.cuda.mechanisms import TABLE, contenders
 
-    monkeypatch.setattr(kernels, "available", (lambda: None) if triton else (lambda: "triton is not importable"))
+    monkeypatch.setattr(kernels, "why_unavailable", (lambda: None) if triton else (lambda: "triton is not importable"))
     backend = CudaBackend.__new__(CudaBackend)
     backend.driver = drv.Driver(lib)
     backend.max_batch, backend.max_programs, backend.staging_bytes = 0, 32, 24 << 20

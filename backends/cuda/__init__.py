@@ -150,7 +150,7 @@ class CudaBackend(TorchDeviceBackend):
         Returns False, with nothing to undo, where the memory was pinned already (it stays
         usable) or the driver refuses (copies then go through pageable memory).
         """
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         with self._context():
             code = self.driver.host_register(tensor.data_ptr(), nbytes, HOST_REGISTER_PORTABLE_DEVICEMAP)
         if code not in (0, ERROR_HOST_MEMORY_ALREADY_REGISTERED):
@@ -168,7 +168,7 @@ class CudaBackend(TorchDeviceBackend):
         """The layout's tables on the GPU, or None where its jobs go as descriptors: a forced
         descriptor mechanism, or no Triton."""
         forced = TABLE.get(self.mechanism)
-        if (forced is not None and forced.takes_batches) or kernels.available() is not None:
+        if (forced is not None and forced.takes_batches) or kernels.why_unavailable() is not None:
             return None
         return self._blocks.prepare(layout)
 
@@ -282,7 +282,7 @@ class CudaBackend(TorchDeviceBackend):
             mapped = self.driver.device_pointer(start)
         if mapped != start:
             return  # the device sees this memory at another address: keep kernels off it
-        self._host_ranges[start] = (start, start + tensor.numel() * tensor.element_size())
+        self._host_ranges[start] = (start, start + tensor.nbytes)
         weakref.finalize(tensor, self._host_ranges.pop, start, None)
 
     @contextmanager

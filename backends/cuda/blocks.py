@@ -180,7 +180,7 @@ class HostExpanded(JobMechanism):
 class _Expansion(JobMechanism):
     def why_unavailable(self, backend) -> str | None:
         """None if this mechanism can run on `backend`, else why not."""
-        return kernels.available()
+        return kernels.why_unavailable()
 
 
 class ExpandDirect(_Expansion):

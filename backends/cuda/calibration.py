@@ -102,7 +102,7 @@ def measure_costs(backend) -> CostModel:
         one, more = (1 + len(select.piece_bounds(b, staging_bytes, True)) for b in (4096 * 256, wide))
         per_piece = max(0.0, (large - small) / (more - one)) if more > one else 0.0
         model.staged_host_s = (max(0.0, small - 4096 * per_copy - one * per_piece), per_copy, per_piece)
-    if kernels.available() is None:
+    if kernels.why_unavailable() is None:
         stream, start, end = backend.new_stream(), backend.new_event(), backend.new_event()
         ring = backend._ring
 

@@ -2,7 +2,7 @@
 addresses (``sm_gather``), device <-> device to and from a staging buffer (``staged``), and
 the expansion of compact jobs (`expand`: block ids against a layout's entry table).
 
-Triton ships with CUDA builds of torch; where it is missing, `available()` says why and the
+Triton ships with CUDA builds of torch; where it is missing, `why_unavailable()` says so and the
 backend offers only copy-engine mechanisms.
 """
 
@@ -137,7 +137,7 @@ def _compile():
 
 
 @functools.lru_cache(maxsize=1)
-def available() -> str | None:
+def why_unavailable() -> str | None:
     """None if the kernel can run here, else why not."""
     try:
         import triton  # noqa: F401

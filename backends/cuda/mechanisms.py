@@ -95,7 +95,7 @@ class SmGather(Mechanism):
     name = "sm_gather"
 
     def why_unavailable(self, backend) -> str | None:
-        return kernels.available()
+        return kernels.why_unavailable()
 
     def refuses(self, backend, host, sizes, largest=None) -> str | None:
         if backend.addressable(host, sizes, largest):
@@ -122,7 +122,7 @@ class Staged(Mechanism):
     name = "staged"
 
     def why_unavailable(self, backend) -> str | None:
-        return kernels.available()
+        return kernels.why_unavailable()
 
     def enqueue(self, backend, src, dst, sizes, direction, stream, held, shape) -> None:
         torch = backend._torch

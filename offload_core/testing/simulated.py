@@ -120,7 +120,7 @@ class SimRuntime(types.ModuleType):
     def pin(self, tensor) -> None:
         """Mark host memory page-locked (what ``pin_memory=True`` does on the real runtime)."""
         start = tensor.data_ptr()
-        self.pinned[start] = (start + tensor.numel() * tensor.element_size(), tensor)
+        self.pinned[start] = (start + tensor.nbytes, tensor)
 
     def npurt(self) -> "SimRuntime":
         return self  # torch.npu.npurt(): host registration lives here

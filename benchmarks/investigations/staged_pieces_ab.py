@@ -3,7 +3,7 @@
 busy stream, eight jobs back to back (the engine's view) with the host time per job, and both
 directions at once. Each variant twice, interleaved, because this VM's host speed drifts.
 
-    python benchmarks/staged_pieces_ab.py [--json OUT.json]      # on a GPU, about 20 s
+    python benchmarks/investigations/staged_pieces_ab.py [--json OUT.json]      # on a GPU, about 20 s
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each version is loaded from `git show COMMIT:offload_core/plan.py` into the same
 plans the same Llama-8B-shaped store jobs (64 refs, 32 KiB pages, random ids) into the same
 buffer, so the columns differ only by the planner's code.
 
-    python benchmarks/plan_history.py COMMIT [COMMIT ...]
+    python benchmarks/investigations/plan_history.py COMMIT [COMMIT ...]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a small-fragment job's time goes, on a GPU: the parts of ``staged`` and ``sm_gather`` timed alone.
 
-    python benchmarks/staged_breakdown.py [--sizes 256,1024,4096] [--json FILE]
+    python benchmarks/investigations/staged_breakdown.py [--sizes 256,1024,4096] [--json FILE]
 
 For each fragment size, a 65536-fragment job shaped as in transfer_bench.py (device side
 scattered, host side in 2 MiB rows), device time on a busy stream, best of 3:

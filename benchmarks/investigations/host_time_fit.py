@@ -2,7 +2,7 @@
 job after job as an engine submits, and least-squares fits of the cost model's host parts:
 per job + per copy, and per job + per copy + per staging piece (docs/benchmarks.md, step 13).
 
-    python benchmarks/host_time_fit.py [--json OUT.json]      # on a GPU, about 30 s
+    python benchmarks/investigations/host_time_fit.py [--json OUT.json]      # on a GPU, about 30 s
 """
 
 from __future__ import annotations
