@@ -135,7 +135,9 @@ class Backend(abc.ABC):
         """
 
     def synchronize(self) -> None:
-        """Block until all work on this device has finished."""
+        """Block until all work on this device has finished. The core never calls it (it waits
+        on events, per job); it is for callers that need the whole device idle, such as a
+        benchmark or a test checking freed memory."""
 
     def prepare_layout(self, layout: "CompactLayout") -> Any:
         """Take a worker's layout once, for `copy_blocks` (upload its tables, say).

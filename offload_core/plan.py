@@ -22,13 +22,16 @@ per group and part, whatever the number of blocks or layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 
 from offload_core.backend import Direction
 from offload_core.errors import InvalidSpecError
 from offload_core.layout import DeviceBlocks, HostBlocks
+
+if TYPE_CHECKING:
+    from offload_core.canonical import CanonicalPageMapping
 
 
 class CopyBatch(NamedTuple):
@@ -82,7 +85,7 @@ class _Part(NamedTuple):
     host_page: int
     copy_bytes: int
     full_pages: bool  # copies whole pages on both sides, so consecutive blocks may merge
-    mapping: Any  # a CanonicalPageMapping: its fragments scatter the page into the host page
+    mapping: "CanonicalPageMapping | None"  # its fragments scatter the page into the host page
 
 
 class _Group(NamedTuple):
