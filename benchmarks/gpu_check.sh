@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the cuda backend needs checked on a GPU (how docs/benchmarks.md's H200 figures were
+# Everything the cuda backend needs checked on a GPU (how docs/performance.md's H200 figures were
 # made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|reliability|all]   (default ./gpu-check, all)
 # "checks": tests, compute-sanitizer, the canonical benchmark per mechanism (about 4 minutes);
 # "bench": calibrate, offload-core bench, benchmarks/transfer_bench.py, benchmarks/engine_bench.py (about 6 minutes);

@@ -4,7 +4,7 @@ One command, one run, on a GPU:
 
     python benchmarks/transfer_bench.py --out DIR
 
-writes DIR/transfer.json, DIR/transfer.md (the tables for docs/benchmarks.md) and
+writes DIR/transfer.json, DIR/transfer.md (the tables for docs/dev/cuda-tuning-log.md) and
 DIR/transfer.png (GB/s against fragment size per mechanism). Sections:
 
 1. the limit: one 256 MiB pinned copy each way, and both ways at once;

@@ -27,7 +27,7 @@ In the choice, ``sm_gather``'s device time counts `sm_penalty` (2x) times: the e
 one direction alone, but two of its jobs at once, one per direction, shared about 61 GB/s
 where staging and the copy engines reach 100, and it holds SMs for the whole transfer (a
 concurrent matmul ran 40-61% slower while it stored; staging cost it under 1.5%;
-docs/benchmarks.md). Where it is
+docs/dev/cuda-tuning-log.md). Where it is
 merely faster (256 B fragments in host rows: 10-30% in one direction, job after job) that
 does not pay; it is for jobs nothing else moves well: small fragments scattered on the host
 side too (canonical layouts, where it is 10-80x faster), and small jobs, where the host time
@@ -160,7 +160,7 @@ def piece_bounds(total: int, staging_bytes: int, store: bool, first: int = 1 << 
 
     A job that fits in `staging_bytes` is one piece: each more piece costs 70-120 us of host
     time on the H200's host (a launch, a batch call, two events), where a whole 16 MiB job's
-    gather or scatter, exposed, cost the link under a point (docs/benchmarks.md, step 14).
+    gather or scatter, exposed, cost the link under a point (docs/dev/cuda-tuning-log.md, step 14).
     A larger job starts with a piece of `first` bytes, then pieces of `staging_bytes`: its
     link time hides the host time, and only the first gather of a store and the last scatter
     of a load are exposed. Counted from the start for a store, from the end for a load.

@@ -1,6 +1,6 @@
 """Host time of one enqueue (`copy_batch`) for `staged` and `sm_gather` over ten job shapes,
 job after job as an engine submits, and least-squares fits of the cost model's host parts:
-per job + per copy, and per job + per copy + per staging piece (docs/benchmarks.md, step 13).
+per job + per copy, and per job + per copy + per staging piece (docs/dev/cuda-tuning-log.md, step 13).
 
     python benchmarks/investigations/host_time_fit.py [--json OUT.json]      # on a GPU, about 30 s
 """

@@ -1,4 +1,4 @@
-"""`staged` with its piece schedule against the schedule before step 14 of docs/benchmarks.md
+"""`staged` with its piece schedule against the schedule before step 14 of docs/dev/cuda-tuning-log.md
 (1 MiB, then four times larger, whatever the job's size), in the same run: device time on a
 busy stream, eight jobs back to back (the engine's view) with the host time per job, and both
 directions at once. Each variant twice, interleaved, because this VM's host speed drifts.
