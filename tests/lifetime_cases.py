@@ -101,7 +101,8 @@ def shutdown_racing_submits() -> None:
             for i in range(50):
                 job = t * 1000 + i
                 try:
-                    if worker.submit_store(job, DeviceBlocks([(t * 4 + i) % 16]), HostBlocks([(t * 4 + i) % 16])):
+                    # the closure reads this trial's worker, deleted only after its threads joined
+                    if worker.submit_store(job, DeviceBlocks([(t * 4 + i) % 16]), HostBlocks([(t * 4 + i) % 16])):  # noqa: F821
                         accepted.append(job)
                 except OffloadError:
                     refused.append(job)
