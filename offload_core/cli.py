@@ -117,7 +117,7 @@ def bench_report(r: dict) -> tuple[str, list[tuple[str, ...]], list[str]]:
                 f"{r[f'{d}_limit_gbps']:.2f}",
                 f"{percent}%{mark}",
                 f"{r[f'{d}_descriptors_per_job']:.0f}",
-                f"{r[f'{d}_mean_copy_bytes'] / 1024:.0f} KiB",
+                _size(r[f"{d}_mean_copy_bytes"]),
             )
         )
     notes = []
@@ -152,6 +152,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in the largest unit that keeps the figure at 1 or more: B, KiB, MiB, GiB."""
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.0f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.0f} GiB"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `offload-core` command.
 
@@ -161,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         interrupted.
     """
     parser = argparse.ArgumentParser(prog="offload-core", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("backends", help="list every backend: available or not, why, which one is selected")
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.set_defaults(func=cmd_backends)
@@ -205,11 +214,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.set_defaults(func=cmd_bench)
-    p = sub.add_parser("calibrate", help="measure this accelerator's copy costs and save a selection profile")
+    p = sub.add_parser(
+        "calibrate",
+        help="measure this accelerator's copy costs and save a selection profile",
+        description=(
+            "Measure this accelerator's copy costs (a few seconds) and save them as the profile its backend "
+            "chooses copy mechanisms with, in $OFFLOAD_CORE_PROFILE_DIR (default ~/.cache/offload-core), one file "
+            "per device model. Backends without a choice to make (cpu) have nothing to calibrate."
+        ),
+    )
     p.add_argument("--backend", help="backend name (default: the best available)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, do not save (default: save)")
     p.set_defaults(func=cmd_calibrate)
     args = parser.parse_args(argv)
+    if args.command is None:  # no subcommand: say what there is
+        parser.print_help()
+        return 2
     try:
         return args.func(args)
     except (OffloadError, ValueError) as exc:

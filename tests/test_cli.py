@@ -334,3 +334,17 @@ def test_calibrate_refuses_an_unknown_backend_in_one_line(capsys):
     assert main(["calibrate", "--backend", "nosuch"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("offload-core: unknown offload backend 'nosuch'") and err.count("\n") == 1
+
+
+def test_no_subcommand_prints_the_help(capsys):
+    from offload_core.cli import main
+
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert "usage: offload-core" in out and "calibrate" in out
+
+
+def test_copy_sizes_are_printed_in_a_readable_unit():
+    from offload_core.cli import _size
+
+    assert [_size(n) for n in (512, 32768, 32 << 20, 3 << 30)] == ["512 B", "32 KiB", "32 MiB", "3 GiB"]
