@@ -100,7 +100,7 @@ def to_vllm(kv) -> CanonicalKVCaches:
 def test_canonical_blocks_stored_at_tp2_load_at_tp1(device):
     """vLLM's canonical layout: the ranks share one region of unsharded pages; each TP=2 rank
     stores its heads, and a TP=1 worker of the same engine loads whole pages back."""
-    from tp_ranks import full_model, rank_kv
+    from tp_ranks import check_tp2_stores_tp1_loads, full_model
 
     full = full_model(heads=2)
     page, n = full[0][0].nbytes, len(full)
@@ -112,20 +112,8 @@ def test_canonical_blocks_stored_at_tp2_load_at_tp1(device):
                                 cpu_bytes=8 * chunk)
         return OffloadingSpecFactory.create_spec(dataclasses.replace(cfg, engine_id=engine))
 
-    writers = [spec(2, r).get_worker(to_vllm(rank_kv(full, 2, r, device=device))) for r in range(2)]
-    for w in writers:
-        assert w.submit_store(1, GPULoadStoreSpec([1, 4], [2], [0]), CPULoadStoreSpec([6, 2]))
-        w.wait({1})
-    whole = to_vllm(rank_kv(full, 1, 0, empty=True, device=device))
-    reader = spec(1, 0).get_worker(whole)
-    assert reader.region.path == writers[0].region.path
-    assert reader.submit_load(2, CPULoadStoreSpec([6, 2]), GPULoadStoreSpec([9, 3], [2], [0]))
-    reader.wait({2})
-    assert all(r.success for w in (*writers, reader) for r in w.get_finished())
-    for t, f in zip(whole.tensors, full):
-        assert np.array_equal(t.tensor.cpu().numpy()[[9, 3]], f[[1, 4]].reshape(2, -1).view(np.int8))
-    for w in (*writers, reader):
-        w.shutdown()
+    check_tp2_stores_tp1_loads(lambda kv, tp, rank: spec(tp, rank).get_worker(kv), to_vllm,
+                               lambda ids, sizes, indices: GPULoadStoreSpec(ids, sizes, indices), CPULoadStoreSpec, device)
 
 
 def test_a_canonical_layout_needs_vllm_certified_refs():

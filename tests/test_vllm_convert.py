@@ -14,7 +14,7 @@ import torch
 from offload_core import InvalidSpecError, get_backend, registry
 from offload_core.integrations.vllm_convert import WorkerAdapter
 
-from tp_ranks import full_model, rank_kv
+from tp_ranks import check_tp2_stores_tp1_loads
 
 
 @pytest.fixture(params=[pytest.param(n, marks=getattr(pytest.mark, n)) for n in ("cpu", "cuda", "npu", "xpu")])
@@ -67,7 +67,6 @@ def test_groups_strided_rows_and_expedited_loads(backend):
 def test_canonical_pages_through_a_shared_region(backend):
     """Mappings converted: TP=2 ranks store their heads into one canonical region, TP=1 loads."""
     backend_name, device = backend
-    full = full_model(heads=2)
     name = f"convert-{os.getpid()}-{backend_name}"
 
     def vllm_like(kv):
@@ -76,20 +75,10 @@ def test_canonical_pages_through_a_shared_region(backend):
                   group_data_refs=[[NS(tensor_idx=r.tensor_idx, page_size_bytes=r.page_size_bytes, mapping=r.mapping)
                                     for r in g] for g in kv.group_refs])
 
-    writers = [WorkerAdapter(vllm_like(rank_kv(full, 2, r, device=device)), 8, backend=backend_name, shared_region=name,
-                             canonical=True, rank=r) for r in range(2)]
-    for w in writers:
-        assert w.submit_store(1, gpu_spec([1, 4], [2], [0]), cpu_spec([6, 2]))
-        w.wait({1})
-    whole = vllm_like(rank_kv(full, 1, 0, empty=True, device=device))
-    reader = WorkerAdapter(whole, 8, backend=backend_name, shared_region=name, canonical=True)
-    assert reader.submit_load(2, cpu_spec([6, 2]), gpu_spec([9, 3], [2], [0]))
-    reader.wait({2})
-    assert all(r.success for w in (*writers, reader) for r in w.get_finished())
-    for t, f in zip(whole.tensors, full):
-        assert np.array_equal(t.tensor.cpu().numpy()[[9, 3]], f[[1, 4]].reshape(2, -1).view(np.int8))
-    for w in (*writers, reader):
-        w.shutdown()
+    def make(kv, tp, rank):
+        return WorkerAdapter(kv, 8, backend=backend_name, shared_region=name, canonical=True, rank=rank)
+
+    check_tp2_stores_tp1_loads(make, vllm_like, gpu_spec, cpu_spec, device)
 
 
 def test_a_canonical_layout_needs_a_region_and_mappings():

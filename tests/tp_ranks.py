@@ -67,3 +67,26 @@ def spawned_rank(name, directory, tp, rank, barrier, store, load, bpc, num_host,
             ok = ok and torch.equal(t.tensor[list(load[0])], f.tensor[list(store[0])])
         barrier.wait(timeout=60)  # both still hold the region here; the last to close removes the file
     result.put((rank, bool(ok)))
+
+
+def check_tp2_stores_tp1_loads(make, convert, gpu_spec, cpu_spec, device="cpu") -> None:
+    """Two TP=2 ranks store blocks 1 and 4 of `full_model(2)` into host chunks 6 and 2 of one
+    canonical region; a TP=1 worker on the same region loads them into blocks 9 and 3, and gets
+    the whole pages. For adapters: `convert` turns a rank's `KVCaches` into the adapter's input,
+    `make(kv, tp, rank)` builds its worker (with `region`, `submit_*`, `wait`, `get_finished`,
+    `shutdown`), `gpu_spec(ids, sizes, indices)` and `cpu_spec(ids)` its specs."""
+    full = full_model(heads=2)
+    writers = [make(convert(rank_kv(full, 2, r, device=device)), 2, r) for r in range(2)]
+    for w in writers:
+        assert w.submit_store(1, gpu_spec([1, 4], [2], [0]), cpu_spec([6, 2]))
+        w.wait({1})
+    whole = convert(rank_kv(full, 1, 0, empty=True, device=device))
+    reader = make(whole, 1, 0)
+    assert reader.region.path == writers[0].region.path
+    assert reader.submit_load(2, cpu_spec([6, 2]), gpu_spec([9, 3], [2], [0]))
+    reader.wait({2})
+    assert all(r.success for w in (*writers, reader) for r in w.get_finished())
+    for t, f in zip(whole.tensors, full):
+        assert np.array_equal(t.tensor.cpu().numpy()[[9, 3]], f[[1, 4]].reshape(2, -1).view(np.int8))
+    for w in (*writers, reader):
+        w.shutdown()
