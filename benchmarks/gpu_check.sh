@@ -37,7 +37,9 @@ if [ "$phase" != bench ]; then
       tests/test_threads.py tests/test_vllm_convert.py > "$out/pytest.log" 2>&1
   echo "pytest rc=$?"; tail -1 "$out/pytest.log"; grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head
   echo "== sanitizer"
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+  # Device backtraces only: for host ones the sanitizer keeps the Python frames of the launch
+  # that loaded each kernel, with their locals, so a region whose view was on that stack never closes.
+  timeout 200 compute-sanitizer --tool memcheck --show-backtrace device --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
       -k "(bit_exact and (sm_gather or staged) and not 4194304) or compact or larger_than_a_staging" > "$out/sanitizer.log" 2>&1
   echo "sanitizer rc=$?"; tail -2 "$out/sanitizer.log"
   echo "== canonical"
