@@ -57,7 +57,7 @@ class CpuStream:
         weakref.finalize(self, self._state.tasks.put, None)  # stop the thread with the stream
 
     def launch(self, fn: Callable[[], None]) -> None:
-        """Enqueue a host function as if it were a kernel (tests use it to simulate compute)."""
+        """Enqueue a host function as if it were a kernel (tests use it to stand in for compute)."""
         self._state.tasks.put(fn)
 
     def wait_event(self, event: "CpuEvent") -> None:
@@ -120,7 +120,14 @@ class CpuEvent:
             raise RuntimeError(f"work on the cpu stream failed: {marker.error!r}") from marker.error
 
 
-def _memmove_all(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+def memmove_all(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+    """Copy ``sizes[i]`` bytes from address ``src[i]`` to address ``dst[i]``, for every i, now,
+    on the calling thread (what a `CpuStream` runs for the cpu backend's copies).
+
+    Args:
+        src, dst, sizes: int64 addresses and byte counts of equal length; the memory must be
+            valid, and each destination must not overlap another copy's.
+    """
     move = ctypes.memmove  # a foreign call: releases the GIL while it copies
     for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
         move(d, s, n)
@@ -163,7 +170,7 @@ class CpuBackend(Backend):
     def copy_batch(
         self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream: CpuStream
     ) -> str:
-        stream.launch(lambda: _memmove_all(src, dst, sizes))
+        stream.launch(lambda: memmove_all(src, dst, sizes))
         return "memmove"
 
     def synchronize(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from offload_core.backend import Direction
-from offload_core.backends._torch import TorchDeviceBackend
+from offload_core.backends.torch_device import TorchDeviceBackend
 from offload_core.errors import InvalidSpecError
 from offload_core.layout import KVCacheRef, KVCaches, KVCacheTensor
 
@@ -55,7 +55,11 @@ ACL_MEMCPY = ctypes.CFUNCTYPE(
 
 
 def load_acl() -> Any:
-    """The ACL runtime library (tests put a simulated one here)."""
+    """The ACL runtime library, libascendcl.
+
+    Raises:
+        OSError: the library cannot be loaded (CANN is not installed or not on the loader's path).
+    """
     return ctypes.CDLL("libascendcl.so")
 
 
@@ -65,7 +69,23 @@ def _entry(lib: Any, name: str, prototype):
 
 
 class NpuBackend(TorchDeviceBackend):
-    """Ascend NPUs. Streams, events and pinned memory from torch.npu; copies through ACL."""
+    """Ascend NPUs. Streams, events and pinned memory from torch.npu; copies through ACL.
+
+    Args:
+        device_index: the NPU.
+        runtime: torch.npu's surface, as `TorchDeviceBackend` describes it, plus, optionally,
+            ``npurt()`` returning an object with ``npuHostRegister(address, size, flags)`` and
+            ``npuHostUnregister(address)`` (host registration is unavailable without it), and
+            ``stream.npu_stream``, the raw ``aclrtStream`` handle, on its streams. Default:
+            ``TorchRuntime("npu")``, importing torch_npu first if torch has no torch.npu yet.
+        acl: the ACL library: an object with ``aclrtMemcpyAsync`` and optionally
+            ``aclrtMemcpyBatchAsync`` as C function pointers (ctypes functions) of the
+            prototypes `ACL_MEMCPY` and `ACL_MEMCPY_BATCH`. Default: `load_acl()`.
+
+    Raises:
+        ImportError: no runtime is given and torch_npu cannot be imported.
+        OSError: the ACL library cannot be loaded, or has no ``aclrtMemcpyAsync``.
+    """
 
     name = "npu"
     module_name = "npu"
@@ -90,13 +110,15 @@ class NpuBackend(TorchDeviceBackend):
             return f"torch.npu.is_available() raised {exc!r}"
         return None
 
-    def __init__(self, device_index: int = 0):
-        import torch
+    def __init__(self, device_index: int = 0, *, runtime: Any = None, acl: Any = None):
+        if runtime is None:
+            import torch
 
-        if getattr(torch, "npu", None) is None:
-            import torch_npu  # noqa: F401  (registers torch.npu; imported only now, never at import time)
-        super().__init__(device_index)
-        acl = load_acl()
+            if getattr(torch, "npu", None) is None:
+                import torch_npu  # noqa: F401  (registers torch.npu; imported only now, never at import time)
+        super().__init__(device_index, runtime=runtime)
+        if acl is None:
+            acl = load_acl()
         self._batch = _entry(acl, "aclrtMemcpyBatchAsync", ACL_MEMCPY_BATCH)
         self._memcpy = _entry(acl, "aclrtMemcpyAsync", ACL_MEMCPY)
         if self._memcpy is None:
@@ -104,15 +126,15 @@ class NpuBackend(TorchDeviceBackend):
         self._swap_op = _swap_blocks_batch_op(self._torch)
         self.mechanism = "acl_batch" if self._batch else "swap_blocks_batch" if self._swap_op else "acl_loop"
 
-    def host_register(self, tensor) -> bool:
-        npurt = getattr(self.module, "npurt", None)
+    def pin_host_memory(self, tensor) -> bool:
+        npurt = getattr(self.runtime, "npurt", None)
         register = getattr(npurt() if npurt else None, "npuHostRegister", None)
         if register is None:
             return False
         return int(register(tensor.data_ptr(), tensor.nbytes, 0)) == 0
 
-    def host_unregister(self, tensor) -> None:
-        npurt = getattr(self.module, "npurt", None)
+    def unpin_host_memory(self, tensor) -> None:
+        npurt = getattr(self.runtime, "npurt", None)
         unregister = getattr(npurt() if npurt else None, "npuHostUnregister", None)
         if unregister is not None:
             unregister(tensor.data_ptr())
@@ -125,7 +147,7 @@ class NpuBackend(TorchDeviceBackend):
             self._acl_batch(src, dst, sizes, store, stream)
         elif self.mechanism == "swap_blocks_batch":
             torch = self._torch
-            with self.module.stream(stream):  # the operator issues on the current stream
+            with self.runtime.stream(stream):  # the operator issues on the current stream
                 self._swap_op(*(torch.from_numpy(a) for a in (src, dst, sizes)), SWAP_D2H if store else SWAP_H2D)
         else:
             kind = ACL_MEMCPY_DEVICE_TO_HOST if store else ACL_MEMCPY_HOST_TO_DEVICE

@@ -13,15 +13,47 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any, Sequence
 
 import numpy as np
 
 from offload_core.backend import Direction, span_bytes
-from offload_core.backends._torch import TorchDeviceBackend
+from offload_core.backends.torch_device import TorchDeviceBackend
+
+
+class StreamCopier:
+    """How `XpuBackend` enqueues its copies: ``dst.copy_(src, non_blocking=True)`` for each
+    pair, with the copy stream current. Replace it (``XpuBackend(copier=...)``) where a runtime's
+    streams cannot run a torch copy asynchronously themselves."""
+
+    def enqueue(self, pairs: Sequence[tuple[Any, Any]], stream: Any, runtime: Any) -> None:
+        """Enqueue ``dst <- src`` for every ``(dst, src)`` pair of same-sized uint8 tensors on
+        `stream`, without waiting for the copies.
+
+        Args:
+            pairs: (destination, source) tensor views; they stay alive until an event recorded
+                on `stream` after this call has completed.
+            stream: the copy stream, from `runtime`.
+            runtime: the backend's runtime (see `TorchDeviceBackend`).
+        """
+        with runtime.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
 
 
 class XpuBackend(TorchDeviceBackend):
-    """Intel GPUs. Streams, events and pinned memory from torch.xpu; copies as tensor-view copies."""
+    """Intel GPUs. Streams, events and pinned memory from torch.xpu; copies as tensor-view copies.
+
+    Args:
+        device_index: the GPU.
+        runtime: torch.xpu's surface, as `TorchDeviceBackend` describes it, with
+            ``stream.sycl_queue`` on its streams (telling pooled queues apart). Default:
+            ``TorchRuntime("xpu")``.
+        copier: what enqueues the copies; default a `StreamCopier`.
+
+    Raises:
+        AttributeError: no runtime is given and torch has no torch.xpu.
+    """
 
     name = "xpu"
     module_name = "xpu"
@@ -42,8 +74,9 @@ class XpuBackend(TorchDeviceBackend):
             return f"torch.xpu.is_available() raised {exc!r}"
         return None
 
-    def __init__(self, device_index: int = 0):
-        super().__init__(device_index)
+    def __init__(self, device_index: int = 0, *, runtime: Any = None, copier: StreamCopier | None = None):
+        super().__init__(device_index, runtime=runtime)
+        self.copier = copier if copier is not None else StreamCopier()
         # Registered buffers: (start, end, weak ref to the tensor), sorted by address, with their
         # bounds as arrays for searchsorted, in one tuple so that a reader never sees a mix of
         # two versions (a tensor's collection rebuilds it from any thread). Weak: the backend
@@ -56,17 +89,17 @@ class XpuBackend(TorchDeviceBackend):
         # torch.xpu hands out pooled queues round robin, starting with the slot the compute
         # stream uses: a copy stream must be a different queue, or copies and compute serialize.
         compute = self.current_stream()
-        stream = self.module.Stream(device=self.device_index)
+        stream = self.runtime.Stream(device=self.device_index)
         while stream.sycl_queue == compute.sycl_queue:
-            stream = self.module.Stream(device=self.device_index)
+            stream = self.runtime.Stream(device=self.device_index)
         return stream
 
     def alloc_host(self, nbytes: int):
         tensor = super().alloc_host(nbytes)
-        self.register_tensor(tensor)
+        self.register_buffer(tensor)
         return tensor
 
-    def register_tensor(self, tensor) -> None:
+    def register_buffer(self, tensor) -> None:
         start = tensor.data_ptr()
         entry = (start, start + span_bytes(tensor), weakref.ref(tensor, self._forget))
         with self._table_lock:
@@ -89,28 +122,23 @@ class XpuBackend(TorchDeviceBackend):
         pairs = []
         for s, so, d, do, n in zip(src_t, src_off.tolist(), dst_t, dst_off.tolist(), sizes.tolist()):
             source = s[so : so + n]
-            if source.device.type == "cpu" and not source.is_pinned() and not self.simulated:
+            if source.device.type == "cpu" and not self.runtime.is_pinned(source):
                 source = source.pin_memory()  # pageable: stage, so the copy can be asynchronous
             pairs.append((d[do : do + n], source))
-        self._enqueue_copies(pairs, stream)
+        self.copier.enqueue(pairs, stream, self.runtime)
         return "copy_runs"
-
-    def _enqueue_copies(self, pairs, stream) -> None:
-        with self.module.stream(stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
 
     def _resolve(self, addresses: np.ndarray, sizes: np.ndarray):
         """Each address as (a flat byte view of its registered buffer, offset in it)."""
         entries, starts, ends = self._table
         i = np.searchsorted(starts, addresses, side="right") - 1
         if i.min(initial=0) < 0 or np.any(addresses + sizes > ends[i]):
-            raise ValueError("xpu copies need their memory registered (register_tensor or alloc_host)")
+            raise ValueError("xpu copies need their memory registered (register_buffer or alloc_host)")
         views = {}
         for k in set(i.tolist()):
             tensor = entries[k][2]()
             if tensor is None:  # freed since: its address range is no longer the caller's
-                raise ValueError("xpu copies need their memory registered (register_tensor or alloc_host)")
+                raise ValueError("xpu copies need their memory registered (register_buffer or alloc_host)")
             # its bytes from data_ptr on, between the rows of a strided view too
             flat = self._torch.empty(0, dtype=self._torch.uint8, device=tensor.device)
             views[k] = flat.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(),

@@ -15,7 +15,7 @@ from offload_core.errors import (
     UnknownBackendError,
 )
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
-from offload_core.plan import CopyBatch, Geometry, Planner
+from offload_core.plan import CopyBatch, Geometry, Planner, PlanRef
 from offload_core.queue import TransferQueue, TransferResult
 from offload_core.region import SharedHostRegion
 from offload_core.registry import availability, backend_names, get_backend, register_backend
@@ -40,6 +40,7 @@ __all__ = [
     "KVCaches",
     "OffloadError",
     "OffloadWorker",
+    "PlanRef",
     "Planner",
     "RegionError",
     "ResourceInUseError",

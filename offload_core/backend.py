@@ -97,22 +97,27 @@ class Backend(abc.ABC):
             supports it.
         """
 
-    def host_register(self, tensor: "torch.Tensor") -> bool:
-        """Make host memory allocated elsewhere fast to copy (e.g. cudaHostRegister).
+    def pin_host_memory(self, tensor: "torch.Tensor") -> bool:
+        """Page-lock host memory allocated elsewhere (a shared region's mapping, say), so that
+        copies reach it directly (``cuMemHostRegister`` on cuda). The caller keeps the memory
+        alive and calls `unpin_host_memory` before freeing it.
 
         Returns:
-            True if registered; False if this backend has nothing to register.
+            True if this call pinned it (undo with `unpin_host_memory`); False, with nothing
+            to undo, where this backend pins nothing or the memory was pinned already.
         """
         return False
 
-    def host_unregister(self, tensor: "torch.Tensor") -> None:
-        """Undo `host_register`."""
+    def unpin_host_memory(self, tensor: "torch.Tensor") -> None:
+        """Undo `pin_host_memory`."""
 
-    def register_tensor(self, tensor: "torch.Tensor") -> None:
-        """Say that copies will touch `tensor`'s memory (the worker does, for its KV tensors and
-        host buffer): the `span_bytes` from its ``data_ptr()``, which for a strided view (rows a
-        pitch apart) holds bytes between rows that copies never touch. Backends that copy
-        through tensor views rather than addresses need it."""
+    def register_buffer(self, tensor: "torch.Tensor") -> None:
+        """Say that copies will touch `tensor`'s memory, without pinning anything (the worker
+        does, for its KV tensors and host buffer): the `span_bytes` from its ``data_ptr()``,
+        which for a strided view (rows a pitch apart) holds bytes between rows that copies
+        never touch. Backends that copy through tensor views rather than addresses need it
+        (`xpu`). Hold `tensor` weakly: the registry keeps a backend for the life of the
+        process, and a strong reference would keep every worker's memory alive."""
 
     @abc.abstractmethod
     def copy_batch(

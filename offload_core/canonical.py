@@ -19,6 +19,7 @@ import numpy as np
 
 from offload_core.errors import InvalidSpecError
 from offload_core.layout import integer, positive_int
+from offload_core.runs import merge_runs
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,19 @@ class CanonicalPageMapping:
         object.__setattr__(self, "runs", _as_runs(*merged))
         object.__setattr__(self, "fragments", merged)
 
-    def is_writer(self, page_id: int) -> bool:
-        """Whether this rank writes canonical page `page_id` (the global host page id)."""
-        return page_id % self.num_writers == self.writer_index
+    def is_writer(self, page_ids):
+        """Whether this rank writes canonical page `page_ids` (global host page ids: an int,
+        or an array, answered element by element)."""
+        return elected(page_ids, self.num_writers, self.writer_index)
+
+
+def elected(page_ids, num_writers, writer_index):
+    """The election: page ``p`` is written by the rank whose ``writer_index == p % num_writers``.
+
+    Vectorised over any arguments that broadcast (the compact layout asks it for every block
+    and entry at once, with each entry's writers).
+    """
+    return page_ids % num_writers == writer_index
 
 
 def _unroll(runs: Iterable[CopyRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -122,9 +133,8 @@ def _coverage(starts: np.ndarray, sizes: np.ndarray, length: int) -> np.ndarray:
 
 def _merge(local, canon, sizes):
     """Join fragments that continue each other on both sides (input sorted by local offset)."""
-    follows = (local[1:] == local[:-1] + sizes[:-1]) & (canon[1:] == canon[:-1] + sizes[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
-    return local[starts], canon[starts], np.add.reduceat(sizes, starts)
+    (local, canon), sizes = merge_runs((local, canon), sizes)
+    return local, canon, sizes
 
 
 def _as_runs(local, canon, sizes) -> tuple[CopyRun, ...]:

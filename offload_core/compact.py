@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from offload_core.backend import Direction
+from offload_core.canonical import elected
 from offload_core.layout import DeviceBlocks, HostBlocks
 from offload_core.plan import Planner
 
@@ -183,7 +184,7 @@ class CompactLayout:
         """Bytes each (block, entry) of `group` stores, given the blocks' canonical page ids."""
         e0, count = self.group_entries[:, group].tolist()
         e = self.entries[:, e0 : e0 + count]
-        mine = (pages[:, None] % e[6]) == e[7]
+        mine = elected(pages[:, None], e[6], e[7])
         return np.where(mine, e[5], 0)
 
     def descriptors(self, job: CompactJob, row_base: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -213,7 +214,7 @@ class CompactLayout:
             h = (rows[:, None] + b[2][:, None] * e[4]) + e[3]
             s = np.broadcast_to(e[5], d.shape)
             if store and self._periods[g] > 1:
-                mine = (b[3][:, None] % e[6]) == e[7]
+                mine = elected(b[3][:, None], e[6], e[7])
                 d, h, s = d[mine], h[mine], s[mine]
             dev.append(d.ravel())
             side.append(h.ravel())
@@ -292,7 +293,7 @@ class CompactLayout:
         starts = (e[3][None, :] + subs[:, None] * e[4][None, :]).ravel()
         lengths = np.broadcast_to(e[5], (subs.size, count)).ravel()
         if store:
-            mine = (((residue + subs)[:, None] % e[6][None, :]) == e[7][None, :]).ravel()
+            mine = elected((residue + subs)[:, None], e[6][None, :], e[7][None, :]).ravel()
             starts, lengths = starts[mine], lengths[mine]
         order = np.argsort(starts, kind="stable")
         merged: list[list[int]] = []

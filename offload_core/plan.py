@@ -29,9 +29,27 @@ import numpy as np
 from offload_core.backend import Direction
 from offload_core.errors import InvalidSpecError
 from offload_core.layout import DeviceBlocks, HostBlocks
+from offload_core.runs import run_starts
 
 if TYPE_CHECKING:
     from offload_core.canonical import CanonicalPageMapping
+
+
+class PlanRef(NamedTuple):
+    """One ref of a group, as the planner sees it: which tensor, how much of each page, and
+    where its page goes in the host page.
+
+    Attributes:
+        tensor: index into the geometry's per-tensor lists.
+        copy_bytes: bytes copied from the start of each page (at most the device page; at
+            most the host page unless `mapping` scatters them).
+        mapping: a `CanonicalPageMapping` scattering the page into the canonical host page,
+            or None for a page copied whole to the start of its host page.
+    """
+
+    tensor: int
+    copy_bytes: int
+    mapping: "CanonicalPageMapping | None" = None
 
 
 class CopyBatch(NamedTuple):
@@ -59,8 +77,7 @@ class Geometry:
         host_offset: per tensor, offset of its chunk within a host row.
         host_page: per tensor, bytes between consecutive sub-pages of a host chunk.
         host_blocks: number of host blocks.
-        group_refs: per group, ``(tensor_idx, copy_bytes)`` or ``(tensor_idx, copy_bytes, mapping)``
-            for each ref; a `CanonicalPageMapping` scatters the page into the host page.
+        group_refs: per group, a `PlanRef` for each of its refs.
         blocks_per_chunk: device blocks per host block.
     """
 
@@ -72,7 +89,7 @@ class Geometry:
     host_offset: Sequence[int]
     host_page: Sequence[int]
     host_blocks: int
-    group_refs: Sequence[Sequence[tuple[int, int]]]
+    group_refs: Sequence[Sequence[PlanRef]]
     blocks_per_chunk: int
 
 
@@ -139,8 +156,10 @@ class Planner:
         self._groups: list[_Group] = []
         for refs in g.group_refs:
             by_shape: dict[tuple, list[int]] = {}
-            for t, size, *mapping in refs:
-                mapping = mapping[0] if mapping else None
+            for ref in refs:
+                if not isinstance(ref, PlanRef):
+                    raise InvalidSpecError(f"group refs must be PlanRef, got {ref!r}")
+                t, size, mapping = ref
                 if not 0 < size <= g.device_page[t] or (mapping is None and size > g.host_page[t]):
                     raise InvalidSpecError(f"a ref copies {size} bytes of tensor {t}, more than its page")
                 if mapping is not None and (
@@ -163,13 +182,13 @@ class Planner:
             self._groups.append(
                 _Group(
                     parts=parts,
-                    device_limit=min((g.device_blocks[r[0]] for r in refs), default=min(g.device_blocks, default=0)),
+                    device_limit=min((g.device_blocks[r.tensor] for r in refs), default=min(g.device_blocks, default=0)),
                     descriptors_per_block=sum(
                         len(p.device_base) * (1 if p.mapping is None else p.mapping.fragments[2].size) for p in parts
                     ),
                 )
             )
-        users = [t for refs in g.group_refs for t in {r[0] for r in refs}]
+        users = [t for refs in g.group_refs for t in {r.tensor for r in refs}]
         # Groups that share a tensor can collide on a destination page across groups.
         self._groups_share_tensors = len(users) != len(set(users))
         self._arange = np.arange(1024, dtype=np.int64)
@@ -309,7 +328,7 @@ class Planner:
         if store and mapping.num_writers > 1:
             # the global canonical page id: every rank computes the same election for a page
             page_ids = hids * self.blocks_per_chunk + (0 if sub is None else sub)
-            mine = page_ids % mapping.num_writers == mapping.writer_index
+            mine = mapping.is_writer(page_ids)
             dev_off, host_off = dev_off[mine], host_off[mine]
         local, canon, sizes = mapping.fragments
         m, r, f = dev_off.size, part.device_base.size, sizes.size
@@ -331,10 +350,9 @@ def _merge_blocks(dev_off: np.ndarray, host_off: np.ndarray, page: int):
         Offsets of each run's first block, and each run's length in bytes (or `page` when
         nothing merges).
     """
-    follows = (dev_off[1:] == dev_off[:-1] + page) & (host_off[1:] == host_off[:-1] + page)
-    if not follows.any():
+    starts = run_starts((dev_off, host_off), page)
+    if starts.size == dev_off.size:
         return dev_off, host_off, page
-    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
     run_blocks = np.diff(np.append(starts, dev_off.size))
     return dev_off[starts], host_off[starts], run_blocks * page
 

@@ -204,15 +204,6 @@ class SharedHostRegion:
     def slot_bytes(self) -> int:
         return self._slots[0 if self.canonical else self.rank]
 
-    def memoryview(self) -> memoryview:
-        """A zero-copy view of every row, for tiers that read the region from another process.
-
-        The region cannot be closed while the view (or a slice of it) is alive.
-        """
-        if self._mmap is None:
-            raise RegionError(f"region {self.path} is closed")
-        return memoryview(self._mmap)[_HEADER:]
-
     def check(self) -> None:
         """Confirm that the file at `path` is still the one this rank has mapped (one stat).
 

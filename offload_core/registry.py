@@ -123,8 +123,10 @@ def _probe(name: str) -> str | None:
     return reason
 
 
-def select_backend_name(name: str | None = None) -> str:
-    """The backend `get_backend` would use: `name`, else $OFFLOAD_CORE_BACKEND, else the best available.
+def select_backend_name(name: str | None = None, *, device_type: str | None = None) -> str:
+    """The backend `get_backend` would use: `name`, else $OFFLOAD_CORE_BACKEND, else
+    `device_type` (the backend named after the device that holds the KV tensors, as a worker
+    asks), else the best available.
 
     Raises:
         UnknownBackendError: an explicit or environment name that is not registered.
@@ -132,7 +134,7 @@ def select_backend_name(name: str | None = None) -> str:
     """
     if name is not None and not isinstance(name, str):
         raise UnknownBackendError(repr(name), backend_names())
-    name = name or os.environ.get(ENV_BACKEND) or None
+    name = name or os.environ.get(ENV_BACKEND) or device_type or None
     if name is not None:
         backend_class(name)  # unknown names fail loudly here
         return name
@@ -150,18 +152,19 @@ def _priority(name: str) -> int:
         return -1
 
 
-def get_backend(name: str | None = None, *, device_index: int = 0) -> Backend:
+def get_backend(name: str | None = None, *, device_index: int = 0, device_type: str | None = None) -> Backend:
     """Return the backend instance for `name` and `device_index` (cached).
 
-    Selection: an explicit `name`, else the ``OFFLOAD_CORE_BACKEND`` environment
-    variable, else the highest-priority usable backend (ties broken by name).
+    Selection (`select_backend_name`): an explicit `name`, else the ``OFFLOAD_CORE_BACKEND``
+    environment variable, else `device_type` when given, else the highest-priority usable
+    backend (ties broken by name).
 
     Raises:
         UnknownBackendError: the name is not registered.
         BackendUnavailableError: the backend cannot run here; the message carries the
             probe's reason and an install hint.
     """
-    chosen = select_backend_name(name)
+    chosen = select_backend_name(name, device_type=device_type)
     with _lock:
         instance = _instances.get((chosen, device_index))
         if instance is not None:

@@ -14,10 +14,11 @@ from offload_core.compact import CompactLayout
 from offload_core.errors import InvalidSpecError, OffloadError, RegionError
 from offload_core.hostmem import check_host_bytes
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches, integer, positive_int
-from offload_core.plan import Geometry, Planner
+from offload_core.host_layout import HostLayout
+from offload_core.plan import Planner
 from offload_core.queue import QueueStats, TransferQueue, TransferResult, job_id_set
 from offload_core.region import SharedHostRegion
-from offload_core.registry import ENV_BACKEND, get_backend
+from offload_core.registry import get_backend
 
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,7 @@ class OffloadWorker:
         if host_region is not None and not isinstance(host_region, SharedHostRegion):
             raise InvalidSpecError(f"host_region must be a SharedHostRegion, got {type(host_region).__name__}")
         if not isinstance(backend, Backend):
-            name = backend or os.environ.get(ENV_BACKEND) or device.type
-            backend = get_backend(name, device_index=device.index or 0)
+            backend = get_backend(backend, device_index=device.index or 0, device_type=device.type)
         if backend.device != device:
             raise InvalidSpecError(f"KV tensors are on {device}, but backend {backend.name!r} copies {backend.device}")
         self.backend = backend
@@ -94,50 +94,30 @@ class OffloadWorker:
         self.blocks_per_chunk = bpc
         self.num_host_blocks = num_host_blocks
 
-        pages = [t.page_size_bytes for t in kv_caches.tensors]
-        host_pages = _canonical_pages(kv_caches) if canonical_layout else pages
-        offsets = [sum(host_pages[:i]) * bpc for i in range(len(pages))]
-        row = sum(host_pages) * bpc
+        layout = HostLayout.of(kv_caches, bpc, canonical_layout)
         self._region = host_region
         self._registered = False
         if host_region is None:
-            self._host = _alloc_host(backend, self.num_host_blocks * row)
-            rows, stride, slot = self._host.view(self.num_host_blocks, row), row, 0
+            self._host = _alloc_host(backend, self.num_host_blocks * layout.row_bytes)
+            rows, stride, slot = self._host.view(self.num_host_blocks, layout.row_bytes), layout.row_bytes, 0
         else:
-            _check_region(host_region, self.num_host_blocks, row, canonical_layout)
+            layout.check_region(host_region, self.num_host_blocks)
             self._host = host_region.tensor  # read once: another thread may be closing the region
             host_region.check()  # raises if it is closed
             if self._host is None:
                 raise RegionError(f"region {host_region.path} is being closed")
             rows, stride, slot = self._host, host_region.row_stride, host_region.slot_offset
         self._next_region_check = time.monotonic() + _REGION_CHECK_S
-        rows = rows.view(torch.int8)
-        self.host_tensors = [rows[:, slot + off : slot + off + hp * bpc] for off, hp in zip(offsets, host_pages)]
-        refs = [
-            [(r.tensor_idx, r.page_size_bytes) + ((r.mapping,) if canonical_layout and r.mapping else ()) for r in g]
-            for g in kv_caches.group_refs
-        ]
-        self._planner = Planner(
-            Geometry(
-                device_base=[t.tensor.data_ptr() for t in kv_caches.tensors],
-                device_page=[t.pitch_bytes for t in kv_caches.tensors],
-                device_blocks=[t.num_blocks for t in kv_caches.tensors],
-                host_base=self._host.data_ptr() + slot,
-                host_row_bytes=stride,
-                host_offset=offsets,
-                host_page=host_pages,
-                host_blocks=self.num_host_blocks,
-                group_refs=refs,
-                blocks_per_chunk=bpc,
-            )
-        )
+        self.host_layout = layout
+        self.host_tensors = layout.views(rows.view(torch.int8), slot)
+        self._planner = Planner(layout.geometry(kv_caches, self._host.data_ptr() + slot, stride, self.num_host_blocks))
         self._queues = {d: TransferQueue(backend, d) for d in Direction}
         # Loads the engine waits for at once go on their own stream, never behind regular loads.
         self._expedited = TransferQueue(backend, Direction.LOAD)
         self._lanes = (*self._queues.values(), self._expedited)
         for t in kv_caches.tensors:
-            backend.register_tensor(t.tensor)
-        backend.register_tensor(self._host)
+            backend.register_buffer(t.tensor)
+        backend.register_buffer(self._host)
         # A backend that expands jobs on the device gets them as block ids (offload_core.compact).
         self._layout = self._prepared = None
         if backend.expands_blocks:
@@ -146,7 +126,7 @@ class OffloadWorker:
             if self._prepared is not None:
                 self._layout = layout
         if host_region is not None:  # last: nothing after it can fail and leave it registered
-            self._registered = backend.host_register(self._host)
+            self._registered = backend.pin_host_memory(self._host)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when the last submit under way ends
         self._in_flight: set[int] = set()  # job ids reserved or queued, both directions
@@ -339,7 +319,7 @@ def _drain(queues, backend: Backend, host, registered: bool, kept) -> list[Trans
         results += queue.close()
     if registered:
         try:
-            backend.host_unregister(host)
+            backend.unpin_host_memory(host)
         except Exception:
             log.exception("unregistering a worker's host memory failed")
     return results
@@ -374,27 +354,3 @@ def _alloc_host(backend: Backend, nbytes: int):
         return backend.alloc_host(nbytes)
     except Exception as exc:  # torch reports an allocation failure as RuntimeError
         raise OffloadError(f"could not allocate the worker's host buffer of {nbytes} bytes on {backend.name}: {exc}") from exc
-
-
-def _canonical_pages(kv_caches: KVCaches) -> list[int]:
-    """Per tensor, its host page in the canonical layout: the largest canonical page among the
-    refs into it, never its own padded page, which depends on the TP size (the largest copy of
-    a ref without a mapping; its padded page if no ref names it)."""
-    pages = [0] * len(kv_caches.tensors)
-    for refs in kv_caches.group_refs:
-        for r in refs:
-            size = r.mapping.canonical_page_size_bytes if r.mapping is not None else r.page_size_bytes
-            pages[r.tensor_idx] = max(pages[r.tensor_idx], size)
-    return [p or t.page_size_bytes for p, t in zip(pages, kv_caches.tensors)]
-
-
-def _check_region(region, num_blocks: int, row: int, canonical: bool) -> None:
-    if region.num_blocks != num_blocks:
-        raise InvalidSpecError(f"the region has {region.num_blocks} host blocks, the worker asked for {num_blocks}")
-    if region.canonical != canonical:
-        raise InvalidSpecError(
-            f"the region holds the {'canonical' if region.canonical else 'direct'} layout, "
-            f"the worker uses the {'canonical' if canonical else 'direct'} one"
-        )
-    if row > region.slot_bytes:
-        raise InvalidSpecError(f"the region is too small: this rank needs {row} bytes per host block, its slot has {region.slot_bytes}")

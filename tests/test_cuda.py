@@ -213,8 +213,8 @@ def test_memory_allocated_and_registered_on_a_fresh_thread_is_device_addressable
     def work():
         out["pinned"] = backend.alloc_host(1 << 20)
         out["plain"] = plain = torch.zeros(1 << 20, dtype=torch.uint8)
-        out["registered"] = backend.host_register(plain)
-        backend.host_unregister(plain)
+        out["registered"] = backend.pin_host_memory(plain)
+        backend.unpin_host_memory(plain)
 
     thread = threading.Thread(target=work)
     thread.start()

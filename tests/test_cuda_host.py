@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from offload_core.backend import Direction
 from offload_core.backends.cuda import MECHANISMS, kernels, staging
 from offload_core.backends.cuda import driver as drv
-from offload_core.backends.cuda.select import CostModel, host_runs, piece_bounds, profile_path, run_starts
+from offload_core.backends.cuda.select import CostModel, host_runs, piece_bounds, profile_path
 
 
 def test_memcpy_attributes_has_the_driver_layout():
@@ -177,7 +177,6 @@ def test_host_runs_follow_contiguous_host_ranges():
     sizes = np.full(6, 32, dtype=np.int64)
     starts, run_bytes = host_runs(host, sizes)
     assert starts.tolist() == [0, 3, 5] and run_bytes.tolist() == [96, 64, 32]
-    assert run_starts(host, sizes, 32).tolist() == [0, 3, 5]  # the equal-size pass
 
 
 def test_host_time_of_the_batch_call_counts():
@@ -530,7 +529,7 @@ def test_enqueue_with_runs_one_mechanism_and_leaves_the_backends_alone(monkeypat
 @pytest.mark.parametrize("mechanism, message", [
     ("nosuch", "cuda mechanism 'nosuch' cannot be used: unknown mechanism"),
     ("ce_batch", "cuda mechanism 'ce_batch' cannot be used: the driver has no cuMemcpyBatchAsync"),
-    ("sm_gather", "sm_gather needs host memory from alloc_host or host_register"),
+    ("sm_gather", "sm_gather needs host memory from alloc_host or pin_host_memory"),
 ])
 def test_enqueue_with_refuses_what_cannot_run_before_enqueueing(monkeypatch, mechanism, message):
     lib = FakeLib(with_batch=mechanism != "ce_batch")

@@ -9,8 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from offload_core import DeviceBlocks, Direction, Geometry, HostBlocks, InvalidSpecError, Planner
+from offload_core import DeviceBlocks, Direction, Geometry, HostBlocks, InvalidSpecError, Planner, PlanRef
 from offload_core.testing.reference import merge_contiguous, reference_transfer
+
+
+def plan_refs(group_refs):
+    """The planner's typed refs from the reference model's plain tuples."""
+    return [[PlanRef(*r) for r in refs] for refs in group_refs]
 
 
 class Model:
@@ -35,7 +40,7 @@ class Model:
             host_offset=self.offsets,
             host_page=pages,
             host_blocks=host_blocks,
-            group_refs=copy_sizes_per_group,
+            group_refs=plan_refs(copy_sizes_per_group),
             blocks_per_chunk=bpc,
         )
 
@@ -256,7 +261,7 @@ def canonical_transfers(draw):
         device_base=[a.ctypes.data for a in model.device], device_page=[local + gap] * n_tensors,
         device_blocks=[16] * n_tensors, host_base=model.host.ctypes.data, host_row_bytes=model.host.shape[1],
         host_offset=model.offsets, host_page=[canon] * n_tensors, host_blocks=12,
-        group_refs=model.group_refs, blocks_per_chunk=bpc,
+        group_refs=plan_refs(model.group_refs), blocks_per_chunk=bpc,
     )
     return model, direction, DeviceBlocks(dev_ids, [size], [index]), HostBlocks(host_ids), canon
 

@@ -152,3 +152,15 @@ def test_bad_names_and_targets_are_offload_errors():
         registry.register_backend("x", 5)
     with pytest.raises(InvalidSpecError, match="non-empty string"):
         registry.register_backend(None, "a:B")
+
+
+def test_a_workers_device_type_comes_after_name_and_environment(monkeypatch):
+    """The one selection path: explicit name, environment, the KV tensors' device type, then priority."""
+    monkeypatch.delenv(registry.ENV_BACKEND, raising=False)
+    assert registry.select_backend_name(device_type="cpu") == "cpu"
+    assert registry.select_backend_name("cpu", device_type="cuda") == "cpu"
+    monkeypatch.setenv(registry.ENV_BACKEND, "cpu")
+    assert registry.select_backend_name(device_type="cuda") == "cpu"
+    monkeypatch.delenv(registry.ENV_BACKEND)
+    with pytest.raises(UnknownBackendError):
+        registry.select_backend_name(device_type="tpu")

@@ -23,14 +23,17 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 def sim_npu(request):
     with simulated.npu(with_batch=request.param == "acl_batch", with_operator=request.param == "swap_blocks_batch") as acl:
         backend = get_backend("npu")
-        assert backend.mechanism == request.param and backend.simulated
+        assert backend.mechanism == request.param
+        assert isinstance(backend, simulated.SimulatedNpuBackend) and backend.runtime is acl.runtime
         yield backend, acl
 
 
 @pytest.fixture
 def sim_xpu():
     with simulated.xpu() as runtime:
-        yield get_backend("xpu"), runtime
+        backend = get_backend("xpu")
+        assert isinstance(backend, simulated.SimulatedXpuBackend) and backend.runtime is runtime
+        yield backend, runtime
 
 
 @pytest.mark.npu
@@ -149,7 +152,7 @@ def test_xpu_holds_registered_memory_weakly(sim_xpu):
 
     backend, _ = sim_xpu
     tensor = torch.zeros(64, dtype=torch.uint8)
-    backend.register_tensor(tensor)
+    backend.register_buffer(tensor)
     gone = weakref.ref(tensor)
     del tensor
     gc.collect()
@@ -170,7 +173,7 @@ def test_xpu_registrations_survive_collections_on_other_threads(sim_xpu):
 
     def churn():  # tensors registered and collected on another thread: their finalizers rebuild too
         while not stop.is_set():
-            backend.register_tensor(torch.zeros(16, dtype=torch.uint8))
+            backend.register_buffer(torch.zeros(16, dtype=torch.uint8))
 
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
@@ -179,7 +182,7 @@ def test_xpu_registrations_survive_collections_on_other_threads(sim_xpu):
     try:
         for _ in range(300):
             tensor = torch.zeros(16, dtype=torch.uint8)
-            backend.register_tensor(tensor)
+            backend.register_buffer(tensor)
             live.append(tensor)
     finally:
         stop.set()
@@ -198,3 +201,19 @@ def test_simulations_leave_no_trace():
             assert availability()["npu"] is None and availability()["xpu"] is None
     avail = availability()
     assert avail["npu"] is not None and avail["xpu"] is not None
+
+
+def test_simulations_replace_registrations_and_patch_no_module():
+    import sys
+
+    from offload_core import registry
+
+    before = {name: registry.backend_class(name) for name in ("npu", "xpu")}
+    modules = (getattr(torch, "npu", None), getattr(torch, "xpu", None), sys.modules.get("torch_npu"))
+    with simulated.npu() as acl:
+        with simulated.xpu() as runtime:
+            assert issubclass(registry.backend_class("npu"), simulated.SimulatedNpuBackend)
+            assert get_backend("npu").runtime is acl.runtime and get_backend("xpu").runtime is runtime
+            assert (getattr(torch, "npu", None), getattr(torch, "xpu", None), sys.modules.get("torch_npu")) == modules
+        assert registry.backend_class("xpu") is before["xpu"]
+    assert {name: registry.backend_class(name) for name in ("npu", "xpu")} == before

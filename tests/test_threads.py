@@ -170,12 +170,12 @@ def test_one_planner_from_several_threads():
     """Workers plan on the caller's thread: the planner's shared buffers must not race."""
     import sys
 
-    from offload_core import Direction, Geometry, Planner
+    from offload_core import Direction, Geometry, Planner, PlanRef
 
     planner = Planner(
         Geometry(
             device_base=[1 << 40], device_page=[64], device_blocks=[8192], host_base=1 << 44, host_row_bytes=64 * 4,
-            host_offset=[0], host_page=[64], host_blocks=4096, group_refs=[[(0, 64)]], blocks_per_chunk=4,
+            host_offset=[0], host_page=[64], host_blocks=4096, group_refs=[[PlanRef(0, 64)]], blocks_per_chunk=4,
         )
     )
 

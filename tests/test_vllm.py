@@ -1,9 +1,8 @@
 """offload-core inside vLLM (0.33.0): the spec through vLLM's factory, the worker against the
 behaviour vLLM's own GPU worker tests check, and vLLM's connector worker driven end to end.
 
-Skipped, visibly, where vLLM is not importable or a session-wide simulation is installed
-(vLLM probes torch.xpu at import); with OFFLOAD_CORE_REQUIRE_VLLM=1 (CI) a missing vLLM fails
-instead. On a GPU the same tests run on its backend (``device`` fixture)."""
+Skipped, visibly, where vLLM is not importable; with OFFLOAD_CORE_REQUIRE_VLLM=1 (CI) a
+missing vLLM fails instead. On a GPU the same tests run on its backend (``device`` fixture)."""
 
 from __future__ import annotations
 
@@ -17,10 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-if os.environ.get("OFFLOAD_CORE_SIMULATE"):
-    # vLLM probes torch.xpu and torch.npu at import, which the session-wide simulation replaces
-    pytest.skip("a session-wide simulation is installed: run the vLLM tests without OFFLOAD_CORE_SIMULATE",
-                allow_module_level=True)
 if os.environ.get("OFFLOAD_CORE_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401  (fails loudly: CI requires the vLLM tests)
 vllm_offload = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed (pip install offload-core[vllm-test] and vllm==0.33.0 --no-deps)")

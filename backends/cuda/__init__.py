@@ -31,7 +31,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from offload_core.backend import Direction
-from offload_core.backends._torch import TorchDeviceBackend
+from offload_core.backends.torch_device import TorchDeviceBackend
 from offload_core.backends.cuda import calibration, kernels, select
 from offload_core.backends.cuda.blocks import BlockCopier
 from offload_core.backends.cuda.driver import ERROR_HOST_MEMORY_ALREADY_REGISTERED, HOST_REGISTER_PORTABLE_DEVICEMAP, Driver
@@ -143,10 +143,10 @@ class CudaBackend(TorchDeviceBackend):
         self._track(tensor)
         return tensor
 
-    def host_register(self, tensor) -> bool:
+    def pin_host_memory(self, tensor) -> bool:
         """Page-lock `tensor`'s memory (``cuMemHostRegister``) so copies and kernels reach it directly.
 
-        The caller keeps the memory alive and calls `host_unregister` before freeing it.
+        The caller keeps the memory alive and calls `unpin_host_memory` before freeing it.
         Returns False, with nothing to undo, where the memory was pinned already (it stays
         usable) or the driver refuses (copies then go through pageable memory).
         """
@@ -159,7 +159,7 @@ class CudaBackend(TorchDeviceBackend):
         self._track(tensor)
         return code == 0
 
-    def host_unregister(self, tensor) -> None:
+    def unpin_host_memory(self, tensor) -> None:
         self._host_ranges.pop(tensor.data_ptr(), None)
         with self._context():
             self.driver.check(self.driver.host_unregister(tensor.data_ptr()), "cuMemHostUnregister")
@@ -222,7 +222,7 @@ class CudaBackend(TorchDeviceBackend):
         """
         src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
         chosen = TABLE.get(mechanism)
-        shape = None
+        summary = None
         if chosen is not None and chosen.takes_batches:
             if mechanism not in self.available_mechanisms:
                 raise ValueError(f"cuda mechanism {mechanism!r} cannot be used: {chosen.why_unavailable(self)}")
@@ -230,12 +230,12 @@ class CudaBackend(TorchDeviceBackend):
             if reason:
                 raise ValueError(reason)
         elif chosen is not None or mechanism == "auto":
-            name, shape = select.choose(self, self._contenders, src, dst, sizes, direction)
+            name, summary = select.choose(self, self._contenders, src, dst, sizes, direction)
             chosen = TABLE[name]
         else:
             raise ValueError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
         with self._enqueued(stream) as held:
-            chosen.enqueue(self, src, dst, sizes, direction, stream, held, shape)
+            chosen.enqueue(self, src, dst, sizes, direction, stream, held, summary)
         return chosen.name
 
     # ---- choosing ----------------------------------------------------------

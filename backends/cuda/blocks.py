@@ -191,7 +191,7 @@ class ExpandDirect(_Expansion):
     def refuses_layout(self, copier, prepared) -> str | None:
         if copier.direct_ok(prepared):
             return None
-        return "expand_direct needs host memory from alloc_host or host_register (device-addressable)"
+        return "expand_direct needs host memory from alloc_host or pin_host_memory (device-addressable)"
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
         layout = prepared.layout

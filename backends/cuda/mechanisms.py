@@ -27,7 +27,8 @@ from offload_core.backend import Direction
 from offload_core.backends.cuda import kernels, staging
 from offload_core.backends.cuda.blocks import EXPAND_DIRECT, EXPAND_STAGED
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
-from offload_core.backends.cuda.select import Shape, run_starts
+from offload_core.backends.cuda.select import BatchSummary
+from offload_core.runs import run_starts
 
 
 class Mechanism(abc.ABC):
@@ -49,13 +50,13 @@ class Mechanism(abc.ABC):
 
     @abc.abstractmethod
     def enqueue(self, backend, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream,
-                held: list, shape: Shape | None) -> None:
+                held: list, summary: BatchSummary | None) -> None:
         """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes on `stream`.
 
         Args:
             held: what the device may still read after the call is appended here; the
                 backend keeps it until an event after the enqueue has passed.
-            shape: what auto learned about the batch while choosing, or None.
+            summary: what auto learned about the batch while choosing, or None.
 
         Raises:
             Exception: anything that stops the copies from being enqueued.
@@ -72,7 +73,7 @@ class CeBatch(Mechanism):
             return "the driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)"
         return None
 
-    def enqueue(self, backend, src, dst, sizes, direction, stream, held, shape) -> None:
+    def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
         order = SRC_ACCESS_ORDER_STREAM if direction is Direction.STORE else SRC_ACCESS_ORDER_ANY
         held.append(backend.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, backend.max_batch))
 
@@ -84,7 +85,7 @@ class CeLoop(Mechanism):
     name = "ce_loop"
     fallback_for = "ce_batch"
 
-    def enqueue(self, backend, src, dst, sizes, direction, stream, held, shape) -> None:
+    def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
         backend.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
 
 
@@ -100,10 +101,10 @@ class SmGather(Mechanism):
     def refuses(self, backend, host, sizes, largest=None) -> str | None:
         if backend.addressable(host, sizes, largest):
             return None
-        return "sm_gather needs host memory from alloc_host or host_register (device-addressable)"
+        return "sm_gather needs host memory from alloc_host or pin_host_memory (device-addressable)"
 
-    def enqueue(self, backend, src, dst, sizes, direction, stream, held, shape) -> None:
-        held.append(kernels.launch(src, dst, sizes, stream, backend.max_programs, backend._ring, *(shape or ())[:2]))
+    def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
+        held.append(kernels.launch(src, dst, sizes, stream, backend.max_programs, backend._ring, *(summary or ())[:2]))
 
 
 class Staged(Mechanism):
@@ -124,9 +125,9 @@ class Staged(Mechanism):
     def why_unavailable(self, backend) -> str | None:
         return kernels.why_unavailable()
 
-    def enqueue(self, backend, src, dst, sizes, direction, stream, held, shape) -> None:
+    def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
         torch = backend._torch
-        largest, uniform, starts = shape or (int(sizes.max()), None, None)
+        largest, uniform, starts = summary or (int(sizes.max()), None, None)
         if largest > backend.staging_bytes // 4:
             big = sizes > backend.staging_bytes // 4
             CE_BATCH.enqueue(backend, src[big], dst[big], sizes[big], direction, stream, held, None)
@@ -151,7 +152,7 @@ class Staged(Mechanism):
             piece = np.repeat(np.arange(len(firsts)), np.diff(bounds))
             first_offset = edges[firsts]
             cols = (dev, np.array(bases)[piece % 2] + edges[:-1] - first_offset[piece], sizes)
-        starts = (run_starts(host, sizes, largest if uniform else None) if starts is None else starts).tolist()
+        starts = (run_starts((host,), largest if uniform else sizes) if starts is None else starts).tolist()
         # The uploads need nothing the job waits for, so they go first, while the copy stream
         # may still be busy; the first piece's go alone, so that in an idle stream its
         # kernel need not wait for the rest.

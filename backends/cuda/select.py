@@ -1,38 +1,29 @@
-"""Which mechanism moves a job fastest: a small cost model, H200 defaults, calibration
+"""Which mechanism moves a job fastest: a small cost model, per-GPU defaults, calibration
 profiles, and `choose`, which weighs a batch's contenders (`mechanisms.contenders`) with it.
 
-Per job, from its direction, descriptor count, bytes and (for ``staged``) how many
-host-contiguous runs its descriptors form. A job costs the larger of its device time and
-the host time it takes to enqueue, measured as an engine submits: job after job while the GPU
-works on the earlier ones. ``cuMemcpyBatchAsync`` spends about 0.4 us of host time per copy,
-so below about 32 KiB a batch of many copies is bound by the host, not the link.
+A job costs the larger of its device time and the host time it takes to enqueue, counted as
+an engine submits: job after job while the GPU works on the earlier ones. Per mechanism,
+from the job's direction, descriptor count, bytes and (``staged``) host-contiguous runs:
 
 * ``ce_batch``: ``n * max(c_desc, mean_size / bw_ce + c_tail) + launch``: copy engines pay a
-  fixed cost per descriptor, or move at link speed plus a small per-copy tail, whichever is
-  slower (this fits the H200's batch figures from 256 B to 2 MiB within 15%); plus, not
-  the larger of, the batch call's host time: on a stream with nothing queued the copies
-  start while the call is still feeding them, and on the H200 eight 16 KiB jobs back to back
-  reached 57% (store) and 19% (load) of the link where the larger of the two predicted 76%;
-* ``sm_gather``: ``bytes / bw_sm + n * (t_256 - 256 / bw_sm) + upload + launch``: link
-  speed plus what a 256-byte copy costs beyond its bytes (descriptor reads, short loops;
-  0.5 ns on the H200, which fits its figures from 256 B to 2 MiB within 2%);
+  fixed cost per descriptor or move at link speed plus a per-copy tail, whichever is slower;
+  plus the batch call's host time per copy (plus, not the larger: on an idle stream the
+  copies start while the call still feeds them);
+* ``sm_gather``: ``bytes / bw_sm + n * (t_256 - 256 / bw_sm) + upload + launch``: link speed
+  plus what a 256-byte copy costs beyond its bytes;
 * ``staged``: the device-side gather (``bytes / bw_gather + n * c_gather``) and ``runs``
-  copy-engine copies, pipelined: the slower of the two, plus a little of the other, plus
-  the batch calls' host time as in ``ce_batch``; its host time has a part per piece
-  (`piece_bounds`: a launch, a batch call and two events, 70-120 us each on the H200's host),
-  which a small job of several pieces pays without the bytes to hide it;
+  copy-engine copies, pipelined, plus the host time of its pieces (`piece_bounds`), which a
+  small job of several pieces pays without the bytes to hide it;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
 
-In the choice, ``sm_gather``'s device time counts `sm_penalty` (2x) times: the estimate sees
-one direction alone, but two of its jobs at once, one per direction, shared about 61 GB/s
-where staging and the copy engines reach 100, and it holds SMs for the whole transfer (a
-concurrent matmul ran 40-61% slower while it stored; staging cost it under 1.5%;
-docs/dev/cuda-tuning-log.md). Where it is
-merely faster (256 B fragments in host rows: 10-30% in one direction, job after job) that
-does not pay; it is for jobs nothing else moves well: small fragments scattered on the host
-side too (canonical layouts, where it is 10-80x faster), and small jobs, where the host time
-of staging's pieces dominates (the penalty leaves host time alone: SMs are busy only while
-the kernel runs).
+In the choice, ``sm_gather``'s device time counts `sm_penalty` times: it holds SMs for the
+whole transfer (slowing the model's kernels) and shares the link poorly with a job of the
+other direction, which a one-job estimate cannot see. So it wins only where nothing else
+moves a job well: small fragments scattered on the host side too (canonical layouts), and
+small jobs, where staging's per-piece host time dominates.
+
+The defaults are an H200's; the measurements behind them and behind these forms are in
+docs/dev/cuda-tuning-log.md. `offload-core calibrate` replaces them with this GPU's.
 """
 
 from __future__ import annotations
@@ -46,11 +37,12 @@ from typing import NamedTuple
 import numpy as np
 
 from offload_core.backend import Direction
+from offload_core.runs import run_starts
 
 
 @dataclass
 class CostModel:
-    """Seconds a job takes, per mechanism. Defaults: NVIDIA H200, PCIe Gen5 (shared/measurements-h200.md)."""
+    """Seconds a job takes, per mechanism. Defaults: NVIDIA H200, PCIe Gen5 (docs/dev/cuda-tuning-log.md)."""
 
     ce_desc_s: dict = field(default_factory=lambda: {"store": 223e-9, "load": 262e-9})  # 256 B copies: 1.1 / 1.0 GB/s
     ce_gbps: dict = field(default_factory=lambda: {"store": 55.3, "load": 55.5})
@@ -178,7 +170,7 @@ def profile_path(device_name: str) -> pathlib.Path:
     return pathlib.Path(root) / f"cuda-{slug}.json"
 
 
-class Shape(NamedTuple):
+class BatchSummary(NamedTuple):
     """What `choose` learned about a batch on the way, handed to the mechanism it picked so
     that no pass over the descriptors is made twice."""
 
@@ -187,7 +179,7 @@ class Shape(NamedTuple):
     starts: np.ndarray | None  # where the host-contiguous runs start (`run_starts`), or None where not counted
 
 
-def choose(backend, contenders, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction) -> tuple[str, Shape]:
+def choose(backend, contenders, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction) -> tuple[str, BatchSummary]:
     """The mechanism ``auto`` picks for a batch, by `backend.cost`, and what was learned on the way.
 
     Args:
@@ -205,27 +197,15 @@ def choose(backend, contenders, src: np.ndarray, dst: np.ndarray, sizes: np.ndar
     starts = []
 
     def count_runs():  # a pass over the descriptors: only if ``staged`` competes
-        starts.append(run_starts(host, sizes, largest if uniform else None))
+        starts.append(run_starts((host,), largest if uniform else sizes))
         return starts[0].size
 
     pieces = 1 + len(piece_bounds(nbytes, backend.staging_bytes, store))
     mechanism = backend.cost.choose(direction.value, len(sizes), nbytes, names, count_runs, pieces)
-    return mechanism, Shape(largest, uniform, starts[0] if starts else None)
-
-
-def run_starts(host: np.ndarray, sizes: np.ndarray, size: int | None = None) -> np.ndarray:
-    """The indices where runs of descriptors that are contiguous on the host start; `size`,
-    where every descriptor has that size, saves a pass."""
-    new_run = np.empty(host.size, dtype=bool)
-    new_run[0] = True
-    if size is None:
-        np.not_equal(host[1:], host[:-1] + sizes[:-1], out=new_run[1:])
-    else:
-        np.not_equal(host[1:] - host[:-1], size, out=new_run[1:])
-    return new_run.nonzero()[0]
+    return mechanism, BatchSummary(largest, uniform, starts[0] if starts else None)
 
 
 def host_runs(host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Where runs of descriptors that are contiguous on the host start, and their bytes."""
-    starts = run_starts(host, sizes)
+    starts = run_starts((host,), sizes)
     return starts, np.add.reduceat(sizes, starts)

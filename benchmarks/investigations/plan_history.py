@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from offload_core import DeviceBlocks, Direction, Geometry, HostBlocks
+from offload_core.plan import PlanRef  # a 3-tuple: older planners, which unpack tuples, take it too
 
 PAGE, REFS, BLOCKS = 32 * 1024, 64, 1024
 
@@ -45,7 +46,7 @@ def main() -> None:
             device_base=[(t + 1) << 32 for t in range(REFS)], device_page=[PAGE] * REFS, device_blocks=[BLOCKS] * REFS,
             host_base=device_mem.ctypes.data, host_row_bytes=REFS * PAGE * bpc,
             host_offset=[t * PAGE * bpc for t in range(REFS)], host_page=[PAGE] * REFS,
-            host_blocks=BLOCKS // bpc, group_refs=[[(t, PAGE) for t in range(REFS)]], blocks_per_chunk=bpc,
+            host_blocks=BLOCKS // bpc, group_refs=[[PlanRef(t, PAGE) for t in range(REFS)]], blocks_per_chunk=bpc,
         )
         for blocks in (16, 1024):
             device = DeviceBlocks(rng.permutation(BLOCKS)[:blocks])

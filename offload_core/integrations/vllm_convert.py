@@ -20,7 +20,8 @@ from offload_core.canonical import CanonicalPageMapping, CopyRun
 from offload_core.errors import InvalidSpecError
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
 from offload_core.region import SharedHostRegion
-from offload_core.worker import OffloadWorker, _canonical_pages
+from offload_core.host_layout import HostLayout
+from offload_core.worker import OffloadWorker
 
 log = logging.getLogger("offload_core.integrations.vllm")
 
@@ -59,8 +60,7 @@ class WorkerAdapter:
         if canonical and shared_region is None:
             raise InvalidSpecError("a canonical layout needs the name of the region the ranks share (shared_region)")
         kv = to_kv_caches(kv_caches, canonical=canonical)
-        pages = _canonical_pages(kv) if canonical else [t.page_size_bytes for t in kv.tensors]
-        row = sum(pages) * blocks_per_chunk
+        row = HostLayout.of(kv, blocks_per_chunk, canonical).row_bytes
         if row_budget is not None and row > row_budget:
             raise InvalidSpecError(
                 f"the KV pages need {row} bytes per host chunk, vLLM budgeted {row_budget} (its "

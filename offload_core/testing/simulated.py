@@ -7,6 +7,10 @@ starting at copy 0, host locations that are page-locked, device locations that a
 copy kind, and a destination at least as large as the copy. A violation returns an error code,
 which the backend must turn into a failed submission.
 
+The backends are the production ones, given a `SimRuntime` (and a `SimAcl`, or a `SimCopier`)
+through their constructors; `npu()` and `xpu()` register such backends under ``"npu"`` and
+``"xpu"`` for as long as they are entered, and nothing else is patched::
+
     with simulated.npu():          # or simulated.xpu()
         backend = get_backend("npu")
 """
@@ -16,16 +20,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
-import sys
 import threading
-import types
 import weakref
-from typing import Iterator
+from typing import Any, ClassVar, Iterator
 
 import numpy as np
 
-from offload_core.backends._torch import SIMULATION_ATTR
-from offload_core.backends.cpu import CpuEvent, CpuStream, _memmove_all
+from offload_core.backends.cpu import CpuEvent, CpuStream, memmove_all
+from offload_core.backends.npu import NpuBackend
+from offload_core.backends.xpu import XpuBackend
 
 ACL_ERROR_INVALID_PARAM = 100000
 ACL_ERROR_RT_STREAM_INVALID = 107003
@@ -55,19 +58,25 @@ class SimStream(CpuStream):
         return True
 
 
-class SimRuntime(types.ModuleType):
-    """A stand-in for ``torch.npu`` or ``torch.xpu``."""
+class SimRuntime:
+    """A stand-in for ``torch.npu`` or ``torch.xpu``: a `TorchDeviceBackend` runtime whose device
+    memory is host memory.
+
+    Args:
+        name: ``"npu"`` or ``"xpu"`` (for messages only).
+        pool: 0 for a new stream per ``Stream()``, as torch.npu; else that many streams handed
+            out round robin, the first of them the compute stream's, as torch.xpu's queues.
+    """
 
     def __init__(self, name: str, pool: int = 0):
-        super().__init__(f"torch.{name}")
-        setattr(self, SIMULATION_ATTR, True)
+        self.name = name
         self.handles = itertools.count(0x1000)
         self.streams: weakref.WeakValueDictionary[int, SimStream] = weakref.WeakValueDictionary()
-        self._pool = [SimStream(self) for _ in range(pool)]  # torch.xpu: queues handed out round robin
+        self._pool = [SimStream(self) for _ in range(pool)]
         self._next = itertools.count()
         self._default = self._pool[0] if pool else SimStream(self)
         self._local = threading.local()
-        self.pinned: dict[int, tuple[int, object]] = {}  # start -> (end, tensor)
+        self.pinned: dict[int, tuple[int, object]] = {}  # start -> (end, tensor or None)
         runtime = self
 
         class Stream(SimStream):
@@ -88,6 +97,9 @@ class SimRuntime(types.ModuleType):
                 super().record(stream or runtime.current_stream())
 
         self.Stream, self.Event = Stream, Event
+
+    def __repr__(self) -> str:
+        return f"SimRuntime({self.name!r})"
 
     def is_available(self) -> bool:
         return True
@@ -117,10 +129,27 @@ class SimRuntime(types.ModuleType):
         for stream in list(self.streams.values()):
             stream.synchronize()
 
-    def pin(self, tensor) -> None:
-        """Mark host memory page-locked (what ``pin_memory=True`` does on the real runtime)."""
+    def torch_device(self, index: int):
+        """The cpu: the simulated device's memory is host memory."""
+        import torch
+
+        return torch.device("cpu")
+
+    def alloc_pinned(self, nbytes: int):
+        """Zero-filled host memory, marked page-locked for the simulated ACL's checks."""
+        import torch
+
+        tensor = torch.zeros(nbytes, dtype=torch.uint8)
         start = tensor.data_ptr()
         self.pinned[start] = (start + tensor.nbytes, tensor)
+        return tensor
+
+    def is_pinned(self, tensor) -> bool:
+        """Always True, so the xpu backend stages nothing: staging exists because torch copies
+        from pageable memory synchronously, while every simulated copy runs on its stream's
+        thread anyway; and the simulated device memory is host memory that must never be
+        staged, but cannot be told apart from pageable host memory by its tensor."""
+        return True
 
     def npurt(self) -> "SimRuntime":
         return self  # torch.npu.npurt(): host registration lives here
@@ -133,8 +162,17 @@ class SimRuntime(types.ModuleType):
         self.pinned.pop(address, None)
         return 0
 
-    def is_pinned(self, address: int, size: int) -> bool:
+    def page_locked(self, address: int, size: int) -> bool:
+        """Whether ``[address, address + size)`` lies in memory from `alloc_pinned` or `npuHostRegister`."""
         return any(s <= address and address + size <= e for s, (e, _) in self.pinned.items())
+
+
+class SimCopier:
+    """The xpu backend's last step on a `SimRuntime`: a torch ``copy_`` cannot run asynchronously
+    between host tensors, so the copies run on the stream's thread instead."""
+
+    def enqueue(self, pairs, stream: SimStream, runtime: SimRuntime) -> None:
+        stream.launch(lambda: [d.copy_(s) for d, s in pairs])
 
 
 class SimAcl:
@@ -150,7 +188,7 @@ class SimAcl:
         self.aclrtMemcpyAsync = npu.ACL_MEMCPY(self._memcpy)
 
     def _locations_ok(self, dst: int, src: int, size: int, dst_host: bool, src_host: bool) -> bool:
-        pinned = self.runtime.is_pinned
+        pinned = self.runtime.page_locked
         return pinned(dst, size) == dst_host and pinned(src, size) == src_host
 
     def _batch(self, dsts, dest_maxs, srcs, sizes, n, attrs, attr_idx, num_attrs, fail_idx, handle):
@@ -174,7 +212,7 @@ class SimAcl:
             if dmax[i] < size[i] or not self._locations_ok(int(d[i]), int(s[i]), int(size[i]), dst_host, src_host):
                 fail_idx[0] = i
                 return ACL_ERROR_RT_MEMORY_LOCATION
-        stream.launch(lambda: _memmove_all(s, d, size))
+        stream.launch(lambda: memmove_all(s, d, size))
         return 0
 
     def _memcpy(self, dst, dest_max, src, count, kind, handle):
@@ -190,7 +228,7 @@ class SimAcl:
         if not self._locations_ok(dst, src, count, to_host, not to_host):
             return ACL_ERROR_RT_MEMORY_LOCATION
         one = lambda v: np.array([v], dtype=np.int64)  # noqa: E731
-        stream.launch(lambda: _memmove_all(one(src), one(dst), one(count)))
+        stream.launch(lambda: memmove_all(one(src), one(dst), one(count)))
         return 0
 
 
@@ -215,67 +253,81 @@ def _swap_blocks_batch_library(runtime: SimRuntime, acl: SimAcl):
         for i in range(len(n)):
             if not acl._locations_ok(int(d[i]), int(s[i]), int(n[i]), to_host, not to_host):
                 raise RuntimeError(f"swap_blocks_batch: copy {i} has a host side that is not page-locked")
-        runtime.current_stream().launch(lambda: _memmove_all(s, d, n))
+        runtime.current_stream().launch(lambda: memmove_all(s, d, n))
 
     lib.impl("swap_blocks_batch", swap_blocks_batch, "CPU")
     return lib
 
 
+class SimulatedNpuBackend(NpuBackend):
+    """`NpuBackend` over one simulation's `SimRuntime` and `SimAcl`, always usable: `npu()`
+    registers a subclass of it bound to its simulation."""
+
+    sim_acl: ClassVar[SimAcl]
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return None
+
+    def __init__(self, device_index: int = 0):
+        super().__init__(device_index, runtime=self.sim_acl.runtime, acl=self.sim_acl)
+
+
+class SimulatedXpuBackend(XpuBackend):
+    """`XpuBackend` over one simulation's `SimRuntime` with a `SimCopier`, always usable: `xpu()`
+    registers a subclass of it bound to its simulation."""
+
+    sim_runtime: ClassVar[SimRuntime]
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return None
+
+    def __init__(self, device_index: int = 0):
+        super().__init__(device_index, runtime=self.sim_runtime, copier=SimCopier())
+
+
+@contextlib.contextmanager
+def _registered(name: str, cls: type) -> Iterator[None]:
+    """`cls` as the backend `name` (cached instances of the previous one dropped), and the
+    previous registration back on exit."""
+    from offload_core import registry
+
+    previous: Any = registry.backend_class(name)
+    registry.register_backend(name, cls, clobber=True)
+    try:
+        yield
+    finally:
+        registry.register_backend(name, previous, clobber=True)
+
+
 @contextlib.contextmanager
 def npu(with_batch: bool = True, with_operator: bool = False) -> Iterator[SimAcl]:
-    """Install a simulated torch_npu, torch.npu and ACL library (optionally without the batch
-    entry point, optionally with vllm-ascend's operator); restore everything on exit."""
-    import torch
-
-    from offload_core import registry
-    from offload_core.backends import npu as npu_backend
-
+    """Register a simulated npu backend: torch.npu and the ACL library simulated (optionally
+    without the batch entry point, optionally with vllm-ascend's operator); restore the
+    previous registration on exit. Yields the `SimAcl`; its ``runtime`` is the `SimRuntime`."""
     runtime = SimRuntime("npu")
     acl = SimAcl(runtime, with_batch)
-    fake = types.ModuleType("torch_npu")
+    bound = type("SimulatedNpuBackend", (SimulatedNpuBackend,), {"sim_acl": acl})
     library = _swap_blocks_batch_library(runtime, acl) if with_operator else None
-    saved = (getattr(torch, "npu", None), sys.modules.get("torch_npu"), npu_backend.load_acl)
-    torch.npu, sys.modules["torch_npu"], npu_backend.load_acl = runtime, fake, (lambda: acl)
-    registry._reset_for_tests()
     try:
-        yield acl
+        with _registered("npu", bound):
+            yield acl
     finally:
         if library is not None:
             library._destroy()
-        registry._reset_for_tests()
-        torch.npu = saved[0]
-        if saved[0] is None:
-            del torch.npu
-        if saved[1] is None:
-            sys.modules.pop("torch_npu", None)
-        else:
-            sys.modules["torch_npu"] = saved[1]
-        npu_backend.load_acl = saved[2]
 
 
 @contextlib.contextmanager
 def xpu(pool: int = 4) -> Iterator[SimRuntime]:
-    """Install a simulated torch.xpu whose streams come from a round-robin pool that starts with the
-    compute stream's queue, as the real one does; restore it on exit.
+    """Register a simulated xpu backend whose streams come from a round-robin pool that starts
+    with the compute stream's queue, as torch.xpu's do; restore the previous registration on exit.
 
     The backend's last step, a torch ``copy_`` enqueued on the stream, cannot run asynchronously
-    on host tensors, so the simulation runs that step on the stream's thread instead.
+    on host tensors, so the simulation runs that step on the stream's thread instead (`SimCopier`).
+    Yields the `SimRuntime`.
     """
-    import torch
-
-    from offload_core import registry
-    from offload_core.backends import xpu as xpu_backend
-
     runtime = SimRuntime("xpu", pool=pool)
-    saved = (getattr(torch, "xpu", None), xpu_backend.XpuBackend._enqueue_copies)
-
-    def enqueue(self, pairs, stream):
-        stream.launch(lambda: [d.copy_(s) for d, s in pairs])
-
-    torch.xpu, xpu_backend.XpuBackend._enqueue_copies = runtime, enqueue
-    registry._reset_for_tests()
-    try:
+    bound = type("SimulatedXpuBackend", (SimulatedXpuBackend,), {"sim_runtime": runtime})
+    with _registered("xpu", bound):
         yield runtime
-    finally:
-        registry._reset_for_tests()
-        torch.xpu, xpu_backend.XpuBackend._enqueue_copies = saved

@@ -1,0 +1,139 @@
+"""A base for backends over one of torch's per-device modules (``torch.cuda``, ``torch.npu``,
+``torch.xpu``, ...): streams, events, the current stream, pinned memory and synchronisation
+come from a *runtime*, an object with that module's surface, injected or, by default,
+`TorchRuntime` over the real module.
+
+Importing this module imports nothing beyond the core: torch and the device SDK are imported
+when a backend or runtime is created.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from offload_core.backend import Backend
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TorchRuntime:
+    """``torch.<module_name>`` as a `TorchDeviceBackend` runtime.
+
+    Every attribute the runtime contract does not define is read from the module itself
+    (``Stream``, ``Event``, ``current_stream``, ...), so vendor extras such as torch_npu's
+    ``npurt`` stay reachable.
+
+    Args:
+        module_name: the attribute of ``torch`` to wrap: ``"cuda"``, ``"npu"``, ``"xpu"``.
+
+    Raises:
+        AttributeError: torch has no such module (for ``npu``, torch_npu is not imported).
+    """
+
+    def __init__(self, module_name: str):
+        import torch
+
+        module = getattr(torch, module_name, None)
+        if module is None:
+            raise AttributeError(f"torch has no torch.{module_name} (is its extension imported?)")
+        self._torch = torch
+        self.module_name = module_name
+        self.module = module
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names not defined here; read __dict__ so that a half-built or
+        # copied instance raises AttributeError instead of recursing
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(module, name)
+
+    def torch_device(self, index: int) -> "torch.device":
+        """``torch.device(module_name, index)``."""
+        return self._torch.device(self.module_name, index)
+
+    def alloc_pinned(self, nbytes: int) -> "torch.Tensor":
+        """Zero-filled page-locked host memory from torch's pinned allocator."""
+        torch = self._torch
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def is_pinned(self, tensor: "torch.Tensor") -> bool:
+        """``tensor.is_pinned()``."""
+        return bool(tensor.is_pinned())
+
+    def __repr__(self) -> str:
+        return f"TorchRuntime({self.module_name!r})"
+
+
+class TorchDeviceBackend(Backend):
+    """A backend whose streams, events and pinned memory come from a torch-style runtime.
+
+    Subclasses set `name`, `module_name`, `priority` and `install_hint` and implement `probe`
+    and `copy_batch` (see `Backend`); everything else is implemented here over `runtime`.
+    A backend for another torch device module needs nothing more than that::
+
+        class MyBackend(TorchDeviceBackend):
+            name = module_name = "mydev"
+            ...
+
+    The runtime contract, what `runtime` must provide (``torch.cuda``-like modules provide
+    all but the last three, which `TorchRuntime` adds):
+
+    * ``Stream(device=index)``: a new stream on device `index`, with ``wait_event`` and
+      ``wait_stream`` (`offload_core.backend.Stream`);
+    * ``Event(enable_timing=True)``: a new event with ``record``, ``query``, ``synchronize``
+      and ``elapsed_time`` (`offload_core.backend.Event`);
+    * ``current_stream(index)``: the calling thread's current (compute) stream on `index`;
+    * ``current_device()`` and ``set_device(index)``: the calling thread's current device;
+    * ``synchronize(index)``: block until all work on device `index` has finished;
+    * ``stream(s)``: a context manager making `s` the calling thread's current stream (the
+      subclasses here use it to issue copies on a given stream);
+    * ``torch_device(index)``: the `torch.device` of device `index`, where its memory lives
+      (what `device` returns);
+    * ``alloc_pinned(nbytes)``: a zero-filled 1-D uint8 CPU tensor of `nbytes`, page-locked
+      for this device's asynchronous copies (what `alloc_host` returns);
+    * ``is_pinned(tensor)``: whether a host tensor can be the source of an asynchronous copy
+      as it is, or must first be staged through page-locked memory.
+
+    Args:
+        device_index: the device.
+        runtime: the runtime; default ``TorchRuntime(module_name)``, the real torch module.
+
+    Raises:
+        AttributeError: no runtime is given and torch has no ``torch.<module_name>``.
+    """
+
+    module_name: ClassVar[str]
+
+    def __init__(self, device_index: int = 0, *, runtime: Any = None):
+        import torch
+
+        super().__init__(device_index)
+        self._torch = torch
+        self.runtime: Any = runtime if runtime is not None else TorchRuntime(self.module_name)
+        self._device = self.runtime.torch_device(device_index)
+
+    @property
+    def device(self) -> "torch.device":
+        return self._device
+
+    def new_stream(self):
+        return self.runtime.Stream(device=self.device_index)
+
+    def new_event(self):
+        return self.runtime.Event(enable_timing=True)
+
+    def current_stream(self):
+        return self.runtime.current_stream(self.device_index)
+
+    def alloc_host(self, nbytes: int) -> "torch.Tensor":
+        return self.runtime.alloc_pinned(nbytes)
+
+    def synchronize(self) -> None:
+        self.runtime.synchronize(self.device_index)
+
+    def _bind_thread(self) -> None:
+        """Make this device current in the calling thread (copies may come from any thread)."""
+        if self.runtime.current_device() != self.device_index:
+            self.runtime.set_device(self.device_index)

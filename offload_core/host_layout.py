@@ -1,0 +1,101 @@
+"""Where a worker's KV pages live in host memory: one row per host block, holding every KV
+tensor's chunk (``blocks_per_chunk`` pages) back to back, so that a host block is one
+contiguous range of bytes.
+
+`HostLayout` is the arithmetic only: page sizes, offsets and the row. It holds no memory;
+the worker lays it over private host memory or over a `SharedHostRegion`'s slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from offload_core.errors import InvalidSpecError
+from offload_core.layout import KVCaches
+from offload_core.plan import Geometry, PlanRef
+
+if TYPE_CHECKING:
+    from offload_core.region import SharedHostRegion
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """The host row of one worker.
+
+    Attributes:
+        pages: per KV tensor, the bytes of one page on the host. The tensor's own page
+            (`KVCacheTensor.page_size_bytes`) in the direct layout; in the canonical one, the
+            largest canonical page among the refs into the tensor, which does not depend on
+            the TP size (its own page where no ref has a mapping).
+        offsets: per KV tensor, where its chunk starts in a row.
+        row_bytes: the bytes of every tensor's chunk: what one host block needs.
+        blocks_per_chunk: device blocks (pages) per host block.
+        canonical: whether pages are laid out as the unsharded model's (see `OffloadWorker`).
+    """
+
+    pages: tuple[int, ...]
+    offsets: tuple[int, ...]
+    row_bytes: int
+    blocks_per_chunk: int
+    canonical: bool
+
+    @classmethod
+    def of(cls, kv_caches: KVCaches, blocks_per_chunk: int = 1, canonical: bool = False) -> "HostLayout":
+        """The layout of `kv_caches`' pages, direct or canonical."""
+        if canonical:
+            pages = [0] * len(kv_caches.tensors)
+            for refs in kv_caches.group_refs:
+                for r in refs:
+                    size = r.mapping.canonical_page_size_bytes if r.mapping is not None else r.page_size_bytes
+                    pages[r.tensor_idx] = max(pages[r.tensor_idx], size)
+            # never a tensor's padded page: that depends on the TP size, the canonical row must not
+            pages = [p or t.page_size_bytes for p, t in zip(pages, kv_caches.tensors)]
+        else:
+            pages = [t.page_size_bytes for t in kv_caches.tensors]
+        offsets = [sum(pages[:i]) * blocks_per_chunk for i in range(len(pages))]
+        return cls(tuple(pages), tuple(offsets), sum(pages) * blocks_per_chunk, blocks_per_chunk, canonical)
+
+    def views(self, rows, slot: int = 0) -> list:
+        """Per KV tensor, a ``(host blocks, chunk bytes)`` view of its chunks in `rows` (an int8
+        tensor of host rows), whose rows start `slot` bytes in."""
+        return [rows[:, slot + off : slot + off + page * self.blocks_per_chunk] for off, page in zip(self.offsets, self.pages)]
+
+    def geometry(self, kv_caches: KVCaches, host_base: int, row_stride: int, host_blocks: int) -> Geometry:
+        """What the planner needs: `kv_caches`' addresses and this layout over host rows that
+        start at `host_base`, `row_stride` bytes apart."""
+        return Geometry(
+            device_base=[t.tensor.data_ptr() for t in kv_caches.tensors],
+            device_page=[t.pitch_bytes for t in kv_caches.tensors],
+            device_blocks=[t.num_blocks for t in kv_caches.tensors],
+            host_base=host_base,
+            host_row_bytes=row_stride,
+            host_offset=list(self.offsets),
+            host_page=list(self.pages),
+            host_blocks=host_blocks,
+            group_refs=[
+                [PlanRef(r.tensor_idx, r.page_size_bytes, r.mapping if self.canonical else None) for r in refs]
+                for refs in kv_caches.group_refs
+            ],
+            blocks_per_chunk=self.blocks_per_chunk,
+        )
+
+    def check_region(self, region: "SharedHostRegion", num_blocks: int) -> None:
+        """Whether `region` can hold this layout's rows.
+
+        Raises:
+            InvalidSpecError: another number of host blocks, the other layout, or a slot
+                smaller than a row.
+        """
+        if region.num_blocks != num_blocks:
+            raise InvalidSpecError(f"the region has {region.num_blocks} host blocks, the worker asked for {num_blocks}")
+        if region.canonical != self.canonical:
+            raise InvalidSpecError(
+                f"the region holds the {'canonical' if region.canonical else 'direct'} layout, "
+                f"the worker uses the {'canonical' if self.canonical else 'direct'} one"
+            )
+        if self.row_bytes > region.slot_bytes:
+            raise InvalidSpecError(
+                f"the region is too small: this rank needs {self.row_bytes} bytes per host block, its slot has "
+                f"{region.slot_bytes}"
+            )
