@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -60,12 +60,12 @@ class CpuStream:
         """Enqueue a host function as if it were a kernel (tests use it to stand in for compute)."""
         self._state.tasks.put(fn)
 
-    def wait_event(self, event: "CpuEvent") -> None:
+    def wait_event(self, event: CpuEvent) -> None:
         marker = event._marker
         if marker is not None:  # as on CUDA, waiting on a never-recorded event is a no-op
             self.launch(marker.done.wait)
 
-    def wait_stream(self, stream: "CpuStream") -> None:
+    def wait_stream(self, stream: CpuStream) -> None:
         event = CpuEvent()
         event.record(stream)
         self.wait_event(event)
@@ -108,7 +108,7 @@ class CpuEvent:
             marker.done.wait()
             self._raise_if_failed(marker)
 
-    def elapsed_time(self, end: "CpuEvent") -> float:
+    def elapsed_time(self, end: CpuEvent) -> float:
         """Milliseconds from this event to `end`; both must have completed."""
         if self._marker is None or end._marker is None or not (self.query() and end.query()):
             raise RuntimeError("elapsed_time needs two completed events")

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,9 +45,17 @@ class AclMemcpyBatchAttr(ctypes.Structure):
 # aclError aclrtMemcpyBatchAsync(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes, size_t numBatches,
 #     aclrtMemcpyBatchAttr *attrs, size_t *attrsIndexes, size_t numAttrs, size_t *failIndex, aclrtStream stream)
 ACL_MEMCPY_BATCH = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-    ctypes.POINTER(AclMemcpyBatchAttr), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
-    ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.POINTER(AclMemcpyBatchAttr),
+    ctypes.POINTER(ctypes.c_size_t),
+    ctypes.c_size_t,
+    ctypes.POINTER(ctypes.c_size_t),
+    ctypes.c_void_p,
 )
 # aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind, aclrtStream)
 ACL_MEMCPY = ctypes.CFUNCTYPE(
@@ -162,8 +171,16 @@ class NpuBackend(TorchDeviceBackend):
         attr = AclMemcpyBatchAttr(dstLoc=host if store else device, srcLoc=device if store else host)
         first, fail = ctypes.c_size_t(0), ctypes.c_size_t(0)
         code = self._batch(
-            dst.ctypes.data, sizes.ctypes.data, src.ctypes.data, sizes.ctypes.data, len(sizes),
-            ctypes.byref(attr), ctypes.byref(first), 1, ctypes.byref(fail), stream.npu_stream,
+            dst.ctypes.data,
+            sizes.ctypes.data,
+            src.ctypes.data,
+            sizes.ctypes.data,
+            len(sizes),
+            ctypes.byref(attr),
+            ctypes.byref(first),
+            1,
+            ctypes.byref(fail),
+            stream.npu_stream,
         )
         if code != 0:
             where = f"at index {fail.value}" if fail.value < len(sizes) else "(no single copy)"

@@ -49,16 +49,16 @@ class TorchRuntime:
             raise AttributeError(name)
         return getattr(module, name)
 
-    def torch_device(self, index: int) -> "torch.device":
+    def torch_device(self, index: int) -> torch.device:
         """``torch.device(module_name, index)``."""
         return self._torch.device(self.module_name, index)
 
-    def alloc_pinned(self, nbytes: int) -> "torch.Tensor":
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
         """Zero-filled page-locked host memory from torch's pinned allocator."""
         torch = self._torch
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def is_pinned(self, tensor: "torch.Tensor") -> bool:
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
         """``tensor.is_pinned()``."""
         return bool(tensor.is_pinned())
 
@@ -115,7 +115,7 @@ class TorchDeviceBackend(Backend):
         self._device = self.runtime.torch_device(device_index)
 
     @property
-    def device(self) -> "torch.device":
+    def device(self) -> torch.device:
         return self._device
 
     def new_stream(self):
@@ -127,7 +127,7 @@ class TorchDeviceBackend(Backend):
     def current_stream(self):
         return self.runtime.current_stream(self.device_index)
 
-    def alloc_host(self, nbytes: int) -> "torch.Tensor":
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
         return self.runtime.alloc_pinned(nbytes)
 
     def synchronize(self) -> None:

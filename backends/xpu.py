@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -141,6 +142,10 @@ class XpuBackend(TorchDeviceBackend):
                 raise ValueError("xpu copies need their memory registered (register_buffer or alloc_host)")
             # its bytes from data_ptr on, between the rows of a strided view too
             flat = self._torch.empty(0, dtype=self._torch.uint8, device=tensor.device)
-            views[k] = flat.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(),
-                                 (int(ends[k] - starts[k]),), (1,))
+            views[k] = flat.set_(
+                tensor.untyped_storage(),
+                tensor.storage_offset() * tensor.element_size(),
+                (int(ends[k] - starts[k]),),
+                (1,),
+            )
         return [views[k] for k in i.tolist()], addresses - starts[i]

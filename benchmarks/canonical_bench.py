@@ -30,13 +30,18 @@ def measure(backend: str, head_bytes: int, canonical: bool, directory: str, mech
     maps = attention_mappings(total_kv_heads=HEADS, tp_size=TP, block_tokens=TOKENS, head_bytes=head_bytes)
     page = TOKENS * head_bytes  # one head per rank
     device = torch.device("cuda" if backend == "cuda" else "cpu")
-    tensors = [KVCacheTensor(torch.randint(0, 255, (2 * BLOCKS, page), dtype=torch.uint8, device=device), page)
-               for _ in range(2 * LAYERS)]
+    tensors = [
+        KVCacheTensor(torch.randint(0, 255, (2 * BLOCKS, page), dtype=torch.uint8, device=device), page)
+        for _ in range(2 * LAYERS)
+    ]
     kv = KVCaches(tensors, [[KVCacheRef(i, page, mapping=maps[0]) for i in range(len(tensors))]])
     host_page = maps[0].canonical_page_size_bytes if canonical else page
-    with SharedHostRegion(f"bench-{head_bytes}-{canonical}", num_blocks=BLOCKS, directory=directory,
-                          **({"canonical_bytes": host_page * len(tensors)} if canonical
-                             else {"slot_bytes": [host_page * len(tensors)]})) as region:
+    with SharedHostRegion(
+        f"bench-{head_bytes}-{canonical}",
+        num_blocks=BLOCKS,
+        directory=directory,
+        **({"canonical_bytes": host_page * len(tensors)} if canonical else {"slot_bytes": [host_page * len(tensors)]}),
+    ) as region:
         engine = backend
         if mechanism:
             from offload_core.backends.cuda import CudaBackend
@@ -67,8 +72,12 @@ def measure(backend: str, head_bytes: int, canonical: bool, directory: str, mech
             verified = all(torch.equal(t.tensor[BLOCKS:], t.tensor[:BLOCKS]) for t in tensors)
     nbytes = BLOCKS * page * len(tensors)
     return {
-        "mechanism": (f"{mechanism} -> " if mechanism == "auto" else "" if mechanism else "") + (
-            mechanism if mechanism not in (None, "auto") else "/".join(stats[d].mechanisms.most_common(1)[0][0] for d in ("store", "load"))),
+        "mechanism": (f"{mechanism} -> " if mechanism == "auto" else "" if mechanism else "")
+        + (
+            mechanism
+            if mechanism not in (None, "auto")
+            else "/".join(stats[d].mechanisms.most_common(1)[0][0] for d in ("store", "load"))
+        ),
         "layout": "canonical" if canonical else "direct",
         "head_bytes": head_bytes,
         "verified": verified,
@@ -83,7 +92,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--json")
-    parser.add_argument("--mechanisms", default="", help="cuda only: comma-separated, each forced in turn (auto: chosen per job)")
+    parser.add_argument(
+        "--mechanisms", default="", help="cuda only: comma-separated, each forced in turn (auto: chosen per job)"
+    )
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
@@ -92,11 +103,15 @@ def main() -> None:
                 for mechanism in args.mechanisms.split(",") if args.mechanisms else [None]:
                     rows.append(measure(args.backend, head_bytes, canonical, directory, mechanism))
     print(f"# {platform.node()}, backend {args.backend}, torch {torch.__version__}")
-    print("| head bytes | layout | mechanism | verified | store GB/s | load GB/s | descriptors/job | plan+submit µs/job |")
+    print(
+        "| head bytes | layout | mechanism | verified | store GB/s | load GB/s | descriptors/job | plan+submit µs/job |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['head_bytes']} | {r['layout']} | {r['mechanism']} | {r['verified']} | {r['store_gbps']:.2f} | {r['load_gbps']:.2f} "
-              f"| {r['descriptors_per_job']:.0f} | {r['plan_submit_us']:.0f} |")
+        print(
+            f"| {r['head_bytes']} | {r['layout']} | {r['mechanism']} | {r['verified']} | {r['store_gbps']:.2f} | {r['load_gbps']:.2f} "
+            f"| {r['descriptors_per_job']:.0f} | {r['plan_submit_us']:.0f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -92,7 +92,9 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
                     last_dev, last_host = specs[-1]
                     host_rows = torch.stack([h[last_host] for h in worker.host_tensors]).to(device)
                     pages = specs[-1][0] if direction == "store" else specs[0][0]
-                    out[f"{direction}_verified"] = torch.equal(host_rows, torch.stack([t.tensor[pages] for t in tensors]))
+                    out[f"{direction}_verified"] = torch.equal(
+                        host_rows, torch.stack([t.tensor[pages] for t in tensors])
+                    )
                     del host_rows  # a job's size of device memory: not the backend's
         out["verified"] = out.pop("store_verified") and out.pop("load_verified")
         out["device_bytes_beyond_kv"] = _allocated(backend) - before
@@ -112,7 +114,9 @@ def interference(backend, page: int, per_job: int, layers: int, jobs: int, seed:
     loop alone and then behind `jobs` stores submitted just before it."""
     device = backend.device
     blocks = max(2 * per_job * jobs // 4, 64)
-    tensors = [KVCacheTensor(torch.zeros(blocks, page, dtype=torch.int8, device=device), page) for _ in range(2 * layers)]
+    tensors = [
+        KVCacheTensor(torch.zeros(blocks, page, dtype=torch.int8, device=device), page) for _ in range(2 * layers)
+    ]
     kv = KVCaches(tensors, [[KVCacheRef(i, page) for i in range(len(tensors))]])
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     rng = np.random.default_rng(seed)
@@ -132,15 +136,25 @@ def interference(backend, page: int, per_job: int, layers: int, jobs: int, seed:
         for _ in range(6):
             alone.append(matmuls_ms())
             for _ in range(jobs):
-                worker.submit_store(ids, DeviceBlocks(rng.choice(blocks, per_job, replace=False)),
-                                    HostBlocks(rng.choice(blocks, per_job, replace=False)))
+                worker.submit_store(
+                    ids,
+                    DeviceBlocks(rng.choice(blocks, per_job, replace=False)),
+                    HostBlocks(rng.choice(blocks, per_job, replace=False)),
+                )
                 ids += 1
             busy.append(matmuls_ms())
             worker.wait(range(ids))
             mechanisms = sorted({r.mechanism for r in worker.get_finished()})
     alone_ms, busy_ms = float(np.median(alone[1:])), float(np.median(busy[1:]))
-    return {"page": page, "blocks_per_job": per_job, "jobs": jobs, "matmul_ms": alone_ms, "matmul_busy_ms": busy_ms,
-            "slowdown": busy_ms / alone_ms - 1, "mechanisms": mechanisms}
+    return {
+        "page": page,
+        "blocks_per_job": per_job,
+        "jobs": jobs,
+        "matmul_ms": alone_ms,
+        "matmul_busy_ms": busy_ms,
+        "slowdown": busy_ms / alone_ms - 1,
+        "mechanisms": mechanisms,
+    }
 
 
 def main() -> None:
@@ -149,13 +163,22 @@ def main() -> None:
     parser.add_argument("--mechanisms", help="cuda: comma-separated mechanisms (default: auto and every available one)")
     parser.add_argument("--pages", default="256,1024,4096,32768", help="page sizes in bytes (default: %(default)s)")
     parser.add_argument("--blocks-per-job", default="1,16,128", help="blocks per job (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=32, help="layers; K and V are separate tensors (default: %(default)s)")
-    parser.add_argument("--tensors", type=int, help="KV tensors, instead of 2 x layers (1: one tensor, pages scattered over host blocks)")
+    parser.add_argument(
+        "--layers", type=int, default=32, help="layers; K and V are separate tensors (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--tensors",
+        type=int,
+        help="KV tensors, instead of 2 x layers (1: one tensor, pages scattered over host blocks)",
+    )
     parser.add_argument("--job-mib", type=float, help="job size in MiB, instead of --blocks-per-job")
     parser.add_argument("--jobs", type=int, default=32, help="jobs back to back per direction (default: %(default)s)")
     parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--interference", action="store_true",
-                        help="cuda: instead, the slowdown of a matmul loop while store jobs run, per shape and mechanism")
+    parser.add_argument(
+        "--interference",
+        action="store_true",
+        help="cuda: instead, the slowdown of a matmul loop while store jobs run, per shape and mechanism",
+    )
     args = parser.parse_args()
     rows = []
     mechanisms = args.mechanisms.split(",") if args.mechanisms else None
@@ -165,9 +188,12 @@ def main() -> None:
                 for per_job in map(int, args.blocks_per_job.split(",")):
                     row = {"mechanism": name, **interference(backend, page, per_job, args.layers, args.jobs)}
                     rows.append(row)
-                    print(f"{name:13} page {page:>6} B x {per_job:>3} blocks: matmul {row['matmul_ms']:.2f} ms alone, "
-                          f"{row['matmul_busy_ms']:.2f} ms behind {args.jobs} stores ({row['slowdown']:+.1%}; "
-                          f"{','.join(row['mechanisms'])})", flush=True)
+                    print(
+                        f"{name:13} page {page:>6} B x {per_job:>3} blocks: matmul {row['matmul_ms']:.2f} ms alone, "
+                        f"{row['matmul_busy_ms']:.2f} ms behind {args.jobs} stores ({row['slowdown']:+.1%}; "
+                        f"{','.join(row['mechanisms'])})",
+                        flush=True,
+                    )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"machine": platform.node(), "torch": torch.__version__, "interference": rows}, f, indent=1)
@@ -175,9 +201,17 @@ def main() -> None:
     for name, backend in _backends(args.backend, mechanisms):
         for page in map(int, args.pages.split(",")):
             count = args.tensors or 2 * args.layers
-            sizes = [max(1, int(args.job_mib * 2**20) // (page * count))] if args.job_mib else map(int, args.blocks_per_job.split(","))
+            sizes = (
+                [max(1, int(args.job_mib * 2**20) // (page * count))]
+                if args.job_mib
+                else map(int, args.blocks_per_job.split(","))
+            )
             for per_job in sizes:
-                row = {"backend": backend.name, "mechanism": name, **run_shape(backend, page, per_job, count, args.jobs)}
+                row = {
+                    "backend": backend.name,
+                    "mechanism": name,
+                    **run_shape(backend, page, per_job, count, args.jobs),
+                }
                 rows.append(row)
                 print(
                     f"{backend.name:5} {name:9} page {page:>6} B x {per_job:>3} blocks ({row['job_bytes'] / 2**20:7.2f} MiB): "

@@ -80,8 +80,10 @@ def measure(blocks_per_job: int, bpc: int, bursts: int, jobs_per_burst: int) -> 
     host_blocks = num_blocks // bpc
     backend = get_backend("cpu")
     specs = [
-        (DeviceBlocks(rng.permutation(num_blocks)[:blocks_per_job]),
-         HostBlocks(rng.permutation(host_blocks)[: blocks_per_job // bpc]))
+        (
+            DeviceBlocks(rng.permutation(num_blocks)[:blocks_per_job]),
+            HostBlocks(rng.permutation(host_blocks)[: blocks_per_job // bpc]),
+        )
         for _ in range(jobs_per_burst)
     ]
     with OffloadWorker(kv, host_blocks, blocks_per_chunk=bpc, backend=backend) as worker:
@@ -93,7 +95,9 @@ def measure(blocks_per_job: int, bpc: int, bursts: int, jobs_per_burst: int) -> 
 
         def seed_way(job, device, host):
             buf = queue.scratch(blocks_per_job * len(tensors))
-            batch = seed_way_plan(Direction.STORE, device, host, dev_views, worker.host_tensors, kv.group_refs, bpc, buf)
+            batch = seed_way_plan(
+                Direction.STORE, device, host, dev_views, worker.host_tensors, kv.group_refs, bpc, buf
+            )
             queue.submit(job, batch, buf)
 
         times = {ours: [], seed_way: []}
@@ -116,8 +120,16 @@ def measure(blocks_per_job: int, bpc: int, bursts: int, jobs_per_burst: int) -> 
                 worker.get_finished()
         device, host = specs[0]
         mine = worker._planner.plan(Direction.STORE, device, host)
-        theirs = seed_way_plan(Direction.STORE, device, host, dev_views, worker.host_tensors, kv.group_refs, bpc,
-                               np.empty((3, blocks_per_job * len(tensors)), dtype=np.int64))
+        theirs = seed_way_plan(
+            Direction.STORE,
+            device,
+            host,
+            dev_views,
+            worker.host_tensors,
+            kv.group_refs,
+            bpc,
+            np.empty((3, blocks_per_job * len(tensors)), dtype=np.int64),
+        )
         merged = merge_contiguous(theirs.src, theirs.dst, theirs.sizes)
         # the same descriptors, in another order (ours follow the host rows)
         a, b = (np.stack(x)[:, np.argsort(x[1])] for x in (merged, mine[:3]))
@@ -148,15 +160,21 @@ def main() -> None:
     for blocks in (16, 1024):
         for bpc in (1, 4):
             rows.append(measure(blocks, bpc, *((11, 20) if blocks == 16 else (3, 9))))
-    print(f"# {platform.node()} {platform.processor() or platform.machine()}, python {platform.python_version()}, "
-          f"numpy {np.__version__}, torch {torch.__version__}")
-    print("| refs | blocks/job | blocks/chunk | descriptors (merged) | offload-core us | seed-way us | speedup "
-          "| cold: offload-core us | cold: seed-way us | cold speedup |")
+    print(
+        f"# {platform.node()} {platform.processor() or platform.machine()}, python {platform.python_version()}, "
+        f"numpy {np.__version__}, torch {torch.__version__}"
+    )
+    print(
+        "| refs | blocks/job | blocks/chunk | descriptors (merged) | offload-core us | seed-way us | speedup "
+        "| cold: offload-core us | cold: seed-way us | cold speedup |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['refs']} | {r['blocks_per_job']} | {r['blocks_per_chunk']} | {r['descriptors_before_merge']} "
-              f"({r['descriptors']}) | {r['offload_core_us']} | {r['seed_way_us']} | {r['speedup']}x "
-              f"| {r['offload_core_cold_us']} | {r['seed_way_cold_us']} | {r['cold_speedup']}x |")
+        print(
+            f"| {r['refs']} | {r['blocks_per_job']} | {r['blocks_per_chunk']} | {r['descriptors_before_merge']} "
+            f"({r['descriptors']}) | {r['offload_core_us']} | {r['seed_way_us']} | {r['speedup']}x "
+            f"| {r['offload_core_cold_us']} | {r['seed_way_cold_us']} | {r['cold_speedup']}x |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

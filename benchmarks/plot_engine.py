@@ -22,14 +22,18 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("plot_engine.py needs matplotlib: pip install matplotlib")
+        raise SystemExit("plot_engine.py needs matplotlib: pip install matplotlib") from None
     rows = json.load(open(args.json))["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     styles = {}  # line style per mechanism, colour per page size
     colours = {page: f"C{i}" for i, page in enumerate(sorted({r["page"] for r in rows}))}
     for direction, ax in zip(("store", "load"), axes):
-        for (mech, page) in sorted({(r["mechanism"], r["page"]) for r in rows}):
-            pts = sorted((r["job_bytes"] / 2**20, r[f"{direction}_ratio"]) for r in rows if (r["mechanism"], r["page"]) == (mech, page))
+        for mech, page in sorted({(r["mechanism"], r["page"]) for r in rows}):
+            pts = sorted(
+                (r["job_bytes"] / 2**20, r[f"{direction}_ratio"])
+                for r in rows
+                if (r["mechanism"], r["page"]) == (mech, page)
+            )
             style = styles.setdefault(mech, ["-", "--", ":", "-."][len(styles) % 4])
             ax.plot(*zip(*pts), style, color=colours[page], marker="o", label=f"{mech}, {page} B pages")
         ax.set_xscale("log")

@@ -27,7 +27,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--round-seconds", type=float, default=0.3, help="longest life of one round's worker")
     parser.add_argument("--backend", help="soak this backend, without injected faults (default: cpu with faults)")
-    parser.add_argument("--region-cycles", type=int, default=50, help="cycles per rank process sharing a region (0: skip)")
+    parser.add_argument(
+        "--region-cycles", type=int, default=50, help="cycles per rank process sharing a region (0: skip)"
+    )
     parser.add_argument("--ranks", type=int, default=3, help="rank processes sharing the region at once")
     args = parser.parse_args()
     logging.getLogger("offload_core").setLevel(logging.CRITICAL)  # the injected faults are logged as errors
@@ -44,7 +46,8 @@ def main() -> int:
             "clean": report.clean,
             "seconds": round(threads_s, 1),
         },
-        "regions": regions and {**asdict(regions), "clean": regions.clean, "seconds": round(time.perf_counter() - t0, 1)},
+        "regions": regions
+        and {**asdict(regions), "clean": regions.clean, "seconds": round(time.perf_counter() - t0, 1)},
         "machine": platform.node(),
         "python": platform.python_version(),
         "command": " ".join(["python"] + sys.argv),

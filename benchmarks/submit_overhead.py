@@ -81,10 +81,13 @@ def measure(page: int, poll_thread: bool, jobs: int = 2000, warmup: int = 200) -
     tensors = [KVCacheTensor(torch.zeros(BLOCKS, page, dtype=torch.int8), page) for _ in range(TENSORS)]
     kv = KVCaches(tensors, [[KVCacheRef(i, page) for i in range(TENSORS)]])
     rng = np.random.default_rng(0)
-    specs = [(rng.choice(BLOCKS, PER_JOB, replace=False), rng.choice(BLOCKS, PER_JOB, replace=False)) for _ in range(64)]
+    specs = [
+        (rng.choice(BLOCKS, PER_JOB, replace=False), rng.choice(BLOCKS, PER_JOB, replace=False)) for _ in range(64)
+    ]
     times = []
     stop = threading.Event()
     with OffloadWorker(kv, BLOCKS, backend=NullBackend()) as worker:
+
         def poll():
             while not stop.wait(200e-6):
                 worker.get_finished()
@@ -105,7 +108,12 @@ def measure(page: int, poll_thread: bool, jobs: int = 2000, warmup: int = 200) -
             if poller:
                 poller.join()
     us = np.array(times[warmup:]) * 1e6
-    return {"page": page, "poll_thread": poll_thread, "median_us": float(np.median(us)), "p99_us": float(np.percentile(us, 99))}
+    return {
+        "page": page,
+        "poll_thread": poll_thread,
+        "median_us": float(np.median(us)),
+        "p99_us": float(np.percentile(us, 99)),
+    }
 
 
 def main() -> None:
@@ -115,8 +123,10 @@ def main() -> None:
     args = parser.parse_args()
     rows = [measure(page, poll) for page in args.page or [256, 32768] for poll in (False, True)]
     for r in rows:
-        print(f"page {r['page']:>6} B, {'with' if r['poll_thread'] else 'no  '} poller: "
-              f"median {r['median_us']:6.1f} us, p99 {r['p99_us']:6.1f} us")
+        print(
+            f"page {r['page']:>6} B, {'with' if r['poll_thread'] else 'no  '} poller: "
+            f"median {r['median_us']:6.1f} us, p99 {r['p99_us']:6.1f} us"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": platform.node(), "python": platform.python_version(), "rows": rows}, f, indent=1)

@@ -1,7 +1,7 @@
 """Where a submit's host time goes: cProfile over many back-to-back jobs of one engine shape.
 
-    python benchmarks/submit_profile.py [--page 4096] [--blocks-per-job 16] [--layers 32] [--jobs 400]
-        [--mechanism auto] [--top 30]
+python benchmarks/submit_profile.py [--page 4096] [--blocks-per-job 16] [--layers 32] [--jobs 400]
+    [--mechanism auto] [--top 30]
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def main() -> None:
 
         backend = CudaBackend(mechanism=args.mechanism)
     blocks = 1024
-    tensors = [KVCacheTensor(torch.zeros(blocks, args.page, dtype=torch.int8, device=backend.device), args.page)
-               for _ in range(2 * args.layers)]
+    tensors = [
+        KVCacheTensor(torch.zeros(blocks, args.page, dtype=torch.int8, device=backend.device), args.page)
+        for _ in range(2 * args.layers)
+    ]
     kv = KVCaches(tensors, [[KVCacheRef(i, args.page) for i in range(len(tensors))]])
     rng = np.random.default_rng(0)
     # random ids, consecutive jobs disjoint (as an engine's: no two jobs in flight write one block)
@@ -42,6 +44,7 @@ def main() -> None:
     take = lambda perm, j: np.take(perm, np.arange(j * args.blocks_per_job, (j + 1) * args.blocks_per_job), mode="wrap")  # noqa: E731
     specs = [(DeviceBlocks(take(dev_perm, j)), HostBlocks(take(host_perm, j))) for j in range(args.jobs)]
     with OffloadWorker(kv, blocks, backend=backend) as worker:
+
         def run(first: int) -> list[float]:
             times = []
             for j, (dev, host) in enumerate(specs):
@@ -60,10 +63,12 @@ def main() -> None:
         profile.enable()
         run(20_000)
         profile.disable()
-        print(f"submit median {np.median(plain) * 1e6:.1f} us, p99 {np.percentile(plain, 99) * 1e6:.1f} us "
-              f"({args.jobs} jobs, {args.blocks_per_job} blocks x {2 * args.layers} tensors x {args.page} B, "
-              f"{worker.stats()['store'].mechanisms}, {worker.stats()['store'].jobs / worker.stats()['store'].launches:.1f} "
-              f"jobs per launch, launches {worker.stats()['store'].launch_s / worker.stats()['store'].jobs * 1e6:.0f} us per job)")
+        print(
+            f"submit median {np.median(plain) * 1e6:.1f} us, p99 {np.percentile(plain, 99) * 1e6:.1f} us "
+            f"({args.jobs} jobs, {args.blocks_per_job} blocks x {2 * args.layers} tensors x {args.page} B, "
+            f"{worker.stats()['store'].mechanisms}, {worker.stats()['store'].jobs / worker.stats()['store'].launches:.1f} "
+            f"jobs per launch, launches {worker.stats()['store'].launch_s / worker.stats()['store'].jobs * 1e6:.0f} us per job)"
+        )
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
 
 

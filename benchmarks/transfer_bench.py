@@ -54,8 +54,14 @@ def main() -> None:
     host_a, host_b = be.alloc_host(SPAN), be.alloc_host(SPAN)
     host_a.fill_(1)
     host_b.fill_(2)
-    report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "driver_batch_api": be.driver.memcpy_batch is not None, "mechanisms": mechs, "cost_model": be.cost.source}
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "driver_batch_api": be.driver.memcpy_batch is not None,
+        "mechanisms": mechs,
+        "cost_model": be.cost.source,
+    }
 
     # 1. the limit
     one = np.ones(1, dtype=np.int64)
@@ -64,7 +70,14 @@ def main() -> None:
     limit = {
         "store": gbps(SPAN, measure.time_copy(be, "ce_batch", *store1, busy=True)["event_s"]),
         "load": gbps(SPAN, measure.time_copy(be, "ce_batch", *load1, busy=True)["event_s"]),
-        "both": gbps(2 * SPAN, min(t for r in ("together", "own") for t in measure.time_both(be, "ce_batch", store1, load1, released=r, reps=5))),
+        "both": gbps(
+            2 * SPAN,
+            min(
+                t
+                for r in ("together", "own")
+                for t in measure.time_both(be, "ce_batch", store1, load1, released=r, reps=5)
+            ),
+        ),
     }
     report["limit_gbps"] = limit
     print("limit", limit, flush=True)
@@ -95,7 +108,10 @@ def main() -> None:
                 row[f"{name}_host_us"] = jobs["host_s"] * 1e6
             for released in ("together", "own"):
                 times = measure.time_both(be, mech, st, ld, released=released, reps=5)
-                row[f"both_{released}_gbps"] = [gbps(2 * nbytes, max(times)), gbps(2 * nbytes, min(times))]  # worst, best
+                row[f"both_{released}_gbps"] = [
+                    gbps(2 * nbytes, max(times)),
+                    gbps(2 * nbytes, min(times)),
+                ]  # worst, best
                 row[f"both_{released}_ratio"] = [x / limit["both"] for x in row[f"both_{released}_gbps"]]
             rows.append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
@@ -108,11 +124,21 @@ def main() -> None:
             if mech == "ce_loop" and preset == "llama-8b":
                 continue
             r = bench.run(CudaBackend(mechanism=mech), preset=preset, blocks=blocks, blocks_per_job=per_job, iters=3)
-            e2e.append({"preset": preset, "mechanism": mech, "verified": r["verified"],
-                        "store_gbps": r["store_gbps"], "load_gbps": r["load_gbps"],
-                        "store_device_gbps": r["store_device_gbps"], "load_device_gbps": r["load_device_gbps"],
-                        "store_ratio": r["store_gbps"] / limit["store"], "load_ratio": r["load_gbps"] / limit["load"],
-                        "descriptors_per_job": r["store_descriptors_per_job"], "plan_submit_us": r["plan_submit_us_per_job"]})
+            e2e.append(
+                {
+                    "preset": preset,
+                    "mechanism": mech,
+                    "verified": r["verified"],
+                    "store_gbps": r["store_gbps"],
+                    "load_gbps": r["load_gbps"],
+                    "store_device_gbps": r["store_device_gbps"],
+                    "load_device_gbps": r["load_device_gbps"],
+                    "store_ratio": r["store_gbps"] / limit["store"],
+                    "load_ratio": r["load_gbps"] / limit["load"],
+                    "descriptors_per_job": r["store_descriptors_per_job"],
+                    "plan_submit_us": r["plan_submit_us_per_job"],
+                }
+            )
             print(e2e[-1], flush=True)
     report["end_to_end"] = e2e
 
@@ -153,7 +179,9 @@ def main() -> None:
 
                 def copies():
                     with torch.cuda.stream(stream):
-                        torch.cuda._sleep(4 * measure.SLEEP_CYCLES)  # about 200 ms: every job is enqueued before any runs
+                        torch.cuda._sleep(
+                            4 * measure.SLEEP_CYCLES
+                        )  # about 200 ms: every job is enqueued before any runs
                     go = torch.cuda.Event()
                     go.record(stream)
                     for _ in range(jobs):
@@ -166,8 +194,17 @@ def main() -> None:
                     with_copies.append(matmul_ms(copies))
                 cases.append((size, mech, direction.value, min(with_copies)))
     baseline = min(alone)
-    interference = [{"size": z, "mechanism": m, "direction": d, "matmul_ms_alone": baseline, "matmul_ms_with_copies": t,
-                     "slowdown": t / baseline - 1} for z, m, d, t in cases]
+    interference = [
+        {
+            "size": z,
+            "mechanism": m,
+            "direction": d,
+            "matmul_ms_alone": baseline,
+            "matmul_ms_with_copies": t,
+            "slowdown": t / baseline - 1,
+        }
+        for z, m, d, t in cases
+    ]
     report["matmul_alone_ms_spread"] = [min(alone), max(alone)]
     print(interference, flush=True)
     report["interference"] = interference
@@ -185,11 +222,17 @@ def both(x: dict, released: str) -> str:
 
 def markdown(r: dict) -> str:
     lim = r["limit_gbps"]
-    lines = [f"{r['device']}, torch {r['torch']}, {r['date']}; auto's cost model: {r['cost_model']}.", "",
-             f"Limit: store {lim['store']:.1f} GB/s, load {lim['load']:.1f} GB/s, both at once {lim['both']:.1f} GB/s.", ""]
-    lines.append("| fragment | mechanism | store GB/s (of limit) | load GB/s (of limit) | both, own: best / worst GB/s (of limit) "
-                 "| both, together: best / worst GB/s (of limit) | store idle: device / wall GB/s | load idle: device / wall GB/s "
-                 "| 8 jobs back to back, store / load GB/s (of limit) | enqueue µs per job, store / load | auto chose |")
+    lines = [
+        f"{r['device']}, torch {r['torch']}, {r['date']}; auto's cost model: {r['cost_model']}.",
+        "",
+        f"Limit: store {lim['store']:.1f} GB/s, load {lim['load']:.1f} GB/s, both at once {lim['both']:.1f} GB/s.",
+        "",
+    ]
+    lines.append(
+        "| fragment | mechanism | store GB/s (of limit) | load GB/s (of limit) | both, own: best / worst GB/s (of limit) "
+        "| both, together: best / worst GB/s (of limit) | store idle: device / wall GB/s | load idle: device / wall GB/s "
+        "| 8 jobs back to back, store / load GB/s (of limit) | enqueue µs per job, store / load | auto chose |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for x in r["fragments"]:
         size = f"{x['size'] // 1024} KiB" if x["size"] >= 1024 else f"{x['size']} B"
@@ -201,15 +244,29 @@ def markdown(r: dict) -> str:
             f"| {both(x, 'own')} | {both(x, 'together')} | {x['store_idle_gbps']:.1f} / {x['store_idle_wall_gbps']:.1f} "
             f"| {x['load_idle_gbps']:.1f} / {x['load_idle_wall_gbps']:.1f} "
             f"| {x['store_jobs_gbps']:.1f} ({x['store_jobs_gbps'] / lim['store']:.0%}) / {x['load_jobs_gbps']:.1f} ({x['load_jobs_gbps'] / lim['load']:.0%}) "
-            f"| {x['store_host_us']:.0f} / {x['load_host_us']:.0f} | {chose} |")
-    lines += ["", "| preset | mechanism | verified | store GB/s (of limit) | load GB/s (of limit) | descriptors/job | plan+submit µs |", "|---|---|---|---|---|---|---|"]
+            f"| {x['store_host_us']:.0f} / {x['load_host_us']:.0f} | {chose} |"
+        )
+    lines += [
+        "",
+        "| preset | mechanism | verified | store GB/s (of limit) | load GB/s (of limit) | descriptors/job | plan+submit µs |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for x in r["end_to_end"]:
-        lines.append(f"| {x['preset']} | {x['mechanism']} | {x['verified']} | {x['store_gbps']:.1f} ({x['store_ratio']:.0%}) "
-                     f"| {x['load_gbps']:.1f} ({x['load_ratio']:.0%}) | {x['descriptors_per_job']:.0f} | {x['plan_submit_us']:.0f} |")
-    lines += ["", f"Matmul loop alone: best {r['matmul_alone_ms_spread'][0]:.1f} ms, worst {r['matmul_alone_ms_spread'][1]:.1f} ms over the run; slowdown is against the best.", "",
-              "| fragment | mechanism | direction | matmul ms alone | with copies | slowdown |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {x['preset']} | {x['mechanism']} | {x['verified']} | {x['store_gbps']:.1f} ({x['store_ratio']:.0%}) "
+            f"| {x['load_gbps']:.1f} ({x['load_ratio']:.0%}) | {x['descriptors_per_job']:.0f} | {x['plan_submit_us']:.0f} |"
+        )
+    lines += [
+        "",
+        f"Matmul loop alone: best {r['matmul_alone_ms_spread'][0]:.1f} ms, worst {r['matmul_alone_ms_spread'][1]:.1f} ms over the run; slowdown is against the best.",
+        "",
+        "| fragment | mechanism | direction | matmul ms alone | with copies | slowdown |",
+        "|---|---|---|---|---|---|",
+    ]
     for x in r["interference"]:
-        lines.append(f"| {x['size']} | {x['mechanism']} | {x['direction']} | {x['matmul_ms_alone']:.1f} | {x['matmul_ms_with_copies']:.1f} | {x['slowdown']:+.1%} |")
+        lines.append(
+            f"| {x['size']} | {x['mechanism']} | {x['direction']} | {x['matmul_ms_alone']:.1f} | {x['matmul_ms_with_copies']:.1f} | {x['slowdown']:+.1%} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -224,7 +281,11 @@ def plot(r: dict, path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), sharey=True)
     for ax, d in zip(axes, ("store", "load", "both")):
         for mech in r["mechanisms"]:
-            pts = [(x["size"], x[f"{d}_busy_gbps"] if d != "both" else x["both_own_gbps"][1]) for x in r["fragments"] if x["mechanism"] == mech]
+            pts = [
+                (x["size"], x[f"{d}_busy_gbps"] if d != "both" else x["both_own_gbps"][1])
+                for x in r["fragments"]
+                if x["mechanism"] == mech
+            ]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=mech)
         ax.axhline(r["limit_gbps"][d], color="k", linestyle="--", label="limit")

@@ -26,19 +26,19 @@ class Direction(str, enum.Enum):
 
 
 class Event(Protocol):
-    def record(self, stream: "Stream") -> None: ...  # mark the stream's current position
+    def record(self, stream: Stream) -> None: ...  # mark the stream's current position
 
     def query(self) -> bool: ...  # has the marked work completed? Raises if it failed.
 
     def synchronize(self) -> None: ...  # block the host until it has; raises if it failed
 
-    def elapsed_time(self, end: "Event") -> float: ...  # milliseconds from this event to `end`
+    def elapsed_time(self, end: Event) -> float: ...  # milliseconds from this event to `end`
 
 
 class Stream(Protocol):
     def wait_event(self, event: Event) -> None: ...  # later work waits for the event; host does not block
 
-    def wait_stream(self, stream: "Stream") -> None: ...  # later work waits for all work queued on `stream`
+    def wait_stream(self, stream: Stream) -> None: ...  # later work waits for all work queued on `stream`
 
 
 class Backend(abc.ABC):
@@ -73,7 +73,7 @@ class Backend(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def device(self) -> "torch.device":
+    def device(self) -> torch.device:
         """The torch device whose tensors this backend copies to and from."""
 
     @abc.abstractmethod
@@ -89,7 +89,7 @@ class Backend(abc.ABC):
         """The caller's current (compute) stream on this device."""
 
     @abc.abstractmethod
-    def alloc_host(self, nbytes: int) -> "torch.Tensor":
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
         """Zero-filled host memory the device copies to and from asynchronously.
 
         Returns:
@@ -97,7 +97,7 @@ class Backend(abc.ABC):
             supports it.
         """
 
-    def pin_host_memory(self, tensor: "torch.Tensor") -> bool:
+    def pin_host_memory(self, tensor: torch.Tensor) -> bool:
         """Page-lock host memory allocated elsewhere (a shared region's mapping, say), so that
         copies reach it directly (``cuMemHostRegister`` on cuda). The caller keeps the memory
         alive and calls `unpin_host_memory` before freeing it.
@@ -108,10 +108,10 @@ class Backend(abc.ABC):
         """
         return False
 
-    def unpin_host_memory(self, tensor: "torch.Tensor") -> None:
+    def unpin_host_memory(self, tensor: torch.Tensor) -> None:
         """Undo `pin_host_memory`."""
 
-    def register_buffer(self, tensor: "torch.Tensor") -> None:
+    def register_buffer(self, tensor: torch.Tensor) -> None:
         """Say that copies will touch `tensor`'s memory, without pinning anything (the worker
         does, for its KV tensors and host buffer): the `span_bytes` from its ``data_ptr()``,
         which for a strided view (rows a pitch apart) holds bytes between rows that copies
@@ -144,7 +144,7 @@ class Backend(abc.ABC):
         on events, per job); it is for callers that need the whole device idle, such as a
         benchmark or a test checking freed memory."""
 
-    def prepare_layout(self, layout: "CompactLayout") -> Any:
+    def prepare_layout(self, layout: CompactLayout) -> Any:
         """Take a worker's layout once, for `copy_blocks` (upload its tables, say).
 
         Called only where `expands_blocks` is True, once per worker, before its first job.
@@ -156,7 +156,7 @@ class Backend(abc.ABC):
         """
         return None
 
-    def copy_blocks(self, job: "CompactJob", prepared: Any, stream: Stream, after: "list[Event]") -> str | None:
+    def copy_blocks(self, job: CompactJob, prepared: Any, stream: Stream, after: list[Event]) -> str | None:
         """Enqueue a compact job (see `offload_core.compact`) on `stream`: copy every entry of
         every block, as `CompactLayout.descriptors` expands them, and nothing else.
 
@@ -191,10 +191,9 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"backend {self.name!r} has nothing to calibrate")
 
 
-def span_bytes(tensor: "torch.Tensor") -> int:
+def span_bytes(tensor: torch.Tensor) -> int:
     """Bytes from ``tensor.data_ptr()`` to the end of its last element: ``nbytes`` for a
     contiguous tensor, more for a strided view."""
     if tensor.numel() == 0:
         return 0
     return (1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
-

@@ -7,8 +7,8 @@ copies of the same number of bytes, in each direction, through the same backend.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import numpy as np
 
@@ -46,7 +46,9 @@ PRESETS = {
     # Llama-3-8B-like: 32 layers, K and V separate tensors, 16-token blocks, bf16 -> 64 tensors of 32 KiB pages
     "llama-8b": Preset(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype_bytes=2),
     # the same model with vLLM's cross-layer layout: one tensor, 2 MiB per block
-    "llama-8b-cross-layer": Preset(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype_bytes=2, cross_layer=True),
+    "llama-8b-cross-layer": Preset(
+        layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype_bytes=2, cross_layer=True
+    ),
 }
 
 # Single copies the limit is the best of, after a warm-up copy: with five and no warm-up, slow
@@ -188,7 +190,8 @@ def run(
     iters = positive_int(iters, "iters")
     if blocks % blocks_per_job:
         raise InvalidSpecError(
-            f"blocks must be a multiple of blocks_per_job (whole jobs), got blocks={blocks}, blocks_per_job={blocks_per_job}"
+            "blocks must be a multiple of blocks_per_job (whole jobs), "
+            f"got blocks={blocks}, blocks_per_job={blocks_per_job}"
         )
     if blocks_per_job % blocks_per_chunk:
         raise InvalidSpecError(
@@ -200,7 +203,10 @@ def run(
     kv = build_kv_caches(spec, 2 * blocks, be)  # stores read blocks [0, blocks); loads write [blocks, 2*blocks)
     host_blocks = blocks // blocks_per_chunk
     jobs = [  # job j: device blocks [j, j + per_job) into the host chunks that hold them
-        (DeviceBlocks(np.arange(j, j + blocks_per_job)), HostBlocks(np.arange(j, j + blocks_per_job, blocks_per_chunk) // blocks_per_chunk))
+        (
+            DeviceBlocks(np.arange(j, j + blocks_per_job)),
+            HostBlocks(np.arange(j, j + blocks_per_job, blocks_per_chunk) // blocks_per_chunk),
+        )
         for j in range(0, blocks, blocks_per_job)
     ]
     shifted = [DeviceBlocks(d.block_ids + blocks) for d, _ in jobs]

@@ -11,9 +11,8 @@ together write every canonical byte exactly once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from collections.abc import Iterable
-from typing import Sequence
 
 import numpy as np
 
@@ -144,7 +143,12 @@ def _as_runs(local, canon, sizes) -> tuple[CopyRun, ...]:
         j = i + 1
         if j < n and sizes[j] == sizes[i]:
             ls, cs = local[j] - local[i], canon[j] - canon[i]
-            while j + 1 < n and sizes[j + 1] == sizes[i] and local[j + 1] - local[j] == ls and canon[j + 1] - canon[j] == cs:
+            while (
+                j + 1 < n
+                and sizes[j + 1] == sizes[i]
+                and local[j + 1] - local[j] == ls
+                and canon[j + 1] - canon[j] == cs
+            ):
                 j += 1
             j += 1
             runs.append(CopyRun(int(local[i]), int(canon[i]), int(sizes[i]), j - i, int(ls), int(cs)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from offload_core import registry
 from offload_core.errors import OffloadError
@@ -56,7 +56,9 @@ def cmd_backends(args: argparse.Namespace) -> int:
     rows = []
     for name, reason in avail.items():
         cls_priority = registry.backend_class(name).priority if reason is None or "cannot import" not in reason else "-"
-        rows.append(("*" if name == selected else "", name, "yes" if reason is None else "no", cls_priority, reason or ""))
+        rows.append(
+            ("*" if name == selected else "", name, "yes" if reason is None else "no", cls_priority, reason or "")
+        )
     _table("offload-core backends (* = selected)", ["", "name", "available", "priority", "reason"], rows)
     return 0
 
@@ -126,9 +128,8 @@ def bench_report(r: dict) -> tuple[str, list[tuple[str, ...]], list[str]]:
             "* above 100%: jobs back to back overlap their host work with the copies; "
             f"the limit is the best of {r['limit_copies']} single copies of the same bytes"
         )
-    notes.append(
-        f"plan+submit {r['plan_submit_us_per_job']:.0f} us per job; verified: {'every byte' if r['verified'] else 'MISMATCH'}"
-    )
+    verified = "every byte" if r["verified"] else "MISMATCH"
+    notes.append(f"plan+submit {r['plan_submit_us_per_job']:.0f} us per job; verified: {verified}")
     return header, rows, notes
 
 
@@ -203,8 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--blocks-per-job",
         type=_positive_int,
-        help=f"device blocks per store or load job; a multiple of --blocks-per-chunk (default: {DEFAULT_BLOCKS_PER_JOB}, "
-        "or --blocks where that is fewer)",
+        help="device blocks per store or load job; a multiple of --blocks-per-chunk "
+        f"(default: {DEFAULT_BLOCKS_PER_JOB}, or --blocks where that is fewer)",
     )
     p.add_argument(
         "--blocks-per-chunk", type=_positive_int, default=1, help="device blocks per host block (default: %(default)s)"

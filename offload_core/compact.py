@@ -54,7 +54,7 @@ class CompactJob(NamedTuple):
         items: copies the job expands to (blocks times their group's entries).
     """
 
-    layout: "CompactLayout"
+    layout: CompactLayout
     direction: Direction
     blocks: np.ndarray
     host_ids: np.ndarray
@@ -71,7 +71,7 @@ class CompactJob(NamedTuple):
         return self.blocks[3] if self.direction is Direction.STORE else self.blocks[0]
 
     @staticmethod
-    def concat(jobs: "list[CompactJob]") -> "CompactJob":
+    def concat(jobs: list[CompactJob]) -> CompactJob:
         """Consecutive jobs of one layout and direction as one job (their chunks renumbered).
         The caller makes sure that no two of them write the same bytes (`destinations`)."""
         if len(jobs) == 1:
@@ -82,12 +82,21 @@ class CompactJob(NamedTuple):
             n = len(j)
             if c_off:
                 blocks[1, b_off : b_off + n] += c_off
-            groups += [(g, b0 + b_off, b1 + b_off, c0 + c_off, c1 + c_off, skip) for g, b0, b1, c0, c1, skip in j.groups]
+            groups += [
+                (g, b0 + b_off, b1 + b_off, c0 + c_off, c1 + c_off, skip) for g, b0, b1, c0, c1, skip in j.groups
+            ]
             b_off += n
             c_off += j.host_ids.size
         first = jobs[0]
-        return CompactJob(first.layout, first.direction, blocks, np.concatenate([j.host_ids for j in jobs]), tuple(groups),
-                          sum(j.nbytes for j in jobs), sum(j.items for j in jobs))
+        return CompactJob(
+            first.layout,
+            first.direction,
+            blocks,
+            np.concatenate([j.host_ids for j in jobs]),
+            tuple(groups),
+            sum(j.nbytes for j in jobs),
+            sum(j.items for j in jobs),
+        )
 
 
 class CompactLayout:
@@ -122,11 +131,20 @@ class CompactLayout:
                     writers, writer = part.mapping.num_writers, part.mapping.writer_index
                 for dev_base, host_base in zip(part.device_base.tolist(), part.host_base.tolist()):
                     f = sizes.size
-                    rows.append(np.stack([
-                        np.full(f, dev_base), np.full(f, part.device_page), local,
-                        canon + (host_base - self.host_base), np.full(f, part.host_page), sizes,
-                        np.full(f, writers), np.full(f, writer),
-                    ]).astype(np.int64))
+                    rows.append(
+                        np.stack(
+                            [
+                                np.full(f, dev_base),
+                                np.full(f, part.device_page),
+                                local,
+                                canon + (host_base - self.host_base),
+                                np.full(f, part.host_page),
+                                sizes,
+                                np.full(f, writers),
+                                np.full(f, writer),
+                            ]
+                        ).astype(np.int64)
+                    )
             block = np.concatenate(rows, axis=1) if rows else np.zeros((8, 0), np.int64)
             columns.append(block)
             counts.append(block.shape[1])

@@ -30,8 +30,10 @@ class BackendUnavailableError(OffloadError, RuntimeError):
         message = f"offload backend {name!r} is unavailable: {reason}"
         if hint:
             message += f" ({hint})"
-        message += ("; the host-memory reference backend is 'cpu' (backend='cpu', --backend cpu, or "
-                    "OFFLOAD_CORE_BACKEND=cpu where no name is given)")
+        message += (
+            "; the host-memory reference backend is 'cpu' (backend='cpu', --backend cpu, or "
+            "OFFLOAD_CORE_BACKEND=cpu where no name is given)"
+        )
         super().__init__(message)
 
 

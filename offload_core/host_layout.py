@@ -41,7 +41,7 @@ class HostLayout:
     canonical: bool
 
     @classmethod
-    def of(cls, kv_caches: KVCaches, blocks_per_chunk: int = 1, canonical: bool = False) -> "HostLayout":
+    def of(cls, kv_caches: KVCaches, blocks_per_chunk: int = 1, canonical: bool = False) -> HostLayout:
         """The layout of `kv_caches`' pages, direct or canonical."""
         if canonical:
             pages = [0] * len(kv_caches.tensors)
@@ -59,7 +59,10 @@ class HostLayout:
     def views(self, rows, slot: int = 0) -> list:
         """Per KV tensor, a ``(host blocks, chunk bytes)`` view of its chunks in `rows` (an int8
         tensor of host rows), whose rows start `slot` bytes in."""
-        return [rows[:, slot + off : slot + off + page * self.blocks_per_chunk] for off, page in zip(self.offsets, self.pages)]
+        return [
+            rows[:, slot + off : slot + off + page * self.blocks_per_chunk]
+            for off, page in zip(self.offsets, self.pages)
+        ]
 
     def geometry(self, kv_caches: KVCaches, host_base: int, row_stride: int, host_blocks: int) -> Geometry:
         """What the planner needs: `kv_caches`' addresses and this layout over host rows that
@@ -80,7 +83,7 @@ class HostLayout:
             blocks_per_chunk=self.blocks_per_chunk,
         )
 
-    def check_region(self, region: "SharedHostRegion", num_blocks: int) -> None:
+    def check_region(self, region: SharedHostRegion, num_blocks: int) -> None:
         """Whether `region` can hold this layout's rows.
 
         Raises:

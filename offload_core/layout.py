@@ -9,9 +9,9 @@ A KV cache is a list of device tensors whose first dimension is the block index
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class KVCacheTensor:
             that overlap (a pitch below the page size).
     """
 
-    tensor: "torch.Tensor"
+    tensor: torch.Tensor
     page_size_bytes: int
 
     def __post_init__(self) -> None:
@@ -136,7 +136,9 @@ class KVCaches:
         # not be able to drop or swap a tensor after validation.
         object.__setattr__(self, "tensors", _tuple(self.tensors, "KVCaches.tensors"))
         groups = _tuple(self.group_refs, "KVCaches.group_refs")
-        object.__setattr__(self, "group_refs", tuple(_tuple(g, f"KVCaches.group_refs[{i}]") for i, g in enumerate(groups)))
+        object.__setattr__(
+            self, "group_refs", tuple(_tuple(g, f"KVCaches.group_refs[{i}]") for i, g in enumerate(groups))
+        )
         if not self.tensors:
             raise InvalidSpecError("KVCaches needs at least one tensor")
         if not self.group_refs:
@@ -163,7 +165,9 @@ class KVCaches:
                     )
                 seen.add(ref.tensor_idx)
                 if not 0 <= ref.tensor_idx < len(self.tensors):
-                    raise InvalidSpecError(f"group {g}: ref to tensor {ref.tensor_idx}, but there are {len(self.tensors)}")
+                    raise InvalidSpecError(
+                        f"group {g}: ref to tensor {ref.tensor_idx}, but there are {len(self.tensors)}"
+                    )
                 page = self.tensors[ref.tensor_idx].page_size_bytes
                 if not 0 < ref.page_size_bytes <= page:
                     raise InvalidSpecError(
@@ -180,7 +184,7 @@ class KVCaches:
                     )
 
     @property
-    def device(self) -> "torch.device":
+    def device(self) -> torch.device:
         return self.tensors[0].tensor.device
 
 
@@ -260,7 +264,9 @@ class DeviceBlocks:
         else:
             sizes = _ids(group_sizes, "group_sizes")
         if block_indices is None:
-            indices = _ZEROS[sizes.size] if sizes.size < len(_ZEROS) else _read_only(np.zeros(sizes.size, dtype=np.int64))
+            indices = (
+                _ZEROS[sizes.size] if sizes.size < len(_ZEROS) else _read_only(np.zeros(sizes.size, dtype=np.int64))
+            )
         else:
             indices = _ids(block_indices, "block_indices")
         # A few groups: plain Python on lists is cheaper than numpy reductions here.

@@ -13,16 +13,18 @@ Addressing (the data model of vLLM's offloading worker):
 The refs of a group are split once, at construction, into parts that share a page
 geometry (usually one part: every layer alike). Descriptors are laid out group by group,
 part by part, block by block, ref by ref: the order of the host rows, so that a backend can
-find host-contiguous runs (a block's pages of all layers) among neighbours. Where a part copies whole pages, runs of blocks
-that are contiguous on both sides become one descriptor, decided on the block offsets
+find host-contiguous runs (a block's pages of all layers) among neighbours. Where a part
+copies whole pages, runs of blocks that are contiguous on both sides become one descriptor
+(`offload_core.runs`), decided on the block offsets
 before any per-ref array exists. One `plan` call does a fixed number of numpy operations
 per group and part, whatever the number of blocks or layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -49,7 +51,7 @@ class PlanRef(NamedTuple):
 
     tensor: int
     copy_bytes: int
-    mapping: "CanonicalPageMapping | None" = None
+    mapping: CanonicalPageMapping | None = None
 
 
 class CopyBatch(NamedTuple):
@@ -102,7 +104,7 @@ class _Part(NamedTuple):
     host_page: int
     copy_bytes: int
     full_pages: bool  # copies whole pages on both sides, so consecutive blocks may merge
-    mapping: "CanonicalPageMapping | None"  # its fragments scatter the page into the host page
+    mapping: CanonicalPageMapping | None  # its fragments scatter the page into the host page
 
 
 class _Group(NamedTuple):
@@ -182,7 +184,9 @@ class Planner:
             self._groups.append(
                 _Group(
                     parts=parts,
-                    device_limit=min((g.device_blocks[r.tensor] for r in refs), default=min(g.device_blocks, default=0)),
+                    device_limit=min(
+                        (g.device_blocks[r.tensor] for r in refs), default=min(g.device_blocks, default=0)
+                    ),
                     descriptors_per_block=sum(
                         len(p.device_base) * (1 if p.mapping is None else p.mapping.fragments[2].size) for p in parts
                     ),

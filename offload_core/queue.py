@@ -59,7 +59,7 @@ BURST_BYTES = 128 << 20  # or bytes: about 2.4 ms of a PCIe 5 link, several laun
 MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
 IDLE_POLL_S = 0.1  # how often an idle launcher looks whether its queue was dropped or the interpreter exits
 
-_enqueue_locks: "weakref.WeakKeyDictionary[Backend, threading.Lock]" = weakref.WeakKeyDictionary()
+_enqueue_locks: weakref.WeakKeyDictionary[Backend, threading.Lock] = weakref.WeakKeyDictionary()
 _enqueue_locks_guard = threading.Lock()
 
 
@@ -421,8 +421,9 @@ class TransferQueue:
         # Not a daemon: at exit, a daemon thread inside a torch call that let go of the GIL
         # (freeing a queue's events, say) is killed by the interpreter, which aborts the
         # process (std::terminate). The launcher ends on its own once the main thread has.
-        launcher = threading.Thread(target=_launch_loop, args=(weakref.ref(self),),
-                                    name=f"offload-core-{self.direction.value}-launcher")
+        launcher = threading.Thread(
+            target=_launch_loop, args=(weakref.ref(self),), name=f"offload-core-{self.direction.value}-launcher"
+        )
         try:
             launcher.start()
         except RuntimeError as exc:
@@ -502,8 +503,13 @@ class TransferQueue:
                 end.record(stream)
             except Exception as exc:
                 failed = exc
-                log.error("%s jobs %s could not be enqueued on %s: %r", self.direction.value,
-                          [p.job_id for p in batch], self.backend.name, exc)
+                log.error(
+                    "%s jobs %s could not be enqueued on %s: %r",
+                    self.direction.value,
+                    [p.job_id for p in batch],
+                    self.backend.name,
+                    exc,
+                )
                 try:  # what was enqueued before the failure must have run before the jobs are reported
                     end.record(stream)
                 except Exception:
@@ -512,8 +518,18 @@ class TransferQueue:
                 total = max(1, job.nbytes)
                 for i, p in enumerate(batch):
                     if failed is None:
-                        self._jobs.append(_Job(p.job_id, start, end, p.job.nbytes, None, mechanism or "",
-                                               p.job.nbytes / total, i == len(batch) - 1))
+                        self._jobs.append(
+                            _Job(
+                                p.job_id,
+                                start,
+                                end,
+                                p.job.nbytes,
+                                None,
+                                mechanism or "",
+                                p.job.nbytes / total,
+                                i == len(batch) - 1,
+                            )
+                        )
                     else:
                         self._jobs.append(_Job(p.job_id, None, end, p.job.nbytes, None, "", failed=True))
                 self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
@@ -531,7 +547,7 @@ class TransferQueue:
                 self._launched.notify_all()
 
 
-def _launch_loop(queue_ref: "weakref.ref[TransferQueue]") -> None:
+def _launch_loop(queue_ref: weakref.ref[TransferQueue]) -> None:
     """The launcher thread of one queue: launches what is waiting until the queue is closed,
     dropped, or the main thread has ended. Holds the queue only while it has work or waits for
     some (`IDLE_POLL_S` at a time), so that a dropped queue can be collected."""

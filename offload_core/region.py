@@ -31,10 +31,10 @@ longer share their KV.
 from __future__ import annotations
 
 import errno
-import logging
 import fcntl
 import gc
 import json
+import logging
 import mmap
 import numbers
 import os
@@ -44,7 +44,8 @@ import secrets
 import stat
 import time
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from offload_core.errors import InvalidSpecError, OffloadError, RegionError, ResourceInUseError
 from offload_core.hostmem import check_host_bytes
@@ -80,7 +81,9 @@ def default_directory() -> pathlib.Path:
     except FileExistsError:
         pass
     except OSError as exc:
-        raise RegionError(f"cannot make the region directory {path}: {exc.strerror}; pass directory= to use another one") from None
+        raise RegionError(
+            f"cannot make the region directory {path}: {exc.strerror}; pass directory= to use another one"
+        ) from None
     try:
         st = os.lstat(path)
     except OSError as exc:
@@ -162,7 +165,9 @@ class SharedHostRegion:
         num_blocks = integer(num_blocks, "num_blocks", 1)
         rank = integer(rank, "rank", 0)
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 <= timeout <= _MAX_TIMEOUT_S:
-            raise InvalidSpecError(f"timeout must be a number of seconds from 0 to {_MAX_TIMEOUT_S:.0f}, got {timeout!r}")
+            raise InvalidSpecError(
+                f"timeout must be a number of seconds from 0 to {_MAX_TIMEOUT_S:.0f}, got {timeout!r}"
+            )
         if (slot_bytes is None) == (canonical_bytes is None):
             raise InvalidSpecError("give exactly one of slot_bytes (per rank) and canonical_bytes")
         if slot_bytes is None:
@@ -179,9 +184,16 @@ class SharedHostRegion:
         self.canonical = slot_bytes is None
         self.row_stride = -(-sum(slots) // mmap.PAGESIZE) * mmap.PAGESIZE
         self._slots = slots
-        self.layout = {"num_blocks": self.num_blocks, "row_stride": self.row_stride, "canonical": self.canonical, "slots": slots}
+        self.layout = {
+            "num_blocks": self.num_blocks,
+            "row_stride": self.row_stride,
+            "canonical": self.canonical,
+            "slots": slots,
+        }
         if len(_MAGIC) + len(_header_body(self.layout, "0" * 32)) + 1 > _HEADER:
-            raise InvalidSpecError(f"{len(slots)} slots do not fit the region's {_HEADER}-byte header; use fewer ranks per region")
+            raise InvalidSpecError(
+                f"{len(slots)} slots do not fit the region's {_HEADER}-byte header; use fewer ranks per region"
+            )
         self.size = _HEADER + self.num_blocks * self.row_stride
         self.path = (default_directory() if directory is None else _given_directory(directory)) / f"{name}.shm"
         self.is_creator = False
@@ -256,7 +268,7 @@ class SharedHostRegion:
         self._mmap = None
         self._release()
 
-    def __enter__(self) -> "SharedHostRegion":
+    def __enter__(self) -> SharedHostRegion:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -289,7 +301,9 @@ class SharedHostRegion:
                 "remove the link (and restart every rank)"
             )
         if exc.errno in (errno.EACCES, errno.EPERM):
-            return RegionError(f"cannot open {self.path}: {exc.strerror}; it is not this user's region: remove it or pass directory=")
+            return RegionError(
+                f"cannot open {self.path}: {exc.strerror}; it is not this user's region: remove it or pass directory="
+            )
         return RegionError(f"cannot open {self.path}: {exc.strerror}")
 
     def _create(self) -> bool:
@@ -392,7 +406,9 @@ class SharedHostRegion:
                     "or corrupt; remove the file and restart every rank"
                 )
             if header["layout"] != self.layout:
-                raise InvalidSpecError(f"region {self.path} is laid out as {header['layout']}, this rank expects {self.layout}")
+                raise InvalidSpecError(
+                    f"region {self.path} is laid out as {header['layout']}, this rank expects {self.layout}"
+                )
             self._map(fd)
             st = os.fstat(fd)
             self._fd, self._identity, self.generation = fd, (st.st_dev, st.st_ino), header["token"]
@@ -499,7 +515,6 @@ class SharedHostRegion:
             finally:
                 os.close(fd)
 
-
     def _sweep_abandoned(self) -> None:
         """Remove regions of this user's that no process holds any more (their ranks died: a
         crashed engine's file would otherwise stay in memory for good)."""
@@ -521,6 +536,7 @@ class SharedHostRegion:
                 pass  # another process removed it first
             finally:
                 os.close(fd)
+
 
 def _abandoned(fd: int) -> bool:
     """Whether the file open at `fd` is a region of this user that no process holds: every
@@ -580,7 +596,9 @@ def _parse_header(raw: bytes) -> dict | None:
     layout = header["layout"]
     if not isinstance(layout, dict) or set(layout) != {"num_blocks", "row_stride", "canonical", "slots"}:
         return None
-    counts = [layout["num_blocks"], layout["row_stride"]] + (layout["slots"] if isinstance(layout["slots"], list) else [None])
+    counts = [layout["num_blocks"], layout["row_stride"]] + (
+        layout["slots"] if isinstance(layout["slots"], list) else [None]
+    )
     if not all(type(n) is int and n > 0 for n in counts) or not isinstance(layout["canonical"], bool):
         return None
     if layout["row_stride"] % mmap.PAGESIZE:

@@ -9,7 +9,7 @@ hide in the model the planner is tested against.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -12,14 +12,13 @@ from collections.abc import Iterable
 from offload_core.backend import Backend, Direction
 from offload_core.compact import CompactLayout
 from offload_core.errors import InvalidSpecError, OffloadError, RegionError
+from offload_core.host_layout import HostLayout
 from offload_core.hostmem import check_host_bytes
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches, integer, positive_int
-from offload_core.host_layout import HostLayout
 from offload_core.plan import Planner
 from offload_core.queue import QueueStats, TransferQueue, TransferResult, job_id_set
 from offload_core.region import SharedHostRegion
 from offload_core.registry import get_backend
-
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +136,13 @@ class OffloadWorker:
         # dropped without `shutdown`.
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(
-            self, _dropped, self._pid, self._lanes, backend, self._host, self._registered,
+            self,
+            _dropped,
+            self._pid,
+            self._lanes,
+            backend,
+            self._host,
+            self._registered,
             (kv_caches, self._prepared),
         )
         self._shutdown_lock = threading.Lock()  # held while draining: a second shutdown waits for it
@@ -181,8 +186,9 @@ class OffloadWorker:
         """
         return self._submit(Direction.LOAD, job_id, dst, src, expedited=bool(expedited))
 
-    def _submit(self, direction: Direction, job_id: int, device: DeviceBlocks, host: HostBlocks,
-                expedited: bool = False) -> bool:
+    def _submit(
+        self, direction: Direction, job_id: int, device: DeviceBlocks, host: HostBlocks, expedited: bool = False
+    ) -> bool:
         self._same_process()
         job_id = integer(job_id, "job_id")
         if not isinstance(device, DeviceBlocks) or not isinstance(host, HostBlocks):
@@ -302,7 +308,7 @@ class OffloadWorker:
                 "make a new worker in the child"
             )
 
-    def __enter__(self) -> "OffloadWorker":
+    def __enter__(self) -> OffloadWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -353,4 +359,6 @@ def _alloc_host(backend: Backend, nbytes: int):
     try:
         return backend.alloc_host(nbytes)
     except Exception as exc:  # torch reports an allocation failure as RuntimeError
-        raise OffloadError(f"could not allocate the worker's host buffer of {nbytes} bytes on {backend.name}: {exc}") from exc
+        raise OffloadError(
+            f"could not allocate the worker's host buffer of {nbytes} bytes on {backend.name}: {exc}"
+        ) from exc

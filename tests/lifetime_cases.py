@@ -14,7 +14,16 @@ import threading
 
 import torch
 
-from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadError, OffloadWorker, get_backend
+from offload_core import (
+    DeviceBlocks,
+    HostBlocks,
+    KVCacheRef,
+    KVCaches,
+    KVCacheTensor,
+    OffloadError,
+    OffloadWorker,
+    get_backend,
+)
 
 PAGE = 8 << 20  # large enough that freed buffers go back to the OS: a use after free faults
 
@@ -272,7 +281,9 @@ def submits_after_the_main_thread_ended() -> None:
                 while len(got) < 3 and time.monotonic() < end:
                     got |= {r.job_id for r in worker.get_finished()}
                     time.sleep(0.005)
-                assert got == {base, base + 1, base + 2}, f"jobs {sorted({base, base + 1, base + 2} - got)} never launched"
+                assert got == {base, base + 1, base + 2}, (
+                    f"jobs {sorted({base, base + 1, base + 2} - got)} never launched"
+                )
             worker.shutdown()
         except BaseException as exc:  # no main thread left to report it: say it and fail the process
             print(f"submits_after_the_main_thread_ended: {exc!r}", file=sys.stderr, flush=True)

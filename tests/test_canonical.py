@@ -7,8 +7,10 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 import torch
+import tp_ranks as tp
 from hypothesis import given
 from hypothesis import strategies as st
+from tp_ranks import BLOCKS, full_model, latent_kv, rank_kv, region
 
 from offload_core import (
     CanonicalPageMapping,
@@ -22,11 +24,6 @@ from offload_core import (
     verify_tiling,
 )
 from offload_core.canonical import attention_mappings, certified_or_private, private_mappings
-
-import tp_ranks as tp
-from tp_ranks import BLOCKS, full_model, latent_kv, rank_kv, region
-
-
 
 # ---- mappings ---------------------------------------------------------------
 
@@ -65,9 +62,18 @@ def test_invalid_mappings(runs, message):
         (lambda: CopyRun(0.0, 0, 64), "local_offset must be an integer, got 0.0"),
         (lambda: CopyRun(0, 0, 64.0), "fragment_size must be a positive integer, got 64.0"),
         (lambda: CopyRun(0, 0, "64"), "fragment_size must be a positive integer"),
-        (lambda: CanonicalPageMapping(64.5, 64, [CopyRun(0, 0, 64)]), "canonical_page_size_bytes must be a positive integer, got 64.5"),
-        (lambda: CanonicalPageMapping(64, 64.0, [CopyRun(0, 0, 64)]), "local_page_size_bytes must be a positive integer"),
-        (lambda: CanonicalPageMapping(64, 64, [CopyRun(0, 0, 64)], num_writers=0), "num_writers must be a positive integer"),
+        (
+            lambda: CanonicalPageMapping(64.5, 64, [CopyRun(0, 0, 64)]),
+            "canonical_page_size_bytes must be a positive integer, got 64.5",
+        ),
+        (
+            lambda: CanonicalPageMapping(64, 64.0, [CopyRun(0, 0, 64)]),
+            "local_page_size_bytes must be a positive integer",
+        ),
+        (
+            lambda: CanonicalPageMapping(64, 64, [CopyRun(0, 0, 64)], num_writers=0),
+            "num_writers must be a positive integer",
+        ),
     ],
 )
 def test_mapping_sizes_must_be_integers(make, message):
@@ -93,8 +99,9 @@ def test_tiling_rejects_gaps_and_double_writes():
 
 
 def test_uncertifiable_layouts_fall_back_to_private_pages(caplog):
-    maps = certified_or_private(attention_mappings, page_bytes=96, tp_size=4, total_kv_heads=3, block_tokens=4,
-                                head_bytes=8)
+    maps = certified_or_private(
+        attention_mappings, page_bytes=96, tp_size=4, total_kv_heads=3, block_tokens=4, head_bytes=8
+    )
     assert [m.runs for m in maps] == [m.runs for m in private_mappings(page_bytes=96, tp_size=4)]
     assert "falling back to rank-private pages" in caplog.text
 
@@ -108,8 +115,9 @@ def test_uncertifiable_layouts_fall_back_to_private_pages(caplog):
 )
 def test_attention_mappings_tile_for_every_layout(heads, tp, tokens, head_bytes, layout):
     order, kv = layout
-    maps = attention_mappings(total_kv_heads=heads, tp_size=tp, block_tokens=tokens, head_bytes=head_bytes,
-                              order=order, kv=kv)
+    maps = attention_mappings(
+        total_kv_heads=heads, tp_size=tp, block_tokens=tokens, head_bytes=head_bytes, order=order, kv=kv
+    )
     assert len(maps) == tp
     assert {m.num_writers for m in maps} == {max(1, tp // heads)}
     halves = 2 if kv else 1
@@ -124,8 +132,14 @@ def store_all(backend, tp_size, full, name, directory, dev_ids, host_ids, bpc, n
     """Every rank of TP=`tp_size` stores the same blocks into the shared region."""
     regions = [region(name, full, bpc, num_host, directory, r) for r in range(tp_size)]
     for r in range(tp_size):
-        with OffloadWorker(rank_kv(full, tp_size, r, device=backend.device), num_host, blocks_per_chunk=bpc, backend=backend,
-                           canonical_layout=True, host_region=regions[r]) as w:
+        with OffloadWorker(
+            rank_kv(full, tp_size, r, device=backend.device),
+            num_host,
+            blocks_per_chunk=bpc,
+            backend=backend,
+            canonical_layout=True,
+            host_region=regions[r],
+        ) as w:
             assert w.submit_store(1, DeviceBlocks(dev_ids, block_indices=[block_index]), HostBlocks(host_ids))
             w.wait([1])
             assert all(x.success for x in w.get_finished())
@@ -137,8 +151,14 @@ def load_all(backend, tp_size, full, regions, dev_ids, host_ids, bpc, num_host, 
     loaded = []
     for r in range(tp_size):
         kv = rank_kv(full, tp_size, r, empty=True, device=backend.device)
-        with OffloadWorker(kv, num_host, blocks_per_chunk=bpc, backend=backend, canonical_layout=True,
-                           host_region=regions[r % len(regions)]) as w:
+        with OffloadWorker(
+            kv,
+            num_host,
+            blocks_per_chunk=bpc,
+            backend=backend,
+            canonical_layout=True,
+            host_region=regions[r % len(regions)],
+        ) as w:
             assert w.submit_load(2, HostBlocks(host_ids), DeviceBlocks(dev_ids, block_indices=[block_index]))
             w.wait([2])
         loaded.append(kv)
@@ -156,7 +176,7 @@ def test_blocks_stored_at_one_tp_size_load_at_another(backend, tmp_path, a, b, h
         # the canonical page of tensor t in host block h, sub-page j, is the unsharded page
         rows = regions[0].tensor.numpy().copy()  # a view would keep the region from closing
         page = full[0][0].nbytes
-        for k, (block, q) in enumerate(zip(src, range(1, 5))):
+        for block, q in zip(src, range(1, 5)):
             h, j = hosts[q // bpc], q % bpc
             for t, f in enumerate(full):
                 start = t * page * bpc + j * page
@@ -183,8 +203,14 @@ def test_replicated_heads_are_written_exactly_once(tmp_path, tp_size, heads):
         writes = np.zeros(regions[0].tensor.numel(), dtype=np.int64)
         for r in range(tp_size):
             base = regions[r].tensor.data_ptr()  # each rank maps the file at its own address
-            with OffloadWorker(rank_kv(full, tp_size, r), num_host, blocks_per_chunk=bpc, backend="cpu",
-                               canonical_layout=True, host_region=regions[r]) as w:
+            with OffloadWorker(
+                rank_kv(full, tp_size, r),
+                num_host,
+                blocks_per_chunk=bpc,
+                backend="cpu",
+                canonical_layout=True,
+                host_region=regions[r],
+            ) as w:
                 batch = w._planner.plan(Direction.STORE, DeviceBlocks(dev_ids), HostBlocks(host_ids))
                 for d, n in zip((batch.dst - base).tolist(), batch.sizes.tolist()):
                     writes[d : d + n] += 1
@@ -201,8 +227,13 @@ def test_mla_latent_is_stored_once_and_read_by_any_rank(backend, tmp_path):
     with SharedHostRegion("mla", num_blocks=num_host, canonical_bytes=64, directory=tmp_path) as reg:
         moved = []
         for rank in range(2):
-            with OffloadWorker(latent_kv(latent, 2, rank, device=backend.device), num_host, backend=backend,
-                               canonical_layout=True, host_region=reg) as w:
+            with OffloadWorker(
+                latent_kv(latent, 2, rank, device=backend.device),
+                num_host,
+                backend=backend,
+                canonical_layout=True,
+                host_region=reg,
+            ) as w:
                 w.submit_store(1, DeviceBlocks([0, 1, 2, 3]), HostBlocks([0, 1, 2, 3]))
                 w.wait([1])
                 moved.append(w.get_finished()[0].transfer_size)
@@ -266,8 +297,10 @@ def test_ranks_in_separate_processes_share_the_region(tmp_path):
     barrier, result = ctx.Barrier(tp_size), ctx.Queue()
     store, load = ([1, 3, 5], [0, 4, 2]), ([7, 8, 9], [0, 4, 2])
     procs = [
-        ctx.Process(target=tp.spawned_rank,
-                    args=("mp", str(tmp_path), tp_size, r, barrier, store, load, bpc, num_host, heads, result))
+        ctx.Process(
+            target=tp.spawned_rank,
+            args=("mp", str(tmp_path), tp_size, r, barrier, store, load, bpc, num_host, heads, result),
+        )
         for r in range(tp_size)
     ]
     for p in procs:
@@ -287,7 +320,9 @@ def test_padded_pages_do_not_change_the_canonical_host_page():
 
     (m0, _) = attention_mappings(total_kv_heads=2, tp_size=2, block_tokens=4, head_bytes=16)
     padded = m0.local_page_size_bytes + 128  # more than the canonical page
-    kv = KVCaches([KVCacheTensor(torch.zeros(8, padded, dtype=torch.int8), padded)],
-                  [[KVCacheRef(0, m0.local_page_size_bytes, mapping=m0)]])
+    kv = KVCaches(
+        [KVCacheTensor(torch.zeros(8, padded, dtype=torch.int8), padded)],
+        [[KVCacheRef(0, m0.local_page_size_bytes, mapping=m0)]],
+    )
     with OffloadWorker(kv, 4, canonical_layout=True, backend="cpu") as worker:
         assert worker.host_row_bytes == m0.canonical_page_size_bytes

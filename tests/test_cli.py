@@ -121,7 +121,10 @@ def test_bench_refuses_sizes_that_are_not_positive_integers(capsys, option, valu
             ["--blocks", "10", "--blocks-per-job", "4"],
             "blocks must be a multiple of blocks_per_job (whole jobs), got blocks=10, blocks_per_job=4",
         ),
-        (["--blocks", "8", "--blocks-per-job", "4", "--blocks-per-chunk", "3"], "blocks_per_job must be a multiple of blocks_per_chunk"),
+        (
+            ["--blocks", "8", "--blocks-per-job", "4", "--blocks-per-chunk", "3"],
+            "blocks_per_job must be a multiple of blocks_per_chunk",
+        ),
         (["--backend", "nosuch"], "unknown offload backend 'nosuch'"),
     ],
 )

@@ -9,12 +9,11 @@ import time
 
 import pytest
 import torch
+from helpers import small_kv
 
 from offload_core import DeviceBlocks, HostBlocks, OffloadWorker
 from offload_core.queue import enqueue_lock
 from offload_core.testing.expanding import ExpandingCpuBackend
-
-from helpers import small_kv
 
 pytestmark = pytest.mark.cpu
 

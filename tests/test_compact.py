@@ -14,13 +14,22 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_plan import Model, plan_refs, transfers
 
-from offload_core import CanonicalPageMapping, CopyRun, DeviceBlocks, Direction, Geometry, HostBlocks, InvalidSpecError, Planner
+from offload_core import (
+    CanonicalPageMapping,
+    CopyRun,
+    DeviceBlocks,
+    Direction,
+    Geometry,
+    HostBlocks,
+    InvalidSpecError,
+    Planner,
+)
 from offload_core.canonical import attention_mappings
 from offload_core.compact import CompactLayout
 from offload_core.testing.expanding import POISON, steps
 
-from test_plan import Model, plan_refs, transfers
 
 def execute(src, dst, sizes):
     for s, d, n in zip(np.asarray(src).tolist(), np.asarray(dst).tolist(), np.asarray(sizes).tolist()):
@@ -99,9 +108,16 @@ def canonical_transfers(draw):
     # device pages differ from host pages here: rebuild the device side and the geometry
     model.device = [rng.integers(0, 256, (device_blocks, p), dtype=np.uint8) for p in dev_pages]
     model.geometry = Geometry(
-        device_base=[a.ctypes.data for a in model.device], device_page=dev_pages, device_blocks=[device_blocks] * len(dev_pages),
-        host_base=model.host.ctypes.data, host_row_bytes=model.host.shape[1], host_offset=model.offsets,
-        host_page=host_pages, host_blocks=host_blocks, group_refs=plan_refs(refs), blocks_per_chunk=bpc,
+        device_base=[a.ctypes.data for a in model.device],
+        device_page=dev_pages,
+        device_blocks=[device_blocks] * len(dev_pages),
+        host_base=model.host.ctypes.data,
+        host_row_bytes=model.host.shape[1],
+        host_offset=model.offsets,
+        host_page=host_pages,
+        host_blocks=host_blocks,
+        group_refs=plan_refs(refs),
+        blocks_per_chunk=bpc,
     )
     return model, direction, DeviceBlocks(dev_ids, sizes, indices), HostBlocks(host_ids)
 

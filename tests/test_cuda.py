@@ -6,16 +6,14 @@ import os
 
 import numpy as np
 import pytest
+from helpers import small_kv
+from hypothesis import given, settings
+from test_worker import check_round_trip, round_trips
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadWorker
 from offload_core.backends.cuda import BLOCK_MECHANISMS, MECHANISMS, CudaBackend, kernels
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.testing.conformance import BackendConformance
-
-from hypothesis import given, settings
-
-from helpers import small_kv
-from test_worker import check_round_trip, round_trips
 
 REASON = CudaBackend.probe()
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(REASON is not None, reason=f"cuda: {REASON}")]
@@ -25,8 +23,10 @@ def mechanisms(names=MECHANISMS + BLOCK_MECHANISMS):
     if REASON is not None:
         return list(names)
     probe = CudaBackend()
-    return [m if probe.why_unavailable(m) is None else pytest.param(m, marks=pytest.mark.skip(probe.why_unavailable(m)))
-            for m in names]
+    return [
+        m if probe.why_unavailable(m) is None else pytest.param(m, marks=pytest.mark.skip(probe.why_unavailable(m)))
+        for m in names
+    ]
 
 
 @pytest.fixture(scope="module", params=mechanisms())
@@ -53,6 +53,7 @@ def random_fragments(rng, count, space, max_size, equal=False):
     else:
         sizes = np.exp(rng.uniform(0, np.log(max_size), count)).astype(np.int64) + rng.integers(0, 3, count)
         sizes = np.minimum(sizes, max_size)
+
     def places():
         gaps = rng.integers(0, 17, count)
         order = rng.permutation(count)
@@ -61,10 +62,13 @@ def random_fragments(rng, count, space, max_size, equal=False):
         out = np.empty(count, dtype=np.int64)
         out[order] = ends - sizes[order]
         return out
+
     return sizes, places(), places()
 
 
-@pytest.mark.parametrize("max_size, equal", [(256, False), (64 * 1024, False), (4 << 20, False), (256, True), (4099, True)])
+@pytest.mark.parametrize(
+    "max_size, equal", [(256, False), (64 * 1024, False), (4 << 20, False), (256, True), (4099, True)]
+)
 def test_round_trip_is_bit_exact_for_random_fragments(forced, max_size, equal):
     """Equal sizes take the kernels' computed-column path (staged uploads only the device side)."""
     if forced.mechanism in BLOCK_MECHANISMS:
@@ -143,7 +147,13 @@ def test_descriptor_tables_are_not_reused_while_a_job_may_read_them(mechanism):
     slots = [rng.permutation(2 * n)[:n] + 2 * n * j for j in range(jobs)]  # each job's own device fragments
     for j, slot in enumerate(slots):
         h = host.data_ptr() + j * n * size + np.arange(n, dtype=np.int64) * size
-        backend.copy_batch(device.data_ptr() + slot.astype(np.int64) * size, h, np.full(n, size, dtype=np.int64), Direction.STORE, stream)
+        backend.copy_batch(
+            device.data_ptr() + slot.astype(np.int64) * size,
+            h,
+            np.full(n, size, dtype=np.int64),
+            Direction.STORE,
+            stream,
+        )
     done.record(stream)
     done.synchronize()
     pages = device.cpu().numpy().reshape(-1, size)
@@ -239,10 +249,9 @@ def test_compact_jobs_are_bit_exact(expanding, case):
 def test_compact_canonical_jobs_with_writer_election(expanding, a, b, heads):
     """In the default region directory (/dev/shm): the driver registers its memory, so
     ``expand_direct`` reaches it (a file elsewhere may not be registrable)."""
+    import torch
     from test_canonical import load_all, store_all
     from tp_ranks import full_model, rank_kv
-
-    import torch
 
     full = full_model(heads)
     bpc, num_host = 2, 8

@@ -118,9 +118,9 @@ def test_missing_driver_library_is_an_os_error(monkeypatch):
 
 
 def test_probe_explains_a_machine_without_cuda():
-    from offload_core.backends.cuda import CudaBackend
-
     import torch
+
+    from offload_core.backends.cuda import CudaBackend
 
     reason = CudaBackend.probe()
     if torch.cuda.is_available():
@@ -183,7 +183,9 @@ def test_host_time_of_the_batch_call_counts():
     """32 KiB pages: the link takes 0.6 us a copy and the batch call 0.4 us of host time on top: staging wins."""
     model = CostModel()
     n = 4096
-    copies = n * max(model.ce_desc_s["store"], 32768 / (model.ce_gbps["store"] * 1e9) + model.ce_tail_s) + model.launch_s
+    copies = (
+        n * max(model.ce_desc_s["store"], 32768 / (model.ce_gbps["store"] * 1e9) + model.ce_tail_s) + model.launch_s
+    )
     assert model.estimate("ce_batch", "store", n, n * 32768) == pytest.approx(copies + n * model.ce_host_s)
     assert model.choose("store", n, n * 32768, MECHANISMS, runs=64) == "staged"
     assert model.choose("store", 64, 64 * (2 << 20), MECHANISMS, runs=64) == "ce_batch"
@@ -287,7 +289,11 @@ def _read(address, count):
 
 
 @settings(max_examples=60, deadline=None)
-@given(jobs=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 3), st.integers(0, 300), st.booleans()), min_size=1, max_size=40))
+@given(
+    jobs=st.lists(
+        st.tuples(st.integers(1, 300), st.integers(1, 3), st.integers(0, 300), st.booleans()), min_size=1, max_size=40
+    )
+)
 def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
     from offload_core.backends.cuda.ring import DescriptorRing
 
@@ -300,7 +306,9 @@ def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
         tables, keep = ring.upload(columns, stream, split)
         parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
         assert len(tables) == len(parts)
-        expect = [(tables[p] + 8 * c * (b - a), col[a:b]) for p, (a, b) in enumerate(parts) for c, col in enumerate(columns)]
+        expect = [
+            (tables[p] + 8 * c * (b - a), col[a:b]) for p, (a, b) in enumerate(parts) for c, col in enumerate(columns)
+        ]
         event = FakeEvent()
         ring.retire(event)
         pending.append((event, expect, keep))
@@ -350,6 +358,7 @@ class FakeCompiled:
             if self.fail:
                 raise TypeError("launcher of another Triton")
             self.calls.append((grid, args, stream))
+
         return runner
 
 
@@ -363,6 +372,7 @@ class FakeKernel:
         def launch(*args, **constexprs):
             self.calls.append((grid, args, constexprs))
             return self.compiled
+
         return launch
 
 
@@ -483,10 +493,16 @@ def test_availability_comes_from_the_table(monkeypatch):
     backend = host_only_backend(monkeypatch, FakeLib(with_batch=False), triton=False)
     assert backend.available_mechanisms == ("ce_loop",)
     assert "12.8" in backend.why_unavailable("ce_batch")
-    assert all("triton" in backend.why_unavailable(m) for m in ("staged", "sm_gather", "expand_staged", "expand_direct"))
+    assert all(
+        "triton" in backend.why_unavailable(m) for m in ("staged", "sm_gather", "expand_staged", "expand_direct")
+    )
     assert backend.why_unavailable("nosuch") == (
-        "unknown mechanism; choose one of ce_batch, staged, sm_gather, ce_loop, expand_staged, expand_direct or auto")
-    assert host_only_backend(monkeypatch, FakeLib()).available_mechanisms == MECHANISMS + ("expand_staged", "expand_direct")
+        "unknown mechanism; choose one of ce_batch, staged, sm_gather, ce_loop, expand_staged, expand_direct or auto"
+    )
+    assert host_only_backend(monkeypatch, FakeLib()).available_mechanisms == MECHANISMS + (
+        "expand_staged",
+        "expand_direct",
+    )
 
 
 def test_auto_weighs_the_available_batch_mechanisms_a_fallback_only_without_its_original(monkeypatch):
@@ -522,15 +538,22 @@ def test_enqueue_with_runs_one_mechanism_and_leaves_the_backends_alone(monkeypat
     (call,) = lib.calls
     assert call[0] == "batch" and call[4] == drv.SRC_ACCESS_ORDER_STREAM
     # a compact-job mechanism takes a bare batch as auto
-    assert host_only_backend(monkeypatch, lib, cost=Weigh("ce_loop")).enqueue_with(
-        "expand_staged", src, dst, sizes, Direction.LOAD, stream) == "ce_loop"
+    assert (
+        host_only_backend(monkeypatch, lib, cost=Weigh("ce_loop")).enqueue_with(
+            "expand_staged", src, dst, sizes, Direction.LOAD, stream
+        )
+        == "ce_loop"
+    )
 
 
-@pytest.mark.parametrize("mechanism, message", [
-    ("nosuch", "cuda mechanism 'nosuch' cannot be used: unknown mechanism"),
-    ("ce_batch", "cuda mechanism 'ce_batch' cannot be used: the driver has no cuMemcpyBatchAsync"),
-    ("sm_gather", "sm_gather needs host memory from alloc_host or pin_host_memory"),
-])
+@pytest.mark.parametrize(
+    "mechanism, message",
+    [
+        ("nosuch", "cuda mechanism 'nosuch' cannot be used: unknown mechanism"),
+        ("ce_batch", "cuda mechanism 'ce_batch' cannot be used: the driver has no cuMemcpyBatchAsync"),
+        ("sm_gather", "sm_gather needs host memory from alloc_host or pin_host_memory"),
+    ],
+)
 def test_enqueue_with_refuses_what_cannot_run_before_enqueueing(monkeypatch, mechanism, message):
     lib = FakeLib(with_batch=mechanism != "ce_batch")
     backend = host_only_backend(monkeypatch, lib)

@@ -101,8 +101,16 @@ def test_plan_moves_the_same_bytes_as_the_reference(case):
     expected_dev, expected_host = model.snapshot()
     gaps = model.gaps()
     reference_transfer(
-        direction, expected_dev, expected_host, model.offsets, model.group_refs, model.bpc,
-        device.block_ids, device.group_sizes, device.block_indices, host.block_ids,
+        direction,
+        expected_dev,
+        expected_host,
+        model.offsets,
+        model.group_refs,
+        model.bpc,
+        device.block_ids,
+        device.group_sizes,
+        device.block_indices,
+        host.block_ids,
     )
     batch = Planner(model.geometry).plan(direction, device, host)
 
@@ -111,8 +119,10 @@ def test_plan_moves_the_same_bytes_as_the_reference(case):
         assert n > 0 and inside(s, n, spans) and inside(d, n, spans)
     order = np.argsort(batch.dst, kind="stable")
     assert np.all(batch.dst[order][1:] >= (batch.dst + batch.sizes)[order][:-1]), "destinations overlap"
-    assert batch.nbytes == int(batch.sizes.sum()) == sum(
-        n * sum(c for _, c in refs) for n, refs in zip(device.group_sizes, model.group_refs)
+    assert (
+        batch.nbytes
+        == int(batch.sizes.sum())
+        == sum(n * sum(c for _, c in refs) for n, refs in zip(device.group_sizes, model.group_refs))
     )
 
     execute(batch)
@@ -139,8 +149,13 @@ def test_block_merging_finds_the_runs_within_each_ref(case):
 def test_worked_example_from_vllm_load():
     """bpc 4, group 0 over two 32 KiB tensors starting mid-chunk, group 1 a 16 KiB window."""
     kib = 1024
-    model = Model([32 * kib, 32 * kib, 16 * kib], [[(0, 32 * kib), (1, 32 * kib)], [(2, 16 * kib)]], 4,
-                  device_blocks=302, host_blocks=56)
+    model = Model(
+        [32 * kib, 32 * kib, 16 * kib],
+        [[(0, 32 * kib), (1, 32 * kib)], [(2, 16 * kib)]],
+        4,
+        device_blocks=302,
+        host_blocks=56,
+    )
     device = DeviceBlocks([105, 9, 33, 34, 71, 72, 300, 301], group_sizes=(6, 2), block_indices=(6, 10))
     host = HostBlocks([40, 17, 55])
     planner = Planner(model.geometry)
@@ -151,7 +166,11 @@ def test_worked_example_from_vllm_load():
     assert len(batch) == 9
     row = model.host.shape[1]
     first = model.host.ctypes.data + 40 * row + 2 * 32 * kib
-    assert (batch.src[0], batch.dst[0], batch.sizes[0]) == (first, model.device[0].ctypes.data + 105 * 32 * kib, 32 * kib)
+    assert (batch.src[0], batch.dst[0], batch.sizes[0]) == (
+        first,
+        model.device[0].ctypes.data + 105 * 32 * kib,
+        32 * kib,
+    )
 
 
 def test_contiguous_blocks_of_one_tensor_become_one_copy():
@@ -239,8 +258,9 @@ def canonical_transfers(draw):
     tokens = draw(st.integers(1, 3))
     head_bytes = draw(st.sampled_from([2, 8]))
     layout = draw(st.sampled_from([("NHD", None), ("HND", "split"), ("NHD", "packed")]))
-    maps = attention_mappings(total_kv_heads=heads, tp_size=tp_size, block_tokens=tokens, head_bytes=head_bytes,
-                              order=layout[0], kv=layout[1])
+    maps = attention_mappings(
+        total_kv_heads=heads, tp_size=tp_size, block_tokens=tokens, head_bytes=head_bytes, order=layout[0], kv=layout[1]
+    )
     mapping = maps[draw(st.integers(0, tp_size - 1))]
     n_tensors = draw(st.integers(1, 3))
     bpc = draw(st.integers(1, 4))
@@ -252,16 +272,27 @@ def canonical_transfers(draw):
     host_ids = draw(st.permutations(range(12)))[:need]
     direction = draw(st.sampled_from(list(Direction)))
     gap = draw(st.sampled_from([0, 3, 16]))  # device rows a pitch apart
-    model = Model([local] * n_tensors, [[(t, local, mapping) for t in range(n_tensors)]], bpc, seed=draw(st.integers(0, 99)),
-                  gaps=[gap] * n_tensors)
+    model = Model(
+        [local] * n_tensors,
+        [[(t, local, mapping) for t in range(n_tensors)]],
+        bpc,
+        seed=draw(st.integers(0, 99)),
+        gaps=[gap] * n_tensors,
+    )
     # host pages are canonical: rebuild the host side of the geometry
     model.host = np.random.default_rng(1).integers(0, 256, (12, canon * bpc * n_tensors), dtype=np.uint8)
     model.offsets = [t * canon * bpc for t in range(n_tensors)]
     model.geometry = Geometry(
-        device_base=[a.ctypes.data for a in model.device], device_page=[local + gap] * n_tensors,
-        device_blocks=[16] * n_tensors, host_base=model.host.ctypes.data, host_row_bytes=model.host.shape[1],
-        host_offset=model.offsets, host_page=[canon] * n_tensors, host_blocks=12,
-        group_refs=plan_refs(model.group_refs), blocks_per_chunk=bpc,
+        device_base=[a.ctypes.data for a in model.device],
+        device_page=[local + gap] * n_tensors,
+        device_blocks=[16] * n_tensors,
+        host_base=model.host.ctypes.data,
+        host_row_bytes=model.host.shape[1],
+        host_offset=model.offsets,
+        host_page=[canon] * n_tensors,
+        host_blocks=12,
+        group_refs=plan_refs(model.group_refs),
+        blocks_per_chunk=bpc,
     )
     return model, direction, DeviceBlocks(dev_ids, [size], [index]), HostBlocks(host_ids), canon
 
@@ -272,8 +303,16 @@ def test_canonical_plan_matches_the_reference(case):
     expected_dev, expected_host = model.snapshot()
     gaps = model.gaps()
     reference_transfer(
-        direction, expected_dev, expected_host, model.offsets, model.group_refs, model.bpc,
-        device.block_ids, device.group_sizes, device.block_indices, host.block_ids,
+        direction,
+        expected_dev,
+        expected_host,
+        model.offsets,
+        model.group_refs,
+        model.bpc,
+        device.block_ids,
+        device.group_sizes,
+        device.block_indices,
+        host.block_ids,
         host_pages=[canon] * len(model.device),
     )
     batch = Planner(model.geometry).plan(direction, device, host)

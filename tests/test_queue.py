@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from helpers import small_kv
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadError, OffloadWorker
 from offload_core.testing.fake import FakeBackend
-
-from helpers import small_kv
 
 
 @pytest.fixture
@@ -58,8 +57,14 @@ def test_every_job_waits_for_the_compute_stream_then_the_previous_job(worker, fa
     ops = [(op, s) for op, s, *_ in fake.log]
     # per job: wait for compute, start event, copy, end event, all on the job's queue stream
     assert ops == [
-        ("wait_stream", "s0"), ("record", "s0"), ("copy", "s0"), ("record", "s0"),
-        ("wait_stream", "s1"), ("record", "s1"), ("copy", "s1"), ("record", "s1"),
+        ("wait_stream", "s0"),
+        ("record", "s0"),
+        ("copy", "s0"),
+        ("record", "s0"),
+        ("wait_stream", "s1"),
+        ("record", "s1"),
+        ("copy", "s1"),
+        ("record", "s1"),
     ]
     assert {x[2] for x in fake.log if x[0] == "wait_stream"} == {"compute"}
     # one stream per lane (store, load, expedited load): later jobs run behind earlier ones by stream order
@@ -196,8 +201,11 @@ class QueueContract(RuleBasedStateMachine):
     def submit(self, direction, block):
         job = self.next_id
         self.next_id += 1
-        ok = store(self.worker, job, block=block, host=block % 8) if direction == "store" else load(
-            self.worker, job, host=block % 8, block=block)
+        ok = (
+            store(self.worker, job, block=block, host=block % 8)
+            if direction == "store"
+            else load(self.worker, job, host=block % 8, block=block)
+        )
         assert ok
         self.pending[direction].append(job)
 
@@ -231,7 +239,7 @@ class QueueContract(RuleBasedStateMachine):
 
     @invariant()
     def nothing_reported_before_its_end(self):
-        for direction, queue in self.pending.items():
+        for queue in self.pending.values():
             for job in queue:
                 assert self._end_event(job) is not None  # still queued, so still unreported
 

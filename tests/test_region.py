@@ -65,7 +65,9 @@ def held(path):
 
 def python(code: str, timeout=JOIN_S) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter (no torch import unless the code maps a region)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 # ---- layout --------------------------------------------------------------------
@@ -90,7 +92,10 @@ def test_direct_slots_side_by_side_in_page_aligned_rows(tmp_path):
 
 
 def test_canonical_area_and_a_joiner_see_the_same_bytes(tmp_path):
-    with small("c", tmp_path, canonical_bytes=PAGE + 1, rank=3) as a, small("c", tmp_path, canonical_bytes=PAGE + 1) as b:
+    with (
+        small("c", tmp_path, canonical_bytes=PAGE + 1, rank=3) as a,
+        small("c", tmp_path, canonical_bytes=PAGE + 1) as b,
+    ):
         assert (a.slot_offset, a.slot_bytes, a.row_stride, a.canonical) == (0, PAGE + 1, 2 * PAGE, True)
         assert a.is_creator and not b.is_creator and a.generation == b.generation
         a.tensor[1, 5] = 42
@@ -122,7 +127,10 @@ def _other_users(path):
         (lambda p: (os.mkdir(p), os.chmod(p, 0o750)), "mode 0o750"),
         (lambda p: (os.mkdir(p), os.chmod(p, 0o1777)), "mode 0o777"),
         (_other_users, "owned by uid 65534"),
-        (lambda p: (os.mkdir(p.with_name("elsewhere"), 0o700), os.symlink(p.with_name("elsewhere"), p)), "symbolic link"),
+        (
+            lambda p: (os.mkdir(p.with_name("elsewhere"), 0o700), os.symlink(p.with_name("elsewhere"), p)),
+            "symbolic link",
+        ),
         (lambda p: write_file(p), "not a directory"),
     ],
     ids=["group-readable", "world-writable", "other-owner", "symlink", "file"],
@@ -241,7 +249,10 @@ def test_a_file_left_by_a_creator_that_died_while_creating_is_reclaimed_at_once(
 def test_a_creator_that_dies_before_its_header_is_reclaimed_while_a_joiner_waits(tmp_path):
     path = tmp_path / "mid.shm"
     child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import fcntl, os, time
             fd = os.open({str(path)!r}, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -249,8 +260,10 @@ def test_a_creator_that_dies_before_its_header_is_reclaimed_while_a_joiner_waits
             print("ready", flush=True)
             time.sleep(0.3)
             os._exit(1)  # dies mid-initialisation: no header
-        """)],
-        stdout=subprocess.PIPE, text=True,
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert child.stdout.readline().strip() == "ready"
@@ -409,8 +422,8 @@ def test_temporary_files_of_creators_that_died_are_swept(tmp_path):
 
 def _close_with_views(directory, out):
     import torch
-
     from helpers import small_kv
+
     from offload_core import OffloadWorker
 
     seen = []
@@ -475,7 +488,9 @@ def test_a_full_tmpfs_is_a_region_error_not_sigbus(tmp_path):
     """v1 sized the file sparsely and touched its pages: SIGBUS on a full tmpfs, the file left behind."""
     mount = tmp_path / "small"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
     try:
@@ -590,8 +605,10 @@ def test_a_region_nobody_holds_is_removed_when_another_is_made(tmp_path):
     import subprocess
     import sys
 
-    crash = ("import os, sys; from offload_core import SharedHostRegion; "
-             "SharedHostRegion('crashed', num_blocks=2, slot_bytes=[4096], directory=sys.argv[1]); os._exit(0)")
+    crash = (
+        "import os, sys; from offload_core import SharedHostRegion; "
+        "SharedHostRegion('crashed', num_blocks=2, slot_bytes=[4096], directory=sys.argv[1]); os._exit(0)"
+    )
     subprocess.run([sys.executable, "-c", crash, str(tmp_path)], check=True)
     assert (tmp_path / "crashed.shm").exists()
     live = SharedHostRegion("live", num_blocks=2, slot_bytes=[4096], directory=tmp_path)

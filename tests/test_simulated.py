@@ -8,20 +8,21 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import small_kv
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadWorker, get_backend
 from offload_core.backends.npu import AclMemcpyBatchAttr, ascend_kv_caches
 from offload_core.testing import simulated
 from offload_core.testing.conformance import BackendConformance
 
-from helpers import small_kv
-
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 @pytest.fixture(params=["acl_batch", "swap_blocks_batch", "acl_loop"])
 def sim_npu(request):
-    with simulated.npu(with_batch=request.param == "acl_batch", with_operator=request.param == "swap_blocks_batch") as acl:
+    with simulated.npu(
+        with_batch=request.param == "acl_batch", with_operator=request.param == "swap_blocks_batch"
+    ) as acl:
         backend = get_backend("npu")
         assert backend.mechanism == request.param
         assert isinstance(backend, simulated.SimulatedNpuBackend) and backend.runtime is acl.runtime
@@ -81,8 +82,9 @@ def test_npu_refuses_pageable_host_memory(sim_npu):
     pageable = torch.zeros(4096, dtype=torch.uint8)  # not from alloc_host: not page-locked
     one = np.ones(1, dtype=np.int64)
     with pytest.raises(RuntimeError, match="aclError 507899|not page-locked"):
-        backend.copy_batch(one * device.data_ptr(), one * pageable.data_ptr(), one * 64, Direction.STORE,
-                           backend.new_stream())
+        backend.copy_batch(
+            one * device.data_ptr(), one * pageable.data_ptr(), one * 64, Direction.STORE, backend.new_stream()
+        )
 
 
 @pytest.mark.npu
@@ -90,6 +92,7 @@ def test_npu_store_waits_for_the_compute_stream(sim_npu):
     backend, _ = sim_npu
     kv = small_kv(blocks=8)
     with OffloadWorker(kv, 4, backend=backend) as worker:
+
         def kernel():
             time.sleep(0.05)
             kv.tensors[0].tensor[5] = 3
@@ -140,7 +143,9 @@ def test_xpu_needs_registered_memory(sim_xpu):
     host = backend.alloc_host(64)
     one = np.ones(1, dtype=np.int64)
     with pytest.raises(ValueError, match="registered"):
-        backend.copy_batch(one * stray.data_ptr(), one * host.data_ptr(), one * 8, Direction.STORE, backend.new_stream())
+        backend.copy_batch(
+            one * stray.data_ptr(), one * host.data_ptr(), one * 8, Direction.STORE, backend.new_stream()
+        )
 
 
 @pytest.mark.xpu
@@ -159,7 +164,9 @@ def test_xpu_holds_registered_memory_weakly(sim_xpu):
     assert gone() is None
     host = backend.alloc_host(64)
     one = np.ones(1, dtype=np.int64)
-    backend.copy_batch(one * host.data_ptr(), one * (host.data_ptr() + 32), one * 8, Direction.STORE, backend.new_stream())
+    backend.copy_batch(
+        one * host.data_ptr(), one * (host.data_ptr() + 32), one * 8, Direction.STORE, backend.new_stream()
+    )
 
 
 @pytest.mark.xpu

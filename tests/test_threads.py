@@ -11,10 +11,9 @@ import threading
 import numpy as np
 import pytest
 import torch
+from helpers import small_kv
 
 from offload_core import DeviceBlocks, HostBlocks, InvalidSpecError, OffloadError, OffloadWorker, get_backend, registry
-
-from helpers import small_kv
 
 HERE = pathlib.Path(__file__).parent
 
@@ -32,7 +31,9 @@ HERE = pathlib.Path(__file__).parent
         "submits_after_the_main_thread_ended",
     ],
 )
-@pytest.mark.parametrize("name", [pytest.param("cpu", marks=pytest.mark.cpu), pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(
+    "name", [pytest.param("cpu", marks=pytest.mark.cpu), pytest.param("cuda", marks=pytest.mark.cuda)]
+)
 def test_memory_outlives_the_copies_that_touch_it(case, name):
     reason = registry.availability()[name]
     if reason is not None:
@@ -174,8 +175,16 @@ def test_one_planner_from_several_threads():
 
     planner = Planner(
         Geometry(
-            device_base=[1 << 40], device_page=[64], device_blocks=[8192], host_base=1 << 44, host_row_bytes=64 * 4,
-            host_offset=[0], host_page=[64], host_blocks=4096, group_refs=[[PlanRef(0, 64)]], blocks_per_chunk=4,
+            device_base=[1 << 40],
+            device_page=[64],
+            device_blocks=[8192],
+            host_base=1 << 44,
+            host_row_bytes=64 * 4,
+            host_offset=[0],
+            host_page=[64],
+            host_blocks=4096,
+            group_refs=[[PlanRef(0, 64)]],
+            blocks_per_chunk=4,
         )
     )
 

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import small_kv
 
 import offload_core.backends
 from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadWorker
@@ -22,8 +23,6 @@ from offload_core.backends.torch_device import TorchDeviceBackend, TorchRuntime
 from offload_core.backends.xpu import StreamCopier, XpuBackend
 from offload_core.testing import simulated
 from offload_core.testing.conformance import BackendConformance
-
-from helpers import small_kv
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -120,8 +119,15 @@ def test_the_injected_runtime_serves_every_member():
     event.record(stream)
     backend.synchronize()
     assert torch.equal(host, device)
-    assert runtime.calls == ["torch_device(1)", "Stream(1)", "Event(True)", "current_stream(1)", "alloc_pinned(64)",
-                             "set_device(1)", "synchronize(1)"]
+    assert runtime.calls == [
+        "torch_device(1)",
+        "Stream(1)",
+        "Event(True)",
+        "current_stream(1)",
+        "alloc_pinned(64)",
+        "set_device(1)",
+        "synchronize(1)",
+    ]
 
 
 def test_torch_runtime_wraps_the_torch_module():
@@ -131,7 +137,7 @@ def test_torch_runtime_wraps_the_torch_module():
     assert runtime.is_pinned(torch.zeros(4)) is False
     assert copy.copy(runtime).module is torch.cuda  # no recursion through __getattr__
     with pytest.raises(AttributeError):
-        runtime.no_such_member
+        _ = runtime.no_such_member
     with pytest.raises(AttributeError, match="torch.no_such_module"):
         TorchRuntime("no_such_module")
 

@@ -18,7 +18,10 @@ import torch
 
 if os.environ.get("OFFLOAD_CORE_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401  (fails loudly: CI requires the vLLM tests)
-vllm_offload = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed (pip install offload-core[vllm-test] and vllm==0.33.0 --no-deps)")
+vllm_offload = pytest.importorskip(
+    "vllm.v1.kv_offload.base",
+    reason="vLLM is not installed (pip install offload-core[vllm-test] and vllm==0.33.0 --no-deps)",
+)
 
 from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheRef,
@@ -48,8 +51,17 @@ def device(request):
     return torch.device(request.param)
 
 
-def offloading_config(*, blocks_per_chunk=1, cpu_bytes=1 << 20, kv_bytes_per_block=4096, world_size=1, rank=0,
-                      replicated=False, canonical=False, extra=None) -> OffloadingConfig:
+def offloading_config(
+    *,
+    blocks_per_chunk=1,
+    cpu_bytes=1 << 20,
+    kv_bytes_per_block=4096,
+    world_size=1,
+    rank=0,
+    replicated=False,
+    canonical=False,
+    extra=None,
+) -> OffloadingConfig:
     """As vLLM's tests build one (tests/v1/kv_offload/conftest.py::make_offloading_config)."""
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("layer",), 0),),
@@ -60,8 +72,16 @@ def offloading_config(*, blocks_per_chunk=1, cpu_bytes=1 << 20, kv_bytes_per_blo
         model=OffloadingModelConfig(name="test-model", dtype="float16", max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
-            rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False,
+            rank=rank,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
         ),
         replicated_layout=replicated,
         canonical_layout=canonical,
@@ -80,15 +100,24 @@ def to_vllm(kv) -> CanonicalKVCaches:
     from vllm.v1.kv_offload.base import CanonicalPageMapping, CopyRun
 
     def mapping(m):
-        runs = tuple(CopyRun(r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments, r.local_stride,
-                             r.canonical_stride) for r in m.runs)
-        return CanonicalPageMapping(m.canonical_page_size_bytes, m.local_page_size_bytes, runs, m.num_writers,
-                                    m.writer_index, True)
+        runs = tuple(
+            CopyRun(
+                r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments, r.local_stride, r.canonical_stride
+            )
+            for r in m.runs
+        )
+        return CanonicalPageMapping(
+            m.canonical_page_size_bytes, m.local_page_size_bytes, runs, m.num_writers, m.writer_index, True
+        )
 
-    tensors = [CanonicalKVCacheTensor(t.tensor.reshape(t.num_blocks, -1).view(torch.int8), t.page_size_bytes)
-               for t in kv.tensors]
-    refs = [[CanonicalKVCacheRef(r.tensor_idx, r.page_size_bytes, mapping(r.mapping) if r.mapping else None) for r in g]
-            for g in kv.group_refs]
+    tensors = [
+        CanonicalKVCacheTensor(t.tensor.reshape(t.num_blocks, -1).view(torch.int8), t.page_size_bytes)
+        for t in kv.tensors
+    ]
+    refs = [
+        [CanonicalKVCacheRef(r.tensor_idx, r.page_size_bytes, mapping(r.mapping) if r.mapping else None) for r in g]
+        for g in kv.group_refs
+    ]
     return CanonicalKVCaches(tensors, refs)
 
 
@@ -103,19 +132,27 @@ def test_canonical_blocks_stored_at_tp2_load_at_tp1(device):
     engine = f"canon-{os.getpid()}-{device.type}"
 
     def spec(tp, rank):
-        cfg = offloading_config(world_size=tp, rank=rank, canonical=True, kv_bytes_per_block=n * page // tp,
-                                cpu_bytes=8 * chunk)
+        cfg = offloading_config(
+            world_size=tp, rank=rank, canonical=True, kv_bytes_per_block=n * page // tp, cpu_bytes=8 * chunk
+        )
         return OffloadingSpecFactory.create_spec(dataclasses.replace(cfg, engine_id=engine))
 
-    check_tp2_stores_tp1_loads(lambda kv, tp, rank: spec(tp, rank).get_worker(kv), to_vllm,
-                               lambda ids, sizes, indices: GPULoadStoreSpec(ids, sizes, indices), CPULoadStoreSpec, device)
+    check_tp2_stores_tp1_loads(
+        lambda kv, tp, rank: spec(tp, rank).get_worker(kv),
+        to_vllm,
+        lambda ids, sizes, indices: GPULoadStoreSpec(ids, sizes, indices),
+        CPULoadStoreSpec,
+        device,
+    )
 
 
 def test_a_canonical_layout_needs_vllm_certified_refs():
     from offload_core import InvalidSpecError
 
     tensors, _, _ = kv("cpu", [256], 16)
-    cfg = dataclasses.replace(offloading_config(canonical=True, kv_bytes_per_block=256), engine_id=f"uncert-{os.getpid()}")
+    cfg = dataclasses.replace(
+        offloading_config(canonical=True, kv_bytes_per_block=256), engine_id=f"uncert-{os.getpid()}"
+    )
     with pytest.raises(InvalidSpecError, match="could not certify .* remove canonical_layout"):
         OffloadingSpecFactory.create_spec(cfg).get_worker(CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 256)]]))
 
@@ -127,8 +164,10 @@ def test_replicated_ranks_share_one_region_rank_0_stores_all_load(device):
     engine = f"test-{os.getpid()}-{device.type}"
     specs, workers, tensors = [], [], []
     for rank in range(2):
-        cfg = dataclasses.replace(offloading_config(world_size=2, rank=rank, replicated=True, kv_bytes_per_block=768,
-                                                    cpu_bytes=8 * 4096), engine_id=engine)
+        cfg = dataclasses.replace(
+            offloading_config(world_size=2, rank=rank, replicated=True, kv_bytes_per_block=768, cpu_bytes=8 * 4096),
+            engine_id=engine,
+        )
         spec = OffloadingSpecFactory.create_spec(cfg)
         assert spec.replicated_layout is True and spec.num_chunks == 8  # sized for one copy
         t, _, _ = kv(device, pages, blocks, seed=0)  # replicas hold the same KV
@@ -167,7 +206,9 @@ def spec_worker(device, tensors, group_refs, chunks, bpc, extra=None):
     per_block = sum(t.page_size_bytes for t in tensors)
     chunk_bytes = -(-per_block * bpc // 4096) * 4096  # vLLM rounds chunks up to the page size
     spec = OffloadingSpecFactory.create_spec(
-        offloading_config(blocks_per_chunk=bpc, cpu_bytes=chunks * chunk_bytes, kv_bytes_per_block=per_block, extra=extra)
+        offloading_config(
+            blocks_per_chunk=bpc, cpu_bytes=chunks * chunk_bytes, kv_bytes_per_block=per_block, extra=extra
+        )
     )
     assert spec.num_chunks == chunks
     worker = spec.get_worker(CanonicalKVCaches(tensors, group_refs))
@@ -239,9 +280,11 @@ def test_transfer_multi_group_with_an_empty_group(device):
     bpc, blocks, chunks = 3, 32, 16
     pages = [256, 256, 512, 512, 128, 128]
     tensors, _, _ = kv(device, pages, blocks, seed=3)
-    refs = [[CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(1, 256)],
-            [CanonicalKVCacheRef(2, 512), CanonicalKVCacheRef(3, 512)],
-            [CanonicalKVCacheRef(4, 128), CanonicalKVCacheRef(5, 100)]]
+    refs = [
+        [CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(1, 256)],
+        [CanonicalKVCacheRef(2, 512), CanonicalKVCacheRef(3, 512)],
+        [CanonicalKVCacheRef(4, 128), CanonicalKVCacheRef(5, 100)],
+    ]
     worker = spec_worker(device, tensors, refs, chunks, bpc)
     sizes, indices = [6, 0, 4], [0, 0, bpc - 1]
     gpu = [1, 2, 3, 4, 5, 6, 10, 11, 12, 13]
@@ -315,17 +358,28 @@ def test_vllm_connector_worker_end_to_end(device):
     page = attn.page_size_bytes
     kv_cache_config = KVCacheConfig(
         num_blocks=blocks,
-        kv_cache_tensors=[KVCacheTensor(size=blocks * page, layers=[n], layer_stride=0, block_stride=page) for n in layers],
+        kv_cache_tensors=[
+            KVCacheTensor(size=blocks * page, layers=[n], layer_stride=0, block_stride=page) for n in layers
+        ],
         kv_cache_groups=[KVCacheGroupSpec(layer_names=list(layers), kv_cache_spec=attn)],
     )
-    caches = {n: torch.zeros(blocks, 2, block_size, heads, head_size, dtype=torch.float16, device=device) for n in layers}
-    config = dataclasses_replace_groups(offloading_config(cpu_bytes=4 * page * len(layers), kv_bytes_per_block=page * len(layers)),
-                                        OffloadingGroupConfig(block_size, tuple(layers), 0))
+    caches = {
+        n: torch.zeros(blocks, 2, block_size, heads, head_size, dtype=torch.float16, device=device) for n in layers
+    }
+    config = dataclasses_replace_groups(
+        offloading_config(cpu_bytes=4 * page * len(layers), kv_bytes_per_block=page * len(layers)),
+        OffloadingGroupConfig(block_size, tuple(layers), 0),
+    )
     spec = OffloadingSpecFactory.create_spec(config)
     vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, prefill_context_parallel_size=1,
-                                        decode_context_parallel_size=1, world_size=1, rank=0,
-                                        cp_kv_cache_interleave_size=1),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=1,
+            prefill_context_parallel_size=1,
+            decode_context_parallel_size=1,
+            world_size=1,
+            rank=0,
+            cp_kv_cache_interleave_size=1,
+        ),
         model_config=SimpleNamespace(get_total_num_kv_heads=lambda: heads),
     )
     connector = OffloadingConnectorWorker(spec, vllm_config, kv_cache_config)
@@ -335,8 +389,16 @@ def test_vllm_connector_worker_end_to_end(device):
     for n in layers:
         caches[n][[3, 5]] = torch.randn(2, 2, block_size, heads, head_size, dtype=torch.float16, device=device)
     stored = {n: caches[n][[3, 5]].clone() for n in layers}
-    connector.prepare_store_kv(OffloadingConnectorMetadata(load_jobs={}, store_jobs={
-        1: TransferJob("req-A", GPULoadStoreSpec([3, 5], group_sizes=(2,), block_indices=(0,)), CPULoadStoreSpec([0, 1]))}))
+    connector.prepare_store_kv(
+        OffloadingConnectorMetadata(
+            load_jobs={},
+            store_jobs={
+                1: TransferJob(
+                    "req-A", GPULoadStoreSpec([3, 5], group_sizes=(2,), block_indices=(0,)), CPULoadStoreSpec([0, 1])
+                )
+            },
+        )
+    )
     assert connector.worker.worker.stats()["store"].jobs == 0  # deferred to the next step
     connector.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={}, store_jobs={}))
     connector.worker.wait({1})
@@ -345,11 +407,22 @@ def test_vllm_connector_worker_end_to_end(device):
     assert meta.completed_jobs == {1: 1}
     for n in layers:
         caches[n].zero_()
-    connector.start_kv_transfers(OffloadingConnectorMetadata(store_jobs={}, load_jobs={
-        2: TransferJob("req-B", CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([6, 7], group_sizes=(2,), block_indices=(0,))),
-        3: TransferJob("req-C", CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([1, 2], group_sizes=(2,), block_indices=(0,)),
-                       sync=True),
-    }))
+    connector.start_kv_transfers(
+        OffloadingConnectorMetadata(
+            store_jobs={},
+            load_jobs={
+                2: TransferJob(
+                    "req-B", CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([6, 7], group_sizes=(2,), block_indices=(0,))
+                ),
+                3: TransferJob(
+                    "req-C",
+                    CPULoadStoreSpec([0, 1]),
+                    GPULoadStoreSpec([1, 2], group_sizes=(2,), block_indices=(0,)),
+                    sync=True,
+                ),
+            },
+        )
+    )
     assert connector.worker.worker.stats()["expedited_load"].jobs == 1  # the synchronous load
     connector.worker.wait({2, 3})
     assert connector.get_finished(set()) == (set(), {"req-B"})

@@ -10,11 +10,10 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 import torch
+from tp_ranks import check_tp2_stores_tp1_loads
 
 from offload_core import InvalidSpecError, get_backend, registry
 from offload_core.integrations.vllm_convert import WorkerAdapter
-
-from tp_ranks import check_tp2_stores_tp1_loads
 
 
 @pytest.fixture(params=[pytest.param(n, marks=getattr(pytest.mark, n)) for n in ("cpu", "cuda", "npu", "xpu")])
@@ -42,8 +41,10 @@ def test_groups_strided_rows_and_expedited_loads(backend):
     gen = torch.Generator().manual_seed(7)
     backing = [torch.randint(-128, 128, (blocks, p + gap), dtype=torch.int8, generator=gen).to(device) for p in pages]
     tensors = [NS(tensor=b[:, :p], page_size_bytes=p) for b, p in zip(backing, pages)]
-    refs = [[NS(tensor_idx=0, page_size_bytes=256, mapping=None), NS(tensor_idx=1, page_size_bytes=500, mapping=None)],
-            [NS(tensor_idx=2, page_size_bytes=128, mapping=None)]]
+    refs = [
+        [NS(tensor_idx=0, page_size_bytes=256, mapping=None), NS(tensor_idx=1, page_size_bytes=500, mapping=None)],
+        [NS(tensor_idx=2, page_size_bytes=128, mapping=None)],
+    ]
     worker = WorkerAdapter(NS(tensors=tensors, group_data_refs=refs), 8, bpc, backend=name)
     before = [b.cpu().clone() for b in backing]
     src, dst, sizes, indices, chunks = [3, 5, 7, 9], [13, 15, 17, 19], [4, 0], [2, 0], [6, 1]
@@ -70,10 +71,16 @@ def test_canonical_pages_through_a_shared_region(backend):
     name = f"convert-{os.getpid()}-{backend_name}"
 
     def vllm_like(kv):
-        return NS(tensors=[NS(tensor=t.tensor.reshape(t.num_blocks, -1).view(torch.int8), page_size_bytes=t.page_size_bytes)
-                           for t in kv.tensors],
-                  group_data_refs=[[NS(tensor_idx=r.tensor_idx, page_size_bytes=r.page_size_bytes, mapping=r.mapping)
-                                    for r in g] for g in kv.group_refs])
+        return NS(
+            tensors=[
+                NS(tensor=t.tensor.reshape(t.num_blocks, -1).view(torch.int8), page_size_bytes=t.page_size_bytes)
+                for t in kv.tensors
+            ],
+            group_data_refs=[
+                [NS(tensor_idx=r.tensor_idx, page_size_bytes=r.page_size_bytes, mapping=r.mapping) for r in g]
+                for g in kv.group_refs
+            ],
+        )
 
     def make(kv, tp, rank):
         return WorkerAdapter(kv, 8, backend=backend_name, shared_region=name, canonical=True, rank=rank)

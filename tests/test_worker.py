@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import small_kv, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,15 +17,14 @@ from offload_core import (
     HostBlocks,
     InvalidSpecError,
     KVCacheRef,
-    OffloadError,
     KVCaches,
     KVCacheTensor,
+    OffloadError,
     OffloadWorker,
     get_backend,
 )
 from offload_core.testing.reference import reference_transfer
 
-from helpers import small_kv, snapshot
 
 def host_rows(worker):
     return torch.cat(worker.host_tensors, dim=1).view(torch.uint8).numpy().copy()
@@ -37,7 +37,9 @@ def round_trips(draw):
     copy = [draw(st.integers(1, p)) for p in pages]
     bpc = draw(st.integers(1, 4))
     n_groups = draw(st.integers(1, 2))
-    groups = [draw(st.lists(st.integers(0, n_tensors - 1), min_size=1, max_size=3, unique=True)) for _ in range(n_groups)]
+    groups = [
+        draw(st.lists(st.integers(0, n_tensors - 1), min_size=1, max_size=3, unique=True)) for _ in range(n_groups)
+    ]
     sizes = [draw(st.integers(0, 5)) for _ in groups]
     indices = [draw(st.integers(0, 9)) for _ in groups]
     blocks = 24
@@ -96,6 +98,7 @@ def test_a_store_sees_what_the_compute_stream_writes_before_it(cpu_backend):
     kv = small_kv()
     backend = cpu_backend
     with OffloadWorker(kv, 4, backend=backend) as worker:
+
         def slow_kernel():
             time.sleep(0.05)
             for t in kv.tensors:
@@ -176,9 +179,7 @@ def test_invalid_specs_raise_and_move_nothing(backend, direction, a, b, message)
         assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([0]))  # still usable
 
 
-@pytest.mark.parametrize(
-    "ids, message", [([1.5], "integers"), ([[1]], "1-D"), (np.array([True]), "integers")]
-)
+@pytest.mark.parametrize("ids, message", [([1.5], "integers"), ([[1]], "1-D"), (np.array([True]), "integers")])
 def test_block_ids_must_be_1d_integers(ids, message):
     with pytest.raises(InvalidSpecError, match=message):
         DeviceBlocks(ids)
@@ -211,7 +212,10 @@ def test_ids_may_come_as_lists_arrays_or_tensors():
         (lambda: KVCaches([], [[]]), "at least one tensor"),
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(1, 8)]]), "ref to tensor 1"),
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 33)]]), "page is 32 bytes"),
-        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 8, mapping=object())]]), "CanonicalPageMapping"),
+        (
+            lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 8, mapping=object())]]),
+            "CanonicalPageMapping",
+        ),
         (lambda: OffloadWorker(small_kv(), 0), "num_host_blocks"),
         (lambda: OffloadWorker(small_kv(), 4, blocks_per_chunk=0), "blocks_per_chunk"),
         (lambda: OffloadWorker(small_kv(), None), "num_host_blocks must be a positive integer, got None"),
@@ -219,18 +223,28 @@ def test_ids_may_come_as_lists_arrays_or_tensors():
         (lambda: OffloadWorker(small_kv(), "4"), "num_host_blocks must be a positive integer"),
         (lambda: OffloadWorker(small_kv(), True), "num_host_blocks must be a positive integer, got True"),
         (lambda: OffloadWorker(small_kv(), 4, blocks_per_chunk=1.0), "blocks_per_chunk must be a positive integer"),
-        (lambda: KVCacheTensor(torch.zeros(4, 16, dtype=torch.int8), 16.0), "page_size_bytes must be a positive integer, got 16.0"),
-        (lambda: KVCacheTensor(torch.zeros(4, 16, dtype=torch.int8), -16), "page_size_bytes must be a positive integer"),
+        (
+            lambda: KVCacheTensor(torch.zeros(4, 16, dtype=torch.int8), 16.0),
+            "page_size_bytes must be a positive integer, got 16.0",
+        ),
+        (
+            lambda: KVCacheTensor(torch.zeros(4, 16, dtype=torch.int8), -16),
+            "page_size_bytes must be a positive integer",
+        ),
         (lambda: KVCacheTensor(np.zeros((4, 16), dtype=np.int8), 16), "must be a torch.Tensor, got ndarray"),
         (lambda: KVCacheRef(0, 8.5), "page_size_bytes must be a positive integer, got 8.5"),
         (lambda: KVCacheRef(None, 8), "tensor_idx must be an integer >= 0, got None"),
         (lambda: KVCacheRef(-1, 8), "tensor_idx must be an integer >= 0, got -1"),
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[]]), "group 0 has no refs"),
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 32)], []]), "group 1 has no refs"),
-        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 16), 64)], [[KVCacheRef(0, 64), KVCacheRef(0, 64)]]),
-         "names tensor 0 twice"),
-        (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 16), 64)], [[KVCacheRef(0, 64), KVCacheRef(0, 32)]]),
-         "names tensor 0 twice"),
+        (
+            lambda: KVCaches([KVCacheTensor(torch.zeros(2, 16), 64)], [[KVCacheRef(0, 64), KVCacheRef(0, 64)]]),
+            "names tensor 0 twice",
+        ),
+        (
+            lambda: KVCaches([KVCacheTensor(torch.zeros(2, 16), 64)], [[KVCacheRef(0, 64), KVCacheRef(0, 32)]]),
+            "names tensor 0 twice",
+        ),
         (lambda: KVCaches([torch.zeros(2, 8)], [[KVCacheRef(0, 32)]]), "must be a KVCacheTensor"),
         (lambda: KVCaches(5, [[KVCacheRef(0, 32)]]), "KVCaches.tensors must be a sequence"),
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [5]), r"group_refs\[0\] must be a sequence"),

@@ -45,7 +45,9 @@ def row_bytes(full: list[np.ndarray], bpc: int) -> int:
 
 
 def region(name: str, full, bpc: int, num_host: int, directory: str, rank: int = 0) -> SharedHostRegion:
-    return SharedHostRegion(name, num_blocks=num_host, canonical_bytes=row_bytes(full, bpc), rank=rank, directory=directory)
+    return SharedHostRegion(
+        name, num_blocks=num_host, canonical_bytes=row_bytes(full, bpc), rank=rank, directory=directory
+    )
 
 
 def spawned_rank(name, directory, tp, rank, barrier, store, load, bpc, num_host, heads, result):
@@ -54,12 +56,16 @@ def spawned_rank(name, directory, tp, rank, barrier, store, load, bpc, num_host,
     with region(name, full, bpc, num_host, directory, rank) as reg:
         kv = rank_kv(full, tp, rank)
         fresh = rank_kv(full, tp, rank, empty=True)
-        with OffloadWorker(kv, num_host, blocks_per_chunk=bpc, backend="cpu", canonical_layout=True, host_region=reg) as w:
+        with OffloadWorker(
+            kv, num_host, blocks_per_chunk=bpc, backend="cpu", canonical_layout=True, host_region=reg
+        ) as w:
             w.submit_store(1, DeviceBlocks(store[0]), HostBlocks(store[1]))
             w.wait([1])
             ok = all(r.success for r in w.get_finished())
         barrier.wait(timeout=60)
-        with OffloadWorker(fresh, num_host, blocks_per_chunk=bpc, backend="cpu", canonical_layout=True, host_region=reg) as w:
+        with OffloadWorker(
+            fresh, num_host, blocks_per_chunk=bpc, backend="cpu", canonical_layout=True, host_region=reg
+        ) as w:
             w.submit_load(2, HostBlocks(load[1]), DeviceBlocks(load[0]))
             w.wait([2])
             ok = ok and all(r.success for r in w.get_finished())

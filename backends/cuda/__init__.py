@@ -31,14 +31,18 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from offload_core.backend import Direction
-from offload_core.backends.torch_device import TorchDeviceBackend
 from offload_core.backends.cuda import calibration, kernels, select
 from offload_core.backends.cuda.blocks import BlockCopier
-from offload_core.backends.cuda.driver import ERROR_HOST_MEMORY_ALREADY_REGISTERED, HOST_REGISTER_PORTABLE_DEVICEMAP, Driver
+from offload_core.backends.cuda.driver import (
+    ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+    HOST_REGISTER_PORTABLE_DEVICEMAP,
+    Driver,
+)
 from offload_core.backends.cuda.mechanisms import BLOCK_MECHANISMS, MECHANISMS, TABLE, contenders
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import CostModel
 from offload_core.backends.cuda.staging import PerStream, StagedPair
+from offload_core.backends.torch_device import TorchDeviceBackend
 
 __all__ = ["BLOCK_MECHANISMS", "MECHANISMS", "CudaBackend"]
 
@@ -154,7 +158,11 @@ class CudaBackend(TorchDeviceBackend):
         with self._context():
             code = self.driver.host_register(tensor.data_ptr(), nbytes, HOST_REGISTER_PORTABLE_DEVICEMAP)
         if code not in (0, ERROR_HOST_MEMORY_ALREADY_REGISTERED):
-            log.warning("cuMemHostRegister of %d bytes failed (%s): copies use pageable memory", nbytes, self.driver.error_name(code))
+            log.warning(
+                "cuMemHostRegister of %d bytes failed (%s): copies use pageable memory",
+                nbytes,
+                self.driver.error_name(code),
+            )
             return False
         self._track(tensor)
         return code == 0
@@ -203,8 +211,9 @@ class CudaBackend(TorchDeviceBackend):
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         return self.enqueue_with(self.mechanism, src, dst, sizes, direction, stream)
 
-    def enqueue_with(self, mechanism: str, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction,
-                     stream) -> str:
+    def enqueue_with(
+        self, mechanism: str, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream
+    ) -> str:
         """`copy_batch` by `mechanism` instead of this backend's own, which stays as it is
         (measurements run one mechanism after another while other threads may copy).
 

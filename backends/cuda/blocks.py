@@ -29,10 +29,10 @@ from typing import ClassVar
 import numpy as np
 
 from offload_core.backend import Direction
-from offload_core.compact import CompactJob, CompactLayout
 from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 from offload_core.backends.cuda.staging import PerStream, StagingHalves
+from offload_core.compact import CompactJob, CompactLayout
 
 # Only where segments average under this does the cost model weigh expand_direct: above it the
 # copy engines move a segment at link speed (16 KiB on the H200), so staging always wins.
@@ -64,8 +64,9 @@ class BlockCopier:
     def __init__(self, backend, half_bytes: int):
         self.backend = backend
         self.half_bytes = half_bytes
-        self.staging = PerStream(lambda stream: StagingHalves(backend._torch, backend.device, stream, backend.new_stream(),
-                                                              half_bytes))
+        self.staging = PerStream(
+            lambda stream: StagingHalves(backend._torch, backend.device, stream, backend.new_stream(), half_bytes)
+        )
 
     def prepare(self, layout: CompactLayout) -> Prepared:
         """Upload the layout's tables, and compile the kernel for it in both directions (a
@@ -75,9 +76,19 @@ class BlockCopier:
             prepared = Prepared(b._torch, b.device, layout)
             stream = b._torch.cuda.current_stream(b.device)
             for store in (True, False):
-                kernels.expand(prepared.groups.data_ptr(), 0, prepared.entries.data_ptr(), prepared.entry_count,
-                               prepared.groups.data_ptr(), prepared.group_count, prepared.per_block, store,
-                               layout.largest, stream, 1)
+                kernels.expand(
+                    prepared.groups.data_ptr(),
+                    0,
+                    prepared.entries.data_ptr(),
+                    prepared.entry_count,
+                    prepared.groups.data_ptr(),
+                    prepared.group_count,
+                    prepared.per_block,
+                    store,
+                    layout.largest,
+                    stream,
+                    1,
+                )
         return prepared
 
     def direct_ok(self, prepared: Prepared) -> bool:
@@ -89,7 +100,7 @@ class BlockCopier:
             prepared.direct_ok = span > 0 and self.backend.addressable(np.array([layout.host_base]), np.array([span]))
         return prepared.direct_ok
 
-    def choose(self, job: CompactJob, prepared: Prepared, segments) -> "JobMechanism":
+    def choose(self, job: CompactJob, prepared: Prepared, segments) -> JobMechanism:
         """What the cost model (`select.CostModel.estimate_job`) finds cheaper: ``expand_staged``,
         or ``expand_direct`` where the host rows are addressable and the segments too small
         for the copy engines, or, on loads, mostly small enough that the batch call moves them
@@ -98,21 +109,28 @@ class BlockCopier:
         ``ce_batch`` (host-expanded)."""
         cost, d = self.backend.cost, job.direction.value
         if prepared.layout.row_bytes > self.half_bytes:  # staging cannot hold a row
-            if self.direct_ok(prepared) and (cost.estimate_job("expand_direct", d, job.items, job.nbytes, 0)
-                                             < 0.98 * cost.estimate("ce_batch", d, max(1, job.items), job.nbytes)):
+            if self.direct_ok(prepared) and (
+                cost.estimate_job("expand_direct", d, job.items, job.nbytes, 0)
+                < 0.98 * cost.estimate("ce_batch", d, max(1, job.items), job.nbytes)
+            ):
                 return EXPAND_DIRECT
             return HOST_EXPANDED
         sizes = segments[2]
         # loads: bytes in segments small enough for the batch call to move them through the CPU
         small = int(sizes[sizes <= cost.inline_h2d_bytes].sum()) if job.direction is Direction.LOAD else 0
-        if sizes.size and (job.nbytes < SEGMENT_BYTES * sizes.size or 2 * small >= job.nbytes) and self.direct_ok(prepared):
+        if (
+            sizes.size
+            and (job.nbytes < SEGMENT_BYTES * sizes.size or 2 * small >= job.nbytes)
+            and self.direct_ok(prepared)
+        ):
             staged = cost.estimate_job("expand_staged", d, job.items, job.nbytes, sizes.size, small)
             if cost.estimate_job("expand_direct", d, job.items, job.nbytes, sizes.size) < 0.98 * staged:
                 return EXPAND_DIRECT
         return EXPAND_STAGED
 
-    def copy(self, job: CompactJob, prepared: Prepared, stream, after: list, held: list,
-             forced: "JobMechanism | None" = None) -> str:
+    def copy(
+        self, job: CompactJob, prepared: Prepared, stream, after: list, held: list, forced: JobMechanism | None = None
+    ) -> str:
         """Enqueue `job` on `stream` (the queue's, which waits for `after` already: the compute
         streams' events) by `forced`, or by what `choose` picks; returns the mechanism used."""
         segments = prepared.layout.segments(job) if forced is None or forced.needs_segments else None
@@ -128,9 +146,19 @@ class BlockCopier:
         b = self.backend
         (table,), keep = b._ring.upload(cols, stream)
         held.append(keep)
-        kernels.expand(table, b1 - b0, prepared.entries.data_ptr(), prepared.entry_count, prepared.groups.data_ptr(),
-                       prepared.group_count, prepared.per_block, job.direction is Direction.STORE,
-                       prepared.layout.largest, stream, programs)
+        kernels.expand(
+            table,
+            b1 - b0,
+            prepared.entries.data_ptr(),
+            prepared.entry_count,
+            prepared.groups.data_ptr(),
+            prepared.group_count,
+            prepared.per_block,
+            job.direction is Direction.STORE,
+            prepared.layout.largest,
+            stream,
+            programs,
+        )
 
     @property
     def device_bytes(self) -> int:
@@ -151,8 +179,9 @@ class JobMechanism(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def enqueue_job(self, copier: BlockCopier, job: CompactJob, prepared: Prepared, segments, stream, after: list,
-                    held: list) -> None:
+    def enqueue_job(
+        self, copier: BlockCopier, job: CompactJob, prepared: Prepared, segments, stream, after: list, held: list
+    ) -> None:
         """Enqueue `job` on `stream`, as `BlockCopier.copy` describes; `segments` are the
         layout's (`CompactLayout.segments`) where `needs_segments`, else None.
 
@@ -211,8 +240,10 @@ class ExpandStaged(_Expansion):
         row = prepared.layout.row_bytes
         if row <= copier.half_bytes:
             return None
-        return (f"expand_staged needs a host row ({row} bytes) to fit a staging half ({copier.half_bytes} bytes): "
-                f"raise OFFLOAD_CORE_CUDA_STAGING_MB to at least {-(-row // (1 << 20))}, or let auto choose")
+        return (
+            f"expand_staged needs a host row ({row} bytes) to fit a staging half ({copier.half_bytes} bytes): "
+            f"raise OFFLOAD_CORE_CUDA_STAGING_MB to at least {-(-row // (1 << 20))}, or let auto choose"
+        )
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
         layout, b = prepared.layout, copier.backend
@@ -222,7 +253,9 @@ class ExpandStaged(_Expansion):
         seg_stage, seg_host, seg_sizes = segments
         seg_host = seg_host + layout.host_base
         chunks = job.host_ids.size
-        per_piece = max(1, min(copier.half_bytes // row, MAX_ITEMS // (prepared.per_block * max(1, layout.blocks_per_chunk))))
+        per_piece = max(
+            1, min(copier.half_bytes // row, MAX_ITEMS // (prepared.per_block * max(1, layout.blocks_per_chunk)))
+        )
         cuts = list(range(0, chunks, per_piece)) + [chunks]
         if len(cuts) > 2:  # a segment may run across a cut (consecutive host rows): split it there
             seg_stage, seg_host, seg_sizes = _split(seg_stage, seg_host, seg_sizes, np.array(cuts[1:-1]) * row)
@@ -234,8 +267,8 @@ class ExpandStaged(_Expansion):
             half = st.halves[st.next]
             free = st.free[st.next]
             st.next ^= 1
-            b0, b1 = (np.searchsorted(chunk_of, (j0, j1)).tolist() if len(cuts) > 2 else (0, len(job)))
-            s0, s1 = (np.searchsorted(seg_stage, (j0 * row, j1 * row)).tolist() if len(cuts) > 2 else (0, seg_stage.size))
+            b0, b1 = np.searchsorted(chunk_of, (j0, j1)).tolist() if len(cuts) > 2 else (0, len(job))
+            s0, s1 = np.searchsorted(seg_stage, (j0 * row, j1 * row)).tolist() if len(cuts) > 2 else (0, seg_stage.size)
             stage_addr = seg_stage[s0:s1] + (half - j0 * row)
             rows = (half - j0 * row) + chunk_of[b0:b1] * row
             if store:
@@ -245,14 +278,20 @@ class ExpandStaged(_Expansion):
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if s1 > s0:
-                    held.append(b.driver.memcpy_batch_async(seg_host[s0:s1], stage_addr, seg_sizes[s0:s1],
-                                                            SRC_ACCESS_ORDER_STREAM, stream.cuda_stream))
+                    held.append(
+                        b.driver.memcpy_batch_async(
+                            seg_host[s0:s1], stage_addr, seg_sizes[s0:s1], SRC_ACCESS_ORDER_STREAM, stream.cuda_stream
+                        )
+                    )
                 free.record(stream)
             else:
                 st.side.wait_event(free)  # the scatter that last read this half is done
                 if s1 > s0:
-                    held.append(b.driver.memcpy_batch_async(stage_addr, seg_host[s0:s1], seg_sizes[s0:s1],
-                                                            SRC_ACCESS_ORDER_ANY, st.side.cuda_stream))
+                    held.append(
+                        b.driver.memcpy_batch_async(
+                            stage_addr, seg_host[s0:s1], seg_sizes[s0:s1], SRC_ACCESS_ORDER_ANY, st.side.cuda_stream
+                        )
+                    )
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if b1 > b0:

@@ -71,8 +71,16 @@ def measure_costs(backend) -> CostModel:
             return measure.time_copy(backend, mechanism, src, dst, sizes, direction, busy=True)["event_s"]
 
         whole = measure.time_copy(
-            backend, "ce_batch", *((one * device.data_ptr(), one * host.data_ptr()) if direction is Direction.STORE
-                                   else (one * host.data_ptr(), one * device.data_ptr())), one * span, direction, busy=True
+            backend,
+            "ce_batch",
+            *(
+                (one * device.data_ptr(), one * host.data_ptr())
+                if direction is Direction.STORE
+                else (one * host.data_ptr(), one * device.data_ptr())
+            ),
+            one * span,
+            direction,
+            busy=True,
         )["event_s"]
         model.ce_gbps[d] = span / whole / 1e9
         if "ce_batch" in available:
@@ -97,7 +105,9 @@ def measure_costs(backend) -> CostModel:
         # larger than the staging buffers, the part per piece (`select.piece_bounds`)
         staging_bytes = backend.staging_bytes
         wide = 4096 * min(span // (2 * 4096), 1 << (staging_bytes // 4096).bit_length())
-        small, many, large = (host_s("staged", n, size) for n, size in ((4096, 256), (65536, 256), (4096, wide // 4096)))
+        small, many, large = (
+            host_s("staged", n, size) for n, size in ((4096, 256), (65536, 256), (4096, wide // 4096))
+        )
         per_copy = max(0.0, (many - small) / (65536 - 4096))
         one, more = (1 + len(select.piece_bounds(b, staging_bytes, True)) for b in (4096 * 256, wide))
         per_piece = max(0.0, (large - small) / (more - one)) if more > one else 0.0

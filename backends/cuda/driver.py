@@ -10,7 +10,8 @@ foreign call and no Python object per descriptor. Entry points come from
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -38,9 +39,16 @@ BATCH_ABI_VERSION = 12080
 # CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
 #     CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream)
 MEMCPY_BATCH = ctypes.CFUNCTYPE(
-    CUresult, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-    ctypes.POINTER(CUmemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
-    ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+    CUresult,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.POINTER(CUmemcpyAttributes),
+    ctypes.POINTER(ctypes.c_size_t),
+    ctypes.c_size_t,
+    ctypes.POINTER(ctypes.c_size_t),
+    ctypes.c_void_p,
 )
 # CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream)
 MEMCPY = ctypes.CFUNCTYPE(CUresult, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
@@ -83,7 +91,10 @@ class Driver:
         self._error_name = lib.cuGetErrorName
         try:  # a real CDLL function: declare the prototype once
             self._get_proc.argtypes = [
-                ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                ctypes.c_char_p,
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_int,
+                ctypes.c_uint64,
                 ctypes.POINTER(ctypes.c_int),
             ]
             self._get_proc.restype = CUresult
@@ -103,7 +114,7 @@ class Driver:
             raise OSError("libcuda has no cuMemcpyAsync")
 
     @classmethod
-    def load(cls) -> "Driver":
+    def load(cls) -> Driver:
         """Load the system's libcuda.
 
         Raises:
@@ -154,11 +165,22 @@ class Driver:
             count = min(step, n - start)
             fail.value = 0
             code = self.memcpy_batch(
-                dst.ctypes.data + 8 * start, src.ctypes.data + 8 * start, sizes.ctypes.data + 8 * start, count,
-                ctypes.byref(attrs), ctypes.byref(first), 1, ctypes.byref(fail), stream,
+                dst.ctypes.data + 8 * start,
+                src.ctypes.data + 8 * start,
+                sizes.ctypes.data + 8 * start,
+                count,
+                ctypes.byref(attrs),
+                ctypes.byref(first),
+                1,
+                ctypes.byref(fail),
+                stream,
             )
             if code != 0:
-                where = f"at index {start + fail.value} of {n}" if fail.value < count else f"in copies {start}..{start + count - 1}"
+                where = (
+                    f"at index {start + fail.value} of {n}"
+                    if fail.value < count
+                    else f"in copies {start}..{start + count - 1}"
+                )
                 raise CudaDriverError(f"cuMemcpyBatchAsync failed {where}: {self.error_name(code)}", code)
         return (dst, src, sizes, attrs, first, fail)
 
@@ -188,7 +210,9 @@ class Driver:
         for i, (d, s, n) in enumerate(zip(dst.tolist(), src.tolist(), sizes.tolist())):
             code = memcpy(d, s, n, stream)
             if code != 0:
-                raise CudaDriverError(f"cuMemcpyAsync failed at index {i} of {len(sizes)}: {self.error_name(code)}", code)
+                raise CudaDriverError(
+                    f"cuMemcpyAsync failed at index {i} of {len(sizes)}: {self.error_name(code)}", code
+                )
 
     def new_stream(self) -> int:
         """A new non-blocking stream of the current context, never shared with anyone.

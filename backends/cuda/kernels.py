@@ -24,8 +24,20 @@ def _compile():
     import triton.language as tl
 
     @triton.jit
-    def copy_kernel(src_col, src_step, dst_col, dst_step, size_col, n, pieces, SRC_ARRAY: tl.constexpr,
-                    DST_ARRAY: tl.constexpr, SIZE_ARRAY: tl.constexpr, PIECE: tl.constexpr, BLOCK: tl.constexpr):
+    def copy_kernel(
+        src_col,
+        src_step,
+        dst_col,
+        dst_step,
+        size_col,
+        n,
+        pieces,
+        SRC_ARRAY: tl.constexpr,
+        DST_ARRAY: tl.constexpr,
+        SIZE_ARRAY: tl.constexpr,
+        PIECE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # Work item t is piece t % pieces of copy t // pieces; programs stride over the items.
         offs = tl.arange(0, BLOCK)
         total = n * pieces
@@ -36,8 +48,16 @@ def _compile():
             # a column is read from a device array, or is base + i * step (nothing uploaded)
             size = tl.load(size_col.to(tl.pointer_type(tl.int64)) + i) if SIZE_ARRAY else size_col
             if start < size:
-                src = tl.load(src_col.to(tl.pointer_type(tl.int64)) + i) if SRC_ARRAY else src_col + i.to(tl.int64) * src_step
-                dst = tl.load(dst_col.to(tl.pointer_type(tl.int64)) + i) if DST_ARRAY else dst_col + i.to(tl.int64) * dst_step
+                src = (
+                    tl.load(src_col.to(tl.pointer_type(tl.int64)) + i)
+                    if SRC_ARRAY
+                    else src_col + i.to(tl.int64) * src_step
+                )
+                dst = (
+                    tl.load(dst_col.to(tl.pointer_type(tl.int64)) + i)
+                    if DST_ARRAY
+                    else dst_col + i.to(tl.int64) * dst_step
+                )
                 end = tl.minimum(start + PIECE, size)
                 # 64-bit words where both ends are 8-byte aligned, bytes for the rest
                 w0 = start // 8
@@ -57,8 +77,19 @@ def _compile():
             item += tl.num_programs(0)
 
     @triton.jit
-    def copy_small_kernel(src_col, src_step, dst_col, dst_step, size_col, n, SRC_ARRAY: tl.constexpr,
-                          DST_ARRAY: tl.constexpr, SIZE_ARRAY: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
+    def copy_small_kernel(
+        src_col,
+        src_step,
+        dst_col,
+        dst_step,
+        size_col,
+        n,
+        SRC_ARRAY: tl.constexpr,
+        DST_ARRAY: tl.constexpr,
+        SIZE_ARRAY: tl.constexpr,
+        D: tl.constexpr,
+        W: tl.constexpr,
+    ):
         # Small copies are bound by latency, not bytes: each program moves a tile of D copies
         # at once, W 64-bit words (or bytes, for the unaligned rest) of each per step.
         rows = tl.arange(0, D)
@@ -66,9 +97,21 @@ def _compile():
         for first in range(tl.program_id(0) * D, n, tl.num_programs(0) * D):
             i = first + rows
             ok = i < n
-            src = tl.load(src_col.to(tl.pointer_type(tl.int64)) + i, mask=ok, other=0) if SRC_ARRAY else src_col + i.to(tl.int64) * src_step
-            dst = tl.load(dst_col.to(tl.pointer_type(tl.int64)) + i, mask=ok, other=0) if DST_ARRAY else dst_col + i.to(tl.int64) * dst_step
-            size = tl.load(size_col.to(tl.pointer_type(tl.int64)) + i, mask=ok, other=0) if SIZE_ARRAY else tl.where(ok, size_col, 0)
+            src = (
+                tl.load(src_col.to(tl.pointer_type(tl.int64)) + i, mask=ok, other=0)
+                if SRC_ARRAY
+                else src_col + i.to(tl.int64) * src_step
+            )
+            dst = (
+                tl.load(dst_col.to(tl.pointer_type(tl.int64)) + i, mask=ok, other=0)
+                if DST_ARRAY
+                else dst_col + i.to(tl.int64) * dst_step
+            )
+            size = (
+                tl.load(size_col.to(tl.pointer_type(tl.int64)) + i, mask=ok, other=0)
+                if SIZE_ARRAY
+                else tl.where(ok, size_col, 0)
+            )
             words = tl.where(((src | dst) & 7) == 0, size // 8, 0)
             src_w = src.to(tl.pointer_type(tl.int64))
             dst_w = dst.to(tl.pointer_type(tl.int64))
@@ -86,8 +129,18 @@ def _compile():
                 tl.store(dst_b[:, None] + o[None, :], tl.load(src_b[:, None] + o[None, :], mask=m), mask=m)
 
     @triton.jit(do_not_specialize=["blocks", "n", "num_entries", "num_groups", "per_block"])
-    def expand_kernel(blocks, n, entries, num_entries, groups, num_groups, per_block, STORE: tl.constexpr,
-                      D: tl.constexpr, W: tl.constexpr):
+    def expand_kernel(
+        blocks,
+        n,
+        entries,
+        num_entries,
+        groups,
+        num_groups,
+        per_block,
+        STORE: tl.constexpr,
+        D: tl.constexpr,
+        W: tl.constexpr,
+    ):
         # Item t is entry slot t % per_block of block t // per_block (offload_core.compact has the
         # formulas); each program moves a tile of D items at once, W words or bytes of each per step.
         rows = tl.arange(0, D)
@@ -106,10 +159,16 @@ def _compile():
             g = tl.load(blk + 4 * n + b, mask=ok, other=0)
             ok = ok & ((t % per_block) < tl.load(grp + num_groups + g, mask=ok, other=0))
             e = tl.load(grp + g, mask=ok, other=0) + t % per_block
-            dev = (tl.load(ent + e, mask=ok, other=0) + dev_id * tl.load(ent + num_entries + e, mask=ok, other=0)
-                   + tl.load(ent + 2 * num_entries + e, mask=ok, other=0))
-            side = (row + tl.load(ent + 3 * num_entries + e, mask=ok, other=0)
-                    + sub * tl.load(ent + 4 * num_entries + e, mask=ok, other=0))
+            dev = (
+                tl.load(ent + e, mask=ok, other=0)
+                + dev_id * tl.load(ent + num_entries + e, mask=ok, other=0)
+                + tl.load(ent + 2 * num_entries + e, mask=ok, other=0)
+            )
+            side = (
+                row
+                + tl.load(ent + 3 * num_entries + e, mask=ok, other=0)
+                + sub * tl.load(ent + 4 * num_entries + e, mask=ok, other=0)
+            )
             size = tl.load(ent + 5 * num_entries + e, mask=ok, other=0)
             if STORE:  # writer election: a replicated page is written by one rank
                 writers = tl.load(ent + 6 * num_entries + e, mask=ok, other=1)
@@ -202,8 +261,16 @@ def run(src, dst, size, n: int, largest: int, stream, max_programs: int) -> None
         _launch(copy_kernel, programs, args + [n, pieces], {**arrays, "PIECE": PIECE_BYTES, "BLOCK": BLOCK}, stream)
 
 
-def launch(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream, max_programs: int, ring,
-           largest: int | None = None, uniform: bool | None = None) -> list:
+def launch(
+    src: np.ndarray,
+    dst: np.ndarray,
+    sizes: np.ndarray,
+    stream,
+    max_programs: int,
+    ring,
+    largest: int | None = None,
+    uniform: bool | None = None,
+) -> list:
     """Upload the descriptors through `ring` (the sizes only if they differ) and enqueue the
     copy kernel on `stream`; `largest` and `uniform` (all sizes equal) where already known.
     Returns what must outlive the kernel (see `DescriptorRing.upload`)."""
@@ -229,8 +296,19 @@ def expand_tile(largest: int) -> tuple[int, int]:
     return 8, 512
 
 
-def expand(blocks: int, n: int, entries: int, num_entries: int, groups: int, num_groups: int, per_block: int,
-           store: bool, largest: int, stream, max_programs: int) -> None:
+def expand(
+    blocks: int,
+    n: int,
+    entries: int,
+    num_entries: int,
+    groups: int,
+    num_groups: int,
+    per_block: int,
+    store: bool,
+    largest: int,
+    stream,
+    max_programs: int,
+) -> None:
     """Enqueue the expansion of `n` blocks on `stream`: the device addresses of the block table
     (`offload_core.compact.BLOCK_COLUMNS`, with the host row's address in place of the chunk),
     the entry table (``ENTRY_COLUMNS``, `num_entries` wide) and the group table (first entry,

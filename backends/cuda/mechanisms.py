@@ -49,8 +49,17 @@ class Mechanism(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def enqueue(self, backend, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream,
-                held: list, summary: BatchSummary | None) -> None:
+    def enqueue(
+        self,
+        backend,
+        src: np.ndarray,
+        dst: np.ndarray,
+        sizes: np.ndarray,
+        direction: Direction,
+        stream,
+        held: list,
+        summary: BatchSummary | None,
+    ) -> None:
         """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes on `stream`.
 
         Args:
@@ -201,8 +210,11 @@ def _copy_runs(backend, dst, src, sizes, stream, held) -> None:
     """Staged's host-contiguous runs through the copy engines: one batch call, or one call
     per run where the driver has no batch API."""
     if backend.driver.memcpy_batch is not None:
-        held.append(backend.driver.memcpy_batch_async(dst, src, sizes, SRC_ACCESS_ORDER_STREAM, stream.cuda_stream,
-                                                      backend.max_batch))
+        held.append(
+            backend.driver.memcpy_batch_async(
+                dst, src, sizes, SRC_ACCESS_ORDER_STREAM, stream.cuda_stream, backend.max_batch
+            )
+        )
     else:
         backend.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
 
@@ -226,5 +238,6 @@ BLOCK_MECHANISMS = tuple(name for name, m in TABLE.items() if not m.takes_batche
 def contenders(available) -> tuple[Mechanism, ...]:
     """The batch mechanisms auto weighs, in the table's order, given the names of those
     `available`: each available one, but a fallback only where what it stands in for is not."""
-    return tuple(m for name, m in TABLE.items()
-                 if m.takes_batches and name in available and m.fallback_for not in available)
+    return tuple(
+        m for name, m in TABLE.items() if m.takes_batches and name in available and m.fallback_for not in available
+    )

@@ -51,7 +51,12 @@ class DescriptorRing:
             dev = self._torch.empty(k * n, dtype=self._torch.int64, device=self._device)
             flat, host_ptr, dev_ptr, keep = host.numpy(), host.data_ptr(), dev.data_ptr(), [host, dev]
         else:
-            flat, host_ptr, dev_ptr, keep = self._flat[start:], self._host_ptr + 8 * start, self._dev_ptr + 8 * start, []
+            flat, host_ptr, dev_ptr, keep = (
+                self._flat[start:],
+                self._host_ptr + 8 * start,
+                self._dev_ptr + 8 * start,
+                [],
+            )
         handle, tables = stream.cuda_stream, []
         for a, b in parts:
             rows = flat[k * a : k * b].reshape(k, b - a)

@@ -66,8 +66,16 @@ class CostModel:
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
     source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit 8932a85"
 
-    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, runs: int | None = None,
-                 sm_weight: float = 1.0, pieces: int = 1) -> float:
+    def estimate(
+        self,
+        mechanism: str,
+        direction: str,
+        n: int,
+        nbytes: int,
+        runs: int | None = None,
+        sm_weight: float = 1.0,
+        pieces: int = 1,
+    ) -> float:
         """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total;
         `sm_weight` multiplies sm_gather's device time (see `sm_penalty`); `pieces` is how
         many pieces ``staged`` cuts the job into."""
@@ -95,15 +103,17 @@ class CostModel:
             return n * self.loop_s_per_desc + nbytes / ce_bw
         raise ValueError(f"unknown mechanism {mechanism!r}")
 
-    def estimate_job(self, mechanism: str, direction: str, items: int, nbytes: int, segments: int,
-                     small_bytes: int = 0) -> float:
+    def estimate_job(
+        self, mechanism: str, direction: str, items: int, nbytes: int, segments: int, small_bytes: int = 0
+    ) -> float:
         """Predicted seconds for a compact job of `items` expanded copies and `nbytes`, whose host
         bytes form `segments` contiguous ranges: ``expand_staged`` is the gather (or scatter)
         and the copy engines' copies of the segments, pipelined as in ``staged``, plus the batch
         call's host time (on loads, also the `small_bytes` in segments of up to
-        `inline_h2d_bytes`, at `inline_h2d_gbps`); ``expand_direct`` is ``sm_gather``'s device time for the items, weighed
-        by `sm_penalty` (it holds SMs while the bytes cross the link). Their fixed host time (the
-        upload, the launch, the events) is the same, and left out."""
+        `inline_h2d_bytes`, at `inline_h2d_gbps`); ``expand_direct`` is ``sm_gather``'s device
+        time for the items, weighed by `sm_penalty` (it holds SMs while the bytes cross the
+        link). Their fixed host time (the upload, the launch, the events) is the same, and left
+        out."""
         if mechanism == "expand_staged":
             segments = max(1, segments)
             link = segments * self._ce_per_copy(direction, nbytes / segments)
@@ -119,7 +129,9 @@ class CostModel:
     def _ce_per_copy(self, direction: str, size: float) -> float:
         return max(self.ce_desc_s[direction], size / (self.ce_gbps[direction] * 1e9) + self.ce_tail_s)
 
-    def choose(self, direction: str, n: int, nbytes: int, available: tuple[str, ...], runs=None, pieces: int = 1) -> str:
+    def choose(
+        self, direction: str, n: int, nbytes: int, available: tuple[str, ...], runs=None, pieces: int = 1
+    ) -> str:
         """The cheapest available mechanism. `runs` may be a callable, evaluated only if ``staged`` competes."""
         best, best_t = available[0], float("inf")
         for mech in available:
@@ -136,7 +148,7 @@ class CostModel:
         path.write_text(json.dumps(asdict(self), indent=1) + "\n")
 
     @classmethod
-    def load(cls, path: pathlib.Path) -> "CostModel":
+    def load(cls, path: pathlib.Path) -> CostModel:
         """A saved profile; fields it lacks keep their defaults.
 
         Raises:
@@ -179,7 +191,9 @@ class BatchSummary(NamedTuple):
     starts: np.ndarray | None  # where the host-contiguous runs start (`run_starts`), or None where not counted
 
 
-def choose(backend, contenders, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction) -> tuple[str, BatchSummary]:
+def choose(
+    backend, contenders, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction
+) -> tuple[str, BatchSummary]:
     """The mechanism ``auto`` picks for a batch, by `backend.cost`, and what was learned on the way.
 
     Args:

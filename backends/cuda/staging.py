@@ -12,7 +12,7 @@ used job after job, and a job still in flight may read its buffers.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -56,8 +56,9 @@ class StagedPair:
         self.stream = stream  # held so that its handle, the key, stays ours
         self.kernel_stream = backend.new_stream()
         with torch.cuda.stream(self.kernel_stream):  # their memory is ordered on the stream that writes it
-            self.buffers = [torch.empty(backend.staging_bytes * 5 // 4, dtype=torch.uint8, device=backend.device)
-                            for _ in range(2)]
+            self.buffers = [
+                torch.empty(backend.staging_bytes * 5 // 4, dtype=torch.uint8, device=backend.device) for _ in range(2)
+            ]
         self.bases = [b.data_ptr() for b in self.buffers]
 
 

@@ -43,10 +43,16 @@ def main() -> None:
     print("|---|---|" + "---|" * len(commits))
     for bpc in (1, 4):
         geometry = Geometry(
-            device_base=[(t + 1) << 32 for t in range(REFS)], device_page=[PAGE] * REFS, device_blocks=[BLOCKS] * REFS,
-            host_base=device_mem.ctypes.data, host_row_bytes=REFS * PAGE * bpc,
-            host_offset=[t * PAGE * bpc for t in range(REFS)], host_page=[PAGE] * REFS,
-            host_blocks=BLOCKS // bpc, group_refs=[[PlanRef(t, PAGE) for t in range(REFS)]], blocks_per_chunk=bpc,
+            device_base=[(t + 1) << 32 for t in range(REFS)],
+            device_page=[PAGE] * REFS,
+            device_blocks=[BLOCKS] * REFS,
+            host_base=device_mem.ctypes.data,
+            host_row_bytes=REFS * PAGE * bpc,
+            host_offset=[t * PAGE * bpc for t in range(REFS)],
+            host_page=[PAGE] * REFS,
+            host_blocks=BLOCKS // bpc,
+            group_refs=[[PlanRef(t, PAGE) for t in range(REFS)]],
+            blocks_per_chunk=bpc,
         )
         for blocks in (16, 1024):
             device = DeviceBlocks(rng.permutation(BLOCKS)[:blocks])

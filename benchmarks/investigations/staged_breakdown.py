@@ -22,8 +22,8 @@ import torch
 
 from offload_core.backend import Direction
 from offload_core.backends.cuda import CudaBackend, kernels, measure
-from offload_core.backends.cuda.select import host_runs
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
+from offload_core.backends.cuda.select import host_runs
 
 MIB = 1 << 20
 SPAN = 256 * MIB
@@ -54,16 +54,33 @@ def main() -> None:
     dev = torch.zeros(2 * SPAN, dtype=torch.uint8, device=be.device)
     staging = torch.zeros(SPAN, dtype=torch.uint8, device=be.device)
     host = be.alloc_host(SPAN)
-    dev2, host2 = torch.zeros(2 * SPAN, dtype=torch.uint8, device=be.device), be.alloc_host(SPAN)  # the load's, for both at once
+    dev2, host2 = (
+        torch.zeros(2 * SPAN, dtype=torch.uint8, device=be.device),
+        be.alloc_host(SPAN),
+    )  # the load's, for both at once
     s1, s2 = be.new_stream(), be.new_stream()
     one = np.ones(1, dtype=np.int64)
-    limit = {d: SPAN / measure.time_copy(be, "ce_batch", *a, busy=True)["event_s"] / 1e9 for d, a in (
-        ("store", (one * dev.data_ptr(), one * host.data_ptr(), one * SPAN, Direction.STORE)),
-        ("load", (one * host.data_ptr(), one * dev.data_ptr(), one * SPAN, Direction.LOAD)))}
+    limit = {
+        d: SPAN / measure.time_copy(be, "ce_batch", *a, busy=True)["event_s"] / 1e9
+        for d, a in (
+            ("store", (one * dev.data_ptr(), one * host.data_ptr(), one * SPAN, Direction.STORE)),
+            ("load", (one * host.data_ptr(), one * dev.data_ptr(), one * SPAN, Direction.LOAD)),
+        )
+    }
     half = SPAN // 2
-    limit["both"] = SPAN / min(measure.time_both(
-        be, "ce_batch", (one * dev.data_ptr(), one * host.data_ptr(), one * half, Direction.STORE),
-        (one * (host.data_ptr() + half), one * (dev.data_ptr() + SPAN), one * half, Direction.LOAD), released="own")) / 1e9
+    limit["both"] = (
+        SPAN
+        / min(
+            measure.time_both(
+                be,
+                "ce_batch",
+                (one * dev.data_ptr(), one * host.data_ptr(), one * half, Direction.STORE),
+                (one * (host.data_ptr() + half), one * (dev.data_ptr() + SPAN), one * half, Direction.LOAD),
+                released="own",
+            )
+        )
+        / 1e9
+    )
     report = {"device": torch.cuda.get_device_name(), "limit_gbps": limit, "sizes": []}
     print("limit", limit, flush=True)
     for size in map(int, args.sizes.split(",")):
@@ -85,22 +102,28 @@ def main() -> None:
             for piece in (MIB, 4 * MIB, nbytes):
                 k = piece // size
                 row[f"gather_p{programs}_{piece >> 10}KiB_us"] = us(
-                    busy_time(lambda: kernels.run(desc[0], desc[1], desc[2], k, size, s1, programs), s1))
+                    busy_time(lambda: kernels.run(desc[0], desc[1], desc[2], k, size, s1, programs), s1)
+                )
                 row[f"gather_affine_p{programs}_{piece >> 10}KiB_us"] = us(
-                    busy_time(lambda: kernels.run(desc[0], (int(stage[0]), size), (size, 0), k, size, s1, programs), s1))
+                    busy_time(lambda: kernels.run(desc[0], (int(stage[0]), size), (size, 0), k, size, s1, programs), s1)
+                )
         ring.retire(_recorded(s1))
 
         starts, run_bytes = host_runs(h_addr, sizes)
         for d, order in (("store", SRC_ACCESS_ORDER_STREAM), ("load", SRC_ACCESS_ORDER_ANY)):
             src, dst = (stage[starts], h_addr[starts]) if d == "store" else (h_addr[starts], stage[starts])
-            row[f"ce_runs_{d}_us"] = us(busy_time(lambda: be.driver.memcpy_batch_async(dst, src, run_bytes, order, s1.cuda_stream), s1))
+            row[f"ce_runs_{d}_us"] = us(
+                busy_time(lambda: be.driver.memcpy_batch_async(dst, src, run_bytes, order, s1.cuda_stream), s1)
+            )
 
             def chained(pieces=4):
                 per = -(-len(starts) // pieces)
                 for a in range(0, len(starts), per):
                     s2.wait_event(_recorded(s1))
                     s1.wait_event(_recorded(s2))
-                    be.driver.memcpy_batch_async(dst[a:a + per], src[a:a + per], run_bytes[a:a + per], order, s1.cuda_stream)
+                    be.driver.memcpy_batch_async(
+                        dst[a : a + per], src[a : a + per], run_bytes[a : a + per], order, s1.cuda_stream
+                    )
 
             row[f"ce_runs_4pieces_{d}_us"] = us(busy_time(chained, s1))
 
@@ -111,13 +134,17 @@ def main() -> None:
         for mech in ("ce_batch", "staged", "sm_gather"):
             if mech == "ce_batch":  # the copy engines alone, host runs each way: the ceiling for staged
                 s_runs, l_runs = host_runs(h_addr, sizes), host_runs(h2, sizes)
-                pair = ((stage[s_runs[0]], h_addr[s_runs[0]], s_runs[1], Direction.STORE),
-                        (h2[l_runs[0]], stage[l_runs[0]] - staging.data_ptr() + dev2.data_ptr(), l_runs[1], Direction.LOAD))
+                pair = (
+                    (stage[s_runs[0]], h_addr[s_runs[0]], s_runs[1], Direction.STORE),
+                    (h2[l_runs[0]], stage[l_runs[0]] - staging.data_ptr() + dev2.data_ptr(), l_runs[1], Direction.LOAD),
+                )
             else:
                 pair = (st, ld2)
             for released in ("together", "own"):
                 times = measure.time_both(be, mech, *pair, released=released, reps=5)
-                row[f"both_{mech}_{released}_of_limit"] = [round(2 * nbytes / t / 1e9 / limit["both"], 3) for t in times]
+                row[f"both_{mech}_{released}_of_limit"] = [
+                    round(2 * nbytes / t / 1e9 / limit["both"], 3) for t in times
+                ]
         for mech, knob in (("staged", [None]), ("sm_gather", [32, 132])):
             for programs in knob:
                 if programs:

@@ -51,7 +51,10 @@ def main() -> None:
         for size, mib in CASES:
             gb = (mib << 20) / 1e9
             dev, hst, sizes = measure.fragments((mib << 20) // size, size, device.data_ptr(), host.data_ptr())
-            jobs = {Direction.STORE: (dev, hst, sizes, Direction.STORE), Direction.LOAD: (hst, dev + span, sizes, Direction.LOAD)}
+            jobs = {
+                Direction.STORE: (dev, hst, sizes, Direction.STORE),
+                Direction.LOAD: (hst, dev + span, sizes, Direction.LOAD),
+            }
             for variant in ("geometric", "current", "geometric", "current"):
                 select.piece_bounds = current if variant == "current" else geometric
                 row = {"fragment": size, "job_mib": mib, "variant": variant}
@@ -61,17 +64,23 @@ def main() -> None:
                     row[f"{d.value}_ratio"] = gb * 1e9 / event / limit[d]
                     row[f"{d.value}_jobs_ratio"] = 8 * gb * 1e9 / min(r["wall_s"] for r in runs) / limit[d]
                     row[f"{d.value}_host_us"] = float(np.median([r["host_s"] for r in runs])) * 1e6
-                both = measure.time_both(backend, "staged", jobs[Direction.STORE], jobs[Direction.LOAD], released="own", reps=5)
+                both = measure.time_both(
+                    backend, "staged", jobs[Direction.STORE], jobs[Direction.LOAD], released="own", reps=5
+                )
                 row["both_gbps"] = [2 * gb / max(both), 2 * gb / min(both)]
                 rows.append(row)
     finally:
         select.piece_bounds = current
-    print("| fragment | job | variant | store / load (of limit) | 8 jobs back to back | host µs per job | both at once GB/s, worst / best |")
+    print(
+        "| fragment | job | variant | store / load (of limit) | 8 jobs back to back | host µs per job | both at once GB/s, worst / best |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['fragment']} B | {r['job_mib']} MiB | {r['variant']} | {r['store_ratio']:.1%} / {r['load_ratio']:.1%} "
-              f"| {r['store_jobs_ratio']:.1%} / {r['load_jobs_ratio']:.1%} | {r['store_host_us']:.0f} / {r['load_host_us']:.0f} "
-              f"| {r['both_gbps'][0]:.1f} / {r['both_gbps'][1]:.1f} |")
+        print(
+            f"| {r['fragment']} B | {r['job_mib']} MiB | {r['variant']} | {r['store_ratio']:.1%} / {r['load_ratio']:.1%} "
+            f"| {r['store_jobs_ratio']:.1%} / {r['load_jobs_ratio']:.1%} | {r['store_host_us']:.0f} / {r['load_host_us']:.0f} "
+            f"| {r['both_gbps'][0]:.1f} / {r['both_gbps'][1]:.1f} |"
+        )
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=1)

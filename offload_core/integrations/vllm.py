@@ -69,7 +69,7 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
         # backend, so vLLM keeps the replicated layout (and sizes one copy) everywhere.
         return True
 
-    def get_worker(self, kv_caches: Any) -> "OffloadCoreWorker":
+    def get_worker(self, kv_caches: Any) -> OffloadCoreWorker:
         """The worker of this rank, made on the first call, for CUDA, NPU, XPU and CPU alike.
 
         Raises:
@@ -96,8 +96,14 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
             else:
                 budget = getattr(self, "cpu_page_size_per_worker", None)  # this rank's part of a chunk
             self._offload_core_worker = OffloadCoreWorker(
-                kv_caches, int(chunks), int(self.blocks_per_chunk), backend=self.extra_config.get(BACKEND_KEY),
-                shared_region=shared, canonical=canonical, rank=rank, row_budget=budget or None,
+                kv_caches,
+                int(chunks),
+                int(self.blocks_per_chunk),
+                backend=self.extra_config.get(BACKEND_KEY),
+                shared_region=shared,
+                canonical=canonical,
+                rank=rank,
+                row_budget=budget or None,
             )
         return self._offload_core_worker
 

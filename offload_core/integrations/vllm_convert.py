@@ -14,13 +14,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from offload_core.canonical import CanonicalPageMapping, CopyRun
 from offload_core.errors import InvalidSpecError
+from offload_core.host_layout import HostLayout
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
 from offload_core.region import SharedHostRegion
-from offload_core.host_layout import HostLayout
 from offload_core.worker import OffloadWorker
 
 log = logging.getLogger("offload_core.integrations.vllm")
@@ -54,9 +55,17 @@ class WorkerAdapter:
     # what get_finished returns: vLLM's TransferResult in the subclass, offload-core's here
     result_type: Any = None
 
-    def __init__(self, kv_caches: Any, num_chunks: int, blocks_per_chunk: int = 1, backend: str | None = None,
-                 shared_region: str | None = None, canonical: bool = False, rank: int = 0,
-                 row_budget: int | None = None):
+    def __init__(
+        self,
+        kv_caches: Any,
+        num_chunks: int,
+        blocks_per_chunk: int = 1,
+        backend: str | None = None,
+        shared_region: str | None = None,
+        canonical: bool = False,
+        rank: int = 0,
+        row_budget: int | None = None,
+    ):
         if canonical and shared_region is None:
             raise InvalidSpecError("a canonical layout needs the name of the region the ranks share (shared_region)")
         kv = to_kv_caches(kv_caches, canonical=canonical)
@@ -72,21 +81,30 @@ class WorkerAdapter:
             # joiners time for that at a slow 0.25 GB/s, as well as the usual 30 s.
             timeout = 30.0 + num_chunks * row / 0.25e9
             if canonical:  # the unsharded pages, one area for all ranks
-                self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=rank, canonical_bytes=row,
-                                               timeout=timeout)
+                self.region = SharedHostRegion(
+                    shared_region, num_blocks=num_chunks, rank=rank, canonical_bytes=row, timeout=timeout
+                )
             else:  # every rank's slot 0: the replicas' bytes are the same, so one copy serves all
-                self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, rank=0, slot_bytes=[row],
-                                               timeout=timeout)
+                self.region = SharedHostRegion(
+                    shared_region, num_blocks=num_chunks, rank=0, slot_bytes=[row], timeout=timeout
+                )
         try:
-            self.worker = OffloadWorker(kv, num_chunks, blocks_per_chunk=blocks_per_chunk, backend=backend,
-                                        canonical_layout=canonical, host_region=self.region)
+            self.worker = OffloadWorker(
+                kv,
+                num_chunks,
+                blocks_per_chunk=blocks_per_chunk,
+                backend=backend,
+                canonical_layout=canonical,
+                host_region=self.region,
+            )
         except BaseException:
             if self.region is not None:
                 try:  # the failure's traceback may still hold views of it: then it goes with them
                     self.region.close()
                 except Exception:
-                    log.warning("the shared region %s stays open until the failed worker's views are gone",
-                                self.region.path)
+                    log.warning(
+                        "the shared region %s stays open until the failed worker's views are gone", self.region.path
+                    )
             raise
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
@@ -113,10 +131,18 @@ class WorkerAdapter:
         results = []
         for r in self.worker.get_finished():
             if not r.success:
-                log.error("offload-core %s job %d failed (%d bytes, backend %s): see the error logged before for the cause",
-                          r.direction, r.job_id, r.transfer_size, self.worker.backend.name)
-            results.append(r if self.result_type is None else
-                           self.result_type(r.job_id, r.success, r.transfer_size, r.transfer_time))
+                log.error(
+                    "offload-core %s job %d failed (%d bytes, backend %s): see the error logged before for the cause",
+                    r.direction,
+                    r.job_id,
+                    r.transfer_size,
+                    self.worker.backend.name,
+                )
+            results.append(
+                r
+                if self.result_type is None
+                else self.result_type(r.job_id, r.success, r.transfer_size, r.transfer_time)
+            )
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -151,12 +177,17 @@ def to_kv_caches(kv_caches: Any, canonical: bool = False) -> KVCaches:
             if canonical and ref.mapping is None:
                 raise InvalidSpecError(
                     f"canonical_layout was requested, but vLLM could not certify the layout of group {g}'s ref to "
-                    f"tensor {ref.tensor_idx} (no canonical mapping): remove canonical_layout from kv_connector_extra_config"
+                    f"tensor {ref.tensor_idx} (no canonical mapping): remove canonical_layout from "
+                    "kv_connector_extra_config"
                 )
             if ref.tensor_idx not in kept or ref.page_size_bytes > kept[ref.tensor_idx].page_size_bytes:
                 kept[ref.tensor_idx] = ref
-        groups.append([KVCacheRef(i, int(r.page_size_bytes), mapping=to_mapping(r.mapping) if canonical else None)
-                       for i, r in kept.items()])
+        groups.append(
+            [
+                KVCacheRef(i, int(r.page_size_bytes), mapping=to_mapping(r.mapping) if canonical else None)
+                for i, r in kept.items()
+            ]
+        )
     return KVCaches(tensors, groups)
 
 
@@ -164,7 +195,9 @@ def to_mapping(mapping: Any) -> CanonicalPageMapping:
     """vLLM's ``CanonicalPageMapping`` as offload-core's. ``parallelism_agnostic`` (whether the
     pages come out the same at every TP size) needs no field: the runs say where each byte goes."""
     runs = tuple(
-        CopyRun(r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments, r.local_stride, r.canonical_stride)
+        CopyRun(
+            r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments, r.local_stride, r.canonical_stride
+        )
         for r in mapping.runs
     )
     return CanonicalPageMapping(
@@ -193,4 +226,3 @@ def region_name(engine_id: str, data_parallel_index: int) -> str:
     digest = hashlib.sha256(f"{engine_id}\0{data_parallel_index}".encode()).hexdigest()[:16]
     readable = re.sub(r"[^A-Za-z0-9._-]", "-", str(engine_id))[:80]
     return f"vllm-{readable}-dp{int(data_parallel_index)}-{digest}"
-

@@ -124,7 +124,9 @@ class BackendConformance:
         with OffloadWorker(kv, 8, blocks_per_chunk=bpc, backend=backend) as worker:
             assert worker.submit_store(1, DeviceBlocks(src_ids, sizes, indices), HostBlocks(host_ids))
             worker.wait({1})  # the two directions are not ordered against each other
-            assert worker.submit_load(2, HostBlocks(host_ids), DeviceBlocks(dst_ids, sizes, indices), expedited=expedited)
+            assert worker.submit_load(
+                2, HostBlocks(host_ids), DeviceBlocks(dst_ids, sizes, indices), expedited=expedited
+            )
             worker.wait({1, 2})
             results = {r.job_id: r for r in worker.get_finished()}
             assert set(results) == {1, 2} and all(r.success for r in results.values())

@@ -43,7 +43,9 @@ class ExpandingCpuBackend(CpuBackend):
         self.jobs += 1
         for event in after:
             stream.wait_event(event)
-        staging = np.full(max(1, job.host_ids.size * job.layout.row_bytes), POISON, dtype=np.uint8) if self.staged else None
+        staging = (
+            np.full(max(1, job.host_ids.size * job.layout.row_bytes), POISON, dtype=np.uint8) if self.staged else None
+        )
         for src, dst, sizes in steps(job, None if staging is None else staging.ctypes.data):
             self.copy_batch(src, dst, sizes, job.direction, stream)
         stream.launch(lambda: staging)  # holds the staging buffer until the stream is past it

@@ -17,14 +17,14 @@ from offload_core.backend import Backend, Direction
 
 
 class FakeStream:
-    def __init__(self, backend: "FakeBackend", name: str):
+    def __init__(self, backend: FakeBackend, name: str):
         self.backend = backend
         self.name = name
 
-    def wait_event(self, event: "FakeEvent") -> None:
+    def wait_event(self, event: FakeEvent) -> None:
         self.backend.log.append(("wait_event", self.name, event))
 
-    def wait_stream(self, stream: "FakeStream") -> None:
+    def wait_stream(self, stream: FakeStream) -> None:
         self.backend.log.append(("wait_stream", self.name, stream.name))
 
     def __repr__(self) -> str:
@@ -32,7 +32,7 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self, backend: "FakeBackend"):
+    def __init__(self, backend: FakeBackend):
         self.backend = backend
         self.stream: FakeStream | None = None
         self.done = True
@@ -58,7 +58,7 @@ class FakeEvent:
                     break
         self.query()
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         return (end.time - self.time) * 1e3
 
 

@@ -5,7 +5,7 @@ Slow and obviously right; planner and backend tests compare against it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -54,7 +54,11 @@ def reference_transfer(
                     if direction is Direction.STORE and not mapping[0].is_writer(host_id * blocks_per_chunk + sub):
                         continue
                     pieces = [
-                        (r.local_offset + i * r.local_stride, r.canonical_offset + i * r.canonical_stride, r.fragment_size)
+                        (
+                            r.local_offset + i * r.local_stride,
+                            r.canonical_offset + i * r.canonical_stride,
+                            r.fragment_size,
+                        )
                         for r in mapping[0].runs
                         for i in range(r.num_fragments)
                     ]

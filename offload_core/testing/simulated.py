@@ -22,7 +22,8 @@ import ctypes
 import itertools
 import threading
 import weakref
-from typing import Any, ClassVar, Iterator
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -38,7 +39,7 @@ ACL_ERROR_RT_MEMORY_LOCATION = 507899  # the simulation's code for a host/device
 class SimStream(CpuStream):
     """A stream with a raw handle, as torch_npu's ``npu_stream`` and torch.xpu's ``sycl_queue``."""
 
-    def __init__(self, runtime: "SimRuntime"):
+    def __init__(self, runtime: SimRuntime):
         super().__init__()
         self.handle = next(runtime.handles)
         runtime.streams[self.handle] = self
@@ -151,7 +152,7 @@ class SimRuntime:
         staged, but cannot be told apart from pageable host memory by its tensor."""
         return True
 
-    def npurt(self) -> "SimRuntime":
+    def npurt(self) -> SimRuntime:
         return self  # torch.npu.npurt(): host registration lives here
 
     def npuHostRegister(self, address: int, size: int, flags: int) -> int:
@@ -200,8 +201,10 @@ class SimAcl:
             return ACL_ERROR_RT_STREAM_INVALID
         if n == 0 or num_attrs < 1 or attr_idx[0] != 0:
             return ACL_ERROR_INVALID_PARAM
-        arrays = [np.ctypeslib.as_array(ctypes.cast(p, ctypes.POINTER(ctypes.c_int64)), (n,)).copy()
-                  for p in (dsts, dest_maxs, srcs, sizes)]
+        arrays = [
+            np.ctypeslib.as_array(ctypes.cast(p, ctypes.POINTER(ctypes.c_int64)), (n,)).copy()
+            for p in (dsts, dest_maxs, srcs, sizes)
+        ]
         d, dmax, s, size = arrays
         attr = attrs[0]
         dst_host = attr.dstLoc.type == npu.ACL_MEM_LOCATION_TYPE_HOST

@@ -133,9 +133,17 @@ def soak(
     ]
     kv = KVCaches(tensors, [[KVCacheRef(i, c) for i, c in enumerate(COPY)]])
     report = SoakReport()
-    for r in range(rounds):
-        _round(kv, backend, blocks_per_thread, submitters, pollers, float(rng.uniform(0.01, round_seconds)),
-               int(rng.integers(1 << 30)), report)
+    for _ in range(rounds):
+        _round(
+            kv,
+            backend,
+            blocks_per_thread,
+            submitters,
+            pollers,
+            float(rng.uniform(0.01, round_seconds)),
+            int(rng.integers(1 << 30)),
+            report,
+        )
         report.rounds += 1
     return report
 
@@ -189,17 +197,17 @@ def _round(kv, backend, per_thread, submitters, pollers, lifetime, seed, report:
             ok = {}
             for direction in ("store", "load"):
                 job += 1
-                counts['submitted'] += 1
+                counts["submitted"] += 1
                 try:
                     if direction == "store":
                         queued = worker.submit_store(job, DeviceBlocks(src), HostBlocks(chunk))
                     else:
                         queued = worker.submit_load(job, HostBlocks(chunk), DeviceBlocks(dst))
                 except OffloadError:
-                    counts['refused_after_shutdown'] += 1
+                    counts["refused_after_shutdown"] += 1
                     return
                 if not queued:
-                    counts['enqueue_failures'] += 1
+                    counts["enqueue_failures"] += 1
                     ok[direction] = False
                     break
                 with tally:
@@ -210,14 +218,14 @@ def _round(kv, backend, per_thread, submitters, pollers, lifetime, seed, report:
                 if res is None:
                     return  # counted as lost at the end of the round
                 ok[direction] = res.success
-                counts['device_failures'] += not res.success
+                counts["device_failures"] += not res.success
                 if not res.success:
                     break
             if ok.get("store") and ok.get("load"):
                 for tensor, exp, copy in zip(kv.tensors, expected, COPY):
                     got = tensor.tensor[torch.from_numpy(dst).to(kv.device)][:, :copy].cpu()
-                    counts['checked_bytes'] += got.numel()
-                    counts['wrong_bytes'] += int((got != exp[:, :copy]).sum())
+                    counts["checked_bytes"] += got.numel()
+                    counts["wrong_bytes"] += int((got != exp[:, :copy]).sum())
 
     def poller() -> None:
         while not stop_polling.wait(0.0005):
@@ -290,7 +298,9 @@ def _rank_cycles(name, directory, rank, ranks, cycles, crash_share, seed, inode,
     kv = KVCaches([tensor], [[KVCacheRef(0, SLOT)]])
     for _ in range(cycles):
         stats: Counter = Counter()
-        region = SharedHostRegion(name, num_blocks=REGION_BLOCKS, rank=rank, slot_bytes=_slots(ranks), directory=directory)
+        region = SharedHostRegion(
+            name, num_blocks=REGION_BLOCKS, rank=rank, slot_bytes=_slots(ranks), directory=directory
+        )
         stats["split"] += os.stat(region.path).st_ino != inode
         keeper = region.tensor[:, :SLOT].numpy()
         stats["checked_bytes"] += keeper.size
