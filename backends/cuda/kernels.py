@@ -77,6 +77,28 @@ def _compile():
             item += tl.num_programs(0)
 
     @triton.jit
+    def copy_tile(src, dst, size, W: tl.constexpr):
+        # A tile of copies (addresses and sizes per row; size 0 for a row that copies nothing):
+        # W 64-bit words of each per step where both ends are 8-byte aligned, then W bytes of
+        # each per step for the rest. Small copies are bound by latency: a tile goes at once.
+        cols = tl.arange(0, W)
+        words = tl.where(((src | dst) & 7) == 0, size // 8, 0)
+        src_w = src.to(tl.pointer_type(tl.int64))
+        dst_w = dst.to(tl.pointer_type(tl.int64))
+        for w in range(0, tl.max(words, axis=0), W):
+            o = w + cols
+            m = o[None, :] < words[:, None]
+            tl.store(dst_w[:, None] + o[None, :], tl.load(src_w[:, None] + o[None, :], mask=m), mask=m)
+        done = words * 8
+        left = size - done
+        src_b = (src + done).to(tl.pointer_type(tl.int8))
+        dst_b = (dst + done).to(tl.pointer_type(tl.int8))
+        for b in range(0, tl.max(left, axis=0), W):
+            o = b + cols
+            m = o[None, :] < left[:, None]
+            tl.store(dst_b[:, None] + o[None, :], tl.load(src_b[:, None] + o[None, :], mask=m), mask=m)
+
+    @triton.jit
     def copy_small_kernel(
         src_col,
         src_step,
@@ -90,10 +112,8 @@ def _compile():
         D: tl.constexpr,
         W: tl.constexpr,
     ):
-        # Small copies are bound by latency, not bytes: each program moves a tile of D copies
-        # at once, W 64-bit words (or bytes, for the unaligned rest) of each per step.
+        # Each program moves a tile of D copies at once (`copy_tile`).
         rows = tl.arange(0, D)
-        cols = tl.arange(0, W)
         for first in range(tl.program_id(0) * D, n, tl.num_programs(0) * D):
             i = first + rows
             ok = i < n
@@ -112,21 +132,7 @@ def _compile():
                 if SIZE_ARRAY
                 else tl.where(ok, size_col, 0)
             )
-            words = tl.where(((src | dst) & 7) == 0, size // 8, 0)
-            src_w = src.to(tl.pointer_type(tl.int64))
-            dst_w = dst.to(tl.pointer_type(tl.int64))
-            for w in range(0, tl.max(words, axis=0), W):
-                o = w + cols
-                m = o[None, :] < words[:, None]
-                tl.store(dst_w[:, None] + o[None, :], tl.load(src_w[:, None] + o[None, :], mask=m), mask=m)
-            done = words * 8
-            left = size - done
-            src_b = (src + done).to(tl.pointer_type(tl.int8))
-            dst_b = (dst + done).to(tl.pointer_type(tl.int8))
-            for b in range(0, tl.max(left, axis=0), W):
-                o = b + cols
-                m = o[None, :] < left[:, None]
-                tl.store(dst_b[:, None] + o[None, :], tl.load(src_b[:, None] + o[None, :], mask=m), mask=m)
+            copy_tile(src, dst, size, W)
 
     @triton.jit(do_not_specialize=["blocks", "n", "num_entries", "num_groups", "per_block"])
     def expand_kernel(
@@ -142,9 +148,8 @@ def _compile():
         W: tl.constexpr,
     ):
         # Item t is entry slot t % per_block of block t // per_block (offload_core.compact has the
-        # formulas); each program moves a tile of D items at once, W words or bytes of each per step.
+        # formulas); each program moves a tile of D items at once (`copy_tile`).
         rows = tl.arange(0, D)
-        cols = tl.arange(0, W)
         blk = blocks.to(tl.pointer_type(tl.int64))
         ent = entries.to(tl.pointer_type(tl.int64))
         grp = groups.to(tl.pointer_type(tl.int64))
@@ -176,21 +181,7 @@ def _compile():
                 src, dst = dev, side
             else:
                 src, dst = side, dev
-            words = tl.where(((src | dst) & 7) == 0, size // 8, 0)
-            src_w = src.to(tl.pointer_type(tl.int64))
-            dst_w = dst.to(tl.pointer_type(tl.int64))
-            for w in range(0, tl.max(words, axis=0), W):
-                o = w + cols
-                m = o[None, :] < words[:, None]
-                tl.store(dst_w[:, None] + o[None, :], tl.load(src_w[:, None] + o[None, :], mask=m), mask=m)
-            done = words * 8
-            left = size - done
-            src_b = (src + done).to(tl.pointer_type(tl.int8))
-            dst_b = (dst + done).to(tl.pointer_type(tl.int8))
-            for c in range(0, tl.max(left, axis=0), W):
-                o = c + cols
-                m = o[None, :] < left[:, None]
-                tl.store(dst_b[:, None] + o[None, :], tl.load(src_b[:, None] + o[None, :], mask=m), mask=m)
+            copy_tile(src, dst, size, W)
 
     return copy_kernel, copy_small_kernel, expand_kernel
 
