@@ -62,6 +62,10 @@ class TorchRuntime:
         """``tensor.is_pinned()``."""
         return bool(tensor.is_pinned())
 
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor.pin_memory()``: a page-locked copy."""
+        return tensor.pin_memory()
+
     def __repr__(self) -> str:
         return f"TorchRuntime({self.module_name!r})"
 
@@ -78,7 +82,7 @@ class TorchDeviceBackend(Backend):
             ...
 
     The runtime contract, what `runtime` must provide (``torch.cuda``-like modules provide
-    all but the last three, which `TorchRuntime` adds):
+    all but the last four, which `TorchRuntime` adds):
 
     * ``Stream(device=index)``: a new stream on device `index`, with ``wait_event`` and
       ``wait_stream`` (`offload_core.backend.Stream`);
@@ -94,7 +98,8 @@ class TorchDeviceBackend(Backend):
     * ``alloc_pinned(nbytes)``: a zero-filled 1-D uint8 CPU tensor of `nbytes`, page-locked
       for this device's asynchronous copies (what `alloc_host` returns);
     * ``is_pinned(tensor)``: whether a host tensor can be the source of an asynchronous copy
-      as it is, or must first be staged through page-locked memory.
+      as it is, or must first be staged through page-locked memory;
+    * ``pin(tensor)``: a page-locked copy of a host tensor (that staging).
 
     Args:
         device_index: the device.

@@ -20,6 +20,9 @@ import numpy as np
 
 from offload_core.backend import Direction, span_bytes
 from offload_core.backends.torch_device import TorchDeviceBackend
+from offload_core.errors import OffloadError
+
+MAX_STREAM_TRIES = 64  # torch.xpu's pool has 32 queues per priority
 
 
 class StreamCopier:
@@ -90,10 +93,14 @@ class XpuBackend(TorchDeviceBackend):
         # torch.xpu hands out pooled queues round robin, starting with the slot the compute
         # stream uses: a copy stream must be a different queue, or copies and compute serialize.
         compute = self.current_stream()
-        stream = self.runtime.Stream(device=self.device_index)
-        while stream.sycl_queue == compute.sycl_queue:
+        for _ in range(MAX_STREAM_TRIES):
             stream = self.runtime.Stream(device=self.device_index)
-        return stream
+            if stream.sycl_queue != compute.sycl_queue:
+                return stream
+        raise OffloadError(
+            f"torch.xpu handed out the compute stream's queue {MAX_STREAM_TRIES} times in a row: no separate "
+            "copy queue is available (is the stream pool of size 1?)"
+        )
 
     def alloc_host(self, nbytes: int):
         tensor = super().alloc_host(nbytes)
@@ -124,7 +131,7 @@ class XpuBackend(TorchDeviceBackend):
         for s, so, d, do, n in zip(src_t, src_off.tolist(), dst_t, dst_off.tolist(), sizes.tolist()):
             source = s[so : so + n]
             if source.device.type == "cpu" and not self.runtime.is_pinned(source):
-                source = source.pin_memory()  # pageable: stage, so the copy can be asynchronous
+                source = self.runtime.pin(source)  # pageable: stage, so the copy can be asynchronous
             pairs.append((d[do : do + n], source))
         self.copier.enqueue(pairs, stream, self.runtime)
         return "copy_runs"

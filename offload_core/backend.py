@@ -80,6 +80,11 @@ class Backend(abc.ABC):
     def new_stream(self) -> Stream:
         """A new stream for copies, distinct from the compute stream."""
 
+    def release_stream(self, stream: Stream) -> None:
+        """The core is done with `stream` (from `new_stream`): every job enqueued on it has
+        finished, and nothing will be again (a worker's shutdown calls it once per lane).
+        Free what this backend keeps per stream, such as staging buffers. Default: nothing."""
+
     @abc.abstractmethod
     def new_event(self) -> Event:
         """A new event that supports timing (`elapsed_time`)."""

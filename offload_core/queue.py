@@ -159,6 +159,7 @@ class TransferQueue:
         self.backend = backend
         self.direction = direction
         self._stream = backend.new_stream()
+        self._stream_released = False  # by `close`, once: `release_stream`
         self._enqueue = enqueue_lock(backend)
         self._lock = threading.Lock()
         self._jobs: deque[_Job] = deque()
@@ -357,6 +358,12 @@ class TransferQueue:
         results = self.drain()
         with self._lock:
             self._launched.notify_all()  # the launcher sees `_closed` with nothing left, and ends
+            release, self._stream_released = not self._stream_released, True
+        if release:
+            try:
+                self.backend.release_stream(self._stream)
+            except Exception:  # what the backend keeps for the stream stays kept; shutdown goes on
+                log.exception("%s could not release the %s stream", self.backend.name, self.direction.value)
         return results
 
     def _event(self) -> Event:

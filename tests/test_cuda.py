@@ -321,3 +321,25 @@ def test_host_rows_larger_than_a_staging_half(mechanism):
     assert all(r.success for r in results) and {r.mechanism for r in results} <= {"expand_direct", "ce_batch"}
     for t, b in zip(kv.tensors, before):
         assert torch.equal(t.tensor[dst], b[src])
+
+
+@pytest.mark.parametrize("mechanism", mechanisms(["staged", "expand_staged"]))
+def test_a_shut_down_workers_staging_goes_back(mechanism):
+    """Staging is kept per copy stream; a worker's shutdown gives its lanes' back, so a process
+    that makes workers one after another does not grow."""
+    import torch
+
+    backend = CudaBackend(mechanism=mechanism)
+    kv = small_kv(pages=(4096, 1024), blocks=8, device=backend.device)
+    before = [t.tensor.clone() for t in kv.tensors]
+    for round_ in range(3):
+        with OffloadWorker(kv, 8, backend=backend) as worker:
+            assert worker.submit_store(1, DeviceBlocks([1, 3]), HostBlocks([round_, 7]))
+            worker.wait([1])  # lanes are not ordered against each other
+            assert worker.submit_load(2, HostBlocks([round_, 7]), DeviceBlocks([5, 6]), expedited=True)
+            worker.wait([2])
+            tables = backend._staged_buffers.values() + backend._blocks.staging.values()
+            assert tables  # each lane that copied has its staging
+        assert backend._staged_buffers.values() == [] and backend._blocks.staging.values() == []
+        for t, b in zip(kv.tensors, before):
+            assert torch.equal(t.tensor[[5, 6]], b[[1, 3]])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from offload_core.backend import Direction
 from offload_core.backends.cuda import MECHANISMS, kernels, staging
 from offload_core.backends.cuda import driver as drv
-from offload_core.backends.cuda.select import CostModel, host_runs, piece_bounds, profile_path
+from offload_core.backends.cuda.select import CostModel, piece_bounds, profile_path
 
 
 def test_memcpy_attributes_has_the_driver_layout():
@@ -170,13 +170,6 @@ def test_profiles_round_trip(tmp_path, monkeypatch):
     loaded = CostModel.load(path)
     assert loaded.sm_gbps == {"store": 40.0, "load": 30.0} and loaded.source == "calibrated"
     assert loaded.ce_gbps == CostModel().ce_gbps
-
-
-def test_host_runs_follow_contiguous_host_ranges():
-    host = np.array([100, 132, 164, 500, 532, 900], dtype=np.int64)
-    sizes = np.full(6, 32, dtype=np.int64)
-    starts, run_bytes = host_runs(host, sizes)
-    assert starts.tolist() == [0, 3, 5] and run_bytes.tolist() == [96, 64, 32]
 
 
 def test_host_time_of_the_batch_call_counts():

@@ -116,6 +116,18 @@ def test_shutdown_drains_jobs_in_flight_and_keeps_their_results(worker, fake):
         store(worker, 3)
 
 
+def test_shutdown_releases_each_lanes_stream_once_after_its_last_job(worker, fake):
+    store(worker, 1, block=1, host=1)
+    load(worker, 2, host=2, block=2)
+    assert worker.submit_load(3, HostBlocks([3]), DeviceBlocks([3]), expedited=True)
+    assert not [x for x in fake.log if x[0] == "release_stream"]
+    worker.shutdown()
+    worker.shutdown()
+    released = [x for x in fake.log if x[0] == "release_stream"]
+    assert sorted(name for _, name, _ in released) == sorted(s.name for s in fake.streams)
+    assert all(unfinished == 0 for _, _, unfinished in released)
+
+
 def test_a_device_fault_fails_that_job_only(worker, fake):
     store(worker, 1, block=1, host=1)
     store(worker, 2, block=2, host=2)

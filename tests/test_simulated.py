@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import small_kv
 
-from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadWorker, get_backend
+from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadError, OffloadWorker, get_backend
 from offload_core.backends.npu import AclMemcpyBatchAttr, ascend_kv_caches
 from offload_core.testing import simulated
 from offload_core.testing.conformance import BackendConformance
@@ -134,6 +134,16 @@ def test_xpu_copy_stream_is_never_the_compute_queue(sim_xpu):
     compute = backend.current_stream()
     streams = [backend.new_stream() for _ in range(6)]
     assert all(s.sycl_queue != compute.sycl_queue for s in streams)
+
+
+@pytest.mark.xpu
+def test_xpu_with_one_queue_refuses_rather_than_spin():
+    """A pool of one queue can only hand out the compute queue: an error, not a hang."""
+    from offload_core.backends.xpu import XpuBackend
+
+    backend = XpuBackend(runtime=simulated.SimRuntime("xpu", pool=1), copier=simulated.SimCopier())
+    with pytest.raises(OffloadError, match="no separate copy queue"):
+        backend.new_stream()
 
 
 @pytest.mark.xpu

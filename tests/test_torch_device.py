@@ -81,6 +81,9 @@ class HostRuntime:
     def is_pinned(self, tensor):
         return True
 
+    def pin(self, tensor):
+        return tensor.clone()
+
 
 class HostBackend(TorchDeviceBackend):
     """A third-party backend on the public base: only `probe` and `copy_batch` of its own."""
@@ -158,10 +161,15 @@ class AskedRuntime(simulated.SimRuntime):
         super().__init__("xpu", pool=4)
         self.answer = pinned
         self.asked = []
+        self.staged = []
 
     def is_pinned(self, tensor):
         self.asked.append(tensor.data_ptr())
         return self.answer
+
+    def pin(self, tensor):
+        self.staged.append(tensor.data_ptr())
+        return super().pin(tensor)
 
 
 def _one_xpu_copy(backend):
@@ -186,18 +194,11 @@ def test_xpu_copies_through_the_injected_runtime_and_copier():
     assert pairs[0][1].data_ptr() == src.data_ptr()  # pinned: copied from where it is
 
 
-def test_xpu_stages_what_the_runtime_says_is_pageable(monkeypatch):
-    staged = []
-
-    def pin_memory(self):  # no accelerator here: torch's real pin_memory needs one
-        staged.append(self.data_ptr())
-        return self.clone()
-
-    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
-    copier = RecordingCopier()
-    backend = XpuBackend(runtime=AskedRuntime(pinned=False), copier=copier)
+def test_xpu_stages_what_the_runtime_says_is_pageable():
+    copier, runtime = RecordingCopier(), AskedRuntime(pinned=False)
+    backend = XpuBackend(runtime=runtime, copier=copier)
     src, dst, _ = _one_xpu_copy(backend)
-    assert torch.equal(dst, src) and staged == [src.data_ptr()]
+    assert torch.equal(dst, src) and runtime.staged == [src.data_ptr()]
     ((pairs, _, _),) = copier.calls
     assert pairs[0][1].data_ptr() != src.data_ptr()
 

@@ -139,6 +139,12 @@ class CudaBackend(TorchDeviceBackend):
         with self._context():
             return self._torch.cuda.ExternalStream(self.driver.new_stream(), device=self._device)
 
+    def release_stream(self, stream) -> None:
+        # The staging buffers go; the stream itself (driver state of a few kilobytes) stays,
+        # so that its handle, the key of these tables, is never another stream's.
+        self._staged_buffers.discard(stream)
+        self._blocks.staging.discard(stream)
+
     def alloc_host(self, nbytes: int):
         # torch's pinned allocator hands a freed block out again at once (it knows nothing of
         # driver-level copies): whoever queues copies keeps the tensor until they finish, as

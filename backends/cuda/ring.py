@@ -1,9 +1,8 @@
 """Descriptor tables for the copy kernels: pinned host memory and device memory, reused job
 after job, so that an upload costs one numpy copy and one ``cuMemcpyAsync``.
 
-Allocating the tables per job cost 0.1-0.7 ms on the H200's host for 65536 descriptors
-(torch's pinned allocator cannot reuse a buffer while the copy that reads it is pending,
-so a busy stream made it call ``cudaHostAlloc`` each time); see docs/dev/cuda-tuning-log.md.
+Tables allocated per job would cost a ``cudaHostAlloc`` each time the stream is busy: torch's
+pinned allocator cannot reuse a buffer while the copy that reads it is pending.
 """
 
 from __future__ import annotations

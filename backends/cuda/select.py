@@ -49,8 +49,8 @@ class CostModel:
     ce_tail_s: float = 1.4e-9  # what a 16 KiB copy costs beyond its bytes at link speed
     ce_host_s: float = 0.44e-6  # host time per copy inside the batch call (16 KiB copies)
     # Host-to-device copies this small cost the batch call host time by their bytes besides
-    # (2.2-3.3 us per 16 KiB copy on the H200's host at d3bdc3d, against 0.7 us for stores):
-    # the driver moves them through the CPU.
+    # (several microseconds per 16 KiB copy, against under one for stores): the driver moves
+    # them through the CPU.
     inline_h2d_bytes: int = 16384
     inline_h2d_gbps: float = 6.0
     # host time of one enqueue, back to back behind a busy stream: per job, per copy
@@ -162,9 +162,9 @@ class CostModel:
 def piece_bounds(total: int, staging_bytes: int, store: bool, first: int = 1 << 20) -> list[int]:
     """Where ``staged``'s pieces after the first begin, in bytes into a job of `total`.
 
-    A job that fits in `staging_bytes` is one piece: each more piece costs 70-120 us of host
-    time on the H200's host (a launch, a batch call, two events), where a whole 16 MiB job's
-    gather or scatter, exposed, cost the link under a point (docs/dev/cuda-tuning-log.md, step 14).
+    A job that fits in `staging_bytes` is one piece: each more piece costs host time (a launch,
+    a batch call, two events), where a whole 16 MiB job's gather or scatter, exposed, costs
+    the link little.
     A larger job starts with a piece of `first` bytes, then pieces of `staging_bytes`: its
     link time hides the host time, and only the first gather of a store and the last scatter
     of a load are exposed. Counted from the start for a store, from the end for a load.
@@ -217,9 +217,3 @@ def choose(
     pieces = 1 + len(piece_bounds(nbytes, backend.staging_bytes, store))
     mechanism = backend.cost.choose(direction.value, len(sizes), nbytes, names, count_runs, pieces)
     return mechanism, BatchSummary(largest, uniform, starts[0] if starts else None)
-
-
-def host_runs(host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where runs of descriptors that are contiguous on the host start, and their bytes."""
-    starts = run_starts((host,), sizes)
-    return starts, np.add.reduceat(sizes, starts)

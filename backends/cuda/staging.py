@@ -38,7 +38,11 @@ class PerStream:
         return entry
 
     def values(self):
-        return self._by_handle.values()
+        return list(self._by_handle.values())
+
+    def discard(self, stream) -> None:
+        """Forget `stream`'s entry (its memory goes back to torch's allocator)."""
+        self._by_handle.pop(stream.cuda_stream, None)
 
 
 class StagedPair:

@@ -70,6 +70,7 @@ class FakeBackend(Backend):
         streams: streams in creation order (an OffloadWorker creates the store queue's first).
         fail_enqueue: if set, the next `copy_batch` raises it.
         syncs: how many times the host blocked on an event.
+        ``("release_stream", name, unfinished events on it)`` in `log`: the core released a stream.
     """
 
     name: ClassVar[str] = "fake"
@@ -95,6 +96,11 @@ class FakeBackend(Backend):
         stream = FakeStream(self, f"s{len(self.streams)}")
         self.streams.append(stream)
         return stream
+
+    def release_stream(self, stream: FakeStream) -> None:
+        # what a backend may free now: every job on the stream must have been seen to finish
+        pending = [e for e in self.recorded() if e.stream is stream and not e.done]
+        self.log.append(("release_stream", stream.name, len(pending)))
 
     def new_event(self) -> FakeEvent:
         return FakeEvent(self)

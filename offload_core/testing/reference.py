@@ -1,6 +1,9 @@
 """The reference model of a transfer: bytes moved one page at a time, with plain indexing.
 
-Slow and obviously right; planner and backend tests compare against it.
+Slow and obviously right; planner and backend tests compare against it. Independent of the
+code under test on purpose: it merges nothing, and elects writers itself (``p % num_writers ==
+writer_index``, written out below), so that a mistake in `offload_core.runs` or
+`offload_core.canonical.elected` cannot hide in the model as well.
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ def reference_transfer(
                 dev_page = device_pages[t][device_ids[d + k]]
                 pieces = [(0, 0, nbytes)]
                 if mapping:
-                    if direction is Direction.STORE and not mapping[0].is_writer(host_id * blocks_per_chunk + sub):
+                    m = mapping[0]
+                    if (
+                        direction is Direction.STORE
+                        and (host_id * blocks_per_chunk + sub) % m.num_writers != m.writer_index
+                    ):
                         continue
                     pieces = [
                         (

@@ -102,12 +102,6 @@ class SimRuntime:
     def __repr__(self) -> str:
         return f"SimRuntime({self.name!r})"
 
-    def is_available(self) -> bool:
-        return True
-
-    def device_count(self) -> int:
-        return 1
-
     def current_device(self) -> int:
         return getattr(self._local, "device", 0)
 
@@ -144,6 +138,13 @@ class SimRuntime:
         start = tensor.data_ptr()
         self.pinned[start] = (start + tensor.nbytes, tensor)
         return tensor
+
+    def pin(self, tensor):
+        """A copy, marked page-locked."""
+        copy = tensor.clone()
+        start = copy.data_ptr()
+        self.pinned[start] = (start + copy.nbytes, copy)
+        return copy
 
     def is_pinned(self, tensor) -> bool:
         """Always True, so the xpu backend stages nothing: staging exists because torch copies
