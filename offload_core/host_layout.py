@@ -42,7 +42,12 @@ class HostLayout:
 
     @classmethod
     def of(cls, kv_caches: KVCaches, blocks_per_chunk: int = 1, canonical: bool = False) -> HostLayout:
-        """The layout of `kv_caches`' pages, direct or canonical."""
+        """The layout of `kv_caches`' pages, direct or canonical.
+
+        Two `page_size_bytes` meet here, both vLLM's name: a tensor's is its row (the padded
+        page; `KVCacheTensor.pitch_bytes` is the distance between rows), a ref's is the prefix
+        of that row it copies.
+        """
         if canonical:
             pages = [0] * len(kv_caches.tensors)
             for refs in kv_caches.group_refs:

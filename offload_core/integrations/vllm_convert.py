@@ -169,6 +169,8 @@ def to_kv_caches(kv_caches: Any, canonical: bool = False) -> KVCaches:
         InvalidSpecError: a tensor or ref that breaks `KVCacheTensor`'s or `KVCaches`' rules, or,
             where `canonical`, a ref vLLM could not certify (no mapping).
     """
+    # vLLM's names: a tensor's page_size_bytes is its row (the padded page), a ref's the prefix
+    # of it that the layer uses and a copy moves
     tensors = [KVCacheTensor(t.tensor, int(t.page_size_bytes)) for t in kv_caches.tensors]
     groups = []
     for g, refs in enumerate(kv_caches.group_data_refs):
