@@ -604,3 +604,26 @@ def test_small_loads_weigh_the_host_time_of_their_copies(items, nbytes, segments
     cost = CostModel()
     est = {m: cost.estimate_job(m, "load", items, nbytes, segments, small) for m in ("expand_staged", "expand_direct")}
     assert est[cheaper] < 0.98 * max(est.values())
+
+
+def test_compact_stores_go_straight_to_host_rows_where_the_batch_call_would_bind_them():
+    """256 B pages over 64 layers: 16 KiB host rows, 256 per 4 MiB job. The batch call's host time
+    per row exceeds the link's time for it, so auto weighs writing the rows from the kernel, and
+    takes it; 1 KiB pages (64 KiB rows) stay staged."""
+    from types import SimpleNamespace
+
+    from offload_core.backends.cuda.blocks import EXPAND_DIRECT, EXPAND_STAGED, BlockCopier
+
+    copier = BlockCopier(SimpleNamespace(cost=CostModel()), 24 << 20)
+    copier.direct_ok = lambda prepared: True
+
+    def choice(row_bytes, rows, direction=Direction.STORE):
+        job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=rows * row_bytes)
+        layout = SimpleNamespace(layout=SimpleNamespace(row_bytes=row_bytes))
+        return copier.choose(job, layout, (None, None, np.full(rows, row_bytes, dtype=np.int64)))
+
+    assert choice(16384, 256) is EXPAND_DIRECT
+    assert choice(65536, 64) is EXPAND_STAGED
+    assert choice(262144, 16) is EXPAND_STAGED
+    copier.direct_ok = lambda prepared: False  # host rows the kernel cannot address
+    assert choice(16384, 256) is EXPAND_STAGED
