@@ -190,13 +190,3 @@ def _load_plugins() -> None:
             log.warning("ignoring plugin backend %r from %s: the name is taken", ep.name, ep.value)
             continue
         _targets[ep.name] = ep.value
-
-
-def _reset_for_tests() -> None:
-    """Forget registrations, plugins and cached instances (tests only)."""
-    global _plugins_loaded
-    with _lock:
-        _targets.clear()
-        _targets.update(_BUILTIN)
-        _instances.clear()
-        _plugins_loaded = False

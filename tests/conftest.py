@@ -21,7 +21,6 @@ settings.register_profile("thorough", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 _simulations = contextlib.ExitStack()
-_simulated: dict[str, type] = {}  # name -> the simulated backend class registered for the session
 
 
 def pytest_configure(config):
@@ -31,26 +30,10 @@ def pytest_configure(config):
     for name in _listed("OFFLOAD_CORE_SIMULATE") or ():
         if real.get(name) is not None:  # never hide a real device behind its simulation
             _simulations.enter_context(getattr(simulated, name)())
-            _simulated[name] = registry.backend_class(name)
 
 
 def pytest_unconfigure(config):
     _simulations.close()
-
-
-@pytest.fixture(autouse=True)
-def _keep_session_simulations():
-    """The simulations are registrations: a test that resets the registry (registry tests,
-    ``_reset_for_tests``) drops them, so put them back, before and after every test."""
-    _reregister()
-    yield
-    _reregister()
-
-
-def _reregister() -> None:
-    for name, cls in _simulated.items():
-        if registry.backend_class(name) is not cls:
-            registry.register_backend(name, cls, clobber=True)
 
 
 def _listed(var: str) -> set[str] | None:

@@ -12,6 +12,7 @@ from offload_core import bench, hostmem, registry
 from offload_core.cli import bench_report, main
 from offload_core.errors import InvalidSpecError, OffloadError
 from offload_core.testing.fake import FakeBackend
+from offload_core.testing.fresh_registry import restored_registry
 
 SMALL = ["--blocks", "8", "--blocks-per-job", "4", "--iters", "1"]
 
@@ -28,9 +29,9 @@ class Lossy(FakeBackend):
 
 @pytest.fixture
 def lossy():
-    registry.register_backend("lossy", Lossy)
-    yield
-    registry._reset_for_tests()
+    with restored_registry():
+        registry.register_backend("lossy", Lossy)
+        yield
 
 
 def test_backends_table_lists_every_backend_and_the_selected_one(capsys):

@@ -11,14 +11,14 @@ import pytest
 from offload_core import BackendUnavailableError, UnknownBackendError, registry
 from offload_core.backends.cpu import CpuBackend
 from offload_core.testing.fake import FakeBackend
+from offload_core.testing.fresh_registry import fresh_registry
 
 
 @pytest.fixture(autouse=True)
 def clean_registry(monkeypatch):
     monkeypatch.delenv(registry.ENV_BACKEND, raising=False)
-    registry._reset_for_tests()
-    yield
-    registry._reset_for_tests()
+    with fresh_registry():
+        yield
 
 
 class Broken(FakeBackend):
@@ -122,13 +122,13 @@ def test_entry_point_plugins_are_found(monkeypatch):
         EntryPoint("cpu", "third_party_offload:FastBackend", registry.ENTRY_POINT_GROUP),  # cannot take a built-in name
     ]
     monkeypatch.setattr(registry, "entry_points", lambda group: eps if group == registry.ENTRY_POINT_GROUP else [])
-    registry._reset_for_tests()
-    assert "fast" in registry.backend_names()
-    assert registry.backend_class("cpu") is CpuBackend
-    assert registry.get_backend().name == "fast"
+    with fresh_registry():
+        assert "fast" in registry.backend_names()
+        assert registry.backend_class("cpu") is CpuBackend
+        assert registry.get_backend().name == "fast"
     monkeypatch.setenv(registry.ENV_PLUGINS, "0")
-    registry._reset_for_tests()
-    assert "fast" not in registry.backend_names()
+    with fresh_registry():
+        assert "fast" not in registry.backend_names()
 
 
 def test_import_offload_core_loads_no_backend_or_device_sdk():
