@@ -24,6 +24,9 @@ def test_memcpy_attributes_has_the_driver_layout():
     assert drv.CUmemcpyAttributes.flags.offset == 20
 
 
+ERROR_NAME = b"CUDA_ERROR_INVALID_VALUE"  # lives as long as the module: the driver reads it after the call
+
+
 class FakeLib:
     """A libcuda stand-in whose entry points are Python callbacks behind real C function pointers."""
 
@@ -56,16 +59,19 @@ class FakeLib:
         self._keep["cuStreamCreate"] = drv.STREAM_CREATE(stream_create)
         self._keep["cuMemcpyAsync"] = drv.MEMCPY(memcpy)
 
-    def cuGetProcAddress_v2(self, symbol, pfn, version, flags, status):
-        fn = self._keep.get(symbol.decode())
-        if fn is None:
-            return 500  # CUDA_ERROR_NOT_FOUND
-        pfn._obj.value = ctypes.cast(fn, ctypes.c_void_p).value
-        return 0
+        def get_proc(symbol, pfn, version, flags, status):
+            fn = self._keep.get(symbol.decode())
+            if fn is None:
+                return 500  # CUDA_ERROR_NOT_FOUND
+            pfn[0] = ctypes.cast(fn, ctypes.c_void_p).value
+            return 0
 
-    def cuGetErrorName(self, code, out):
-        out._obj.value = b"CUDA_ERROR_INVALID_VALUE"
-        return 0
+        def error_name(code, out):
+            out[0] = ERROR_NAME
+            return 0
+
+        self.cuGetProcAddress_v2 = drv.GET_PROC_ADDRESS(get_proc)
+        self.cuGetErrorName = drv.GET_ERROR_NAME(error_name)
 
 
 def arrays(n):

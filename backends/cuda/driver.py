@@ -58,6 +58,18 @@ STREAM_NON_BLOCKING = 1  # no implicit ordering with the legacy default stream
 # CUresult cuMemHostRegister(void *p, size_t bytesize, unsigned int flags); cuMemHostUnregister(void *p)
 HOST_REGISTER = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
 HOST_UNREGISTER = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
+# CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+#     CUdriverProcAddressQueryResult *symbolStatus)
+GET_PROC_ADDRESS = ctypes.CFUNCTYPE(
+    CUresult,
+    ctypes.c_char_p,
+    ctypes.POINTER(ctypes.c_void_p),
+    ctypes.c_int,
+    ctypes.c_uint64,
+    ctypes.POINTER(ctypes.c_int),
+)
+# CUresult cuGetErrorName(CUresult error, const char **pStr)
+GET_ERROR_NAME = ctypes.CFUNCTYPE(CUresult, CUresult, ctypes.POINTER(ctypes.c_char_p))
 HOST_REGISTER_PORTABLE_DEVICEMAP = 0x3  # pinned for every context, mapped for kernels
 ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 # CUresult cuPointerGetAttribute(void *data, CUpointer_attribute, CUdeviceptr)
@@ -76,8 +88,8 @@ class Driver:
     """Entry points of one loaded libcuda.
 
     Args:
-        lib: the loaded library (``ctypes.CDLL("libcuda.so.1")``), or a stand-in with
-            ``cuGetProcAddress_v2`` and ``cuGetErrorName`` for tests.
+        lib: the loaded library (``ctypes.CDLL("libcuda.so.1")``), or anything else whose
+            ``cuGetProcAddress_v2`` and ``cuGetErrorName`` are C function pointers.
 
     Attributes:
         memcpy_batch: ``cuMemcpyBatchAsync`` (12.8 ABI), or None on drivers before 12.8.
@@ -87,21 +99,8 @@ class Driver:
     def __init__(self, lib: Any):
         self._attrs: dict = {}
         self._lib = lib
-        self._get_proc = lib.cuGetProcAddress_v2
-        self._error_name = lib.cuGetErrorName
-        try:  # a real CDLL function: declare the prototype once
-            self._get_proc.argtypes = [
-                ctypes.c_char_p,
-                ctypes.POINTER(ctypes.c_void_p),
-                ctypes.c_int,
-                ctypes.c_uint64,
-                ctypes.POINTER(ctypes.c_int),
-            ]
-            self._get_proc.restype = CUresult
-            self._error_name.argtypes = [CUresult, ctypes.POINTER(ctypes.c_char_p)]
-            self._error_name.restype = CUresult
-        except AttributeError:
-            pass
+        self._get_proc = GET_PROC_ADDRESS(ctypes.cast(lib.cuGetProcAddress_v2, ctypes.c_void_p).value)
+        self._error_name = GET_ERROR_NAME(ctypes.cast(lib.cuGetErrorName, ctypes.c_void_p).value)
         self.memcpy_batch = self.resolve("cuMemcpyBatchAsync", BATCH_ABI_VERSION, MEMCPY_BATCH)
         self.memcpy = self.resolve("cuMemcpyAsync", 4000, MEMCPY)
         self.pointer_get_attribute = self.resolve("cuPointerGetAttribute", 4000, POINTER_GET_ATTRIBUTE)
