@@ -32,6 +32,7 @@ from offload_core.backend import Direction
 from offload_core.canonical import elected
 from offload_core.layout import DeviceBlocks, HostBlocks
 from offload_core.plan import Planner
+from offload_core.runs import merge_runs
 
 ENTRY_COLUMNS = ("dev_base", "dev_page", "dev_off", "host_off", "host_sub", "size", "writers", "writer")
 BLOCK_COLUMNS = ("dev_id", "chunk", "sub", "page", "group")
@@ -329,10 +330,5 @@ def _merged(stage: np.ndarray, host: np.ndarray, sizes: np.ndarray) -> tuple[np.
     """Ranges in staging order, those that continue each other on both sides merged into one."""
     if stage.size < 2:
         return stage, host, sizes
-    ends = stage[:-1] + sizes[:-1]
-    joins = (ends == stage[1:]) & (host[:-1] + sizes[:-1] == host[1:])
-    if not joins.any():
-        return stage, host, sizes
-    first = np.flatnonzero(np.concatenate(([True], ~joins)))
-    last = np.append(first[1:], stage.size) - 1
-    return stage[first], host[first], stage[last] + sizes[last] - stage[first]
+    (stage, host), sizes = merge_runs((stage, host), sizes)
+    return stage, host, sizes
