@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from offload_core.backend import Direction
-from offload_core.backends.torch_device import TorchDeviceBackend
+from offload_core.backends.torch_device import Runtime, TorchDeviceBackend
 from offload_core.errors import InvalidSpecError
 from offload_core.layout import KVCacheRef, KVCaches, KVCacheTensor
 
@@ -119,7 +119,7 @@ class NpuBackend(TorchDeviceBackend):
             return f"torch.npu.is_available() raised {exc!r}"
         return None
 
-    def __init__(self, device_index: int = 0, *, runtime: Any = None, acl: Any = None):
+    def __init__(self, device_index: int = 0, *, runtime: Runtime | None = None, acl: Any = None):
         if runtime is None:
             import torch
 

@@ -9,12 +9,39 @@ when a backend or runtime is created.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from offload_core.backend import Backend
 
 if TYPE_CHECKING:
     import torch
+
+
+class Runtime(Protocol):
+    """What a `TorchDeviceBackend` needs of its runtime (see the class's docstring for each
+    member): ``torch.cuda``'s surface, plus `torch_device`, `alloc_pinned`, `is_pinned`, `pin`."""
+
+    def Stream(self, device: int = ...) -> Any: ...  # noqa: N802  (torch's name)
+
+    def Event(self, enable_timing: bool = ...) -> Any: ...  # noqa: N802
+
+    def current_stream(self, index: int) -> Any: ...
+
+    def current_device(self) -> int: ...
+
+    def set_device(self, index: int) -> None: ...
+
+    def synchronize(self, index: int) -> None: ...
+
+    def stream(self, stream: Any) -> Any: ...
+
+    def torch_device(self, index: int) -> torch.device: ...
+
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor: ...
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool: ...
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 class TorchRuntime:
@@ -111,12 +138,12 @@ class TorchDeviceBackend(Backend):
 
     module_name: ClassVar[str]
 
-    def __init__(self, device_index: int = 0, *, runtime: Any = None):
+    def __init__(self, device_index: int = 0, *, runtime: Runtime | None = None):
         import torch
 
         super().__init__(device_index)
         self._torch = torch
-        self.runtime: Any = runtime if runtime is not None else TorchRuntime(self.module_name)
+        self.runtime: Runtime = runtime if runtime is not None else TorchRuntime(self.module_name)
         self._device = self.runtime.torch_device(device_index)
 
     @property

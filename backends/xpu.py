@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from offload_core.backend import Direction, span_bytes
-from offload_core.backends.torch_device import TorchDeviceBackend
+from offload_core.backends.torch_device import Runtime, TorchDeviceBackend
 from offload_core.errors import OffloadError
 
 MAX_STREAM_TRIES = 64  # torch.xpu's pool has 32 queues per priority
@@ -30,7 +30,7 @@ class StreamCopier:
     pair, with the copy stream current. Replace it (``XpuBackend(copier=...)``) where a runtime's
     streams cannot run a torch copy asynchronously themselves."""
 
-    def enqueue(self, pairs: Sequence[tuple[Any, Any]], stream: Any, runtime: Any) -> None:
+    def enqueue(self, pairs: Sequence[tuple[Any, Any]], stream: Any, runtime: Runtime) -> None:
         """Enqueue ``dst <- src`` for every ``(dst, src)`` pair of same-sized uint8 tensors on
         `stream`, without waiting for the copies.
 
@@ -78,7 +78,7 @@ class XpuBackend(TorchDeviceBackend):
             return f"torch.xpu.is_available() raised {exc!r}"
         return None
 
-    def __init__(self, device_index: int = 0, *, runtime: Any = None, copier: StreamCopier | None = None):
+    def __init__(self, device_index: int = 0, *, runtime: Runtime | None = None, copier: StreamCopier | None = None):
         super().__init__(device_index, runtime=runtime)
         self.copier = copier if copier is not None else StreamCopier()
         # Registered buffers: (start, end, weak ref to the tensor), sorted by address, with their

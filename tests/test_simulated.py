@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -209,15 +208,17 @@ def test_xpu_registrations_survive_collections_on_other_threads(sim_xpu):
     assert all(t.data_ptr() in starts for t in live)
 
 
-@pytest.mark.skipif(bool(os.environ.get("OFFLOAD_CORE_SIMULATE")), reason="a session-wide simulation is installed")
 def test_simulations_leave_no_trace():
+    """From the built-in registrations (whatever the session installed is put aside meanwhile)."""
     from offload_core import availability
+    from offload_core.testing.fresh_registry import fresh_registry
 
-    with simulated.npu():
-        with simulated.xpu():
-            assert availability()["npu"] is None and availability()["xpu"] is None
-    avail = availability()
-    assert avail["npu"] is not None and avail["xpu"] is not None
+    with fresh_registry():
+        real = availability()
+        with simulated.npu():
+            with simulated.xpu():
+                assert availability()["npu"] is None and availability()["xpu"] is None
+        assert availability() == real
 
 
 def test_simulations_replace_registrations_and_patch_no_module():
