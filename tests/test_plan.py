@@ -47,6 +47,24 @@ class Model:
     def snapshot(self):
         return [a.copy() for a in self.device], self.host.copy()
 
+    def expected(self, direction, device, host, host_pages=None):
+        """Device pages and host rows after the reference model moved the transfer's bytes."""
+        expected_dev, expected_host = self.snapshot()
+        reference_transfer(
+            direction,
+            expected_dev,
+            expected_host,
+            self.offsets,
+            self.group_refs,
+            self.bpc,
+            device.block_ids,
+            device.group_sizes,
+            device.block_indices,
+            host.block_ids,
+            host_pages=host_pages,
+        )
+        return expected_dev, expected_host
+
     def gaps(self):
         """The bytes between device rows, which no copy may touch."""
         return [b[:, p:].copy() for b, p in zip(self.backing, self.pages)]
@@ -98,20 +116,8 @@ def inside(addr, n, spans):
 @given(transfers())
 def test_plan_moves_the_same_bytes_as_the_reference(case):
     model, direction, device, host = case
-    expected_dev, expected_host = model.snapshot()
+    expected_dev, expected_host = model.expected(direction, device, host)
     gaps = model.gaps()
-    reference_transfer(
-        direction,
-        expected_dev,
-        expected_host,
-        model.offsets,
-        model.group_refs,
-        model.bpc,
-        device.block_ids,
-        device.group_sizes,
-        device.block_indices,
-        host.block_ids,
-    )
     batch = Planner(model.geometry).plan(direction, device, host)
 
     spans = model.buffers()
@@ -300,21 +306,8 @@ def canonical_transfers(draw):
 @given(canonical_transfers())
 def test_canonical_plan_matches_the_reference(case):
     model, direction, device, host, canon = case
-    expected_dev, expected_host = model.snapshot()
+    expected_dev, expected_host = model.expected(direction, device, host, host_pages=[canon] * len(model.device))
     gaps = model.gaps()
-    reference_transfer(
-        direction,
-        expected_dev,
-        expected_host,
-        model.offsets,
-        model.group_refs,
-        model.bpc,
-        device.block_ids,
-        device.group_sizes,
-        device.block_indices,
-        host.block_ids,
-        host_pages=[canon] * len(model.device),
-    )
     batch = Planner(model.geometry).plan(direction, device, host)
     spans = model.buffers()
     for s, d, n in zip(batch.src.tolist(), batch.dst.tolist(), batch.sizes.tolist()):
