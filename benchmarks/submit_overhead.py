@@ -77,7 +77,19 @@ class NullBackend(Backend):
         return None
 
 
-def measure(page: int, poll_thread: bool, jobs: int = 2000, warmup: int = 200) -> dict:
+class NullExpandingBackend(NullBackend):
+    """`NullBackend` taking compact jobs (block ids), as the cuda backend does."""
+
+    expands_blocks = True
+
+    def prepare_layout(self, layout):
+        return layout
+
+    def copy_blocks(self, job, prepared, stream, after):
+        return "null"
+
+
+def measure(page: int, poll_thread: bool, compact: bool, jobs: int = 2000, warmup: int = 200) -> dict:
     tensors = [KVCacheTensor(torch.zeros(BLOCKS, page, dtype=torch.int8), page) for _ in range(TENSORS)]
     kv = KVCaches(tensors, [[KVCacheRef(i, page) for i in range(TENSORS)]])
     rng = np.random.default_rng(0)
@@ -86,7 +98,7 @@ def measure(page: int, poll_thread: bool, jobs: int = 2000, warmup: int = 200) -
     ]
     times = []
     stop = threading.Event()
-    with OffloadWorker(kv, BLOCKS, backend=NullBackend()) as worker:
+    with OffloadWorker(kv, BLOCKS, backend=NullExpandingBackend() if compact else NullBackend()) as worker:
 
         def poll():
             while not stop.wait(200e-6):
@@ -110,6 +122,7 @@ def measure(page: int, poll_thread: bool, jobs: int = 2000, warmup: int = 200) -
     us = np.array(times[warmup:]) * 1e6
     return {
         "page": page,
+        "path": "compact" if compact else "planned",
         "poll_thread": poll_thread,
         "median_us": float(np.median(us)),
         "p99_us": float(np.percentile(us, 99)),
@@ -121,10 +134,15 @@ def main() -> None:
     parser.add_argument("--page", type=int, action="append", help="page bytes (repeatable; default 256 and 32768)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
-    rows = [measure(page, poll) for page in args.page or [256, 32768] for poll in (False, True)]
+    rows = [
+        measure(page, poll, compact)
+        for compact in (False, True)
+        for page in args.page or [256, 32768]
+        for poll in (False, True)
+    ]
     for r in rows:
         print(
-            f"page {r['page']:>6} B, {'with' if r['poll_thread'] else 'no  '} poller: "
+            f"{r['path']:>8}: page {r['page']:>6} B, {'with' if r['poll_thread'] else 'no  '} poller: "
             f"median {r['median_us']:6.1f} us, p99 {r['p99_us']:6.1f} us"
         )
     if args.json:

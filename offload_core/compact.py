@@ -31,8 +31,8 @@ import numpy as np
 from offload_core.backend import Direction
 from offload_core.canonical import elected
 from offload_core.layout import DeviceBlocks, HostBlocks
-from offload_core.plan import Planner
-from offload_core.runs import merge_runs
+from offload_core.plan import _FEW, Planner, has_duplicates
+from offload_core.runs import merge_runs, run_starts
 
 ENTRY_COLUMNS = ("dev_base", "dev_page", "dev_off", "host_off", "host_sub", "size", "writers", "writer")
 BLOCK_COLUMNS = ("dev_id", "chunk", "sub", "page", "group")
@@ -68,8 +68,17 @@ class CompactJob(NamedTuple):
 
     def destinations(self) -> np.ndarray:
         """A key per block that two blocks share if they may write the same bytes: the host
-        page for a store, the device block for a load (conservative across groups)."""
+        page for a store, the device block for a load (conservative across groups). Every key
+        lies in ``[0, destination_limit)``."""
         return self.blocks[3] if self.direction is Direction.STORE else self.blocks[0]
+
+    @property
+    def destination_limit(self) -> int:
+        """A bound on `destinations`: host pages for a store, device blocks for a load."""
+        layout = self.layout
+        if self.direction is Direction.STORE:
+            return layout.host_blocks * layout.blocks_per_chunk
+        return layout.device_limit
 
     @staticmethod
     def concat(jobs: list[CompactJob]) -> CompactJob:
@@ -156,6 +165,12 @@ class CompactLayout:
         self._entry_bytes = [int(c[5].sum()) for c in columns]
         self._periods = periods  # per group: the pattern of writer elections repeats every this many pages
         self._templates: dict = {}
+        # Most engines' caches: one group, one block per host chunk. Their jobs skip the general
+        # per-group bookkeeping (`_job_single`), which is most of a small job's submit.
+        groups = planner._groups
+        self._single_limit = groups[0].device_limit if len(groups) == 1 and self.blocks_per_chunk == 1 else None
+        self._counters = np.zeros(0, np.int64)  # 0, 1, 2, ...: the chunk row of single-group jobs
+        self.device_limit = max(grp.device_limit for grp in groups)  # above every device block id
 
     @property
     def max_entries(self) -> int:
@@ -168,6 +183,13 @@ class CompactLayout:
         Raises:
             InvalidSpecError: as `Planner.plan`.
         """
+        if self._single_limit is not None:
+            job = self._job_single(direction, device, host)
+            if job is not None:
+                return job
+        return self._job_general(direction, device, host)
+
+    def _job_general(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> CompactJob:
         checked, _ = self._planner._check(direction, device, host)
         bpc = self.blocks_per_chunk
         store = direction is Direction.STORE
@@ -198,6 +220,40 @@ class CompactLayout:
             groups.append((c.index, pos, end, c.first_chunk, c.first_chunk + chunks, c.skip))
             pos = end
         return CompactJob(self, direction, blocks, host.block_ids, tuple(groups), nbytes, items)
+
+    def _job_single(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> CompactJob | None:
+        """`job` for a layout of one group and one block per chunk, or None where the spec
+        breaks a rule (the general path then names it) or moves nothing."""
+        dev_ids, host_ids = device.block_ids, host.block_ids
+        n = dev_ids.size
+        if n == 0 or host_ids.size != n or device.group_sizes.size != 1:
+            return None
+        store = direction is Direction.STORE
+        limit = self._single_limit
+        if n <= _FEW:  # Python's min, max and set on a few ids beat numpy's per-call overhead
+            d, h = dev_ids.tolist(), host_ids.tolist()
+            if min(d) < 0 or max(d) >= limit or min(h) < 0 or max(h) >= self.host_blocks:
+                return None
+            if len(set(h if store else d)) != n:
+                return None
+        else:  # a negative int64 read as uint64 is beyond any limit: one comparison per side
+            if (dev_ids.view(np.uint64) >= limit).any() or (host_ids.view(np.uint64) >= self.host_blocks).any():
+                return None
+            if has_duplicates(host_ids, self.host_blocks) if store else has_duplicates(dev_ids, limit):
+                return None
+        counters = self._counters  # one read: another thread may swap in a longer one meanwhile
+        if counters.size < n:
+            counters = self._counters = np.arange(2 * n, dtype=np.int64)
+        blocks = np.zeros((5, n), dtype=np.int64)  # sub-page and group stay 0
+        blocks[0] = dev_ids
+        blocks[1] = counters[:n]
+        blocks[3] = host_ids
+        if store and self._periods[0] > 1:
+            nbytes = int(self._elected(0, host_ids).sum())
+        else:
+            nbytes = n * self._entry_bytes[0]
+        items = n * int(self.group_entries[1, 0])
+        return CompactJob(self, direction, blocks, host_ids, ((0, 0, n, 0, n, 0),), nbytes, items)
 
     def _elected(self, group: int, pages: np.ndarray) -> np.ndarray:
         """Bytes each (block, entry) of `group` stores, given the blocks' canonical page ids."""
@@ -260,10 +316,13 @@ class CompactLayout:
             starts, lengths = self._template(g, 0, 0, 0, store)
             if starts.size == 1 and (not store or self._periods[g] == 1):
                 a, n = int(starts[0]), int(lengths[0])
+                if n == row:  # whole rows: a run of consecutive host blocks is one range
+                    hosts = host_ids[c0:c1]
+                    first = run_starts((hosts,), 1)
+                    sizes = np.diff(np.append(first, hosts.size)) * row
+                    return (first + c0) * row, hosts[first] * row, sizes
                 stage = np.arange(c0 * row + a, c1 * row + a, row, dtype=np.int64)
-                host = host_ids[c0:c1] * row + a
-                sizes = np.full(stage.size, n, dtype=np.int64)
-                return _merged(stage, host, sizes) if n == row else (stage, host, sizes)
+                return stage, host_ids[c0:c1] * row + a, np.full(stage.size, n, dtype=np.int64)
         pieces = []  # (chunk positions, template starts, template lengths)
         for g, b0, b1, c0, c1, skip in job.groups:
             period = self._periods[g] if store else 1

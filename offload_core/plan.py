@@ -315,10 +315,16 @@ class Planner:
             if self._groups_share_tensors:
                 shared_keys.append(dev_ids if not store else hids * bpc + (0 if sub is None else sub))
             else:
-                _check_unique(group_hids if store else dev_ids, "host block id" if store else "device block id")
+                if store:
+                    _check_unique(group_hids, "host block id", self.host_blocks)
+                else:
+                    _check_unique(dev_ids, "device block id", grp.device_limit)
             checked.append(_Checked(g, grp, n, dev_ids, hids, sub, h0 - hc, skip))
         if shared_keys:
-            _check_unique(np.concatenate(shared_keys), "device block id" if not store else "host sub-page")
+            if store:
+                _check_unique(np.concatenate(shared_keys), "host sub-page", self.host_blocks * bpc)
+            else:
+                _check_unique(np.concatenate(shared_keys), "device block id", max(g.device_limit for g in self._groups))
         return checked, sizes
 
     def _plan_mapped(self, part, dev_off, host_off, hids, sub, store, out, pos) -> tuple[int, int]:
@@ -381,15 +387,26 @@ def _raise_out_of_range(side: str, ids: np.ndarray, limit: int) -> None:
     )
 
 
-def _check_unique(ids: np.ndarray, side: str) -> None:
-    """Two copies into the same destination page would race: reject them."""
-    if ids.size < 2:
+def _check_unique(ids: np.ndarray, side: str, limit: int) -> None:
+    """Two copies into the same destination page would race: reject them. Every id lies in
+    ``[0, limit)`` (checked before)."""
+    if not has_duplicates(ids, limit):
         return
-    if ids.size <= _FEW:
-        few = ids.tolist()
-        if len(set(few)) == len(few):
-            return
     s = np.sort(ids)
     dup = s[1:] == s[:-1]
-    if dup.any():
-        raise InvalidSpecError(f"{side} {int(s[1:][dup][0])} is the destination of two copies in one transfer")
+    raise InvalidSpecError(f"{side} {int(s[1:][dup][0])} is the destination of two copies in one transfer")
+
+
+def has_duplicates(ids: np.ndarray, limit: int) -> bool:
+    """Whether an id occurs twice in `ids`, each of which lies in ``[0, limit)``."""
+    n = ids.size
+    if n < 2:
+        return False
+    if n <= _FEW:
+        return len(set(ids.tolist())) != n
+    if n * 64 >= limit:  # a byte per possible id and one scatter: a 1M-id job in 1 ms, not a 50 ms sort
+        seen = np.zeros(limit, dtype=np.bool_)
+        seen[ids] = True
+        return int(np.count_nonzero(seen)) != n
+    s = np.sort(ids)
+    return bool((s[1:] == s[:-1]).any())

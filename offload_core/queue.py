@@ -598,10 +598,19 @@ def _first_clash(jobs: list[CompactJob]) -> int:
     those."""
     if len(jobs) < 2:
         return len(jobs)
-    keys = np.concatenate([j.destinations() for j in jobs])
-    owner = np.repeat(np.arange(len(jobs)), [len(j) for j in jobs])
-    order = np.argsort(keys, kind="stable")  # equal keys in job order
-    k, o = keys[order], owner[order]
+    keys = [j.destinations() for j in jobs]
+    limit = jobs[0].destination_limit
+    if sum(k.size for k in keys) * 64 >= limit:  # many keys: a byte per possible key, no sort
+        seen = np.zeros(limit, dtype=np.bool_)
+        for i, k in enumerate(keys):
+            if i and seen[k].any():
+                return i
+            seen[k] = True
+        return len(jobs)
+    flat = np.concatenate(keys)
+    owner = np.repeat(np.arange(len(jobs)), [k.size for k in keys])
+    order = np.argsort(flat, kind="stable")  # equal keys in job order
+    k, o = flat[order], owner[order]
     clash = (k[1:] == k[:-1]) & (o[1:] != o[:-1])
     return int(o[1:][clash].min()) if clash.any() else len(jobs)  # >= 1: the later job of the first clash
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from helpers import small_kv
+from hypothesis import given
+from hypothesis import strategies as st
 
 from offload_core import DeviceBlocks, HostBlocks, OffloadWorker
-from offload_core.queue import enqueue_lock
+from offload_core.queue import _first_clash, enqueue_lock
 from offload_core.testing.expanding import ExpandingCpuBackend
 
 pytestmark = pytest.mark.cpu
@@ -398,3 +401,26 @@ def test_a_burst_of_burst_bytes_is_launched_by_the_submit():
         worker.wait([0])
         store(worker, 1, [1], [1])  # part of a burst, on an idle device, yet launched here
         assert backend.by == [threading.current_thread()] * 2
+
+
+class _Keys:
+    """What `_first_clash` reads of a job: its destination keys and their bound."""
+
+    def __init__(self, keys, limit):
+        self._keys, self.destination_limit = np.array(keys, dtype=np.int64), limit
+
+    def destinations(self):
+        return self._keys
+
+
+@given(
+    jobs=st.lists(st.lists(st.integers(0, 63), max_size=12), min_size=1, max_size=8),
+    limit_extra=st.sampled_from([0, 100000]),  # a bound near the keys (bitmap) or far above them (sort)
+)
+def test_a_launch_ends_before_the_first_job_that_writes_what_an_earlier_one_writes(jobs, limit_extra):
+    want = len(jobs)
+    for i in range(1, len(jobs)):
+        if set(jobs[i]) & set().union(*jobs[:i]):
+            want = i
+            break
+    assert _first_clash([_Keys(k, 64 + limit_extra) for k in jobs]) == want

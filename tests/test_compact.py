@@ -159,3 +159,58 @@ def test_compact_jobs_are_validated_as_plans_are(device, host, message):
     model = Model([64], [[(0, 64)]], 1, 16, 12)
     with pytest.raises(InvalidSpecError, match=message):
         CompactLayout(Planner(model.geometry)).job(Direction.STORE, device, host)
+
+
+@st.composite
+def single_group_specs(draw):
+    """One group, one block per chunk (the layout `CompactLayout.job` takes a short path for):
+    up to 300 ids against small limits, so that every way of checking them runs (Python sets,
+    sorting, a bitmap), valid or breaking one rule."""
+    device_blocks, host_blocks = draw(st.integers(1, 400)), draw(st.integers(1, 400))
+    n = min(draw(st.integers(0, 300)), device_blocks, host_blocks)
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    dev, host = rng.permutation(device_blocks)[:n], rng.permutation(host_blocks)[:n]
+    flaw = draw(st.sampled_from(["none", "dev_range", "host_range", "negative", "duplicate", "count"]))
+    dev, host = dev.copy(), host.copy()
+    if dev.size and flaw != "none":
+        i = draw(st.integers(0, dev.size - 1))
+        if flaw == "dev_range":
+            dev[i] = device_blocks + draw(st.integers(0, 3))
+        elif flaw == "host_range":
+            host[i] = host_blocks
+        elif flaw == "negative":
+            (dev if draw(st.booleans()) else host)[i] = -1
+        elif flaw == "duplicate" and dev.size > 1:
+            side = dev if draw(st.booleans()) else host
+            side[i] = side[(i + 1) % side.size]
+        elif flaw == "count":
+            host = host[:-1]
+    model = Model([16], [[(0, 16)]], 1, device_blocks, host_blocks)
+    return model, draw(st.sampled_from(list(Direction))), dev, host
+
+
+@given(case=single_group_specs())
+def test_single_group_jobs_take_a_short_path_to_the_same_job(case):
+    model, direction, dev, host = case
+    layout = CompactLayout(Planner(model.geometry))
+    device, hosts = DeviceBlocks(dev), HostBlocks(host)
+    short = layout._job_single(direction, device, hosts)
+    try:
+        general = layout._job_general(direction, device, hosts)
+    except InvalidSpecError:
+        assert short is None, "the short path took a spec the general one refuses"
+        return
+    if short is None:
+        assert dev.size == 0, "the short path refused a valid spec"
+        return
+    np.testing.assert_array_equal(short.blocks, general.blocks)
+    np.testing.assert_array_equal(short.host_ids, general.host_ids)
+    assert (short.groups, short.nbytes, short.items) == (general.groups, general.nbytes, general.items)
+
+
+@given(ids=st.lists(st.integers(0, 999), max_size=400), limit_extra=st.integers(0, 100000))
+def test_duplicates_are_found_whichever_way_the_ids_are_counted(ids, limit_extra):
+    from offload_core.plan import has_duplicates
+
+    arr = np.array(ids, dtype=np.int64)
+    assert has_duplicates(arr, 1000 + limit_extra) == (len(set(ids)) != len(ids))
