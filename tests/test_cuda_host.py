@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import sys
 from types import SimpleNamespace
 
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 from offload_core.backend import Direction
 from offload_core.backends.cuda import MECHANISMS, kernels, staging
 from offload_core.backends.cuda import driver as drv
+from offload_core.backends.cuda.events import DriverEvent, RawStream
 from offload_core.backends.cuda.select import CostModel, piece_bounds, profile_path
 
 
@@ -54,6 +57,43 @@ class FakeLib:
             handle[0] = 0xBEEF
             return 0
 
+        self.codes = {}  # entry point -> codes it returns next (then 0)
+
+        def returns(name):
+            queued = self.codes.get(name)
+            return queued.pop(0) if queued else 0
+
+        def event_create(handle, flags):
+            self.calls.append(("event_create", flags))
+            handle[0] = 0xE0 + sum(c[0] == "event_create" for c in self.calls)
+            return returns("create")
+
+        def event_record(event, stream):
+            self.calls.append(("record", event, stream))
+            return returns("record")
+
+        def stream_wait_event(stream, event, flags):
+            self.calls.append(("wait", stream, event, flags))
+            return returns("wait")
+
+        def event_call(name):
+            def call(event):
+                self.calls.append((name, event))
+                return returns(name)
+
+            return call
+
+        def elapsed(ms, start, end):
+            self.calls.append(("elapsed", start, end))
+            ms[0] = 1.5
+            return returns("elapsed")
+
+        self._keep["cuEventCreate"] = drv.EVENT_CREATE(event_create)
+        self._keep["cuEventRecord"] = drv.EVENT_RECORD(event_record)
+        self._keep["cuStreamWaitEvent"] = drv.STREAM_WAIT_EVENT(stream_wait_event)
+        for name in ("query", "synchronize", "destroy"):
+            self._keep[f"cuEvent{name.capitalize()}"] = drv.EVENT_CALL(event_call(name))
+        self._keep["cuEventElapsedTime"] = drv.EVENT_ELAPSED_TIME(elapsed)
         if with_batch:
             self._keep["cuMemcpyBatchAsync"] = drv.MEMCPY_BATCH(batch)
         self._keep["cuStreamCreate"] = drv.STREAM_CREATE(stream_create)
@@ -633,3 +673,69 @@ def test_compact_stores_go_straight_to_host_rows_where_the_batch_call_would_bind
     assert choice(262144, 16) is EXPAND_STAGED
     copier.direct_ok = lambda prepared: False  # host rows the kernel cannot address
     assert choice(16384, 256) is EXPAND_STAGED
+
+
+def test_driver_events_record_wait_and_time_on_any_streams_handle():
+    lib = FakeLib()
+    driver = drv.Driver(lib)
+    assert driver.has_events
+    event, end = DriverEvent(driver, contextlib.nullcontext), DriverEvent(driver, contextlib.nullcontext)
+    torch_like = SimpleNamespace(cuda_stream=0x51)
+    event.record(torch_like)
+    compute = RawStream(0x52, lambda: DriverEvent(driver, contextlib.nullcontext))
+    compute.wait_event(event)
+    assert ("record", event.handle, 0x51) in lib.calls and ("wait", 0x52, event.handle, 0) in lib.calls
+    assert event.query() is True and event.elapsed_time(end) == 1.5
+    lib.codes["query"] = [drv.ERROR_NOT_READY]
+    assert event.query() is False
+    lib.codes["query"] = [700]  # a fault on the device: the result fails, the caller's loop goes on
+    with pytest.raises(drv.CudaDriverError, match="cuEventQuery failed"):
+        event.query()
+    assert RawStream(0x52, None) == compute and hash(RawStream(0x52, None)) == hash(compute)
+    assert RawStream(0x53, None) != compute
+    handle = event.handle
+    del event
+    gc.collect()
+    assert ("destroy", handle) in lib.calls
+
+
+def test_a_driver_event_call_from_a_thread_without_a_context_is_made_again_within_one():
+    lib = FakeLib()
+    driver = drv.Driver(lib)
+    entered = []
+
+    @contextlib.contextmanager
+    def context():
+        entered.append(True)
+        yield
+
+    event = DriverEvent(driver, context)
+    lib.codes["record"] = [drv.ERROR_INVALID_CONTEXT]
+    event.record(SimpleNamespace(cuda_stream=0x51))
+    assert entered == [True] and sum(c[0] == "record" for c in lib.calls) == 2
+    lib.codes["wait"] = [drv.ERROR_INVALID_CONTEXT, drv.ERROR_INVALID_CONTEXT]
+    with pytest.raises(drv.CudaDriverError, match="cuStreamWaitEvent failed"):
+        event.wait(SimpleNamespace(cuda_stream=0x51))
+
+
+def test_a_torch_stream_waits_for_a_raw_streams_position_through_a_driver_event():
+    lib = FakeLib()
+    driver = drv.Driver(lib)
+    made = []
+
+    def new_event():
+        made.append(DriverEvent(driver, contextlib.nullcontext))
+        return made[-1]
+
+    class TorchLikeStream:  # torch's Stream.wait_stream, as torch implements it
+        cuda_stream = 0x61
+
+        def wait_event(self, event):
+            event.wait(self)
+
+        def wait_stream(self, stream):
+            self.wait_event(stream.record_event())
+
+    TorchLikeStream().wait_stream(RawStream(0x62, new_event))
+    (event,) = made
+    assert lib.calls[-2:] == [("record", event.handle, 0x62), ("wait", 0x61, event.handle, 0)]

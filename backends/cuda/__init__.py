@@ -12,7 +12,8 @@
   model on this GPU (``offload-core calibrate``) and finding a saved one;
 * `staging`: the per-stream device buffers of ``staged`` and ``expand_staged``;
 * `driver`, `kernels`, `ring`: the CUDA driver through ctypes, the Triton kernels, and the
-  descriptor tables they read; `measure`: timing copies (calibration, benchmarks).
+  descriptor tables they read; `events`: the queue's events and the caller's stream through
+  the driver; `measure`: timing copies (calibration, benchmarks).
 
 ``mechanism="auto"`` (the default) asks the cost model per job; a profile saved by
 ``offload-core calibrate`` replaces its H200 defaults. Force a mechanism with
@@ -38,6 +39,7 @@ from offload_core.backends.cuda.driver import (
     HOST_REGISTER_PORTABLE_DEVICEMAP,
     Driver,
 )
+from offload_core.backends.cuda.events import DriverEvent, RawStream
 from offload_core.backends.cuda.mechanisms import BLOCK_MECHANISMS, MECHANISMS, TABLE, contenders
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import CostModel
@@ -129,6 +131,9 @@ class CudaBackend(TorchDeviceBackend):
         self._blocks = BlockCopier(self, self.staging_bytes)
         sms = torch.cuda.get_device_properties(self._device).multi_processor_count
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
+        # the hot path's events and compute stream through the driver, where it has them all
+        self._driver_events = self.driver.has_events
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton reads too
 
     # ---- what the core needs ---------------------------------------------
 
@@ -138,6 +143,21 @@ class CudaBackend(TorchDeviceBackend):
         silently serialize them. These streams live as long as the process."""
         with self._context():
             return self._torch.cuda.ExternalStream(self.driver.new_stream(), device=self._device)
+
+    def new_event(self):
+        """A driver event (`events.DriverEvent`): recorded, waited for and queried at a ctypes
+        call each, on torch's streams as on `current_stream`'s."""
+        if not self._driver_events:
+            return super().new_event()
+        return DriverEvent(self.driver, self._context)
+
+    def current_stream(self):
+        """The calling thread's current stream on this GPU, as its handle (`events.RawStream`)."""
+        if not self._driver_events:
+            return super().current_stream()
+        if self._raw_stream is not None:
+            return RawStream(self._raw_stream(self.device_index), self.new_event)
+        return RawStream(self._torch.cuda.current_stream(self._device).cuda_stream, self.new_event)
 
     def release_stream(self, stream) -> None:
         # The staging buffers go; the stream itself (driver state of a few kilobytes) stays,

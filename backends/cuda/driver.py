@@ -70,6 +70,16 @@ GET_PROC_ADDRESS = ctypes.CFUNCTYPE(
 )
 # CUresult cuGetErrorName(CUresult error, const char **pStr)
 GET_ERROR_NAME = ctypes.CFUNCTYPE(CUresult, CUresult, ctypes.POINTER(ctypes.c_char_p))
+# Events: cuEventCreate(CUevent *, unsigned flags); cuEventRecord(CUevent, CUstream);
+# cuStreamWaitEvent(CUstream, CUevent, unsigned flags); cuEventQuery, cuEventSynchronize,
+# cuEventDestroy(CUevent); cuEventElapsedTime(float *ms, CUevent start, CUevent end)
+EVENT_CREATE = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
+EVENT_RECORD = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p)
+STREAM_WAIT_EVENT = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+EVENT_CALL = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
+EVENT_ELAPSED_TIME = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p)
+ERROR_INVALID_CONTEXT = 201
+ERROR_NOT_READY = 600
 HOST_REGISTER_PORTABLE_DEVICEMAP = 0x3  # pinned for every context, mapped for kernels
 ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 # CUresult cuPointerGetAttribute(void *data, CUpointer_attribute, CUdeviceptr)
@@ -111,6 +121,31 @@ class Driver:
         self.host_unregister = self.resolve("cuMemHostUnregister", 4000, HOST_UNREGISTER)
         if self.memcpy is None:
             raise OSError("libcuda has no cuMemcpyAsync")
+        self.event_create = self.resolve("cuEventCreate", 2000, EVENT_CREATE)
+        self.event_record = self.resolve("cuEventRecord", 2000, EVENT_RECORD)
+        self.stream_wait_event = self.resolve("cuStreamWaitEvent", 3020, STREAM_WAIT_EVENT)
+        self.event_query = self.resolve("cuEventQuery", 2000, EVENT_CALL)
+        self.event_synchronize = self.resolve("cuEventSynchronize", 2000, EVENT_CALL)
+        self.event_destroy = self.resolve("cuEventDestroy", 4000, EVENT_CALL)
+        self.event_elapsed_time = self.resolve("cuEventElapsedTime", 12080, EVENT_ELAPSED_TIME) or self.resolve(
+            "cuEventElapsedTime", 2000, EVENT_ELAPSED_TIME
+        )
+
+    @property
+    def has_events(self) -> bool:
+        """Whether every event entry point `events.DriverEvent` calls was found."""
+        return all(
+            f is not None
+            for f in (
+                self.event_create,
+                self.event_record,
+                self.stream_wait_event,
+                self.event_query,
+                self.event_synchronize,
+                self.event_destroy,
+                self.event_elapsed_time,
+            )
+        )
 
     @classmethod
     def load(cls) -> Driver:

@@ -1,0 +1,135 @@
+"""Events and the caller's stream through the CUDA driver, for the queue's hot path.
+
+Every submit records an event on the caller's compute stream, and every launch waits for such
+events and records two of its own. torch's wrappers cost several microseconds per call (a
+Python stream object built for each `current_stream`, device guards around each record); a
+ctypes call into the driver costs under one. `DriverEvent` and `RawStream` satisfy the core's
+`Event` and `Stream` protocols and mix with torch's streams: a torch stream's ``wait_event``
+calls the event's ``wait``, and recording reads any stream's ``cuda_stream`` handle.
+
+A thread that has made no CUDA call yet has no current context, and the driver refuses it
+(``CUDA_ERROR_INVALID_CONTEXT``): such a call is made again with the backend's context made
+current (`Context`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Protocol
+
+from offload_core.backends.cuda.driver import (
+    ERROR_INVALID_CONTEXT,
+    ERROR_NOT_READY,
+    CudaDriverError,
+    Driver,
+)
+
+
+class Context(Protocol):
+    def __call__(self):  # a context manager: the backend's GPU context current in this thread
+        ...
+
+
+class DriverEvent:
+    """A timing-capable ``CUevent``, destroyed when the object is collected.
+
+    Args:
+        driver: the loaded driver (`Driver.has_events` must be True).
+        context: makes the GPU's context current, for a call from a thread without one.
+
+    Raises:
+        CudaDriverError: the driver could not create the event.
+    """
+
+    __slots__ = ("handle", "_driver", "_context", "__weakref__")
+
+    def __init__(self, driver: Driver, context: Context):
+        self._driver, self._context = driver, context
+        out = ctypes.c_void_p()
+        self._call(driver.event_create, "cuEventCreate", ctypes.byref(out), 0)
+        self.handle = out.value
+        done = weakref.finalize(self, driver.event_destroy, out.value)
+        done.atexit = False  # at exit the driver may be gone; the process frees its events anyway
+
+    def record(self, stream) -> None:
+        """Mark `stream`'s current position (any object with a ``cuda_stream`` handle)."""
+        self._call(self._driver.event_record, "cuEventRecord", self.handle, stream.cuda_stream)
+
+    def wait(self, stream) -> None:
+        """Later work on `stream` waits for this event (what ``stream.wait_event`` calls)."""
+        self._call(self._driver.stream_wait_event, "cuStreamWaitEvent", stream.cuda_stream, self.handle, 0)
+
+    def query(self) -> bool:
+        """Whether the marked work has completed.
+
+        Raises:
+            CudaDriverError: the work failed (a device fault).
+        """
+        code = self._driver.event_query(self.handle)
+        if code == ERROR_NOT_READY:
+            return False
+        if code == ERROR_INVALID_CONTEXT:
+            with self._context():
+                code = self._driver.event_query(self.handle)
+            if code == ERROR_NOT_READY:
+                return False
+        self._driver.check(code, "cuEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        """Block until the marked work has completed (the GIL is released meanwhile).
+
+        Raises:
+            CudaDriverError: the work failed.
+        """
+        self._call(self._driver.event_synchronize, "cuEventSynchronize", self.handle)
+
+    def elapsed_time(self, end: DriverEvent) -> float:
+        """Milliseconds from this event to `end`, both passed.
+
+        Raises:
+            CudaDriverError: either has not been recorded, or has not passed.
+        """
+        ms = ctypes.c_float()
+        self._call(self._driver.event_elapsed_time, "cuEventElapsedTime", ctypes.byref(ms), self.handle, end.handle)
+        return ms.value
+
+    def _call(self, fn, what: str, *args) -> None:
+        code = fn(*args)
+        if code == ERROR_INVALID_CONTEXT:
+            with self._context():
+                code = fn(*args)
+        if code != 0:
+            raise CudaDriverError(f"{what} failed: {self._driver.error_name(code)}", code)
+
+
+class RawStream:
+    """A stream known by its handle: the caller's compute stream, as `CudaBackend.current_stream`
+    returns it. Equal streams have equal handles (the queue keys compute streams by them)."""
+
+    __slots__ = ("cuda_stream", "_new_event")
+
+    def __init__(self, handle: int, new_event):
+        self.cuda_stream, self._new_event = handle, new_event
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RawStream) and other.cuda_stream == self.cuda_stream
+
+    def __hash__(self) -> int:
+        return hash(self.cuda_stream)
+
+    def wait_event(self, event) -> None:
+        event.wait(self)
+
+    def wait_stream(self, stream) -> None:
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event=None):
+        """`event` (default: a new one) recorded here; what a torch stream's ``wait_stream`` asks for."""
+        event = event if event is not None else self._new_event()
+        event.record(self)
+        return event
+
+    def __repr__(self) -> str:
+        return f"RawStream({self.cuda_stream:#x})"
