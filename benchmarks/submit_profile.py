@@ -1,6 +1,6 @@
 """Where a submit's host time goes: cProfile over many back-to-back jobs of one engine shape.
 
-python benchmarks/submit_profile.py [--page 4096] [--blocks-per-job 16] [--layers 32] [--jobs 400]
+python benchmarks/submit_profile.py [--page 4096] [--blocks-per-job 16] [--layers 32 | --tensors 1] [--jobs 400]
     [--mechanism auto] [--top 30]
 """
 
@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--page", type=int, default=4096)
     parser.add_argument("--blocks-per-job", type=int, default=16)
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--tensors", type=int, help="KV tensors (default: K and V of each layer)")
     parser.add_argument("--jobs", type=int, default=400)
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
@@ -32,10 +33,11 @@ def main() -> None:
         from offload_core.backends.cuda import CudaBackend
 
         backend = CudaBackend(mechanism=args.mechanism)
-    blocks = 1024
+    count = args.tensors or 2 * args.layers
+    blocks = max(1024, 2 * args.blocks_per_job)
     tensors = [
         KVCacheTensor(torch.zeros(blocks, args.page, dtype=torch.int8, device=backend.device), args.page)
-        for _ in range(2 * args.layers)
+        for _ in range(count)
     ]
     kv = KVCaches(tensors, [[KVCacheRef(i, args.page) for i in range(len(tensors))]])
     rng = np.random.default_rng(0)
@@ -65,7 +67,7 @@ def main() -> None:
         profile.disable()
         print(
             f"submit median {np.median(plain) * 1e6:.1f} us, p99 {np.percentile(plain, 99) * 1e6:.1f} us "
-            f"({args.jobs} jobs, {args.blocks_per_job} blocks x {2 * args.layers} tensors x {args.page} B, "
+            f"({args.jobs} jobs, {args.blocks_per_job} blocks x {count} tensors x {args.page} B, "
             f"{worker.stats()['store'].mechanisms}, {worker.stats()['store'].jobs / worker.stats()['store'].launches:.1f} "
             f"jobs per launch, launches {worker.stats()['store'].launch_s / worker.stats()['store'].jobs * 1e6:.0f} us per job)"
         )
