@@ -220,7 +220,8 @@ def main() -> None:
                     f"{row['store_submit_us_p99']:6.0f} / {row['load_submit_us_p99']:6.0f} us; "
                     f"+{row['device_bytes_beyond_kv'] / 2**20:.0f} MiB device; jobs per launch "
                     f"{row['store_jobs_per_launch']:.1f} / {row['load_jobs_per_launch']:.1f} (launch "
-                    f"{row['store_launch_us_per_job']:.0f} / {row['load_launch_us_per_job']:.0f} us per job); verified {row['verified']}",
+                    f"{row['store_launch_us_per_job']:.0f} / {row['load_launch_us_per_job']:.0f} us per job); "
+                    f"{'+'.join(row['store_mechanisms'])} / {'+'.join(row['load_mechanisms'])}; verified {row['verified']}",
                     flush=True,
                 )
     if args.json:
