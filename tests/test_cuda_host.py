@@ -739,3 +739,23 @@ def test_a_torch_stream_waits_for_a_raw_streams_position_through_a_driver_event(
     TorchLikeStream().wait_stream(RawStream(0x62, new_event))
     (event,) = made
     assert lib.calls[-2:] == [("record", event.handle, 0x62), ("wait", 0x61, event.handle, 0)]
+
+
+@pytest.mark.parametrize(
+    "row, merged, expected",
+    [
+        (16384, 0, "expand_direct"),  # 256 B pages x 64 tensors: the batch call's host time per row decides
+        (16384, 6, "expand_direct"),  # a few neighbouring rows (one segment each pair) leave the choice alone
+        (65536, 0, "expand_staged"),  # 1 KiB pages x 64 tensors: the copy engines move a row at link speed
+    ],
+)
+def test_auto_weighs_expand_direct_for_small_host_rows(row, merged, expected):
+    from offload_core.backends.cuda.blocks import BlockCopier
+
+    copier = BlockCopier(SimpleNamespace(cost=CostModel()), half_bytes=24 << 20)
+    prepared = SimpleNamespace(layout=SimpleNamespace(row_bytes=row), direct_ok=True)
+    rows = (4 << 20) // row
+    sizes = np.full(rows - merged, row, dtype=np.int64)
+    sizes[:merged] = 2 * row
+    job = SimpleNamespace(direction=Direction.STORE, items=rows * 64, nbytes=int(sizes.sum()))
+    assert copier.choose(job, prepared, (None, None, sizes)).name == expected

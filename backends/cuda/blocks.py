@@ -34,9 +34,10 @@ from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_O
 from offload_core.backends.cuda.staging import PerStream, StagingHalves
 from offload_core.compact import CompactJob, CompactLayout
 
-# Only where segments average this or less does the cost model weigh expand_direct: above it the
-# copy engines move a segment at link speed, and the batch call's host time per segment hides
-# behind the link (16 KiB on the H200), so staging always wins.
+# Only where segments average at most twice this does the cost model weigh expand_direct: above
+# it the copy engines move a segment at link speed, and the batch call's host time per segment
+# hides behind the link (16 KiB on the H200), so staging always wins. Twice: rows of exactly
+# this size, a few of them neighbours (merged into one segment), must not flip the choice.
 SEGMENT_BYTES = 16384
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
 
@@ -121,7 +122,7 @@ class BlockCopier:
         small = int(sizes[sizes <= cost.inline_h2d_bytes].sum()) if job.direction is Direction.LOAD else 0
         if (
             sizes.size
-            and (job.nbytes <= SEGMENT_BYTES * sizes.size or 2 * small >= job.nbytes)
+            and (job.nbytes <= 2 * SEGMENT_BYTES * sizes.size or 2 * small >= job.nbytes)
             and self.direct_ok(prepared)
         ):
             staged = cost.estimate_job("expand_staged", d, job.items, job.nbytes, sizes.size, small)
