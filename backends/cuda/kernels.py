@@ -275,13 +275,11 @@ def launch(
 
 
 def expand_tile(largest: int) -> tuple[int, int]:
-    """The expansion kernel's tile for entries of up to `largest` bytes: (items, words per step).
-    Small entries are bound by latency: many at once, few words each; large ones move 32 KiB
-    per program and step."""
-    if largest <= 256:
+    """The expansion kernel's tile for entries of up to `largest` bytes: (items, words per step),
+    32 KiB per program and step. Up to 4 KiB entries, 256 bytes of each of 128 at a time: host
+    rows written through unified addresses then go over the link in whole 256-byte writes."""
+    if largest <= 4096:
         return 128, 32
-    if largest <= 1024:
-        return 32, 128
     if largest <= 8192:
         return 16, 256
     return 8, 512
