@@ -357,6 +357,34 @@ class CompactLayout:
             stage, host, sizes = stage[order], host[order], sizes[order]
         return _merged(stage, host, sizes)
 
+    def segment_summary(self, job: CompactJob, small_limit: int = 0) -> tuple[int, int]:
+        """What a choice between staging and direct copies needs of `segments`, cheaply: how
+        many ranges it returns, and the bytes of those of at most `small_limit` bytes.
+
+        Where no range of a host row can continue into the next (one group, one block per
+        chunk, no row template touching both ends of the row), both follow from the row
+        templates and how many chunks use each: no pass over the job's copies. Otherwise, from
+        `segments` itself.
+        """
+        row, store, groups = self.row_bytes, job.direction is Direction.STORE, job.groups
+        if groups and self.blocks_per_chunk == 1 and all(grp[0] == groups[0][0] for grp in groups):
+            g, c0, c1 = groups[0][0], groups[0][3], groups[-1][4]
+            period = self._periods[g] if store else 1
+            if period == 1:
+                uses = {0: c1 - c0}
+            else:
+                counts = np.bincount(job.host_ids[c0:c1] % period, minlength=period)
+                uses = {r: n for r, n in enumerate(counts.tolist()) if n}
+            templates = [(n, *self._template(g, 0, 0, r, store)) for r, n in uses.items()]
+            starts_at_0 = any(s.size and s[0] == 0 for _, s, _ in templates)
+            ends_at_row = any(s.size and s[-1] + lengths[-1] == row for _, s, lengths in templates)
+            if not (starts_at_0 and ends_at_row):
+                count = sum(n * s.size for n, s, _ in templates)
+                small = sum(n * int(lengths[lengths <= small_limit].sum()) for n, _, lengths in templates)
+                return count, small
+        sizes = self.segments(job)[2]
+        return sizes.size, int(sizes[sizes <= small_limit].sum())
+
     def _template(self, group: int, s0: int, s1: int, residue: int, store: bool) -> tuple[np.ndarray, np.ndarray]:
         """The ranges of a host row that a chunk of `group` touches through sub-pages s0..s1,
         where its first page's id is `residue` modulo the group's election period: sorted,

@@ -128,6 +128,26 @@ def test_canonical_compact_jobs_move_what_the_planner_moves(case, staged):
     check_against_planner(model, direction, device, host, staged)
 
 
+@given(case=st.one_of(transfers(), canonical_transfers()), limit=st.sampled_from([0, 8, 24, 1 << 20]))
+def test_a_segment_summary_counts_what_segments_returns(case, limit):
+    model, direction, device, host = case
+    layout = CompactLayout(Planner(model.geometry))
+    job = layout.job(direction, device, host)
+    _, _, sizes = layout.segments(job)
+    assert layout.segment_summary(job, limit) == (sizes.size, int(sizes[sizes <= limit].sum()))
+
+
+def test_a_segment_summary_sees_ranges_that_continue_into_the_next_row():
+    # rows of 128 bytes; each block touches [0, 32) and [64, 128): a row's last range and the
+    # next row's first continue each other where host blocks follow each other
+    model = Model([64, 64], [[(0, 32), (1, 64)]], 1, 16, 12)
+    layout = CompactLayout(Planner(model.geometry))
+    job = layout.job(Direction.STORE, DeviceBlocks([5, 1, 9]), HostBlocks([3, 4, 5]))
+    _, _, sizes = layout.segments(job)
+    assert sizes.tolist() == [32, 96, 96, 64]
+    assert layout.segment_summary(job, 64) == (4, 96)
+
+
 def test_full_rows_become_one_segment_per_run_of_host_blocks():
     model = Model([64, 32, 16], [[(0, 64), (1, 32), (2, 16)]], 1, 16, 12)
     layout = CompactLayout(Planner(model.geometry))

@@ -663,12 +663,14 @@ def test_compact_stores_go_straight_to_host_rows_where_the_batch_call_would_bind
     copier = BlockCopier(SimpleNamespace(cost=CostModel()), 24 << 20)
     copier.direct_ok = lambda prepared: True
 
-    def choice(row_bytes, rows, direction=Direction.STORE):
+    def choice(row_bytes, rows, direction=Direction.STORE, merged=0):
+        # `merged` pairs of neighbouring rows: one segment each
         job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=rows * row_bytes)
-        layout = SimpleNamespace(layout=SimpleNamespace(row_bytes=row_bytes))
-        return copier.choose(job, layout, (None, None, np.full(rows, row_bytes, dtype=np.int64)))
+        layout = SimpleNamespace(row_bytes=row_bytes, segment_summary=lambda job, limit: (rows - merged, 0))
+        return copier.choose(job, SimpleNamespace(layout=layout))
 
     assert choice(16384, 256) is EXPAND_DIRECT
+    assert choice(16384, 256, merged=6) is EXPAND_DIRECT  # a few neighbours do not flip the choice
     assert choice(65536, 64) is EXPAND_STAGED
     assert choice(262144, 16) is EXPAND_STAGED
     copier.direct_ok = lambda prepared: False  # host rows the kernel cannot address
@@ -739,23 +741,3 @@ def test_a_torch_stream_waits_for_a_raw_streams_position_through_a_driver_event(
     TorchLikeStream().wait_stream(RawStream(0x62, new_event))
     (event,) = made
     assert lib.calls[-2:] == [("record", event.handle, 0x62), ("wait", 0x61, event.handle, 0)]
-
-
-@pytest.mark.parametrize(
-    "row, merged, expected",
-    [
-        (16384, 0, "expand_direct"),  # 256 B pages x 64 tensors: the batch call's host time per row decides
-        (16384, 6, "expand_direct"),  # a few neighbouring rows (one segment each pair) leave the choice alone
-        (65536, 0, "expand_staged"),  # 1 KiB pages x 64 tensors: the copy engines move a row at link speed
-    ],
-)
-def test_auto_weighs_expand_direct_for_small_host_rows(row, merged, expected):
-    from offload_core.backends.cuda.blocks import BlockCopier
-
-    copier = BlockCopier(SimpleNamespace(cost=CostModel()), half_bytes=24 << 20)
-    prepared = SimpleNamespace(layout=SimpleNamespace(row_bytes=row), direct_ok=True)
-    rows = (4 << 20) // row
-    sizes = np.full(rows - merged, row, dtype=np.int64)
-    sizes[:merged] = 2 * row
-    job = SimpleNamespace(direction=Direction.STORE, items=rows * 64, nbytes=int(sizes.sum()))
-    assert copier.choose(job, prepared, (None, None, sizes)).name == expected

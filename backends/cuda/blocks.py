@@ -102,7 +102,7 @@ class BlockCopier:
             prepared.direct_ok = span > 0 and self.backend.addressable(np.array([layout.host_base]), np.array([span]))
         return prepared.direct_ok
 
-    def choose(self, job: CompactJob, prepared: Prepared, segments) -> JobMechanism:
+    def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
         """What the cost model (`select.CostModel.estimate_job`) finds cheaper: ``expand_staged``,
         or ``expand_direct`` where the host rows are addressable and the segments too small
         for the copy engines, or, on loads, mostly small enough that the batch call moves them
@@ -117,16 +117,12 @@ class BlockCopier:
             ):
                 return EXPAND_DIRECT
             return HOST_EXPANDED
-        sizes = segments[2]
         # loads: bytes in segments small enough for the batch call to move them through the CPU
-        small = int(sizes[sizes <= cost.inline_h2d_bytes].sum()) if job.direction is Direction.LOAD else 0
-        if (
-            sizes.size
-            and (job.nbytes <= 2 * SEGMENT_BYTES * sizes.size or 2 * small >= job.nbytes)
-            and self.direct_ok(prepared)
-        ):
-            staged = cost.estimate_job("expand_staged", d, job.items, job.nbytes, sizes.size, small)
-            if cost.estimate_job("expand_direct", d, job.items, job.nbytes, sizes.size) < 0.98 * staged:
+        limit = cost.inline_h2d_bytes if job.direction is Direction.LOAD else 0
+        count, small = prepared.layout.segment_summary(job, limit)
+        if count and (job.nbytes <= 2 * SEGMENT_BYTES * count or 2 * small >= job.nbytes) and self.direct_ok(prepared):
+            staged = cost.estimate_job("expand_staged", d, job.items, job.nbytes, count, small)
+            if cost.estimate_job("expand_direct", d, job.items, job.nbytes, count) < 0.98 * staged:
                 return EXPAND_DIRECT
         return EXPAND_STAGED
 
@@ -135,8 +131,8 @@ class BlockCopier:
     ) -> str:
         """Enqueue `job` on `stream` (the queue's, which waits for `after` already: the compute
         streams' events) by `forced`, or by what `choose` picks; returns the mechanism used."""
-        segments = prepared.layout.segments(job) if forced is None or forced.needs_segments else None
-        mechanism = forced or self.choose(job, prepared, segments)
+        mechanism = forced or self.choose(job, prepared)
+        segments = prepared.layout.segments(job) if mechanism.needs_segments else None
         mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
         return mechanism.name
 
