@@ -24,6 +24,7 @@ kernels cannot handle a job.
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import NamedTuple
 
 import numpy as np
@@ -87,23 +88,22 @@ class CompactJob(NamedTuple):
         if len(jobs) == 1:
             return jobs[0]
         blocks = np.concatenate([j.blocks for j in jobs], axis=1)
-        groups, b_off, c_off = [], 0, 0
-        for j in jobs:
-            n = len(j)
-            if c_off:
-                blocks[1, b_off : b_off + n] += c_off
-            groups += [
-                (g, b0 + b_off, b1 + b_off, c0 + c_off, c1 + c_off, skip) for g, b0, b1, c0, c1, skip in j.groups
-            ]
-            b_off += n
-            c_off += j.host_ids.size
+        lengths = [j.blocks.shape[1] for j in jobs]
+        block_offsets = list(accumulate(lengths, initial=0))
+        chunk_offsets = list(accumulate((j.host_ids.size for j in jobs), initial=0))
+        blocks[1] += np.repeat(chunk_offsets[:-1], lengths)
+        groups = tuple(
+            (g, b0 + ob, b1 + ob, c0 + oc, c1 + oc, skip)
+            for j, ob, oc in zip(jobs, block_offsets, chunk_offsets)
+            for g, b0, b1, c0, c1, skip in j.groups
+        )
         first = jobs[0]
         return CompactJob(
             first.layout,
             first.direction,
             blocks,
             np.concatenate([j.host_ids for j in jobs]),
-            tuple(groups),
+            groups,
             sum(j.nbytes for j in jobs),
             sum(j.items for j in jobs),
         )

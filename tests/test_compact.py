@@ -27,7 +27,7 @@ from offload_core import (
     Planner,
 )
 from offload_core.canonical import attention_mappings
-from offload_core.compact import CompactLayout
+from offload_core.compact import CompactJob, CompactLayout
 from offload_core.testing.expanding import POISON, steps
 
 
@@ -234,3 +234,34 @@ def test_duplicates_are_found_whichever_way_the_ids_are_counted(ids, limit_extra
 
     arr = np.array(ids, dtype=np.int64)
     assert has_duplicates(arr, 1000 + limit_extra) == (len(set(ids)) != len(ids))
+
+
+@given(
+    bpc=st.integers(1, 3),
+    sizes=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 5)), min_size=1, max_size=5),
+    direction=st.sampled_from(list(Direction)),
+    seed=st.integers(0, 2**16),
+)
+def test_jobs_concatenated_expand_to_their_copies_in_order(bpc, sizes, direction, seed):
+    """Two groups on their own tensors; each job takes fresh blocks. A launch of concatenated
+    jobs must expand to exactly the copies of each job, job after job."""
+    model = Model([16, 24], [[(0, 16)], [(1, 24)]], bpc, device_blocks=64, host_blocks=64)
+    layout = CompactLayout(Planner(model.geometry))
+    rng = np.random.default_rng(seed)
+    dev_free, host_free = list(rng.permutation(64)), list(rng.permutation(64))
+    jobs = []
+    for n0, n1, index in sizes:
+        if n0 + n1 == 0:
+            continue
+        chunks = sum(-(-(n + index % bpc) // bpc) if n else 0 for n in (n0, n1))
+        dev = [dev_free.pop() for _ in range(n0 + n1)]
+        host = [host_free.pop() for _ in range(chunks)]
+        device = DeviceBlocks(dev, [n0, n1], [index, index])
+        jobs.append(layout.job(direction, device, HostBlocks(host)))
+    if not jobs:
+        return
+    whole = CompactJob.concat(jobs)
+    want = [np.concatenate(parts) for parts in zip(*(layout.descriptors(j) for j in jobs))]
+    for got, expected in zip(layout.descriptors(whole), want):
+        np.testing.assert_array_equal(got, expected)
+    assert (whole.nbytes, whole.items) == (sum(j.nbytes for j in jobs), sum(j.items for j in jobs))
