@@ -15,6 +15,7 @@ current (`Context`).
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from typing import Protocol
 
@@ -49,7 +50,7 @@ class DriverEvent:
         out = ctypes.c_void_p()
         self._call(driver.event_create, "cuEventCreate", ctypes.byref(out), 0)
         self.handle = out.value
-        done = weakref.finalize(self, driver.event_destroy, out.value)
+        done = weakref.finalize(self, _destroy, driver.event_destroy, out.value, os.getpid())
         done.atexit = False  # at exit the driver may be gone; the process frees its events anyway
 
     def record(self, stream) -> None:
@@ -102,6 +103,11 @@ class DriverEvent:
                 code = fn(*args)
         if code != 0:
             raise CudaDriverError(f"{what} failed: {self._driver.error_name(code)}", code)
+
+
+def _destroy(event_destroy, handle: int, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child must not touch its parent's driver state
+        event_destroy(handle)
 
 
 class RawStream:
