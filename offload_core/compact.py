@@ -376,6 +376,8 @@ class CompactLayout:
                 counts = np.bincount(job.host_ids[c0:c1] % period, minlength=period)
                 uses = {r: n for r, n in enumerate(counts.tolist()) if n}
             templates = [(n, *self._template(g, 0, 0, r, store)) for r, n in uses.items()]
+            if len(templates) == 1 and templates[0][1].size == 1 and templates[0][2][0] == row:
+                return _row_runs(job.host_ids[c0:c1], row, small_limit)
             starts_at_0 = any(s.size and s[0] == 0 for _, s, _ in templates)
             ends_at_row = any(s.size and s[-1] + lengths[-1] == row for _, s, lengths in templates)
             if not (starts_at_0 and ends_at_row):
@@ -411,6 +413,17 @@ class CompactLayout:
         found = (np.array([a for a, _ in merged], np.int64), np.array([b - a for a, b in merged], np.int64))
         self._templates[key] = found
         return found
+
+
+def _row_runs(hosts: np.ndarray, row: int, small_limit: int) -> tuple[int, int]:
+    """`CompactLayout.segment_summary` where every chunk covers its whole row: a run of
+    consecutive host blocks is one segment."""
+    steps = hosts[1:] - hosts[:-1] != 1
+    if small_limit < row:
+        return int(np.count_nonzero(steps)) + 1, 0
+    breaks = np.flatnonzero(steps)
+    lengths = np.diff(breaks, prepend=-1, append=hosts.size - 1)  # rows per run
+    return breaks.size + 1, int(lengths[lengths <= small_limit // row].sum()) * row
 
 
 def _merged(stage: np.ndarray, host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -137,6 +137,19 @@ def test_a_segment_summary_counts_what_segments_returns(case, limit):
     assert layout.segment_summary(job, limit) == (sizes.size, int(sizes[sizes <= limit].sum()))
 
 
+@given(
+    hosts=st.lists(st.integers(0, 11), min_size=1, max_size=12, unique=True),
+    direction=st.sampled_from(list(Direction)),
+    limit=st.sampled_from([0, 47, 48, 96, 200, 1 << 20]),
+)
+def test_a_segment_summary_of_whole_rows_counts_runs_of_host_blocks(hosts, direction, limit):
+    model = Model([16, 32], [[(0, 16), (1, 32)]], 1, 16, 12)  # every block fills its 48-byte row
+    layout = CompactLayout(Planner(model.geometry))
+    job = layout.job(direction, DeviceBlocks(list(range(len(hosts)))), HostBlocks(hosts))
+    _, _, sizes = layout.segments(job)
+    assert layout.segment_summary(job, limit) == (sizes.size, int(sizes[sizes <= limit].sum()))
+
+
 def test_a_segment_summary_sees_ranges_that_continue_into_the_next_row():
     # rows of 128 bytes; each block touches [0, 32) and [64, 128): a row's last range and the
     # next row's first continue each other where host blocks follow each other
