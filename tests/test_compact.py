@@ -60,6 +60,8 @@ def check_against_planner(model, direction, device, host, staged):
     model.host[:] = rows
     job = layout.job(direction, device, host)
     assert job.nbytes == batch.nbytes
+    keys = job.destinations()
+    assert not keys.size or 0 <= keys.min() <= keys.max() < job.destination_limit  # what _first_clash counts on
     assert job.items == sum(int(layout.group_entries[1, g]) * (b1 - b0) for g, b0, b1, *_ in job.groups)
     run_compact(layout, job, staged)
     for a, b in zip(model.device, want_dev):
@@ -278,3 +280,5 @@ def test_jobs_concatenated_expand_to_their_copies_in_order(bpc, sizes, direction
     for got, expected in zip(layout.descriptors(whole), want):
         np.testing.assert_array_equal(got, expected)
     assert (whole.nbytes, whole.items) == (sum(j.nbytes for j in jobs), sum(j.items for j in jobs))
+    _, _, sizes = layout.segments(whole)  # a launch's summary is of concatenated jobs
+    assert layout.segment_summary(whole, 24) == (sizes.size, int(sizes[sizes <= 24].sum()))

@@ -27,6 +27,7 @@ def test_memcpy_attributes_has_the_driver_layout():
     assert drv.CUmemcpyAttributes.flags.offset == 20
 
 
+GPU_CONTEXT = 0xC0  # the backend's CUcontext in the fake driver
 ERROR_NAME = b"CUDA_ERROR_INVALID_VALUE"  # lives as long as the module: the driver reads it after the call
 
 
@@ -94,6 +95,25 @@ class FakeLib:
         for name in ("query", "synchronize", "destroy"):
             self._keep[f"cuEvent{name.capitalize()}"] = drv.EVENT_CALL(event_call(name))
         self._keep["cuEventElapsedTime"] = drv.EVENT_ELAPSED_TIME(elapsed)
+        self.contexts = [GPU_CONTEXT]  # the calling thread's context stack, top last
+
+        def ctx_get(out):
+            out[0] = self.contexts[-1] if self.contexts else None
+            return 0
+
+        def ctx_push(ctx):
+            self.calls.append(("push", ctx))
+            self.contexts.append(ctx)
+            return 0
+
+        def ctx_pop(out):
+            self.calls.append(("pop",))
+            out[0] = self.contexts.pop()
+            return 0
+
+        self._keep["cuCtxGetCurrent"] = drv.CTX_OUT(ctx_get)
+        self._keep["cuCtxPushCurrent"] = drv.CTX_IN(ctx_push)
+        self._keep["cuCtxPopCurrent"] = drv.CTX_OUT(ctx_pop)
         if with_batch:
             self._keep["cuMemcpyBatchAsync"] = drv.MEMCPY_BATCH(batch)
         self._keep["cuStreamCreate"] = drv.STREAM_CREATE(stream_create)
@@ -418,7 +438,6 @@ class FakeKernel:
 @pytest.fixture
 def launch_cache(monkeypatch):
     """An empty compiled-kernel cache, and torch's stream context as a no-op (no GPU here)."""
-    import contextlib
 
     import torch
 
@@ -500,7 +519,6 @@ class Weigh:
 def host_only_backend(monkeypatch, lib, triton=True, mechanism="auto", cost=None):
     """A CudaBackend over a stand-in libcuda, built as __init__ builds it minus the GPU: the
     table decides what is available; enqueues need no events."""
-    import contextlib
 
     from offload_core.backends.cuda import CudaBackend
     from offload_core.backends.cuda.mechanisms import TABLE, contenders
@@ -681,10 +699,10 @@ def test_driver_events_record_wait_and_time_on_any_streams_handle():
     lib = FakeLib()
     driver = drv.Driver(lib)
     assert driver.has_events
-    event, end = DriverEvent(driver, contextlib.nullcontext), DriverEvent(driver, contextlib.nullcontext)
+    event, end = DriverEvent(driver, GPU_CONTEXT), DriverEvent(driver, GPU_CONTEXT)
     torch_like = SimpleNamespace(cuda_stream=0x51)
     event.record(torch_like)
-    compute = RawStream(0x52, lambda: DriverEvent(driver, contextlib.nullcontext))
+    compute = RawStream(0x52, lambda: DriverEvent(driver, GPU_CONTEXT))
     compute.wait_event(event)
     assert ("record", event.handle, 0x51) in lib.calls and ("wait", 0x52, event.handle, 0) in lib.calls
     assert event.query() is True and event.elapsed_time(end) == 1.5
@@ -693,6 +711,7 @@ def test_driver_events_record_wait_and_time_on_any_streams_handle():
     lib.codes["query"] = [700]  # a fault on the device: the result fails, the caller's loop goes on
     with pytest.raises(drv.CudaDriverError, match="cuEventQuery failed"):
         event.query()
+    assert not any(c[0] in ("push", "pop") for c in lib.calls), "the GPU's context was current: nothing to switch"
     assert RawStream(0x52, None) == compute and hash(RawStream(0x52, None)) == hash(compute)
     assert RawStream(0x53, None) != compute
     handle = event.handle
@@ -701,35 +720,32 @@ def test_driver_events_record_wait_and_time_on_any_streams_handle():
     assert ("destroy", handle) in lib.calls
 
 
-def test_a_driver_event_call_from_a_thread_without_a_context_is_made_again_within_one():
+@pytest.mark.parametrize("current", [[], [0xC1]], ids=["no context", "another GPU's context"])
+def test_a_driver_event_runs_in_its_gpus_context_and_leaves_the_threads_alone(current):
     lib = FakeLib()
     driver = drv.Driver(lib)
-    entered = []
-
-    @contextlib.contextmanager
-    def context():
-        entered.append(True)
-        yield
-
-    event = DriverEvent(driver, context)
-    lib.codes["record"] = [drv.ERROR_INVALID_CONTEXT]
-    event.record(SimpleNamespace(cuda_stream=0x51))
-    assert entered == [True] and sum(c[0] == "record" for c in lib.calls) == 2
-    lib.codes["wait"] = [drv.ERROR_INVALID_CONTEXT, drv.ERROR_INVALID_CONTEXT]
+    event = DriverEvent(driver, GPU_CONTEXT)
+    lib.contexts[:] = current  # a thread that made no CUDA call, or one on another GPU
+    del lib.calls[:]
+    event.record(SimpleNamespace(cuda_stream=0))  # the default stream: the current context's
+    assert lib.calls == [("push", GPU_CONTEXT), ("record", event.handle, None), ("pop",)]  # None: a null handle
+    assert lib.contexts == current
+    lib.codes["wait"] = [1]
     with pytest.raises(drv.CudaDriverError, match="cuStreamWaitEvent failed"):
         event.wait(SimpleNamespace(cuda_stream=0x51))
+    assert lib.contexts == current, "popped after a failure too"
 
 
-def test_a_torch_stream_waits_for_a_raw_streams_position_through_a_driver_event():
+def test_a_torch_stream_waits_for_a_raw_streams_position_and_back():
     lib = FakeLib()
     driver = drv.Driver(lib)
     made = []
 
     def new_event():
-        made.append(DriverEvent(driver, contextlib.nullcontext))
+        made.append(DriverEvent(driver, GPU_CONTEXT))
         return made[-1]
 
-    class TorchLikeStream:  # torch's Stream.wait_stream, as torch implements it
+    class TorchLikeStream:  # torch's Stream.wait_stream and record_event, as torch implements them
         cuda_stream = 0x61
 
         def wait_event(self, event):
@@ -738,6 +754,10 @@ def test_a_torch_stream_waits_for_a_raw_streams_position_through_a_driver_event(
         def wait_stream(self, stream):
             self.wait_event(stream.record_event())
 
+        def record_event(self):
+            raise AssertionError("a RawStream records its own events on the other stream")
+
     TorchLikeStream().wait_stream(RawStream(0x62, new_event))
-    (event,) = made
-    assert lib.calls[-2:] == [("record", event.handle, 0x62), ("wait", 0x61, event.handle, 0)]
+    assert lib.calls[-2:] == [("record", made[0].handle, 0x62), ("wait", 0x61, made[0].handle, 0)]
+    RawStream(0x62, new_event).wait_stream(TorchLikeStream())
+    assert lib.calls[-2:] == [("record", made[1].handle, 0x61), ("wait", 0x62, made[1].handle, 0)]

@@ -133,6 +133,9 @@ class CudaBackend(TorchDeviceBackend):
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
         # the hot path's events and compute stream through the driver, where it has them all
         self._driver_events = self.driver.has_events
+        if self._driver_events:
+            with self._context():
+                self._ctx = self.driver.current_context()  # this GPU's primary context
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton reads too
 
     # ---- what the core needs ---------------------------------------------
@@ -149,7 +152,7 @@ class CudaBackend(TorchDeviceBackend):
         call each, on torch's streams as on `current_stream`'s."""
         if not self._driver_events:
             return super().new_event()
-        return DriverEvent(self.driver, self._context)
+        return DriverEvent(self.driver, self._ctx)
 
     def current_stream(self):
         """The calling thread's current stream on this GPU, as its handle (`events.RawStream`)."""

@@ -78,6 +78,9 @@ EVENT_RECORD = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p)
 STREAM_WAIT_EVENT = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 EVENT_CALL = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
 EVENT_ELAPSED_TIME = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p)
+# cuCtxGetCurrent(CUcontext *); cuCtxPushCurrent(CUcontext); cuCtxPopCurrent(CUcontext *)
+CTX_OUT = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_void_p))
+CTX_IN = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
 ERROR_INVALID_CONTEXT = 201
 ERROR_NOT_READY = 600
 HOST_REGISTER_PORTABLE_DEVICEMAP = 0x3  # pinned for every context, mapped for kernels
@@ -130,10 +133,13 @@ class Driver:
         self.event_elapsed_time = self.resolve("cuEventElapsedTime", 12080, EVENT_ELAPSED_TIME) or self.resolve(
             "cuEventElapsedTime", 2000, EVENT_ELAPSED_TIME
         )
+        self.ctx_get_current = self.resolve("cuCtxGetCurrent", 4000, CTX_OUT)
+        self.ctx_push_current = self.resolve("cuCtxPushCurrent", 4000, CTX_IN)
+        self.ctx_pop_current = self.resolve("cuCtxPopCurrent", 4000, CTX_OUT)
 
     @property
     def has_events(self) -> bool:
-        """Whether every event entry point `events.DriverEvent` calls was found."""
+        """Whether every entry point `events.DriverEvent` calls was found."""
         return all(
             f is not None
             for f in (
@@ -144,8 +150,28 @@ class Driver:
                 self.event_synchronize,
                 self.event_destroy,
                 self.event_elapsed_time,
+                self.ctx_get_current,
+                self.ctx_push_current,
+                self.ctx_pop_current,
             )
         )
+
+    def current_context(self) -> int | None:
+        """The calling thread's current context (None where it has none)."""
+        out = ctypes.c_void_p()
+        self.ctx_get_current(ctypes.byref(out))
+        return out.value
+
+    def in_context(self, context: int, fn: Callable, *args) -> int:
+        """``fn(*args)`` with `context` current in the calling thread, which afterwards has the
+        context it had before; returns `fn`'s CUresult."""
+        if self.current_context() == context:
+            return fn(*args)
+        self.check(self.ctx_push_current(context), "cuCtxPushCurrent")
+        try:
+            return fn(*args)
+        finally:
+            self.ctx_pop_current(ctypes.byref(ctypes.c_void_p()))
 
     @classmethod
     def load(cls) -> Driver:

@@ -7,9 +7,10 @@ ctypes call into the driver costs under one. `DriverEvent` and `RawStream` satis
 `Event` and `Stream` protocols and mix with torch's streams: a torch stream's ``wait_event``
 calls the event's ``wait``, and recording reads any stream's ``cuda_stream`` handle.
 
-A thread that has made no CUDA call yet has no current context, and the driver refuses it
-(``CUDA_ERROR_INVALID_CONTEXT``): such a call is made again with the backend's context made
-current (`Context`).
+Every call runs in the backend's GPU context: a thread may have none current (it made no CUDA
+call yet), or another GPU's, and handle 0 (the default stream) means the current context's.
+Where the current context is another, the call pushes the backend's and pops it after
+(`Driver.in_context`), leaving the thread as it was.
 """
 
 from __future__ import annotations
@@ -17,44 +18,33 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
-from typing import Protocol
 
-from offload_core.backends.cuda.driver import (
-    ERROR_INVALID_CONTEXT,
-    ERROR_NOT_READY,
-    CudaDriverError,
-    Driver,
-)
-
-
-class Context(Protocol):
-    def __call__(self):  # a context manager: the backend's GPU context current in this thread
-        ...
+from offload_core.backends.cuda.driver import ERROR_NOT_READY, CudaDriverError, Driver
 
 
 class DriverEvent:
-    """A timing-capable ``CUevent``, destroyed when the object is collected.
+    """A timing-capable ``CUevent`` of one GPU context, destroyed when the object is collected.
 
     Args:
         driver: the loaded driver (`Driver.has_events` must be True).
-        context: makes the GPU's context current, for a call from a thread without one.
+        context: the ``CUcontext`` of the GPU whose streams this event marks.
 
     Raises:
         CudaDriverError: the driver could not create the event.
     """
 
-    __slots__ = ("handle", "_driver", "_context", "__weakref__")
+    __slots__ = ("handle", "_driver", "_ctx", "__weakref__")
 
-    def __init__(self, driver: Driver, context: Context):
-        self._driver, self._context = driver, context
+    def __init__(self, driver: Driver, context: int):
+        self._driver, self._ctx = driver, context
         out = ctypes.c_void_p()
         self._call(driver.event_create, "cuEventCreate", ctypes.byref(out), 0)
         self.handle = out.value
-        done = weakref.finalize(self, _destroy, driver.event_destroy, out.value, os.getpid())
+        done = weakref.finalize(self, _destroy, driver, context, out.value, os.getpid())
         done.atexit = False  # at exit the driver may be gone; the process frees its events anyway
 
     def record(self, stream) -> None:
-        """Mark `stream`'s current position (any object with a ``cuda_stream`` handle)."""
+        """Mark `stream`'s current position (any stream of this GPU with a ``cuda_stream`` handle)."""
         self._call(self._driver.event_record, "cuEventRecord", self.handle, stream.cuda_stream)
 
     def wait(self, stream) -> None:
@@ -67,14 +57,9 @@ class DriverEvent:
         Raises:
             CudaDriverError: the work failed (a device fault).
         """
-        code = self._driver.event_query(self.handle)
+        code = self._driver.in_context(self._ctx, self._driver.event_query, self.handle)
         if code == ERROR_NOT_READY:
             return False
-        if code == ERROR_INVALID_CONTEXT:
-            with self._context():
-                code = self._driver.event_query(self.handle)
-            if code == ERROR_NOT_READY:
-                return False
         self._driver.check(code, "cuEventQuery")
         return True
 
@@ -97,22 +82,23 @@ class DriverEvent:
         return ms.value
 
     def _call(self, fn, what: str, *args) -> None:
-        code = fn(*args)
-        if code == ERROR_INVALID_CONTEXT:
-            with self._context():
-                code = fn(*args)
+        code = self._driver.in_context(self._ctx, fn, *args)
         if code != 0:
             raise CudaDriverError(f"{what} failed: {self._driver.error_name(code)}", code)
 
 
-def _destroy(event_destroy, handle: int, pid: int) -> None:
+def _destroy(driver: Driver, context: int, handle: int, pid: int) -> None:
     if os.getpid() == pid:  # a forked child must not touch its parent's driver state
-        event_destroy(handle)
+        driver.in_context(context, driver.event_destroy, handle)
 
 
 class RawStream:
     """A stream known by its handle: the caller's compute stream, as `CudaBackend.current_stream`
-    returns it. Equal streams have equal handles (the queue keys compute streams by them)."""
+    returns it. Equal streams have equal handles (the queue keys compute streams by them).
+
+    Its ``wait_event`` takes events that wait by handle (`DriverEvent`, what the backend's
+    `new_event` makes), not torch's.
+    """
 
     __slots__ = ("cuda_stream", "_new_event")
 
@@ -129,7 +115,9 @@ class RawStream:
         event.wait(self)
 
     def wait_stream(self, stream) -> None:
-        self.wait_event(stream.record_event())
+        event = self._new_event()
+        event.record(stream)
+        event.wait(self)
 
     def record_event(self, event=None):
         """`event` (default: a new one) recorded here; what a torch stream's ``wait_stream`` asks for."""
