@@ -343,3 +343,12 @@ def test_a_shut_down_workers_staging_goes_back(mechanism):
         assert backend._staged_buffers.values() == [] and backend._blocks.staging.values() == []
         for t, b in zip(kv.tensors, before):
             assert torch.equal(t.tensor[[5, 6]], b[[1, 3]])
+
+
+def test_the_sm_penalty_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PENALTY", "3.5")
+    backend = CudaBackend()
+    assert backend.cost.sm_penalty == 3.5
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PENALTY", "0")
+    with pytest.raises(ValueError, match="OFFLOAD_CORE_CUDA_SM_PENALTY must be a positive number, got '0'"):
+        CudaBackend()

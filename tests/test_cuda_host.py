@@ -761,3 +761,12 @@ def test_a_torch_stream_waits_for_a_raw_streams_position_and_back():
     assert lib.calls[-2:] == [("record", made[0].handle, 0x62), ("wait", 0x61, made[0].handle, 0)]
     RawStream(0x62, new_event).wait_stream(TorchLikeStream())
     assert lib.calls[-2:] == [("record", made[1].handle, 0x61), ("wait", 0x62, made[1].handle, 0)]
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "inf", "nan", "two", ""])
+def test_an_sm_penalty_is_a_positive_number(text):
+    from offload_core.backends.cuda import _positive
+
+    with pytest.raises(ValueError, match="OFFLOAD_CORE_CUDA_SM_PENALTY must be a positive number"):
+        _positive(text, "OFFLOAD_CORE_CUDA_SM_PENALTY")
+    assert _positive("0.5", "X") == 0.5

@@ -23,7 +23,9 @@ it with `CudaBackend.enqueue_with`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import weakref
 from collections import deque
@@ -54,6 +56,7 @@ ENV_MECHANISM = "OFFLOAD_CORE_CUDA_MECHANISM"
 ENV_SM_PROGRAMS = "OFFLOAD_CORE_CUDA_SM_PROGRAMS"
 ENV_MAX_BATCH = "OFFLOAD_CORE_CUDA_MAX_BATCH"
 ENV_STAGING_MB = "OFFLOAD_CORE_CUDA_STAGING_MB"
+ENV_SM_PENALTY = "OFFLOAD_CORE_CUDA_SM_PENALTY"
 
 
 class CudaBackend(TorchDeviceBackend):
@@ -73,10 +76,13 @@ class CudaBackend(TorchDeviceBackend):
         max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 for no limit; default
             ``$OFFLOAD_CORE_CUDA_MAX_BATCH`` or 0.
         cost_model: the selection model; default the calibrated profile of this GPU model if
-            one is saved, else H200 defaults.
+            one is saved, else H200 defaults. ``$OFFLOAD_CORE_CUDA_SM_PENALTY`` replaces its
+            `sm_penalty`: how many times auto counts the time copies hold SMs (default 2;
+            higher protects the model's compute, lower favours the copies' speed).
 
     Raises:
-        ValueError: an unknown or unavailable forced mechanism.
+        ValueError: an unknown or unavailable forced mechanism, or an SM penalty that is not
+            a positive number.
         OSError: no NVIDIA driver library.
     """
 
@@ -116,6 +122,9 @@ class CudaBackend(TorchDeviceBackend):
         self.staging_bytes = staging_bytes or int(os.environ.get(ENV_STAGING_MB, 24)) << 20
         self.max_batch = max_batch if max_batch is not None else int(os.environ.get(ENV_MAX_BATCH, 0))
         self.cost = cost_model or calibration.saved_profile(torch.cuda.get_device_name(self._device))
+        penalty = os.environ.get(ENV_SM_PENALTY)
+        if penalty:
+            self.cost = dataclasses.replace(self.cost, sm_penalty=_positive(penalty, ENV_SM_PENALTY))
         self.available_mechanisms = tuple(name for name, m in TABLE.items() if m.why_unavailable(self) is None)
         self._contenders = contenders(self.available_mechanisms)  # auto's, in order of preference on a tie
         self.mechanism = mechanism or os.environ.get(ENV_MECHANISM) or "auto"
@@ -334,3 +343,13 @@ class CudaBackend(TorchDeviceBackend):
     def _on_device(self):
         torch = self._torch
         return nullcontext() if torch.cuda.current_device() == self.device_index else torch.cuda.device(self._device)
+
+
+def _positive(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive number, got {text!r}")
+    return value
