@@ -32,7 +32,7 @@ import numpy as np
 from offload_core.backend import Direction
 from offload_core.canonical import elected
 from offload_core.layout import DeviceBlocks, HostBlocks
-from offload_core.plan import _FEW, Planner, has_duplicates
+from offload_core.plan import Planner, any_outside, has_duplicates
 from offload_core.runs import merge_runs, run_starts
 
 ENTRY_COLUMNS = ("dev_base", "dev_page", "dev_off", "host_off", "host_sub", "size", "writers", "writer")
@@ -230,17 +230,10 @@ class CompactLayout:
             return None
         store = direction is Direction.STORE
         limit = self._single_limit
-        if n <= _FEW:  # Python's min, max and set on a few ids beat numpy's per-call overhead
-            d, h = dev_ids.tolist(), host_ids.tolist()
-            if min(d) < 0 or max(d) >= limit or min(h) < 0 or max(h) >= self.host_blocks:
-                return None
-            if len(set(h if store else d)) != n:
-                return None
-        else:  # a negative int64 read as uint64 is beyond any limit: one comparison per side
-            if (dev_ids.view(np.uint64) >= limit).any() or (host_ids.view(np.uint64) >= self.host_blocks).any():
-                return None
-            if has_duplicates(host_ids, self.host_blocks) if store else has_duplicates(dev_ids, limit):
-                return None
+        if any_outside(dev_ids, limit) or any_outside(host_ids, self.host_blocks):
+            return None
+        if has_duplicates(host_ids, self.host_blocks) if store else has_duplicates(dev_ids, limit):
+            return None
         counters = self._counters  # one read: another thread may swap in a longer one meanwhile
         if counters.size < n:
             counters = self._counters = np.arange(2 * n, dtype=np.int64)
@@ -418,12 +411,11 @@ class CompactLayout:
 def _row_runs(hosts: np.ndarray, row: int, small_limit: int) -> tuple[int, int]:
     """`CompactLayout.segment_summary` where every chunk covers its whole row: a run of
     consecutive host blocks is one segment."""
-    steps = hosts[1:] - hosts[:-1] != 1
+    first = run_starts((hosts,), 1)
     if small_limit < row:
-        return int(np.count_nonzero(steps)) + 1, 0
-    breaks = np.flatnonzero(steps)
-    lengths = np.diff(breaks, prepend=-1, append=hosts.size - 1)  # rows per run
-    return breaks.size + 1, int(lengths[lengths <= small_limit // row].sum()) * row
+        return first.size, 0
+    lengths = np.diff(first, append=hosts.size)  # rows per run
+    return first.size, int(lengths[lengths <= small_limit // row].sum()) * row
 
 
 def _merged(stage: np.ndarray, host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -290,7 +290,7 @@ class Planner:
                 f"{host_ids.size} host block ids given, the device blocks need {sum(host_counts)} "
                 f"(per group: {host_counts}, blocks_per_chunk={bpc})"
             )
-        if _outside(host_ids, self.host_blocks):
+        if any_outside(host_ids, self.host_blocks):
             _raise_out_of_range("host", host_ids, self.host_blocks)
         arange = self._arange  # one read: another thread may swap in a smaller one meanwhile
         if arange.size < max(sizes, default=0):
@@ -303,7 +303,7 @@ class Planner:
                 continue
             dev_ids = device.block_ids[d0 : d0 + n]
             d0 += n
-            if _outside(dev_ids, grp.device_limit):
+            if any_outside(dev_ids, grp.device_limit):
                 _raise_out_of_range("device", dev_ids, grp.device_limit)
             group_hids = host_ids[h0 : h0 + hc]
             h0 += hc
@@ -370,7 +370,7 @@ def _merge_blocks(dev_off: np.ndarray, host_off: np.ndarray, page: int):
 _FEW = 64  # up to this many ids, Python's min, max and set beat numpy's per-call overhead (4x at 16)
 
 
-def _outside(ids: np.ndarray, limit: int) -> bool:
+def any_outside(ids: np.ndarray, limit: int) -> bool:
     """Whether any id is negative or not below `limit`: one comparison, since a negative int64
     read as uint64 is larger than any limit."""
     if ids.size <= _FEW:
