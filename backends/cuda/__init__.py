@@ -302,7 +302,9 @@ class CudaBackend(TorchDeviceBackend):
         """Whether every host range lies in pinned or registered memory the GPU can dereference."""
         lo, hi = int(host.min()), int(host.max())
         top = hi + (int(sizes.max()) if largest is None else largest)  # bounds every end: one pass less
-        ranges = tuple(self._host_ranges.values())  # a copy: other threads add and drop ranges
+        # A snapshot in one step: other threads, and finalizers that a collection runs on this
+        # one, add and drop ranges, and an iterator over the live dict fails if it changes.
+        ranges = self._host_ranges.copy().values()
         if any(start <= lo and top <= end for start, end in ranges):
             return True
         top = int((host + sizes).max())

@@ -38,7 +38,7 @@ class PerStream:
         return entry
 
     def values(self):
-        return list(self._by_handle.values())
+        return list(self._by_handle.copy().values())  # a snapshot: streams come and go on other threads
 
     def discard(self, stream) -> None:
         """Forget `stream`'s entry (its memory goes back to torch's allocator)."""
