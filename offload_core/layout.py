@@ -220,6 +220,8 @@ def positive_int(value: Any, what: str) -> int:
 
 def _ids(values: Any, what: str) -> np.ndarray:
     """`values` as a 1-D int64 array; raises InvalidSpecError for any other dtype or shape."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:  # the usual: one copy
+        return _read_only(values.copy())
     try:
         arr = np.asarray(values)
     except Exception as exc:  # e.g. a device tensor: ids must live on the host
@@ -259,6 +261,11 @@ class DeviceBlocks:
 
     def __init__(self, block_ids: Any, group_sizes: Any = None, block_indices: Any = None):
         ids = _ids(block_ids, "DeviceBlocks.block_ids")
+        if group_sizes is None and block_indices is None:  # one group from index 0: nothing to check
+            object.__setattr__(self, "block_ids", ids)
+            object.__setattr__(self, "group_sizes", _one_group(ids.size))
+            object.__setattr__(self, "block_indices", _ZEROS[1])
+            return
         if group_sizes is None:
             sizes = _read_only(np.array([ids.size], dtype=np.int64))
         else:
@@ -288,6 +295,16 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 
 
 _ZEROS = [_read_only(np.zeros(n, dtype=np.int64)) for n in range(17)]  # shared block_indices of few groups
+_ONE_GROUP: dict[int, np.ndarray] = {}  # shared group_sizes ``[n]`` of one-group specs
+
+
+def _one_group(n: int) -> np.ndarray:
+    sizes = _ONE_GROUP.get(n)
+    if sizes is None:
+        sizes = _read_only(np.array([n], dtype=np.int64))
+        if n < 4096:  # the sizes an engine's jobs have; larger ones are not worth keeping
+            _ONE_GROUP[n] = sizes
+    return sizes
 
 
 @dataclass(frozen=True, init=False)

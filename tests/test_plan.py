@@ -236,6 +236,28 @@ def test_malformed_device_blocks(kwargs, message):
         DeviceBlocks(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.array([7, 3, 5]),
+        lambda: np.array([7, 3, 5], dtype=np.int32),
+        lambda: [7, 3, 5],
+        lambda: np.array([7, 0, 3, 0, 5])[::2],  # a strided view
+    ],
+    ids=["int64", "int32", "list", "strided"],
+)
+def test_specs_hold_a_read_only_copy_of_the_ids(make):
+    """The caller may reuse its array at once: the planner must address exactly what was checked."""
+    ids = make()
+    device, host = DeviceBlocks(ids), HostBlocks(ids)
+    if isinstance(ids, np.ndarray):
+        ids[:] = 0
+    for spec_ids in (device.block_ids, host.block_ids):
+        assert spec_ids.tolist() == [7, 3, 5] and spec_ids.dtype == np.int64 and not spec_ids.flags.writeable
+    assert device.group_sizes.tolist() == [3] and device.block_indices.tolist() == [0]
+    assert not device.group_sizes.flags.writeable
+
+
 def test_empty_transfer_plans_nothing():
     model = Model([32], [[(0, 32)], [(0, 16)]], 3)
     batch = Planner(model.geometry).plan(Direction.STORE, DeviceBlocks([], [0, 0]), HostBlocks([]))
