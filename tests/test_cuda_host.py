@@ -476,8 +476,8 @@ def test_addressable_reads_the_host_ranges_while_other_threads_change_them():
 
     from offload_core.backends.cuda import CudaBackend
 
-    backend = CudaBackend.__new__(CudaBackend)  # no GPU here: only the bookkeeping under test
-    backend._host_ranges = {i << 12: (i << 12, (i + 1) << 12) for i in range(1, 5000)}
+    backend = CudaBackend(driver=drv.Driver(FakeLib()), runtime=FakeCudaRuntime())
+    backend._host_ranges.update({i << 12: (i << 12, (i + 1) << 12) for i in range(1, 5000)})
     stop = threading.Event()
 
     def churn():
@@ -516,24 +516,52 @@ class Weigh:
         return self.pick
 
 
-def host_only_backend(monkeypatch, lib, triton=True, mechanism="auto", cost=None):
-    """A CudaBackend over a stand-in libcuda, built as __init__ builds it minus the GPU: the
-    table decides what is available; enqueues need no events."""
+class FakeCudaRuntime:
+    """``torch.cuda`` as `CudaBackend` uses it, without a GPU: one device whose memory is the
+    CPU's, streams known by their handles, the current one 0x5."""
 
+    def torch_device(self, index):
+        import torch
+
+        return torch.device("cpu")
+
+    def get_device_name(self, device):
+        return "Fake GPU"
+
+    def get_device_properties(self, device):
+        return SimpleNamespace(multi_processor_count=132)
+
+    def current_device(self):
+        return 0
+
+    def device(self, device):
+        return contextlib.nullcontext()
+
+    def current_stream(self, index):
+        return SimpleNamespace(cuda_stream=0x5, query=lambda: True)
+
+    def ExternalStream(self, handle, device=None):  # noqa: N802  (torch's name)
+        return SimpleNamespace(cuda_stream=handle)
+
+    def alloc_pinned(self, nbytes):
+        import torch
+
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def host_only_backend(monkeypatch, lib, triton=True, mechanism="auto", cost=None):
+    """A CudaBackend over a stand-in libcuda and runtime: the table decides what is available."""
     from offload_core.backends.cuda import CudaBackend
-    from offload_core.backends.cuda.mechanisms import TABLE, contenders
 
     monkeypatch.setattr(kernels, "why_unavailable", (lambda: None) if triton else (lambda: "triton is not importable"))
-    backend = CudaBackend.__new__(CudaBackend)
-    backend.driver = drv.Driver(lib)
-    backend.max_batch, backend.max_programs, backend.staging_bytes = 0, 32, 24 << 20
-    backend.cost = cost or CostModel()
-    backend.available_mechanisms = tuple(n for n, m in TABLE.items() if m.why_unavailable(backend) is None)
-    backend._contenders = contenders(backend.available_mechanisms)
-    backend.mechanism = mechanism
-    backend._host_ranges = {}
-    backend._enqueued = lambda stream: contextlib.nullcontext([])
-    return backend
+    return CudaBackend(
+        mechanism=mechanism, cost_model=cost or CostModel(), driver=drv.Driver(lib), runtime=FakeCudaRuntime()
+    )
+
+
+def copies(lib):
+    """The copy calls the backend made (events and contexts aside)."""
+    return [c for c in lib.calls if c[0] in ("batch", "memcpy")]
 
 
 def test_the_table_lists_every_mechanism_once_batch_ones_in_order_of_preference():
@@ -589,10 +617,12 @@ def test_enqueue_with_runs_one_mechanism_and_leaves_the_backends_alone(monkeypat
     dst, src, sizes = arrays(3)
     stream = SimpleNamespace(cuda_stream=9)
     assert backend.enqueue_with("ce_loop", src, dst, sizes, Direction.LOAD, stream) == "ce_loop"
-    assert [c[0] for c in lib.calls] == ["memcpy"] * 3 and backend.mechanism == "ce_batch"
+    assert [c[0] for c in copies(lib)] == ["memcpy"] * 3 and backend.mechanism == "ce_batch"
+    # the arrays the driver may still read are held until an event recorded after the copies has passed
+    assert lib.calls[-1][0] == "record" and lib.calls[-1][2] == 9 and backend._keepalive
     lib.calls.clear()
     assert backend.copy_batch(src, dst, sizes, Direction.STORE, stream) == "ce_batch"
-    (call,) = lib.calls
+    (call,) = copies(lib)
     assert call[0] == "batch" and call[4] == drv.SRC_ACCESS_ORDER_STREAM
     # a compact-job mechanism takes a bare batch as auto
     assert (
@@ -630,8 +660,8 @@ def test_calibration_is_a_capability_the_cli_asks_for(monkeypatch, capsys):
     assert CudaBackend.calibrates and not CpuBackend.calibrates
     with pytest.raises(NotImplementedError, match="nothing to calibrate"):
         CpuBackend().calibrate()
-    backend = CudaBackend.__new__(CudaBackend)
-    monkeypatch.setattr(backend, "calibrate", lambda save=True: {"saved": save}, raising=False)
+    backend = CudaBackend(driver=drv.Driver(FakeLib()), runtime=FakeCudaRuntime())
+    monkeypatch.setattr(backend, "calibrate", lambda save=True: {"saved": save})
     monkeypatch.setattr(registry, "get_backend", lambda name=None: backend)
     assert cli.main(["calibrate", "--backend", "cuda", "--dry-run"]) == 0
     assert json.loads(capsys.readouterr().out) == {"saved": False}

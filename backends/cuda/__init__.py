@@ -46,7 +46,7 @@ from offload_core.backends.cuda.mechanisms import BLOCK_MECHANISMS, MECHANISMS, 
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import CostModel
 from offload_core.backends.cuda.staging import PerStream, StagedPair
-from offload_core.backends.torch_device import TorchDeviceBackend
+from offload_core.backends.torch_device import Runtime, TorchDeviceBackend, TorchRuntime
 
 __all__ = ["BLOCK_MECHANISMS", "MECHANISMS", "CudaBackend"]
 
@@ -79,6 +79,10 @@ class CudaBackend(TorchDeviceBackend):
             one is saved, else H200 defaults. ``$OFFLOAD_CORE_CUDA_SM_PENALTY`` replaces its
             `sm_penalty`: how many times auto counts the time copies hold SMs (default 2;
             higher protects the model's compute, lower favours the copies' speed).
+        driver: the CUDA driver's entry points; default the system's libcuda (`Driver.load`).
+        runtime: ``torch.cuda``'s surface (`torch_device.Runtime`, plus ``get_device_name``,
+            ``get_device_properties``, ``ExternalStream`` and ``device``); default the real one.
+            Tests inject both to build the backend without a GPU.
 
     Raises:
         ValueError: an unknown or unavailable forced mechanism, or an SM penalty that is not
@@ -114,14 +118,16 @@ class CudaBackend(TorchDeviceBackend):
         staging_bytes: int | None = None,
         max_batch: int | None = None,
         cost_model: CostModel | None = None,
+        driver: Driver | None = None,
+        runtime: Runtime | None = None,
     ):
-        super().__init__(device_index)
-        torch = self._torch
-        self.driver = Driver.load()
+        super().__init__(device_index, runtime=runtime)
+        runtime = self.runtime
+        self.driver = driver if driver is not None else Driver.load()
         self.max_programs = max_programs or int(os.environ.get(ENV_SM_PROGRAMS, 32))
         self.staging_bytes = staging_bytes or int(os.environ.get(ENV_STAGING_MB, 24)) << 20
         self.max_batch = max_batch if max_batch is not None else int(os.environ.get(ENV_MAX_BATCH, 0))
-        self.cost = cost_model or calibration.saved_profile(torch.cuda.get_device_name(self._device))
+        self.cost = cost_model or calibration.saved_profile(runtime.get_device_name(self._device))
         penalty = os.environ.get(ENV_SM_PENALTY)
         if penalty:
             self.cost = dataclasses.replace(self.cost, sm_penalty=_positive(penalty, ENV_SM_PENALTY))
@@ -136,16 +142,19 @@ class CudaBackend(TorchDeviceBackend):
         self._keepalive: deque = deque()  # (event, objects) the driver may still read
         self._spare_events: list = []
         self._staged_buffers = PerStream(lambda stream: StagedPair(self, stream))
-        self._ring = DescriptorRing(torch, self._device, self.driver.memcpy_async)
+        self._ring = DescriptorRing(self._torch, self._device, self.driver.memcpy_async)
         self._blocks = BlockCopier(self, self.staging_bytes)
-        sms = torch.cuda.get_device_properties(self._device).multi_processor_count
+        sms = runtime.get_device_properties(self._device).multi_processor_count
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
         # the hot path's events and compute stream through the driver, where it has them all
         self._driver_events = self.driver.has_events
         if self._driver_events:
             with self._context():
                 self._ctx = self.driver.current_context()  # this GPU's primary context
-        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton reads too
+        # what Triton reads too; only torch's own runtime has it
+        self._raw_stream = (
+            getattr(self._torch._C, "_cuda_getCurrentRawStream", None) if isinstance(runtime, TorchRuntime) else None
+        )
 
     # ---- what the core needs ---------------------------------------------
 
@@ -154,7 +163,7 @@ class CudaBackend(TorchDeviceBackend):
         copy stream could be the caller's compute stream or the other direction's, which would
         silently serialize them. These streams live as long as the process."""
         with self._context():
-            return self._torch.cuda.ExternalStream(self.driver.new_stream(), device=self._device)
+            return self.runtime.ExternalStream(self.driver.new_stream(), device=self._device)
 
     def new_event(self):
         """A driver event (`events.DriverEvent`): recorded, waited for and queried at a ctypes
@@ -169,7 +178,7 @@ class CudaBackend(TorchDeviceBackend):
             return super().current_stream()
         if self._raw_stream is not None:
             return RawStream(self._raw_stream(self.device_index), self.new_event)
-        return RawStream(self._torch.cuda.current_stream(self._device).cuda_stream, self.new_event)
+        return RawStream(self.runtime.current_stream(self.device_index).cuda_stream, self.new_event)
 
     def release_stream(self, stream) -> None:
         # The staging buffers go; the stream itself (driver state of a few kilobytes) stays,
@@ -181,7 +190,7 @@ class CudaBackend(TorchDeviceBackend):
         # torch's pinned allocator hands a freed block out again at once (it knows nothing of
         # driver-level copies): whoever queues copies keeps the tensor until they finish, as
         # the worker does. It rounds large requests up, which PYTORCH_CUDA_ALLOC_CONF can tune.
-        tensor = self._torch.zeros(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        tensor = self.runtime.alloc_pinned(nbytes)
         self._track(tensor)
         return tensor
 
@@ -241,7 +250,7 @@ class CudaBackend(TorchDeviceBackend):
                 yield held
             finally:  # also after a failed call: copies enqueued before it may still read
                 # a passed event is recorded again: a ring region still naming it is then freed later, never sooner
-                event = self._spare_events.pop() if self._spare_events else self._torch.cuda.Event()
+                event = self._spare_events.pop() if self._spare_events else self.new_event()
                 event.record(stream)
                 self._keepalive.append((event, held))
                 self._ring.retire(event)
@@ -339,12 +348,12 @@ class CudaBackend(TorchDeviceBackend):
         """This GPU's context, current in the calling thread for driver calls: a thread that has
         made no runtime call yet has none, and the driver then fails (invalid context)."""
         with self._on_device():
-            self._torch.cuda.current_stream(self._device).query()  # a runtime call makes it current
+            self.runtime.current_stream(self.device_index).query()  # a runtime call makes it current
             yield
 
     def _on_device(self):
-        torch = self._torch
-        return nullcontext() if torch.cuda.current_device() == self.device_index else torch.cuda.device(self._device)
+        runtime = self.runtime
+        return nullcontext() if runtime.current_device() == self.device_index else runtime.device(self._device)
 
 
 def _positive(text: str, name: str) -> float:

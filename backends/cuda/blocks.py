@@ -76,7 +76,7 @@ class BlockCopier:
         b = self.backend
         with b._on_device():
             prepared = Prepared(b._torch, b.device, layout)
-            stream = b._torch.cuda.current_stream(b.device)
+            stream = b.runtime.current_stream(b.device_index)
             for store in (True, False):
                 kernels.expand(
                     prepared.groups.data_ptr(),

@@ -44,7 +44,7 @@ def calibrate(backend, save: bool = True) -> dict:
         Exception: anything the GPU, its driver or the profile's folder raises.
     """
     model = measure_costs(backend)
-    path = profile_path(backend._torch.cuda.get_device_name(backend.device))
+    path = profile_path(backend.runtime.get_device_name(backend.device))
     if save:
         model.save(path)
     backend.cost = model
@@ -60,7 +60,7 @@ def measure_costs(backend) -> CostModel:
     device = torch.zeros(2 * span, dtype=torch.uint8, device=backend.device)  # fragments scatter over 2x
     staging = torch.zeros(span, dtype=torch.uint8, device=backend.device)
     host = backend.alloc_host(span)
-    model = CostModel(source=f"offload-core calibrate on {torch.cuda.get_device_name(backend.device)}")
+    model = CostModel(source=f"offload-core calibrate on {backend.runtime.get_device_name(backend.device)}")
     one = np.ones(1, dtype=np.int64)
     for direction in Direction:
         d = direction.value
