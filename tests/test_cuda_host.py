@@ -620,6 +620,7 @@ def test_enqueue_with_runs_one_mechanism_and_leaves_the_backends_alone(monkeypat
     assert [c[0] for c in copies(lib)] == ["memcpy"] * 3 and backend.mechanism == "ce_batch"
     # the arrays the driver may still read are held until an event recorded after the copies has passed
     assert lib.calls[-1][0] == "record" and lib.calls[-1][2] == 9 and backend._keepalive
+    assert ("event_create", 2) in lib.calls  # a marker, never timed: CU_EVENT_DISABLE_TIMING
     lib.calls.clear()
     assert backend.copy_batch(src, dst, sizes, Direction.STORE, stream) == "ce_batch"
     (call,) = copies(lib)

@@ -172,6 +172,12 @@ class CudaBackend(TorchDeviceBackend):
             return super().new_event()
         return DriverEvent(self.driver, self._ctx)
 
+    def _marker(self):
+        """An event that marks a stream position and is never timed: cheaper to record."""
+        if not self._driver_events:
+            return self.runtime.Event()
+        return DriverEvent(self.driver, self._ctx, timing=False)
+
     def current_stream(self):
         """The calling thread's current stream on this GPU, as its handle (`events.RawStream`)."""
         if not self._driver_events:
@@ -250,7 +256,7 @@ class CudaBackend(TorchDeviceBackend):
                 yield held
             finally:  # also after a failed call: copies enqueued before it may still read
                 # a passed event is recorded again: a ring region still naming it is then freed later, never sooner
-                event = self._spare_events.pop() if self._spare_events else self.new_event()
+                event = self._spare_events.pop() if self._spare_events else self._marker()
                 event.record(stream)
                 self._keepalive.append((event, held))
                 self._ring.retire(event)

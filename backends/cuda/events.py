@@ -21,13 +21,16 @@ import weakref
 
 from offload_core.backends.cuda.driver import ERROR_NOT_READY, CudaDriverError, Driver
 
+EVENT_DISABLE_TIMING = 0x2
+
 
 class DriverEvent:
-    """A timing-capable ``CUevent`` of one GPU context, destroyed when the object is collected.
+    """A ``CUevent`` of one GPU context, destroyed when the object is collected.
 
     Args:
         driver: the loaded driver (`Driver.has_events` must be True).
         context: the ``CUcontext`` of the GPU whose streams this event marks.
+        timing: whether `elapsed_time` may be asked of it (such events cost more to record).
 
     Raises:
         CudaDriverError: the driver could not create the event.
@@ -35,10 +38,10 @@ class DriverEvent:
 
     __slots__ = ("handle", "_driver", "_ctx", "__weakref__")
 
-    def __init__(self, driver: Driver, context: int):
+    def __init__(self, driver: Driver, context: int, timing: bool = True):
         self._driver, self._ctx = driver, context
         out = ctypes.c_void_p()
-        self._call(driver.event_create, "cuEventCreate", ctypes.byref(out), 0)
+        self._call(driver.event_create, "cuEventCreate", ctypes.byref(out), 0 if timing else EVENT_DISABLE_TIMING)
         self.handle = out.value
         done = weakref.finalize(self, _destroy, driver, context, out.value, os.getpid())
         done.atexit = False  # at exit the driver may be gone; the process frees its events anyway
