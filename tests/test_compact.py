@@ -202,10 +202,14 @@ def single_group_specs(draw):
     up to 300 ids against small limits, so that every way of checking them runs (Python sets,
     sorting, a bitmap), valid or breaking one rule."""
     device_blocks, host_blocks = draw(st.integers(1, 400)), draw(st.integers(1, 400))
-    n = min(draw(st.integers(0, 300)), device_blocks, host_blocks)
+    n = min(draw(st.integers(1, 300)), device_blocks, host_blocks)
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     dev, host = rng.permutation(device_blocks)[:n], rng.permutation(host_blocks)[:n]
-    flaw = draw(st.sampled_from(["none", "dev_range", "host_range", "negative", "duplicate", "count"]))
+    flaw = (
+        "none"
+        if draw(st.booleans())
+        else draw(st.sampled_from(["dev_range", "host_range", "negative", "duplicate", "count"]))
+    )
     dev, host = dev.copy(), host.copy()
     if dev.size and flaw != "none":
         i = draw(st.integers(0, dev.size - 1))
@@ -220,7 +224,12 @@ def single_group_specs(draw):
             side[i] = side[(i + 1) % side.size]
         elif flaw == "count":
             host = host[:-1]
-    model = Model([16], [[(0, 16)]], 1, device_blocks, host_blocks)
+    if draw(st.booleans()):
+        model = Model([16], [[(0, 16)]], 1, device_blocks, host_blocks)
+    else:  # a replicated canonical page: stores elect a writer per page (a period of two pages)
+        writer = draw(st.integers(0, 1))
+        mapping = CanonicalPageMapping(128, 64, (CopyRun(0, 0, 64),), num_writers=2, writer_index=writer)
+        model = Model([128], [[(0, 64, mapping)]], 1, device_blocks, host_blocks)
     return model, draw(st.sampled_from(list(Direction))), dev, host
 
 
