@@ -170,7 +170,7 @@ class CompactLayout:
         groups = planner._groups
         self._single_limit = groups[0].device_limit if len(groups) == 1 and self.blocks_per_chunk == 1 else None
         self._counters = np.zeros(0, np.int64)  # 0, 1, 2, ...: the chunk row of single-group jobs
-        self.device_limit = max(grp.device_limit for grp in groups)  # above every device block id
+        self.device_limit = planner.device_limit  # above every device block id
 
     @property
     def max_entries(self) -> int:

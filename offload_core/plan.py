@@ -195,6 +195,7 @@ class Planner:
         users = [t for refs in g.group_refs for t in {r.tensor for r in refs}]
         # Groups that share a tensor can collide on a destination page across groups.
         self._groups_share_tensors = len(users) != len(set(users))
+        self.device_limit = max((grp.device_limit for grp in self._groups), default=0)  # above every device id
         self._arange = np.arange(1024, dtype=np.int64)
 
     @property
@@ -324,7 +325,7 @@ class Planner:
             if store:
                 _check_unique(np.concatenate(shared_keys), "host sub-page", self.host_blocks * bpc)
             else:
-                _check_unique(np.concatenate(shared_keys), "device block id", max(g.device_limit for g in self._groups))
+                _check_unique(np.concatenate(shared_keys), "device block id", self.device_limit)
         return checked, sizes
 
     def _plan_mapped(self, part, dev_off, host_off, hids, sub, store, out, pos) -> tuple[int, int]:
