@@ -8,6 +8,7 @@ from offload_core.backend import Backend, Direction, Event, Stream
 from offload_core.canonical import CanonicalPageMapping, CopyRun, verify_tiling
 from offload_core.errors import (
     BackendUnavailableError,
+    ConfigError,
     InvalidSpecError,
     OffloadError,
     RegionError,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "ConfigError",
     "CanonicalPageMapping",
     "CopyRun",
     "CopyBatch",

@@ -41,6 +41,10 @@ class InvalidSpecError(OffloadError, ValueError):
     """Input that would make a transfer read or write outside its buffers, or is malformed."""
 
 
+class ConfigError(OffloadError, ValueError):
+    """A setting (a constructor argument or an environment variable) outside the values it may take."""
+
+
 class ResourceInUseError(OffloadError, BufferError):
     """Memory cannot be released yet: tensors made from it, or copies that may touch it, still exist."""
 

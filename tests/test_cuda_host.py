@@ -794,10 +794,42 @@ def test_a_torch_stream_waits_for_a_raw_streams_position_and_back():
     assert lib.calls[-2:] == [("record", made[1].handle, 0x61), ("wait", 0x62, made[1].handle, 0)]
 
 
-@pytest.mark.parametrize("text", ["0", "-1", "inf", "nan", "two", ""])
-def test_an_sm_penalty_is_a_positive_number(text):
-    from offload_core.backends.cuda import _positive
+@pytest.mark.parametrize(
+    "name, text, rule",
+    [
+        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "0", "a positive number"),
+        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "-1", "a positive number"),
+        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "inf", "a positive number"),
+        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "nan", "a positive number"),
+        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "two", "a positive number"),
+        ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "0", "a positive integer"),
+        ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "2.5", "a positive integer"),
+        ("OFFLOAD_CORE_CUDA_STAGING_MB", "-24", "a positive integer"),
+        ("OFFLOAD_CORE_CUDA_MAX_BATCH", "-1", "a non-negative integer"),
+        ("OFFLOAD_CORE_CUDA_MAX_BATCH", "many", "a non-negative integer"),
+    ],
+)
+def test_a_setting_outside_its_values_is_refused_by_name(monkeypatch, name, text, rule):
+    from offload_core import ConfigError
 
-    with pytest.raises(ValueError, match="OFFLOAD_CORE_CUDA_SM_PENALTY must be a positive number"):
-        _positive(text, "OFFLOAD_CORE_CUDA_SM_PENALTY")
-    assert _positive("0.5", "X") == 0.5
+    monkeypatch.setenv(name, text)
+    with pytest.raises(ConfigError, match=f"{name} must be {rule}, got {text!r}"):
+        host_only_backend(monkeypatch, FakeLib())
+
+
+def test_settings_come_from_the_environment_and_default_where_unset_or_empty(monkeypatch):
+    backend = host_only_backend(monkeypatch, FakeLib())
+    assert (backend.max_programs, backend.staging_bytes, backend.max_batch) == (8, 24 << 20, 0)
+    assert backend.cost.sm_penalty == CostModel().sm_penalty
+    for name, text in [
+        ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "16"),
+        ("OFFLOAD_CORE_CUDA_STAGING_MB", "8"),
+        ("OFFLOAD_CORE_CUDA_MAX_BATCH", "0"),
+        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "3.5"),
+    ]:
+        monkeypatch.setenv(name, text)
+    backend = host_only_backend(monkeypatch, FakeLib())
+    assert (backend.max_programs, backend.staging_bytes, backend.max_batch) == (16, 8 << 20, 0)
+    assert backend.cost.sm_penalty == 3.5
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PENALTY", "")
+    assert host_only_backend(monkeypatch, FakeLib()).cost.sm_penalty == CostModel().sm_penalty

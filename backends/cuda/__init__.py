@@ -47,6 +47,7 @@ from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import CostModel
 from offload_core.backends.cuda.staging import PerStream, StagedPair
 from offload_core.backends.torch_device import Runtime, TorchDeviceBackend, TorchRuntime
+from offload_core.errors import ConfigError
 
 __all__ = ["BLOCK_MECHANISMS", "MECHANISMS", "CudaBackend"]
 
@@ -57,6 +58,10 @@ ENV_SM_PROGRAMS = "OFFLOAD_CORE_CUDA_SM_PROGRAMS"
 ENV_MAX_BATCH = "OFFLOAD_CORE_CUDA_MAX_BATCH"
 ENV_STAGING_MB = "OFFLOAD_CORE_CUDA_STAGING_MB"
 ENV_SM_PENALTY = "OFFLOAD_CORE_CUDA_SM_PENALTY"
+# Programs of the kernels that copy across the link. 8 move 4 MiB jobs of 256 B - 4 KiB pages
+# as fast as 32 did on an H200, while each one holds an SM that the model's kernels cannot use
+# (docs/dev/cuda-tuning-log.md, 2026-12-01 (5)).
+DEFAULT_SM_PROGRAMS = 8
 
 
 class CudaBackend(TorchDeviceBackend):
@@ -68,8 +73,8 @@ class CudaBackend(TorchDeviceBackend):
             worker then plans descriptors on the host) or one of ``expand_staged``,
             ``expand_direct`` (a worker's jobs; other batches as auto); default
             ``$OFFLOAD_CORE_CUDA_MECHANISM`` or ``"auto"``.
-        max_programs: cap on the copy kernel's programs (SMs it may occupy); default
-            ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS`` or 32.
+        max_programs: cap on the programs of the kernels that copy across the link (the SMs
+            they may occupy); default ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS`` or 8.
         staging_bytes: the largest piece of a staged job; the compact path keeps two buffers of
             this per copy stream (so 4x per worker), ``staged`` two of 1.25 times this;
             default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 24 MiB.
@@ -85,8 +90,9 @@ class CudaBackend(TorchDeviceBackend):
             Tests inject both to build the backend without a GPU.
 
     Raises:
-        ValueError: an unknown or unavailable forced mechanism, or an SM penalty that is not
-            a positive number.
+        ConfigError: an unknown or unavailable forced mechanism, or an environment variable
+            outside its values (programs and staging: positive integers; batch: a non-negative
+            integer; SM penalty: a positive number).
         OSError: no NVIDIA driver library.
     """
 
@@ -124,20 +130,20 @@ class CudaBackend(TorchDeviceBackend):
         super().__init__(device_index, runtime=runtime)
         runtime = self.runtime
         self.driver = driver if driver is not None else Driver.load()
-        self.max_programs = max_programs or int(os.environ.get(ENV_SM_PROGRAMS, 32))
-        self.staging_bytes = staging_bytes or int(os.environ.get(ENV_STAGING_MB, 24)) << 20
-        self.max_batch = max_batch if max_batch is not None else int(os.environ.get(ENV_MAX_BATCH, 0))
+        self.max_programs = max_programs or _setting(ENV_SM_PROGRAMS, DEFAULT_SM_PROGRAMS, int)
+        self.staging_bytes = staging_bytes or _setting(ENV_STAGING_MB, 24, int) << 20
+        self.max_batch = max_batch if max_batch is not None else _setting(ENV_MAX_BATCH, 0, int, zero=True)
         self.cost = cost_model or calibration.saved_profile(runtime.get_device_name(self._device))
-        penalty = os.environ.get(ENV_SM_PENALTY)
-        if penalty:
-            self.cost = dataclasses.replace(self.cost, sm_penalty=_positive(penalty, ENV_SM_PENALTY))
+        penalty = _setting(ENV_SM_PENALTY, None)
+        if penalty is not None:
+            self.cost = dataclasses.replace(self.cost, sm_penalty=penalty)
         self.available_mechanisms = tuple(name for name, m in TABLE.items() if m.why_unavailable(self) is None)
         self._contenders = contenders(self.available_mechanisms)  # auto's, in order of preference on a tie
         self.mechanism = mechanism or os.environ.get(ENV_MECHANISM) or "auto"
         if self.mechanism != "auto":
             reason = self.why_unavailable(self.mechanism)
             if reason:
-                raise ValueError(f"cuda mechanism {self.mechanism!r} cannot be used: {reason}")
+                raise ConfigError(f"cuda mechanism {self.mechanism!r} cannot be used: {reason}")
         self._host_ranges: dict[int, tuple[int, int]] = {}  # device-addressable host memory
         self._keepalive: deque = deque()  # (event, objects) the driver may still read
         self._spare_events: list = []
@@ -240,7 +246,7 @@ class CudaBackend(TorchDeviceBackend):
         if forced is not None:
             reason = forced.refuses_layout(self._blocks, prepared)
             if reason:
-                raise ValueError(reason)
+                raise ConfigError(reason)
         with self._enqueued(stream) as held:
             return self._blocks.copy(job, prepared, stream, after, held, forced)
 
@@ -278,7 +284,7 @@ class CudaBackend(TorchDeviceBackend):
             The mechanism that carried the copies.
 
         Raises:
-            ValueError: an unknown or unavailable mechanism, or ``sm_gather`` for host memory
+            ConfigError: an unknown or unavailable mechanism, or ``sm_gather`` for host memory
                 the GPU cannot address.
             Exception: anything else that stops the copies from being enqueued.
         """
@@ -287,15 +293,15 @@ class CudaBackend(TorchDeviceBackend):
         summary = None
         if chosen is not None and chosen.takes_batches:
             if mechanism not in self.available_mechanisms:
-                raise ValueError(f"cuda mechanism {mechanism!r} cannot be used: {chosen.why_unavailable(self)}")
+                raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {chosen.why_unavailable(self)}")
             reason = chosen.refuses(self, dst if direction is Direction.STORE else src, sizes)
             if reason:
-                raise ValueError(reason)
+                raise ConfigError(reason)
         elif chosen is not None or mechanism == "auto":
             name, summary = select.choose(self, self._contenders, src, dst, sizes, direction)
             chosen = TABLE[name]
         else:
-            raise ValueError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
+            raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
         with self._enqueued(stream) as held:
             chosen.enqueue(self, src, dst, sizes, direction, stream, held, summary)
         return chosen.name
@@ -362,11 +368,21 @@ class CudaBackend(TorchDeviceBackend):
         return nullcontext() if runtime.current_device() == self.device_index else runtime.device(self._device)
 
 
-def _positive(text: str, name: str) -> float:
+def _setting(name: str, default, kind: type = float, zero: bool = False):
+    """The environment variable `name` as a positive (with `zero`, non-negative) `kind`, or
+    `default` where it is unset or empty.
+
+    Raises:
+        ConfigError: a value of another kind, out of range, or not finite.
+    """
+    text = os.environ.get(name)
+    if not text:
+        return default
     try:
-        value = float(text)
+        value = kind(text)
     except ValueError:
         value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a positive number, got {text!r}")
+    if not ((value >= 0 if zero else value > 0) and math.isfinite(value)):
+        what = ("a non-negative " if zero else "a positive ") + ("integer" if kind is int else "number")
+        raise ConfigError(f"{name} must be {what}, got {text!r}")
     return value
