@@ -819,7 +819,8 @@ def test_a_setting_outside_its_values_is_refused_by_name(monkeypatch, name, text
 
 def test_settings_come_from_the_environment_and_default_where_unset_or_empty(monkeypatch):
     backend = host_only_backend(monkeypatch, FakeLib())
-    assert (backend.max_programs, backend.staging_bytes, backend.max_batch) == (8, 24 << 20, 0)
+    assert backend.sm_programs == {Direction.STORE: 8, Direction.LOAD: 32}
+    assert (backend.staging_bytes, backend.max_batch) == (24 << 20, 0)
     assert backend.cost.sm_penalty == CostModel().sm_penalty
     for name, text in [
         ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "16"),
@@ -829,7 +830,21 @@ def test_settings_come_from_the_environment_and_default_where_unset_or_empty(mon
     ]:
         monkeypatch.setenv(name, text)
     backend = host_only_backend(monkeypatch, FakeLib())
-    assert (backend.max_programs, backend.staging_bytes, backend.max_batch) == (16, 8 << 20, 0)
+    assert backend.sm_programs == {Direction.STORE: 16, Direction.LOAD: 16}
+    assert (backend.staging_bytes, backend.max_batch) == (8 << 20, 0)
     assert backend.cost.sm_penalty == 3.5
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PENALTY", "")
     assert host_only_backend(monkeypatch, FakeLib()).cost.sm_penalty == CostModel().sm_penalty
+
+
+def test_kernels_that_copy_across_the_link_get_the_programs_of_their_direction(monkeypatch):
+    launched = []
+    monkeypatch.setattr(kernels, "launch", lambda src, dst, sizes, stream, programs, *rest: launched.append(programs))
+    backend = host_only_backend(monkeypatch, FakeLib(), mechanism="sm_gather")
+    monkeypatch.setattr(backend, "addressable", lambda *args: True)
+    dst, src, sizes = arrays(2)
+    for direction in (Direction.STORE, Direction.LOAD):
+        backend.enqueue_with("sm_gather", src, dst, sizes, direction, SimpleNamespace(cuda_stream=1))
+    assert launched == [8, 32]
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "12")
+    assert host_only_backend(monkeypatch, FakeLib()).sm_programs == {Direction.STORE: 12, Direction.LOAD: 12}

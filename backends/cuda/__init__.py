@@ -58,10 +58,11 @@ ENV_SM_PROGRAMS = "OFFLOAD_CORE_CUDA_SM_PROGRAMS"
 ENV_MAX_BATCH = "OFFLOAD_CORE_CUDA_MAX_BATCH"
 ENV_STAGING_MB = "OFFLOAD_CORE_CUDA_STAGING_MB"
 ENV_SM_PENALTY = "OFFLOAD_CORE_CUDA_SM_PENALTY"
-# Programs of the kernels that copy across the link. 8 move 4 MiB jobs of 256 B - 4 KiB pages
-# as fast as 32 did on an H200, while each one holds an SM that the model's kernels cannot use
-# (docs/dev/cuda-tuning-log.md, 2026-12-01 (5)).
-DEFAULT_SM_PROGRAMS = 8
+# Programs of the kernels that copy across the link: each holds an SM the model's kernels cannot
+# use while the bytes cross. On an H200, 8 keep the link as busy with stores (posted writes) as 32
+# did; loads wait for every read to come back and need more in flight (docs/dev/cuda-tuning-log.md,
+# 2026-12-01 (5)).
+SM_PROGRAMS = {Direction.STORE: 8, Direction.LOAD: 32}
 
 
 class CudaBackend(TorchDeviceBackend):
@@ -74,7 +75,8 @@ class CudaBackend(TorchDeviceBackend):
             ``expand_direct`` (a worker's jobs; other batches as auto); default
             ``$OFFLOAD_CORE_CUDA_MECHANISM`` or ``"auto"``.
         max_programs: cap on the programs of the kernels that copy across the link (the SMs
-            they may occupy); default ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS`` or 8.
+            they may occupy), both directions; default ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS``, or
+            8 for stores and 32 for loads.
         staging_bytes: the largest piece of a staged job; the compact path keeps two buffers of
             this per copy stream (so 4x per worker), ``staged`` two of 1.25 times this;
             default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 24 MiB.
@@ -130,7 +132,8 @@ class CudaBackend(TorchDeviceBackend):
         super().__init__(device_index, runtime=runtime)
         runtime = self.runtime
         self.driver = driver if driver is not None else Driver.load()
-        self.max_programs = max_programs or _setting(ENV_SM_PROGRAMS, DEFAULT_SM_PROGRAMS, int)
+        programs = max_programs or _setting(ENV_SM_PROGRAMS, None, int)
+        self.sm_programs = {d: programs or SM_PROGRAMS[d] for d in Direction}
         self.staging_bytes = staging_bytes or _setting(ENV_STAGING_MB, 24, int) << 20
         self.max_batch = max_batch if max_batch is not None else _setting(ENV_MAX_BATCH, 0, int, zero=True)
         self.cost = cost_model or calibration.saved_profile(runtime.get_device_name(self._device))

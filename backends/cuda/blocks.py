@@ -224,7 +224,7 @@ class ExpandDirect(_Expansion):
         layout = prepared.layout
         rows = layout.host_base + job.host_ids[job.blocks[1]] * layout.row_bytes
         # it holds its SMs while the bytes cross the link: as few as keep the link busy
-        copier.expand(job, prepared, rows, 0, len(job), stream, held, copier.backend.max_programs)
+        copier.expand(job, prepared, rows, 0, len(job), stream, held, copier.backend.sm_programs[job.direction])
 
 
 class ExpandStaged(_Expansion):

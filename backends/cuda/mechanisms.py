@@ -113,7 +113,8 @@ class SmGather(Mechanism):
         return "sm_gather needs host memory from alloc_host or pin_host_memory (device-addressable)"
 
     def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
-        held.append(kernels.launch(src, dst, sizes, stream, backend.max_programs, backend._ring, *(summary or ())[:2]))
+        programs = backend.sm_programs[direction]
+        held.append(kernels.launch(src, dst, sizes, stream, programs, backend._ring, *(summary or ())[:2]))
 
 
 class Staged(Mechanism):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from offload_core.backend import Direction
-from offload_core.backends.cuda import CudaBackend, kernels, measure
+from offload_core.backends.cuda import SM_PROGRAMS, CudaBackend, kernels, measure
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 from offload_core.runs import run_starts
 
@@ -154,11 +154,11 @@ def main() -> None:
         for mech, knob in (("staged", [None]), ("sm_gather", [32, 132])):
             for programs in knob:
                 if programs:
-                    be.max_programs = programs
+                    be.sm_programs = dict.fromkeys(be.sm_programs, programs)
                 tag = f"{mech}{programs or ''}"
                 for d, a in (("store", st), ("load", ld)):
                     row[f"{tag}_{d}_us"] = us(measure.time_copy(be, mech, *a, busy=True)["event_s"])
-        be.max_programs = 32
+        be.sm_programs = dict(SM_PROGRAMS)
         for key in list(row):
             if key.endswith("_us") and not key.startswith(("upload", "gather", "both_")):
                 d = "both" if "both" in key else "store" if "store" in key else "load"
