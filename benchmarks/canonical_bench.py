@@ -110,6 +110,8 @@ def main() -> None:
         "--mechanisms", default="", help="cuda only: comma-separated, each forced in turn (auto: chosen per job)"
     )
     args = parser.parse_args()
+    if args.blocks < PER_JOB or args.blocks % PER_JOB:
+        parser.error(f"--blocks must be a positive multiple of {PER_JOB} (jobs of {PER_JOB} blocks), got {args.blocks}")
     rows = []
     with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
         for head_bytes in (int(h) for h in args.heads.split(",")):

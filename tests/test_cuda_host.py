@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import os
 import sys
 from types import SimpleNamespace
 
@@ -18,6 +19,13 @@ from offload_core.backends.cuda import MECHANISMS, kernels, staging
 from offload_core.backends.cuda import driver as drv
 from offload_core.backends.cuda.events import DriverEvent, RawStream
 from offload_core.backends.cuda.select import CostModel, piece_bounds, profile_path
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_settings(monkeypatch):
+    """Each test starts from the defaults, whatever the shell that runs it has set."""
+    for name in [n for n in os.environ if n.startswith("OFFLOAD_CORE_CUDA_")]:
+        monkeypatch.delenv(name)
 
 
 def test_memcpy_attributes_has_the_driver_layout():
@@ -802,8 +810,10 @@ def test_a_torch_stream_waits_for_a_raw_streams_position_and_back():
         ("OFFLOAD_CORE_CUDA_SM_PENALTY", "inf", "a positive number"),
         ("OFFLOAD_CORE_CUDA_SM_PENALTY", "nan", "a positive number"),
         ("OFFLOAD_CORE_CUDA_SM_PENALTY", "two", "a positive number"),
+        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "1e400", "a positive number"),
         ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "0", "a positive integer"),
         ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "2.5", "a positive integer"),
+        ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "1e3", "a positive integer"),
         ("OFFLOAD_CORE_CUDA_STAGING_MB", "-24", "a positive integer"),
         ("OFFLOAD_CORE_CUDA_MAX_BATCH", "-1", "a non-negative integer"),
         ("OFFLOAD_CORE_CUDA_MAX_BATCH", "many", "a non-negative integer"),
@@ -825,13 +835,13 @@ def test_settings_come_from_the_environment_and_default_where_unset_or_empty(mon
     for name, text in [
         ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "16"),
         ("OFFLOAD_CORE_CUDA_STAGING_MB", "8"),
-        ("OFFLOAD_CORE_CUDA_MAX_BATCH", "0"),
+        ("OFFLOAD_CORE_CUDA_MAX_BATCH", " 5 "),
         ("OFFLOAD_CORE_CUDA_SM_PENALTY", "3.5"),
     ]:
         monkeypatch.setenv(name, text)
     backend = host_only_backend(monkeypatch, FakeLib())
     assert backend.sm_programs == {Direction.STORE: 16, Direction.LOAD: 16}
-    assert (backend.staging_bytes, backend.max_batch) == (8 << 20, 0)
+    assert (backend.staging_bytes, backend.max_batch) == (8 << 20, 5)
     assert backend.cost.sm_penalty == 3.5
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PENALTY", "")
     assert host_only_backend(monkeypatch, FakeLib()).cost.sm_penalty == CostModel().sm_penalty
@@ -846,5 +856,56 @@ def test_kernels_that_copy_across_the_link_get_the_programs_of_their_direction(m
     for direction in (Direction.STORE, Direction.LOAD):
         backend.enqueue_with("sm_gather", src, dst, sizes, direction, SimpleNamespace(cuda_stream=1))
     assert launched == [8, 32]
-    monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "12")
-    assert host_only_backend(monkeypatch, FakeLib()).sm_programs == {Direction.STORE: 12, Direction.LOAD: 12}
+
+
+def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
+    from offload_core.backends.cuda.mechanisms import TABLE
+
+    class Job:
+        host_ids = np.array([3, 1])
+        blocks = np.zeros((5, 2), dtype=np.int64)
+
+        def __init__(self, direction):
+            self.direction = direction
+
+        def __len__(self):
+            return 2
+
+    expanded = []
+    copier = SimpleNamespace(
+        backend=host_only_backend(monkeypatch, FakeLib()),
+        expand=lambda job, prepared, rows, b0, b1, stream, held, programs: expanded.append((rows.tolist(), programs)),
+    )
+    prepared = SimpleNamespace(layout=SimpleNamespace(host_base=1000, row_bytes=10))
+    for direction in (Direction.STORE, Direction.LOAD):
+        TABLE["expand_direct"].enqueue_job(copier, Job(direction), prepared, None, None, [], [])
+    assert expanded == [([1030, 1030], 8), ([1030, 1030], 32)]
+
+
+@pytest.mark.parametrize(
+    "argument, value, rule",
+    [
+        ("max_programs", 0, "a positive integer"),
+        ("max_programs", -4, "a positive integer"),
+        ("max_programs", 2.5, "a positive integer"),
+        ("max_programs", True, "a positive integer"),
+        ("staging_bytes", -1, "a positive integer"),
+        ("max_batch", -7, "a non-negative integer"),
+    ],
+)
+def test_a_constructor_setting_outside_its_values_is_refused_by_name(monkeypatch, argument, value, rule):
+    from offload_core import ConfigError
+    from offload_core.backends.cuda import CudaBackend
+
+    with pytest.raises(ConfigError, match=f"{argument} must be {rule}, got {value!r}"):
+        CudaBackend(driver=drv.Driver(FakeLib()), runtime=FakeCudaRuntime(), **{argument: value})
+
+
+def test_a_constructor_setting_wins_over_the_environment(monkeypatch):
+    from offload_core.backends.cuda import CudaBackend
+
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "4")
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_MAX_BATCH", "9")
+    backend = CudaBackend(driver=drv.Driver(FakeLib()), runtime=FakeCudaRuntime(), max_programs=12, max_batch=0)
+    assert backend.sm_programs == {Direction.STORE: 12, Direction.LOAD: 12}
+    assert backend.max_batch == 0

@@ -92,9 +92,9 @@ class CudaBackend(TorchDeviceBackend):
             Tests inject both to build the backend without a GPU.
 
     Raises:
-        ConfigError: an unknown or unavailable forced mechanism, or an environment variable
-            outside its values (programs and staging: positive integers; batch: a non-negative
-            integer; SM penalty: a positive number).
+        ConfigError: an unknown or unavailable forced mechanism, or an argument or environment
+            variable outside its values (programs and staging: positive integers; batch: a
+            non-negative integer; SM penalty: a positive number).
         OSError: no NVIDIA driver library.
     """
 
@@ -132,12 +132,14 @@ class CudaBackend(TorchDeviceBackend):
         super().__init__(device_index, runtime=runtime)
         runtime = self.runtime
         self.driver = driver if driver is not None else Driver.load()
-        programs = max_programs or _setting(ENV_SM_PROGRAMS, None, int)
+        programs = _setting(ENV_SM_PROGRAMS, None, given=max_programs, argument="max_programs")
         self.sm_programs = {d: programs or SM_PROGRAMS[d] for d in Direction}
-        self.staging_bytes = staging_bytes or _setting(ENV_STAGING_MB, 24, int) << 20
-        self.max_batch = max_batch if max_batch is not None else _setting(ENV_MAX_BATCH, 0, int, zero=True)
+        self.staging_bytes = _setting(
+            ENV_STAGING_MB, 24 << 20, given=staging_bytes, argument="staging_bytes", scale=1 << 20
+        )
+        self.max_batch = _setting(ENV_MAX_BATCH, 0, given=max_batch, argument="max_batch", zero=True)
         self.cost = cost_model or calibration.saved_profile(runtime.get_device_name(self._device))
-        penalty = _setting(ENV_SM_PENALTY, None)
+        penalty = _setting(ENV_SM_PENALTY, None, kind=float)
         if penalty is not None:
             self.cost = dataclasses.replace(self.cost, sm_penalty=penalty)
         self.available_mechanisms = tuple(name for name, m in TABLE.items() if m.why_unavailable(self) is None)
@@ -342,7 +344,7 @@ class CudaBackend(TorchDeviceBackend):
             The measured cost model as a dict, with ``profile`` (the file) and ``saved``.
 
         Raises:
-            ValueError: the driver lacks the batch API that measures the link.
+            ConfigError: the driver lacks the batch API that measures the link.
             Exception: anything the GPU, its driver or the profile's folder raises.
         """
         return calibration.calibrate(self, save)
@@ -371,21 +373,33 @@ class CudaBackend(TorchDeviceBackend):
         return nullcontext() if runtime.current_device() == self.device_index else runtime.device(self._device)
 
 
-def _setting(name: str, default, kind: type = float, zero: bool = False):
-    """The environment variable `name` as a positive (with `zero`, non-negative) `kind`, or
-    `default` where it is unset or empty.
+def _setting(
+    name: str, default, *, given=None, argument: str = "", kind: type = int, zero: bool = False, scale: int = 1
+):
+    """A setting: `given` (the constructor's `argument`) where it is not None, else the
+    environment variable `name` times `scale`, else `default`. Integers (`kind` int) or finite
+    numbers (float), positive, or with `zero` non-negative.
 
     Raises:
-        ConfigError: a value of another kind, out of range, or not finite.
+        ConfigError: a value of another kind or out of range, named with its argument or variable.
     """
-    text = os.environ.get(name)
+    if given is not None:
+        return _checked(given, argument, kind, zero, repr(given))
+    text = os.environ.get(name, "").strip()
     if not text:
         return default
     try:
         value = kind(text)
     except ValueError:
-        value = math.nan
-    if not ((value >= 0 if zero else value > 0) and math.isfinite(value)):
-        what = ("a non-negative " if zero else "a positive ") + ("integer" if kind is int else "number")
-        raise ConfigError(f"{name} must be {what}, got {text!r}")
+        value = None
+    return _checked(value, name, kind, zero, repr(text)) * scale
+
+
+def _checked(value, what: str, kind: type, zero: bool, shown: str):
+    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    if ok:
+        ok = (value >= 0 if zero else value > 0) and (kind is int or math.isfinite(value))
+    if not ok:
+        rule = ("a non-negative " if zero else "a positive ") + ("integer" if kind is int else "number")
+        raise ConfigError(f"{what} must be {rule}, got {shown}")
     return value

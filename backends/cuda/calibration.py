@@ -39,7 +39,7 @@ def calibrate(backend, save: bool = True) -> dict:
         The measured cost model as a dict, with ``profile`` (the file) and ``saved``.
 
     Raises:
-        ValueError: a mechanism the measurement needs is unavailable (the copy engines' batch
+        ConfigError: a mechanism the measurement needs is unavailable (the copy engines' batch
             API measures the link).
         Exception: anything the GPU, its driver or the profile's folder raises.
     """

@@ -9,7 +9,7 @@
 #   bash benchmarks/investigations/ab.sh OUTDIR TAG ROUNDS SIDE SIDE... -- BENCHMARK.py ARGS...
 #   e.g. bash benchmarks/investigations/ab.sh out engine 2 e67d3da . -- \
 #            benchmarks/engine_bench.py --backend cuda --mechanisms auto --pages 4096 --blocks-per-job 16
-set -u
+set -u -o pipefail
 out=$1 tag=$2 rounds=$3
 shift 3
 sides=()
@@ -24,9 +24,9 @@ for i in "${!sides[@]}"; do
   if [ "$side" = . ]; then
     tar --exclude=./ab --exclude='./ab-*' --exclude=./.git --exclude='./.venv*' -c . | tar -x -C "ab/$i"
   elif [ -d "$side" ]; then
-    tar --exclude=./.git -C "$side" -c . | tar -x -C "ab/$i"
+    tar --exclude=./ab --exclude='./ab-*' --exclude=./.git --exclude='./.venv*' -C "$side" -c . | tar -x -C "ab/$i"
   else
-    git archive "$side" | tar -x -C "ab/$i"
+    git archive "$side" | tar -x -C "ab/$i" || { echo "ab.sh: cannot archive $side" >&2; exit 1; }
   fi
 done
 for r in $(seq 1 "$rounds"); do
@@ -34,7 +34,7 @@ for r in $(seq 1 "$rounds"); do
     (cd "ab/$i" && python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | grep -v WARNING | tail -1
      python3 "$@" > "$out/$tag-$i-$r.log" 2>&1)
     echo "== $tag, side $i (${sides[$i]}), round $r"
-    grep -E "^(cuda|\| [0-9])|Error|Traceback" "$out/$tag-$i-$r.log"
+    grep -E "^(cuda|cpu|npu|xpu) |^\| [0-9]|Error|Traceback|can.t open" "$out/$tag-$i-$r.log"
   done
 done
 rm -rf ab

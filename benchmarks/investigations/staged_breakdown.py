@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from offload_core.backend import Direction
-from offload_core.backends.cuda import SM_PROGRAMS, CudaBackend, kernels, measure
+from offload_core.backends.cuda import CudaBackend, kernels, measure
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 from offload_core.runs import run_starts
 
@@ -151,6 +151,7 @@ def main() -> None:
                 row[f"both_{mech}_{released}_of_limit"] = [
                     round(2 * nbytes / t / 1e9 / limit["both"], 3) for t in times
                 ]
+        own = dict(be.sm_programs)
         for mech, knob in (("staged", [None]), ("sm_gather", [32, 132])):
             for programs in knob:
                 if programs:
@@ -158,7 +159,7 @@ def main() -> None:
                 tag = f"{mech}{programs or ''}"
                 for d, a in (("store", st), ("load", ld)):
                     row[f"{tag}_{d}_us"] = us(measure.time_copy(be, mech, *a, busy=True)["event_s"])
-        be.sm_programs = dict(SM_PROGRAMS)
+        be.sm_programs = own
         for key in list(row):
             if key.endswith("_us") and not key.startswith(("upload", "gather", "both_")):
                 d = "both" if "both" in key else "store" if "store" in key else "load"
