@@ -1,5 +1,5 @@
 """Plot benchmarks/engine_bench.py's JSON: ratio to the link against job size, per page size and
-mechanism, stores and loads side by side. Needs matplotlib (not a dependency of offload-core).
+mechanism, stores and loads side by side. Needs matplotlib (the `cli` extra; not a core dependency of offload-core).
 
     python benchmarks/plot_engine.py engine.json docs/engine_h200.png [--title TEXT]
 """
