@@ -84,7 +84,8 @@ class CudaBackend(TorchDeviceBackend):
             ``$OFFLOAD_CORE_CUDA_MAX_BATCH`` or 0.
         cost_model: the selection model; default the calibrated profile of this GPU model if
             one is saved, else H200 defaults. ``$OFFLOAD_CORE_CUDA_SM_PENALTY`` replaces its
-            `sm_penalty`: how many times auto counts the time copies hold SMs (default 2;
+            `sm_penalty`, also in a model passed here (an operator's setting wins over the
+            engine's): how many times auto counts the time copies hold SMs (default 2;
             higher protects the model's compute, lower favours the copies' speed).
         driver: the CUDA driver's entry points; default the system's libcuda (`Driver.load`).
         runtime: ``torch.cuda``'s surface (`torch_device.Runtime`, plus ``get_device_name``,
