@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from offload_core import native
 from offload_core.backend import Direction
 from offload_core.canonical import elected
 from offload_core.layout import DeviceBlocks, HostBlocks
@@ -170,6 +171,7 @@ class CompactLayout:
         groups = planner._groups
         self._single_limit = groups[0].device_limit if len(groups) == 1 and self.blocks_per_chunk == 1 else None
         self._counters = np.zeros(0, np.int64)  # 0, 1, 2, ...: the chunk row of single-group jobs
+        self._native = native.load()
         self.device_limit = planner.device_limit  # above every device block id
 
     @property
@@ -230,17 +232,22 @@ class CompactLayout:
             return None
         store = direction is Direction.STORE
         limit = self._single_limit
-        if any_outside(dev_ids, limit) or any_outside(host_ids, self.host_blocks):
-            return None
-        if has_duplicates(host_ids, self.host_blocks) if store else has_duplicates(dev_ids, limit):
-            return None
-        counters = self._counters  # one read: another thread may swap in a longer one meanwhile
-        if counters.size < n:
-            counters = self._counters = np.arange(2 * n, dtype=np.int64)
-        blocks = np.zeros((5, n), dtype=np.int64)  # sub-page and group stay 0
-        blocks[0] = dev_ids
-        blocks[1] = counters[:n]
-        blocks[3] = host_ids
+        if self._native is not None:
+            blocks = np.empty((5, n), dtype=np.int64)
+            if not self._native.single_job(dev_ids, host_ids, limit, self.host_blocks, not store, blocks):
+                return None
+        else:
+            if any_outside(dev_ids, limit) or any_outside(host_ids, self.host_blocks):
+                return None
+            if has_duplicates(host_ids, self.host_blocks) if store else has_duplicates(dev_ids, limit):
+                return None
+            counters = self._counters  # one read: another thread may swap in a longer one meanwhile
+            if counters.size < n:
+                counters = self._counters = np.arange(2 * n, dtype=np.int64)
+            blocks = np.zeros((5, n), dtype=np.int64)  # sub-page and group stay 0
+            blocks[0] = dev_ids
+            blocks[1] = counters[:n]
+            blocks[3] = host_ids
         if store and self._periods[0] > 1:
             nbytes = int(self._elected(0, host_ids).sum())
         else:

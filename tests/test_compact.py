@@ -25,6 +25,7 @@ from offload_core import (
     HostBlocks,
     InvalidSpecError,
     Planner,
+    native,
 )
 from offload_core.canonical import attention_mappings
 from offload_core.compact import CompactJob, CompactLayout
@@ -233,10 +234,22 @@ def single_group_specs(draw):
     return model, draw(st.sampled_from(list(Direction))), dev, host
 
 
+def compiled_or_skip(compiled: bool):
+    """`offload_core._native` for the compiled path (skipping where it was not built), None for numpy."""
+    if not compiled:
+        return None
+    module = native.load()
+    if module is None:
+        pytest.skip("offload_core._native was not built here (no C compiler at install) or OFFLOAD_CORE_NATIVE=0")
+    return module
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
 @given(case=single_group_specs())
-def test_single_group_jobs_take_a_short_path_to_the_same_job(case):
+def test_single_group_jobs_take_a_short_path_to_the_same_job(compiled, case):
     model, direction, dev, host = case
     layout = CompactLayout(Planner(model.geometry))
+    layout._native = compiled_or_skip(compiled)
     device, hosts = DeviceBlocks(dev), HostBlocks(host)
     short = layout._job_single(direction, device, hosts)
     try:
@@ -250,6 +263,68 @@ def test_single_group_jobs_take_a_short_path_to_the_same_job(case):
     np.testing.assert_array_equal(short.blocks, general.blocks)
     np.testing.assert_array_equal(short.host_ids, general.host_ids)
     assert (short.groups, short.nbytes, short.items) == (general.groups, general.nbytes, general.items)
+
+
+@given(
+    dev=st.lists(st.integers(-2, 1100), min_size=0, max_size=300),
+    host_extra=st.integers(-1, 1),
+    limit_extra=st.integers(0, 100000),
+    unique_dev=st.booleans(),
+    data=st.data(),
+)
+def test_the_compiled_check_agrees_with_numpy(dev, host_extra, limit_extra, unique_dev, data):
+    """Every way the compiled step counts ids (pairs, a bitmap, a sort) against the numpy rules."""
+    from offload_core.plan import any_outside, has_duplicates
+
+    module = compiled_or_skip(True)
+    dev_limit, host_limit = 1000 + limit_extra, 1000 + data.draw(st.integers(0, 100000))
+    host = data.draw(st.lists(st.integers(-2, 1100), min_size=len(dev), max_size=len(dev)))
+    host = host[: len(host) + host_extra] if host_extra < 0 else host + [0] * host_extra
+    d, h = np.array(dev, dtype=np.int64), np.array(host, dtype=np.int64)
+    out = np.full((5, d.size), -7, dtype=np.int64)
+    took = module.single_job(d, h, dev_limit, host_limit, unique_dev, out)
+    valid = (
+        d.size > 0
+        and h.size == d.size
+        and not any_outside(d, dev_limit)
+        and not any_outside(h, host_limit)
+        and not (has_duplicates(d, dev_limit) if unique_dev else has_duplicates(h, host_limit))
+    )
+    assert took == valid
+    if took:
+        zeros = np.zeros(d.size, dtype=np.int64)
+        np.testing.assert_array_equal(out, np.stack([d, np.arange(d.size), zeros, h, zeros]))
+    else:
+        assert (out == -7).all(), "a refused job left a partial table"
+
+
+@pytest.mark.parametrize("n, limit", [(16, 1000), (200, 1000), (200, 10**6)], ids=["pairs", "bitmap", "sort"])
+@pytest.mark.parametrize("where", ["smallest", "largest", "apart"])
+def test_the_compiled_check_finds_a_duplicate_wherever_it_lies(n, limit, where):
+    module = compiled_or_skip(True)
+    ids = np.arange(10, 10 + n, dtype=np.int64) * (limit // (20 + 2 * n))
+    i, j = {"smallest": (0, 1), "largest": (n - 2, n - 1), "apart": (3, n - 4)}[where]
+    ids[j] = ids[i]
+    ids = np.random.default_rng(n).permutation(ids)
+    out = np.zeros((5, n), dtype=np.int64)
+    assert not module.single_job(ids, np.arange(n, dtype=np.int64), limit, limit, True, out)
+    assert module.single_job(
+        np.arange(n, dtype=np.int64), ids, limit, limit, True, out
+    )  # host ids may repeat on a load
+
+
+def test_the_compiled_check_refuses_what_is_not_an_int64_array():
+    module = compiled_or_skip(True)
+    ids, out = np.arange(4, dtype=np.int64), np.zeros((5, 4), dtype=np.int64)
+    with pytest.raises(TypeError, match="host_ids must be a C-contiguous int64 array"):
+        module.single_job(ids, ids.astype(np.int32), 10, 10, True, out)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        module.single_job(np.arange(8, dtype=np.int64)[::2], ids, 10, 10, True, out)
+    with pytest.raises(ValueError, match="out must hold 5 x n"):
+        module.single_job(ids, ids, 10, 10, True, out[:4])
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        module.single_job(ids, ids, 10, 10, True, out)
 
 
 @given(ids=st.lists(st.integers(0, 999), max_size=400), limit_extra=st.integers(0, 100000))

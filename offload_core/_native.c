@@ -1,0 +1,142 @@
+/* The compiled form of one step of a submit, for the common case: `single_job` does what
+ * `CompactLayout._job_single` does in numpy (offload_core/compact.py), which stays the
+ * reference and the fallback. Built where a C compiler is found (setup.py); offload_core
+ * works the same without it.
+ *
+ * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Up to this many ids, pairwise comparison finds duplicates faster than a bitmap or a sort. */
+#define FEW 64
+
+static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
+    const char *f = view->format;
+    if (view->itemsize != 8 || f == NULL || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0 &&
+                                              strcmp(f, "<q") != 0 && strcmp(f, "<l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous int64 array", name);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Whether any id lies outside [0, limit): a negative int64 read as uint64 is above any limit. */
+static int any_outside(const int64_t *ids, Py_ssize_t n, int64_t limit) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((uint64_t)ids[i] >= (uint64_t)limit) return 1;
+    return 0;
+}
+
+static int compare_int64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Whether an id occurs twice; every id lies in [0, limit). -1 with an exception on no memory. */
+static int has_duplicates(const int64_t *ids, Py_ssize_t n, int64_t limit) {
+    if (n < 2) return 0;
+    if (n <= FEW) {
+        for (Py_ssize_t i = 1; i < n; i++)
+            for (Py_ssize_t j = 0; j < i; j++)
+                if (ids[i] == ids[j]) return 1;
+        return 0;
+    }
+    if ((uint64_t)n * 64 >= (uint64_t)limit) { /* a bit per possible id */
+        uint8_t *seen = calloc((size_t)(limit / 8) + 1, 1);
+        if (seen == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        int dup = 0;
+        for (Py_ssize_t i = 0; i < n && !dup; i++) {
+            uint64_t id = (uint64_t)ids[i];
+            uint8_t bit = (uint8_t)(1u << (id & 7));
+            dup = (seen[id >> 3] & bit) != 0;
+            seen[id >> 3] |= bit;
+        }
+        free(seen);
+        return dup;
+    }
+    int64_t *sorted = malloc((size_t)n * sizeof(int64_t));
+    if (sorted == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(sorted, ids, (size_t)n * sizeof(int64_t));
+    qsort(sorted, (size_t)n, sizeof(int64_t), compare_int64);
+    int dup = 0;
+    for (Py_ssize_t i = 1; i < n && !dup; i++) dup = sorted[i] == sorted[i - 1];
+    free(sorted);
+    return dup;
+}
+
+PyDoc_STRVAR(single_job_doc,
+             "single_job(dev_ids, host_ids, dev_limit, host_limit, unique_dev, out) -> bool\n\n"
+             "Check a one-group job and write its block table: False, with `out` untouched, where\n"
+             "the counts differ or are zero, an id is out of range, or the destination side (device\n"
+             "ids if `unique_dev`, else host ids) repeats one; else True, with `out` (int64, 5 x n,\n"
+             "C order) holding device ids, 0..n-1, zeros, host ids and zeros.");
+
+static PyObject *single_job(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "single_job takes 6 arguments");
+        return NULL;
+    }
+    int64_t dev_limit = PyLong_AsLongLong(args[2]), host_limit = PyLong_AsLongLong(args[3]);
+    int unique_dev = PyObject_IsTrue(args[4]);
+    if (PyErr_Occurred() || unique_dev < 0) return NULL;
+    Py_buffer dev, host, out;
+    if (int64_buffer(args[0], &dev, 0, "dev_ids") < 0) return NULL;
+    if (int64_buffer(args[1], &host, 0, "host_ids") < 0) {
+        PyBuffer_Release(&dev);
+        return NULL;
+    }
+    if (int64_buffer(args[5], &out, 1, "out") < 0) {
+        PyBuffer_Release(&dev);
+        PyBuffer_Release(&host);
+        return NULL;
+    }
+    Py_ssize_t n = dev.len / 8;
+    const int64_t *d = dev.buf, *h = host.buf;
+    PyObject *result = Py_False;
+    if (out.len != 5 * n * 8) {
+        PyErr_SetString(PyExc_ValueError, "out must hold 5 x n int64 entries");
+        result = NULL;
+    } else if (n > 0 && host.len == dev.len && !any_outside(d, n, dev_limit) && !any_outside(h, n, host_limit)) {
+        int dup = unique_dev ? has_duplicates(d, n, dev_limit) : has_duplicates(h, n, host_limit);
+        if (dup < 0) {
+            result = NULL;
+        } else if (!dup) {
+            int64_t *o = out.buf;
+            memcpy(o, d, (size_t)n * 8);
+            for (Py_ssize_t i = 0; i < n; i++) o[n + i] = i;
+            memset(o + 2 * n, 0, (size_t)n * 8);
+            memcpy(o + 3 * n, h, (size_t)n * 8);
+            memset(o + 4 * n, 0, (size_t)n * 8);
+            result = Py_True;
+        }
+    }
+    PyBuffer_Release(&dev);
+    PyBuffer_Release(&host);
+    PyBuffer_Release(&out);
+    Py_XINCREF(result);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"single_job", (PyCFunction)(void (*)(void))single_job, METH_FASTCALL, single_job_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "offload_core._native", "Compiled steps of offload-core's hot path.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,24 @@
+"""The optional compiled steps of the hot path (`offload_core._native`, from _native.c).
+
+They do what a numpy function next to them does, which stays the reference and the fallback:
+where the extension was not built (no C compiler at install), or ``OFFLOAD_CORE_NATIVE=0`` is
+set, everything runs the same in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+ENV_NATIVE = "OFFLOAD_CORE_NATIVE"
+
+
+def load() -> ModuleType | None:
+    """The compiled module, or None where it is not built or switched off."""
+    if os.environ.get(ENV_NATIVE, "").strip() == "0":
+        return None
+    try:
+        from offload_core import _native
+    except ImportError:
+        return None
+    return _native
