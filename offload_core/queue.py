@@ -405,7 +405,8 @@ class TransferQueue:
             batch = self._take() if go else None
             if batch is None:
                 self._last_submit = time.perf_counter()
-                self._launched.notify_all()  # the launcher takes it
+                if len(self._pending) == 1:  # the launcher takes it; with more, it already knows of some
+                    self._launched.notify_all()
                 return
         # Nothing for the device to do (or a burst's worth waits): waiting for the launcher (it
         # may not get the GIL for a while) would only leave the device idle, so this thread

@@ -231,7 +231,7 @@ class OffloadWorker:
                 if not queued and job_id not in queue:
                     self._in_flight.discard(job_id)
                 self._submitting -= 1
-                if not self._submitting:
+                if not self._submitting and self._closed:  # only `shutdown` waits for it
                     self._idle.notify_all()
 
     def stats(self) -> dict[str, QueueStats]:
