@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Up to this many ids, pairwise comparison finds duplicates faster than a bitmap or a sort. */
+/* Up to this many ids, pairwise comparison finds duplicates faster than a bitmap or a hash set. */
 #define FEW 64
 
 static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name) {
@@ -29,14 +29,10 @@ static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char
 
 /* Whether any id lies outside [0, limit): a negative int64 read as uint64 is above any limit. */
 static int any_outside(const int64_t *ids, Py_ssize_t n, int64_t limit) {
+    if (limit <= 0) return n > 0;
     for (Py_ssize_t i = 0; i < n; i++)
         if ((uint64_t)ids[i] >= (uint64_t)limit) return 1;
     return 0;
-}
-
-static int compare_int64(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
 }
 
 /* Whether an id occurs twice; every id lies in [0, limit). -1 with an exception on no memory. */
@@ -64,17 +60,34 @@ static int has_duplicates(const int64_t *ids, Py_ssize_t n, int64_t limit) {
         free(seen);
         return dup;
     }
-    int64_t *sorted = malloc((size_t)n * sizeof(int64_t));
-    if (sorted == NULL) {
+    /* Few ids among many possible ones: an open-addressing set of at least 2n slots, -1 empty. */
+    size_t slots = 2;
+    int bits = 1;
+    while (slots < 2 * (size_t)n) slots <<= 1, bits++;
+    int64_t *set = malloc(slots * sizeof(int64_t));
+    if (set == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    memcpy(sorted, ids, (size_t)n * sizeof(int64_t));
-    qsort(sorted, (size_t)n, sizeof(int64_t), compare_int64);
+    memset(set, 0xff, slots * sizeof(int64_t));
     int dup = 0;
-    for (Py_ssize_t i = 1; i < n && !dup; i++) dup = sorted[i] == sorted[i - 1];
-    free(sorted);
+    for (Py_ssize_t i = 0; i < n && !dup; i++) {
+        size_t k = (size_t)(((uint64_t)ids[i] * 0x9E3779B97F4A7C15ull) >> (64 - bits)); /* Fibonacci hashing */
+        while (set[k] != -1 && set[k] != ids[i]) k = (k + 1) & (slots - 1);
+        dup = set[k] == ids[i];
+        set[k] = ids[i];
+    }
+    free(set);
     return dup;
+}
+
+/* An int argument as int64: one above every int64 saturates (no id reaches it). */
+static int as_limit(PyObject *obj, int64_t *out) {
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (value == -1 && PyErr_Occurred()) return -1;
+    *out = overflow > 0 ? INT64_MAX : overflow < 0 ? 0 : (int64_t)value;
+    return 0;
 }
 
 PyDoc_STRVAR(single_job_doc,
@@ -89,9 +102,10 @@ static PyObject *single_job(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "single_job takes 6 arguments");
         return NULL;
     }
-    int64_t dev_limit = PyLong_AsLongLong(args[2]), host_limit = PyLong_AsLongLong(args[3]);
+    int64_t dev_limit, host_limit;
+    if (as_limit(args[2], &dev_limit) < 0 || as_limit(args[3], &host_limit) < 0) return NULL;
     int unique_dev = PyObject_IsTrue(args[4]);
-    if (PyErr_Occurred() || unique_dev < 0) return NULL;
+    if (unique_dev < 0) return NULL;
     Py_buffer dev, host, out;
     if (int64_buffer(args[0], &dev, 0, "dev_ids") < 0) return NULL;
     if (int64_buffer(args[1], &host, 0, "host_ids") < 0) {

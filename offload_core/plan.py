@@ -153,6 +153,8 @@ class Planner:
         if not (len(g.device_page) == len(g.device_blocks) == len(g.host_offset) == len(g.host_page) == n):
             raise InvalidSpecError("per-tensor geometry lists differ in length")
         for t in range(n):
+            if g.device_blocks[t] < 0:
+                raise InvalidSpecError(f"tensor {t}: {g.device_blocks[t]} device blocks, a negative count")
             if g.host_offset[t] < 0 or g.host_offset[t] + bpc * g.host_page[t] > row:
                 raise InvalidSpecError(f"tensor {t}: host chunk does not fit in a host row of {row} bytes")
         self._groups: list[_Group] = []
