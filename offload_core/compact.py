@@ -38,6 +38,9 @@ from offload_core.runs import merge_runs, run_starts
 
 ENTRY_COLUMNS = ("dev_base", "dev_page", "dev_off", "host_off", "host_sub", "size", "writers", "writer")
 BLOCK_COLUMNS = ("dev_id", "chunk", "sub", "page", "group")
+# Up to this many ids a job's compiled check is the faster (2.3 against 9.6 us at 256 ids, 675
+# against 879 us at 256K on the CI-class CPU); at a million numpy's vector passes win (6 ms against 8).
+_NATIVE_IDS = 1 << 18
 
 
 class CompactJob(NamedTuple):
@@ -232,7 +235,7 @@ class CompactLayout:
             return None
         store = direction is Direction.STORE
         limit = self._single_limit
-        if self._native is not None:
+        if self._native is not None and n <= _NATIVE_IDS:
             blocks = np.empty((5, n), dtype=np.int64)
             if not self._native.single_job(dev_ids, host_ids, limit, self.host_blocks, not store, blocks):
                 return None
