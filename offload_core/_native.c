@@ -1,7 +1,8 @@
-/* The compiled form of one step of a submit, for the common case: `single_job` does what
- * `CompactLayout._job_single` does in numpy (offload_core/compact.py), which stays the
- * reference and the fallback. Built where a C compiler is found (setup.py); offload_core
- * works the same without it.
+/* Compiled steps of the hot path, each the twin of a numpy function that stays the reference
+ * and the fallback: `single_job` does what `CompactLayout._job_single` does (a submit's checks
+ * and block table, offload_core/compact.py), `first_clash` what `queue._first_clash` does (which
+ * waiting jobs may share a launch, offload_core/queue.py). Built where a C compiler is found
+ * (setup.py); offload_core works the same without it.
  *
  * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
  */
@@ -144,7 +145,70 @@ static PyObject *single_job(PyObject *self, PyObject *const *args, Py_ssize_t na
     return result;
 }
 
+PyDoc_STRVAR(first_clash_doc,
+             "first_clash(keys) -> int\n\n"
+             "How many of consecutive jobs may go in one launch, given each job's destination keys\n"
+             "(a sequence of int64 arrays of non-negative keys, in job order): the index of the first\n"
+             "job holding a key that an earlier job holds, or len(keys). A job may repeat its own keys.");
+
+static PyObject *first_clash(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "keys must be a sequence of int64 arrays");
+    if (seq == NULL) return NULL;
+    Py_ssize_t jobs = PySequence_Fast_GET_SIZE(seq), total = 0, answer = jobs;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_buffer view;
+    for (Py_ssize_t i = 0; i < jobs; i++) {
+        if (int64_buffer(items[i], &view, 0, "keys") < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        total += view.len / 8;
+        PyBuffer_Release(&view);
+    }
+    if (jobs < 2) {
+        Py_DECREF(seq);
+        return PyLong_FromSsize_t(jobs);
+    }
+    /* key -> the job that first held it, open addressing over at least 2 x total slots, -1 empty */
+    size_t slots = 2;
+    int bits = 1;
+    while (slots < 2 * (size_t)total) slots <<= 1, bits++;
+    int64_t *keys = malloc(slots * sizeof(int64_t));
+    Py_ssize_t *owners = malloc(slots * sizeof(Py_ssize_t));
+    if (keys == NULL || owners == NULL) {
+        free(keys);
+        free(owners);
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    memset(keys, 0xff, slots * sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < jobs && answer == jobs; i++) {
+        if (int64_buffer(items[i], &view, 0, "keys") < 0) { /* cannot happen: checked above */
+            answer = -1;
+            break;
+        }
+        const int64_t *k = view.buf;
+        for (Py_ssize_t j = 0, n = view.len / 8; j < n; j++) {
+            size_t s = (size_t)(((uint64_t)k[j] * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+            while (keys[s] != -1 && keys[s] != k[j]) s = (s + 1) & (slots - 1);
+            if (keys[s] == -1) {
+                keys[s] = k[j];
+                owners[s] = i;
+            } else if (owners[s] != i) {
+                answer = i;
+                break;
+            }
+        }
+        PyBuffer_Release(&view);
+    }
+    free(keys);
+    free(owners);
+    Py_DECREF(seq);
+    return answer < 0 ? NULL : PyLong_FromSsize_t(answer);
+}
+
 static PyMethodDef methods[] = {
+    {"first_clash", first_clash, METH_O, first_clash_doc},
     {"single_job", (PyCFunction)(void (*)(void))single_job, METH_FASTCALL, single_job_doc},
     {NULL, NULL, 0, NULL},
 };

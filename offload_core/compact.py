@@ -124,6 +124,8 @@ class CompactLayout:
         group_entries: int64 ``(2, G)``: per group, its first entry and how many it has.
         row_bytes, host_base, blocks_per_chunk, host_blocks: the host buffer's geometry.
         largest: the largest entry, in bytes.
+        native: the compiled steps (`offload_core.native`) this layout's jobs take, or None
+            where they were not built or are switched off: numpy then.
     """
 
     def __init__(self, planner: Planner):
@@ -174,7 +176,7 @@ class CompactLayout:
         groups = planner._groups
         self._single_limit = groups[0].device_limit if len(groups) == 1 and self.blocks_per_chunk == 1 else None
         self._counters = np.zeros(0, np.int64)  # 0, 1, 2, ...: the chunk row of single-group jobs
-        self._native = native.load()
+        self.native = native.load()  # the compiled steps its jobs take, or None
         self.device_limit = planner.device_limit  # above every device block id
 
     @property
@@ -235,9 +237,9 @@ class CompactLayout:
             return None
         store = direction is Direction.STORE
         limit = self._single_limit
-        if self._native is not None and n <= _NATIVE_IDS:
+        if self.native is not None and n <= _NATIVE_IDS:
             blocks = np.empty((5, n), dtype=np.int64)
-            if not self._native.single_job(dev_ids, host_ids, limit, self.host_blocks, not store, blocks):
+            if not self.native.single_job(dev_ids, host_ids, limit, self.host_blocks, not store, blocks):
                 return None
         else:
             if any_outside(dev_ids, limit) or any_outside(host_ids, self.host_blocks):

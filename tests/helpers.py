@@ -1,10 +1,13 @@
-"""Small KV caches on the host for worker tests."""
+"""Small KV caches on the host for worker tests, and the compiled steps for tests of both paths."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
-from offload_core import KVCacheRef, KVCaches, KVCacheTensor
+from offload_core import KVCacheRef, KVCaches, KVCacheTensor, native
 
 
 def small_kv(pages=(64, 128), copy=None, blocks=16, groups=None, seed=0, device="cpu") -> KVCaches:
@@ -23,3 +26,16 @@ def small_kv(pages=(64, 128), copy=None, blocks=16, groups=None, seed=0, device=
 def snapshot(kv: KVCaches) -> list[torch.Tensor]:
     """Host copies of the KV tensors."""
     return [t.tensor.cpu().clone() for t in kv.tensors]
+
+
+def compiled_or_skip(compiled: bool):
+    """`offload_core._native` for the compiled path (skipping where it was not built), None for numpy."""
+    if not compiled:
+        return None
+    module = native.load()
+    if module is None:
+        why = "offload_core._native was not built here (no C compiler at install) or OFFLOAD_CORE_NATIVE=0"
+        if os.environ.get("OFFLOAD_CORE_REQUIRE_NATIVE") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return module

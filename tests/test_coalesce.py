@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from helpers import small_kv
+from helpers import compiled_or_skip, small_kv
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -404,23 +405,46 @@ def test_a_burst_of_burst_bytes_is_launched_by_the_submit():
 
 
 class _Keys:
-    """What `_first_clash` reads of a job: its destination keys and their bound."""
+    """What `_first_clash` reads of a job: its destination keys, their bound, and whether its
+    layout takes the compiled steps."""
 
-    def __init__(self, keys, limit):
+    def __init__(self, keys, limit, compiled):
         self._keys, self.destination_limit = np.array(keys, dtype=np.int64), limit
+        self.layout = SimpleNamespace(native=compiled)
 
     def destinations(self):
         return self._keys
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
 @given(
     jobs=st.lists(st.lists(st.integers(0, 63), max_size=12), min_size=1, max_size=8),
     limit_extra=st.sampled_from([0, 100000]),  # a bound near the keys (bitmap) or far above them (sort)
 )
-def test_a_launch_ends_before_the_first_job_that_writes_what_an_earlier_one_writes(jobs, limit_extra):
+def test_a_launch_ends_before_the_first_job_that_writes_what_an_earlier_one_writes(compiled, jobs, limit_extra):
+    module = compiled_or_skip(compiled)
     want = len(jobs)
     for i in range(1, len(jobs)):
         if set(jobs[i]) & set().union(*jobs[:i]):
             want = i
             break
-    assert _first_clash([_Keys(k, 64 + limit_extra) for k in jobs]) == want
+    assert _first_clash([_Keys(k, 64 + limit_extra, module) for k in jobs]) == want
+
+
+def test_the_compiled_clash_check_counts_every_key_and_lets_go_of_every_buffer():
+    from array import array
+
+    module = compiled_or_skip(True)
+    many = [np.arange(i * 1000, i * 1000 + 1000, dtype=np.int64) for i in range(40)]
+    assert module.first_clash(many) == 40
+    many[33] = many[33].copy()
+    many[33][-1] = 5  # job 0's key, in the last place of job 33
+    assert module.first_clash(many) == 33
+    assert module.first_clash([np.array([7, 7, 7], dtype=np.int64), np.array([8], dtype=np.int64)]) == 2
+    assert module.first_clash([]) == 0
+    keys = [array("q", [1, 2]), array("q", [3, 2]), array("q", [9])]
+    assert module.first_clash(keys) == 1
+    for a in keys:
+        a.append(0)
+    with pytest.raises(TypeError, match="keys must be a C-contiguous int64 array"):
+        module.first_clash([np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int64)])

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
 
 import numpy as np
 import pytest
+from helpers import compiled_or_skip
 from hypothesis import given
 from hypothesis import strategies as st
 from test_plan import Model, plan_refs, transfers
@@ -27,7 +27,6 @@ from offload_core import (
     HostBlocks,
     InvalidSpecError,
     Planner,
-    native,
 )
 from offload_core.canonical import attention_mappings
 from offload_core.compact import CompactJob, CompactLayout
@@ -236,25 +235,12 @@ def single_group_specs(draw):
     return model, draw(st.sampled_from(list(Direction))), dev, host
 
 
-def compiled_or_skip(compiled: bool):
-    """`offload_core._native` for the compiled path (skipping where it was not built), None for numpy."""
-    if not compiled:
-        return None
-    module = native.load()
-    if module is None:
-        why = "offload_core._native was not built here (no C compiler at install) or OFFLOAD_CORE_NATIVE=0"
-        if os.environ.get("OFFLOAD_CORE_REQUIRE_NATIVE") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    return module
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
 @given(case=single_group_specs())
 def test_single_group_jobs_take_a_short_path_to_the_same_job(compiled, case):
     model, direction, dev, host = case
     layout = CompactLayout(Planner(model.geometry))
-    layout._native = compiled_or_skip(compiled)
+    layout.native = compiled_or_skip(compiled)
     device, hosts = DeviceBlocks(dev), HostBlocks(host)
     short = layout._job_single(direction, device, hosts)
     try:
