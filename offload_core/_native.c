@@ -1,7 +1,8 @@
 /* Compiled steps of the hot path, each the twin of a numpy function that stays the reference
  * and the fallback: `single_job` does what `CompactLayout._job_single` does (a submit's checks
- * and block table, offload_core/compact.py), `first_clash` what `queue._first_clash` does (which
- * waiting jobs may share a launch, offload_core/queue.py). Built where a C compiler is found
+ * and block table, offload_core/compact.py), `concat` what `CompactJob.concat` does (jobs
+ * joined for one launch), `first_clash` what `queue._first_clash` does (which waiting jobs may
+ * share a launch, offload_core/queue.py). Built where a C compiler is found
  * (setup.py); offload_core works the same without it.
  *
  * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
@@ -207,7 +208,80 @@ static PyObject *first_clash(PyObject *self, PyObject *arg) {
     return answer < 0 ? NULL : PyLong_FromSsize_t(answer);
 }
 
+PyDoc_STRVAR(concat_doc,
+             "concat(blocks, host_ids, out_blocks, out_host_ids) -> None\n\n"
+             "Consecutive jobs as one: their block tables (int64, 5 x n each, C order) side by side\n"
+             "in `out_blocks` (5 x the n's total), the chunk row (1) of each shifted by the host ids\n"
+             "of the jobs before it, and their host ids one after another in `out_host_ids`.");
+
+static PyObject *concat(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "concat takes 4 arguments");
+        return NULL;
+    }
+    PyObject *tables = PySequence_Fast(args[0], "blocks must be a sequence of int64 arrays");
+    if (tables == NULL) return NULL;
+    PyObject *hosts = PySequence_Fast(args[1], "host_ids must be a sequence of int64 arrays");
+    if (hosts == NULL) {
+        Py_DECREF(tables);
+        return NULL;
+    }
+    Py_ssize_t jobs = PySequence_Fast_GET_SIZE(tables), blocks = 0, chunks = 0;
+    PyObject *result = NULL;
+    Py_buffer out, out_hosts, view;
+    int have_out = 0, have_hosts = 0;
+    if (PySequence_Fast_GET_SIZE(hosts) != jobs) {
+        PyErr_SetString(PyExc_ValueError, "as many host id arrays as block tables, please");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < jobs; i++) { /* sizes first: nothing is written unless all fit */
+        if (int64_buffer(PySequence_Fast_GET_ITEM(tables, i), &view, 0, "blocks") < 0) goto done;
+        int table = view.ndim == 2 && view.shape[0] == 5;
+        blocks += view.len / 40;
+        PyBuffer_Release(&view);
+        if (!table) {
+            PyErr_SetString(PyExc_ValueError, "each block table must be 5 x n");
+            goto done;
+        }
+        if (int64_buffer(PySequence_Fast_GET_ITEM(hosts, i), &view, 0, "host_ids") < 0) goto done;
+        chunks += view.len / 8;
+        PyBuffer_Release(&view);
+    }
+    if (int64_buffer(args[2], &out, 1, "out_blocks") < 0) goto done;
+    have_out = 1;
+    if (int64_buffer(args[3], &out_hosts, 1, "out_host_ids") < 0) goto done;
+    have_hosts = 1;
+    if (out.len != blocks * 40 || out_hosts.len != chunks * 8) {
+        PyErr_SetString(PyExc_ValueError, "the outputs must hold 5 x the blocks, and the host ids, of all jobs");
+        goto done;
+    }
+    int64_t *o = out.buf, *oh = out_hosts.buf;
+    Py_ssize_t at = 0, chunk = 0;
+    for (Py_ssize_t i = 0; i < jobs; i++) {
+        if (int64_buffer(PySequence_Fast_GET_ITEM(tables, i), &view, 0, "blocks") < 0) goto done;
+        const int64_t *b = view.buf;
+        Py_ssize_t n = view.len / 40;
+        for (int row = 0; row < 5; row++) memcpy(o + row * blocks + at, b + row * n, (size_t)n * 8);
+        for (Py_ssize_t j = 0; j < n; j++) o[blocks + at + j] += chunk;
+        PyBuffer_Release(&view);
+        if (int64_buffer(PySequence_Fast_GET_ITEM(hosts, i), &view, 0, "host_ids") < 0) goto done;
+        memcpy(oh + chunk, view.buf, (size_t)view.len);
+        chunk += view.len / 8;
+        PyBuffer_Release(&view);
+        at += n;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (have_out) PyBuffer_Release(&out);
+    if (have_hosts) PyBuffer_Release(&out_hosts);
+    Py_DECREF(tables);
+    Py_DECREF(hosts);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"concat", (PyCFunction)(void (*)(void))concat, METH_FASTCALL, concat_doc},
     {"first_clash", first_clash, METH_O, first_clash_doc},
     {"single_job", (PyCFunction)(void (*)(void))single_job, METH_FASTCALL, single_job_doc},
     {NULL, NULL, 0, NULL},

@@ -91,11 +91,18 @@ class CompactJob(NamedTuple):
         The caller makes sure that no two of them write the same bytes (`destinations`)."""
         if len(jobs) == 1:
             return jobs[0]
-        blocks = np.concatenate([j.blocks for j in jobs], axis=1)
         lengths = [j.blocks.shape[1] for j in jobs]
         block_offsets = list(accumulate(lengths, initial=0))
         chunk_offsets = list(accumulate((j.host_ids.size for j in jobs), initial=0))
-        blocks[1] += np.repeat(chunk_offsets[:-1], lengths)
+        compiled = jobs[0].layout.native
+        if compiled is not None:
+            blocks = np.empty((5, block_offsets[-1]), dtype=np.int64)
+            host_ids = np.empty(chunk_offsets[-1], dtype=np.int64)
+            compiled.concat([j.blocks for j in jobs], [j.host_ids for j in jobs], blocks, host_ids)
+        else:
+            blocks = np.concatenate([j.blocks for j in jobs], axis=1)
+            blocks[1] += np.repeat(chunk_offsets[:-1], lengths)
+            host_ids = np.concatenate([j.host_ids for j in jobs])
         groups = tuple(
             (g, b0 + ob, b1 + ob, c0 + oc, c1 + oc, skip)
             for j, ob, oc in zip(jobs, block_offsets, chunk_offsets)
@@ -106,7 +113,7 @@ class CompactJob(NamedTuple):
             first.layout,
             first.direction,
             blocks,
-            np.concatenate([j.host_ids for j in jobs]),
+            host_ids,
             groups,
             sum(j.nbytes for j in jobs),
             sum(j.items for j in jobs),

@@ -348,6 +348,31 @@ def test_the_compiled_check_lets_go_of_every_buffer():
         a.append(0)
 
 
+def test_the_compiled_concat_checks_sizes_before_it_writes_and_lets_go_of_every_buffer():
+    from array import array
+
+    module = compiled_or_skip(True)
+    a, b = np.arange(10, dtype=np.int64).reshape(5, 2), np.arange(15, dtype=np.int64).reshape(5, 3)
+    out, hosts = np.full((5, 5), -1, dtype=np.int64), np.full(3, -1, dtype=np.int64)
+    module.concat([a, b], [np.array([7, 8], dtype=np.int64), np.array([9], dtype=np.int64)], out, hosts)
+    want = np.concatenate([a, b], axis=1)
+    want[1, 2:] += 2
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(hosts, [7, 8, 9])
+    short = np.full((5, 4), -1, dtype=np.int64)
+    with pytest.raises(ValueError, match="the outputs must hold"):
+        module.concat([a, b], [np.array([7, 8], dtype=np.int64), np.array([9], dtype=np.int64)], short, hosts)
+    assert (short == -1).all()
+    with pytest.raises(ValueError, match="5 x n"):
+        module.concat([a.reshape(2, 5)], [np.zeros(1, dtype=np.int64)], out, hosts)
+    parts = [array("q", [1, 2]), array("q", [3])]
+    module.concat(
+        [np.zeros((5, 1), dtype=np.int64)] * 2, parts, np.zeros((5, 2), dtype=np.int64), np.zeros(3, np.int64)
+    )
+    for p in parts:
+        p.append(0)
+
+
 def test_the_compiled_check_refuses_what_is_not_an_int64_array():
     module = compiled_or_skip(True)
     ids, out = np.arange(4, dtype=np.int64), np.zeros((5, 4), dtype=np.int64)
@@ -370,17 +395,19 @@ def test_duplicates_are_found_whichever_way_the_ids_are_counted(ids, limit_extra
     assert has_duplicates(arr, 1000 + limit_extra) == (len(set(ids)) != len(ids))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
 @given(
     bpc=st.integers(1, 3),
     sizes=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 5)), min_size=1, max_size=5),
     direction=st.sampled_from(list(Direction)),
     seed=st.integers(0, 2**16),
 )
-def test_jobs_concatenated_expand_to_their_copies_in_order(bpc, sizes, direction, seed):
+def test_jobs_concatenated_expand_to_their_copies_in_order(compiled, bpc, sizes, direction, seed):
     """Two groups on their own tensors; each job takes fresh blocks. A launch of concatenated
     jobs must expand to exactly the copies of each job, job after job."""
     model = Model([16, 24], [[(0, 16)], [(1, 24)]], bpc, device_blocks=64, host_blocks=64)
     layout = CompactLayout(Planner(model.geometry))
+    layout.native = compiled_or_skip(compiled)
     rng = np.random.default_rng(seed)
     dev_free, host_free = list(rng.permutation(64)), list(rng.permutation(64))
     jobs = []
@@ -395,6 +422,12 @@ def test_jobs_concatenated_expand_to_their_copies_in_order(bpc, sizes, direction
     if not jobs:
         return
     whole = CompactJob.concat(jobs)
+    if compiled:  # the same job as numpy's
+        layout.native = None
+        reference = CompactJob.concat(jobs)
+        np.testing.assert_array_equal(whole.blocks, reference.blocks)
+        np.testing.assert_array_equal(whole.host_ids, reference.host_ids)
+        assert whole.groups == reference.groups
     want = [np.concatenate(parts) for parts in zip(*(layout.descriptors(j) for j in jobs))]
     for got, expected in zip(layout.descriptors(whole), want):
         np.testing.assert_array_equal(got, expected)
