@@ -20,8 +20,9 @@ static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
     const char *f = view->format;
-    if (view->itemsize != 8 || f == NULL || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0 &&
-                                              strcmp(f, "<q") != 0 && strcmp(f, "<l") != 0)) {
+    int native_order = f != NULL && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0 || strcmp(f, "=q") == 0 ||
+                                     strcmp(f, "=l") == 0 || (PY_LITTLE_ENDIAN && (strcmp(f, "<q") == 0 || strcmp(f, "<l") == 0)));
+    if (view->itemsize != 8 || !native_order) {
         PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous int64 array", name);
         PyBuffer_Release(view);
         return -1;
@@ -170,7 +171,12 @@ static PyObject *first_clash(PyObject *self, PyObject *arg) {
         Py_DECREF(seq);
         return PyLong_FromSsize_t(jobs);
     }
-    /* key -> the job that first held it, open addressing over at least 2 x total slots, -1 empty */
+    if (total > PY_SSIZE_T_MAX / 64) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    /* key -> the job that first held it, open addressing over at least 2 x total slots; an
+     * owner of -1 marks an empty slot (any int64 may be a key) */
     size_t slots = 2;
     int bits = 1;
     while (slots < 2 * (size_t)total) slots <<= 1, bits++;
@@ -182,7 +188,7 @@ static PyObject *first_clash(PyObject *self, PyObject *arg) {
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
-    memset(keys, 0xff, slots * sizeof(int64_t));
+    memset(owners, 0xff, slots * sizeof(Py_ssize_t));
     for (Py_ssize_t i = 0; i < jobs && answer == jobs; i++) {
         if (int64_buffer(items[i], &view, 0, "keys") < 0) { /* cannot happen: checked above */
             answer = -1;
@@ -191,8 +197,8 @@ static PyObject *first_clash(PyObject *self, PyObject *arg) {
         const int64_t *k = view.buf;
         for (Py_ssize_t j = 0, n = view.len / 8; j < n; j++) {
             size_t s = (size_t)(((uint64_t)k[j] * 0x9E3779B97F4A7C15ull) >> (64 - bits));
-            while (keys[s] != -1 && keys[s] != k[j]) s = (s + 1) & (slots - 1);
-            if (keys[s] == -1) {
+            while (owners[s] != -1 && keys[s] != k[j]) s = (s + 1) & (slots - 1);
+            if (owners[s] == -1) {
                 keys[s] = k[j];
                 owners[s] = i;
             } else if (owners[s] != i) {
@@ -237,15 +243,21 @@ static PyObject *concat(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < jobs; i++) { /* sizes first: nothing is written unless all fit */
         if (int64_buffer(PySequence_Fast_GET_ITEM(tables, i), &view, 0, "blocks") < 0) goto done;
         int table = view.ndim == 2 && view.shape[0] == 5;
-        blocks += view.len / 40;
+        Py_ssize_t n = view.len / 40;
         PyBuffer_Release(&view);
         if (!table) {
             PyErr_SetString(PyExc_ValueError, "each block table must be 5 x n");
             goto done;
         }
         if (int64_buffer(PySequence_Fast_GET_ITEM(hosts, i), &view, 0, "host_ids") < 0) goto done;
-        chunks += view.len / 8;
+        Py_ssize_t c = view.len / 8;
         PyBuffer_Release(&view);
+        if (n > PY_SSIZE_T_MAX / 40 - blocks || c > PY_SSIZE_T_MAX / 8 - chunks) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        blocks += n;
+        chunks += c;
     }
     if (int64_buffer(args[2], &out, 1, "out_blocks") < 0) goto done;
     have_out = 1;
@@ -261,10 +273,20 @@ static PyObject *concat(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (int64_buffer(PySequence_Fast_GET_ITEM(tables, i), &view, 0, "blocks") < 0) goto done;
         const int64_t *b = view.buf;
         Py_ssize_t n = view.len / 40;
+        if (n > blocks - at) { /* an array that grew between the passes */
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_ValueError, "a block table changed size during concat");
+            goto done;
+        }
         for (int row = 0; row < 5; row++) memcpy(o + row * blocks + at, b + row * n, (size_t)n * 8);
         for (Py_ssize_t j = 0; j < n; j++) o[blocks + at + j] += chunk;
         PyBuffer_Release(&view);
         if (int64_buffer(PySequence_Fast_GET_ITEM(hosts, i), &view, 0, "host_ids") < 0) goto done;
+        if (view.len / 8 > chunks - chunk) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_ValueError, "a host id array changed size during concat");
+            goto done;
+        }
         memcpy(oh + chunk, view.buf, (size_t)view.len);
         chunk += view.len / 8;
         PyBuffer_Release(&view);

@@ -442,6 +442,10 @@ def test_the_compiled_clash_check_counts_every_key_and_lets_go_of_every_buffer()
     assert module.first_clash(many) == 33
     assert module.first_clash([np.array([7, 7, 7], dtype=np.int64), np.array([8], dtype=np.int64)]) == 2
     assert module.first_clash([]) == 0
+    assert module.first_clash([np.array([3], dtype=np.int64)]) == 1
+    assert module.first_clash([np.array([-1], dtype=np.int64), np.array([-1], dtype=np.int64)]) == 1
+    # 8 and 16 both hash to the last of the 8 slots that 3 keys get: 16 wraps to slot 0
+    assert module.first_clash([np.array([8, 16], dtype=np.int64), np.array([16], dtype=np.int64)]) == 1
     keys = [array("q", [1, 2]), array("q", [3, 2]), array("q", [9])]
     assert module.first_clash(keys) == 1
     for a in keys:

@@ -365,12 +365,22 @@ def test_the_compiled_concat_checks_sizes_before_it_writes_and_lets_go_of_every_
     assert (short == -1).all()
     with pytest.raises(ValueError, match="5 x n"):
         module.concat([a.reshape(2, 5)], [np.zeros(1, dtype=np.int64)], out, hosts)
-    parts = [array("q", [1, 2]), array("q", [3])]
-    module.concat(
-        [np.zeros((5, 1), dtype=np.int64)] * 2, parts, np.zeros((5, 2), dtype=np.int64), np.zeros(3, np.int64)
-    )
-    for p in parts:
-        p.append(0)
+
+    def table(n):  # a 5 x n int64 view whose `release` fails while a buffer export of it is held
+        return memoryview(array("q", range(5 * n))).cast("B").cast("q", [5, n])
+
+    hosts = [array("q", [1, 2]), array("q", [3])]
+    for out_n, host_n in ((2, 3), (1, 3), (2, 2)):  # fits; too few blocks; too few host ids
+        tables, out, out_hosts = [table(1), table(1)], table(out_n), memoryview(array("q", [0] * host_n))
+        try:
+            module.concat(tables, hosts, out, out_hosts)
+        except ValueError:
+            assert (out_n, host_n) != (2, 3)
+        for view in (*tables, out, out_hosts):
+            view.release()
+        for h in hosts:
+            h.append(0)
+            h.pop()
 
 
 def test_the_compiled_check_refuses_what_is_not_an_int64_array():
