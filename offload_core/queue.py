@@ -479,9 +479,9 @@ class TransferQueue:
         if not pending:
             return None
         n = min(limit, MAX_LAUNCH, len(pending))
-        # Windows growing fourfold: a clash early in a long pending list costs a short window,
-        # not a look at every job that waits.
-        size = min(n, 8)
+        # Windows growing fourfold from a burst's size (what usually waits): a clash early in a
+        # long pending list costs a short window, not a look at every job that waits.
+        size = min(n, max(1, self.burst_jobs))
         while True:
             take = _first_clash([pending[i].job for i in range(size)])
             if take < size or size == n:
