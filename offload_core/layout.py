@@ -290,7 +290,7 @@ class DeviceBlocks:
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False
+    array.setflags(write=False)  # a third cheaper than through `array.flags`, twice a submit
     return array
 
 
