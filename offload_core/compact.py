@@ -125,6 +125,8 @@ class CompactLayout:
 
     Args:
         planner: the worker's planner (its geometry, and its validation of each job).
+        compiled: take the compiled steps (`offload_core.native`) where they were built; False:
+            numpy, the reference.
 
     Attributes:
         entries: int64 ``(8, E)``, rows named by `ENTRY_COLUMNS`, group by group.
@@ -135,7 +137,7 @@ class CompactLayout:
             where they were not built or are switched off: numpy then.
     """
 
-    def __init__(self, planner: Planner):
+    def __init__(self, planner: Planner, compiled: bool = True):
         self._planner = planner
         self.row_bytes = planner.host_row_bytes
         self.host_base = planner.host_base
@@ -183,7 +185,7 @@ class CompactLayout:
         groups = planner._groups
         self._single_limit = groups[0].device_limit if len(groups) == 1 and self.blocks_per_chunk == 1 else None
         self._counters = np.zeros(0, np.int64)  # 0, 1, 2, ...: the chunk row of single-group jobs
-        self.native = native.load()  # the compiled steps its jobs take, or None
+        self.native = native.load() if compiled else None  # the compiled steps its jobs take, or None
         self.device_limit = planner.device_limit  # above every device block id
 
     @property

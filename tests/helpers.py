@@ -39,3 +39,13 @@ def compiled_or_skip(compiled: bool):
             pytest.fail(why)
         pytest.skip(why)
     return module
+
+
+def compact_layout(planner, compiled: bool):
+    """A `CompactLayout` on the compiled steps (skipping where they were not built) or on numpy."""
+    from offload_core.compact import CompactLayout
+
+    layout = CompactLayout(planner, compiled=compiled)
+    if compiled:
+        compiled_or_skip(True)
+    return layout

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import compiled_or_skip
+from helpers import compact_layout, compiled_or_skip
 from hypothesis import given
 from hypothesis import strategies as st
 from test_plan import Model, plan_refs, transfers
@@ -239,8 +239,7 @@ def single_group_specs(draw):
 @given(case=single_group_specs())
 def test_single_group_jobs_take_a_short_path_to_the_same_job(compiled, case):
     model, direction, dev, host = case
-    layout = CompactLayout(Planner(model.geometry))
-    layout.native = compiled_or_skip(compiled)
+    layout = compact_layout(Planner(model.geometry), compiled)
     device, hosts = DeviceBlocks(dev), HostBlocks(host)
     short = layout._job_single(direction, device, hosts)
     try:
@@ -416,25 +415,24 @@ def test_jobs_concatenated_expand_to_their_copies_in_order(compiled, bpc, sizes,
     """Two groups on their own tensors; each job takes fresh blocks. A launch of concatenated
     jobs must expand to exactly the copies of each job, job after job."""
     model = Model([16, 24], [[(0, 16)], [(1, 24)]], bpc, device_blocks=64, host_blocks=64)
-    layout = CompactLayout(Planner(model.geometry))
-    layout.native = compiled_or_skip(compiled)
+    layout = compact_layout(Planner(model.geometry), compiled)
     rng = np.random.default_rng(seed)
     dev_free, host_free = list(rng.permutation(64)), list(rng.permutation(64))
-    jobs = []
+    specs = []
     for n0, n1, index in sizes:
         if n0 + n1 == 0:
             continue
         chunks = sum(-(-(n + index % bpc) // bpc) if n else 0 for n in (n0, n1))
         dev = [dev_free.pop() for _ in range(n0 + n1)]
         host = [host_free.pop() for _ in range(chunks)]
-        device = DeviceBlocks(dev, [n0, n1], [index, index])
-        jobs.append(layout.job(direction, device, HostBlocks(host)))
-    if not jobs:
+        specs.append((DeviceBlocks(dev, [n0, n1], [index, index]), HostBlocks(host)))
+    if not specs:
         return
+    jobs = [layout.job(direction, *spec) for spec in specs]
     whole = CompactJob.concat(jobs)
     if compiled:  # the same job as numpy's
-        layout.native = None
-        reference = CompactJob.concat(jobs)
+        numpy_layout = CompactLayout(layout._planner, compiled=False)
+        reference = CompactJob.concat([numpy_layout.job(direction, *spec) for spec in specs])
         np.testing.assert_array_equal(whole.blocks, reference.blocks)
         np.testing.assert_array_equal(whole.host_ids, reference.host_ids)
         assert whole.groups == reference.groups
