@@ -287,7 +287,9 @@ def test_backend_must_copy_the_kv_tensors_device():
 def test_an_absurd_host_buffer_is_refused_before_allocating():
     from offload_core.hostmem import available_host_bytes
 
-    too_many = available_host_bytes() // 192 + 1  # small_kv's host row is 64 + 128 bytes
+    # Twice what is available: memory freed between this read and the worker's must not make
+    # the request fit (it would then be allocated, and touched, in full).
+    too_many = 2 * available_host_bytes() // 192 + 1  # small_kv's host row is 64 + 128 bytes
     with pytest.raises(OffloadError, match="host buffer .* needs .* only .* available"):
         OffloadWorker(small_kv(), too_many, backend="cpu")
 
