@@ -1,0 +1,156 @@
+"""Where an engine's host time per compact job goes: the submit and launch steps timed inside
+a run of small jobs back to back (each wrapped in a perf_counter timer, about 0.2 us a call).
+
+    python benchmarks/investigations/host_breakdown.py [--page 256] [--blocks-per-job 64] [--tensors 64]
+        [--jobs 128] [--rounds 5] [--backend cuda]
+
+Prints, per step, calls per job and microseconds per job (a step's time includes the steps it
+calls; "launch" also the GIL hand-overs inside it), and the whole run's wall time per job.
+Runs on cuda, or on the cpu with `offload_core.testing.expanding` (--backend expanding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from offload_core import (
+    DeviceBlocks,
+    HostBlocks,
+    KVCacheRef,
+    KVCaches,
+    KVCacheTensor,
+    OffloadWorker,
+    compact,
+    get_backend,
+    queue,
+    worker,
+)
+
+TIMES: dict = defaultdict(float)
+CALLS: dict = defaultdict(int)
+
+
+def timed(owner, name: str, label: str) -> None:
+    """Replace `owner.name` by a wrapper that adds its time under `label`, per thread kind."""
+    fn = getattr(owner, name)
+    if isinstance(fn, staticmethod):
+        fn = fn.__func__
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            key = (label, threading.current_thread() is threading.main_thread())
+            TIMES[key] += time.perf_counter() - t0
+            CALLS[key] += 1
+
+    setattr(owner, name, staticmethod(wrapper) if isinstance(owner.__dict__.get(name), staticmethod) else wrapper)
+
+
+def instrument(backend_name: str) -> None:
+    timed(worker.OffloadWorker, "submit_store", "submit")
+    timed(worker.OffloadWorker, "submit_load", "submit")
+    timed(compact.CompactLayout, "job", "submit: CompactLayout.job")
+    timed(queue.TransferQueue, "_submit_compact", "submit: queue (launches inline included)")
+    timed(queue.TransferQueue, "_run", "launch")
+    timed(queue.TransferQueue, "_take", "launch: _take (clash check)")
+    timed(compact.CompactJob, "concat", "launch: CompactJob.concat")
+    timed(worker.OffloadWorker, "get_finished", "get_finished")
+    if backend_name == "cuda":
+        from offload_core.backends.cuda import CudaBackend, blocks, events, kernels, ring
+        from offload_core.backends.cuda import driver as drv
+
+        timed(CudaBackend, "copy_blocks", "launch: backend.copy_blocks")
+        timed(CudaBackend, "current_stream", "current_stream")
+        timed(blocks.BlockCopier, "choose", "launch: copy_blocks: choose")
+        timed(compact.CompactLayout, "segments", "launch: copy_blocks: segments")
+        timed(ring.DescriptorRing, "upload", "launch: copy_blocks: ring upload")
+        timed(kernels, "_launch", "launch: copy_blocks: kernel launch")
+        timed(drv.Driver, "memcpy_batch_async", "launch: copy_blocks: cuMemcpyBatchAsync")
+        timed(events.DriverEvent, "record", "event record")
+        timed(events.DriverEvent, "query", "event query")
+        timed(events.RawStream, "wait_event", "stream wait_event")
+    else:
+        from offload_core.testing.expanding import ExpandingCpuBackend
+
+        timed(ExpandingCpuBackend, "copy_blocks", "launch: backend.copy_blocks")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", help="cuda, or expanding (the cpu backend with the compact path)")
+    parser.add_argument("--page", type=int, default=256)
+    parser.add_argument("--blocks-per-job", type=int, default=64)
+    parser.add_argument("--tensors", type=int, default=64)
+    parser.add_argument("--jobs", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if args.backend == "expanding":
+        from offload_core.testing.expanding import ExpandingCpuBackend
+
+        backend = ExpandingCpuBackend()
+    else:
+        backend = get_backend(args.backend)
+    instrument("cuda" if backend.name == "cuda" else "expanding")
+    blocks = max(1024, 2 * args.blocks_per_job)
+    tensors = [
+        KVCacheTensor(torch.zeros(blocks, args.page, dtype=torch.int8, device=backend.device), args.page)
+        for _ in range(args.tensors)
+    ]
+    kv = KVCaches(tensors, [[KVCacheRef(i, args.page) for i in range(args.tensors)]])
+    rng = np.random.default_rng(0)
+    n = args.blocks_per_job
+    dev_perm, host_perm = rng.permutation(blocks), rng.permutation(blocks)
+    ids = [
+        (
+            np.take(dev_perm, np.arange(j * n, (j + 1) * n), mode="wrap"),
+            np.take(host_perm, np.arange(j * n, (j + 1) * n), mode="wrap"),
+        )
+        for j in range(args.jobs)
+    ]
+    walls = []
+    with OffloadWorker(kv, blocks, backend=backend) as w:
+        for r in range(args.rounds + 1):
+            if r == 1:  # the first round compiles and allocates
+                TIMES.clear()
+                CALLS.clear()
+            first = r * args.jobs * 2
+            t0 = time.perf_counter()
+            for j, (d, h) in enumerate(ids):
+                w.submit_store(first + j, DeviceBlocks(d), HostBlocks(h))
+            w.wait(range(first, first + args.jobs))
+            t1 = time.perf_counter()
+            for j, (d, h) in enumerate(ids):
+                w.submit_load(first + args.jobs + j, HostBlocks(h), DeviceBlocks(d))
+            w.wait(range(first + args.jobs, first + 2 * args.jobs))
+            t2 = time.perf_counter()
+            w.get_finished()
+            if r:
+                walls.append(((t1 - t0) / args.jobs, (t2 - t1) / args.jobs))
+    jobs = 2 * args.jobs * args.rounds
+    store, load = np.median(walls, axis=0) * 1e6
+    print(
+        f"{backend.name}: {args.tensors} tensors x {n} blocks x {args.page} B "
+        f"({args.tensors * n * args.page / 2**20:.2f} MiB a job), {args.jobs} jobs back to back, {args.rounds} rounds: "
+        f"wall per job {store:.1f} us (store) / {load:.1f} us (load)"
+    )
+    print(f"{'step':58} {'thread':9} {'calls/job':>9} {'us/call':>8} {'us/job':>7}")
+    for (label, main_thread), seconds in sorted(TIMES.items()):
+        calls = CALLS[(label, main_thread)]
+        print(
+            f"{label:58} {'main' if main_thread else 'launcher':9} {calls / jobs:9.2f} "
+            f"{seconds / calls * 1e6:8.1f} {seconds / jobs * 1e6:7.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
