@@ -2,7 +2,8 @@
  * and the fallback: `single_job` does what `CompactLayout._job_single` does (a submit's checks
  * and block table, offload_core/compact.py), `concat` what `CompactJob.concat` does (jobs
  * joined for one launch), `first_clash` what `queue._first_clash` does (which waiting jobs may
- * share a launch, offload_core/queue.py). Built where a C compiler is found
+ * share a launch, offload_core/queue.py); `context_call` calls a driver entry point without
+ * ctypes (an event's record and query, once or twice per job). Built where a C compiler is found
  * (setup.py); offload_core works the same without it.
  *
  * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
@@ -302,8 +303,54 @@ done:
     return result;
 }
 
+/* Driver entry points of the CUresult fn(void *...) kind, called with a context made current
+ * around them (the cuda backend's events; offload_core/backends/cuda/events.py). */
+typedef int (*get_ctx_fn)(void **);
+typedef int (*push_ctx_fn)(void *);
+typedef int (*call1_fn)(void *);
+typedef int (*call2_fn)(void *, void *);
+
+PyDoc_STRVAR(context_call_doc,
+             "context_call(get, push, pop, fn, context, a[, b]) -> int\n\n"
+             "Call the C function at address `fn` with the pointer arguments `a` (and `b`), `context`\n"
+             "current in the calling thread (through the cuCtxGetCurrent, cuCtxPushCurrent and\n"
+             "cuCtxPopCurrent at `get`, `push`, `pop`; pushed and popped only where another is\n"
+             "current), and return its result; -code where the push failed and `fn` was not called.\n"
+             "The GIL stays held: for calls that return at once (an event's record or query), where\n"
+             "letting it go costs more than the call.");
+
+static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 && nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "context_call takes 6 or 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    void *v[7];
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        v[i] = PyLong_AsVoidPtr(args[i]);
+        if (v[i] == NULL && PyErr_Occurred()) return NULL;
+        if (v[i] == NULL && i < 4) { /* entry points; a null context or handle may be meant */
+            PyErr_SetString(PyExc_ValueError, "context_call: a driver entry point's address is 0");
+            return NULL;
+        }
+    }
+    void *current = NULL;
+    if (((get_ctx_fn)v[0])(&current) != 0) current = NULL;
+    int pushed = current != v[4];
+    if (pushed) {
+        int code = ((push_ctx_fn)v[1])(v[4]);
+        if (code != 0) return PyLong_FromLong(-(long)code);
+    }
+    int result = nargs == 6 ? ((call1_fn)v[3])(v[5]) : ((call2_fn)v[3])(v[5], v[6]);
+    if (pushed) {
+        void *popped = NULL;
+        ((get_ctx_fn)v[2])(&popped);
+    }
+    return PyLong_FromLong(result);
+}
+
 static PyMethodDef methods[] = {
     {"concat", (PyCFunction)(void (*)(void))concat, METH_FASTCALL, concat_doc},
+    {"context_call", (PyCFunction)(void (*)(void))context_call, METH_FASTCALL, context_call_doc},
     {"first_clash", first_clash, METH_O, first_clash_doc},
     {"single_job", (PyCFunction)(void (*)(void))single_job, METH_FASTCALL, single_job_doc},
     {NULL, NULL, 0, NULL},

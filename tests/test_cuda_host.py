@@ -734,7 +734,19 @@ def test_compact_stores_go_straight_to_host_rows_where_the_batch_call_would_bind
     assert choice(16384, 256) is EXPAND_STAGED
 
 
-def test_driver_events_record_wait_and_time_on_any_streams_handle():
+@pytest.fixture(params=[True, False], ids=["compiled", "ctypes"])
+def event_calls(request, monkeypatch):
+    """An event's record and query through the compiled extension (skipped where it was not
+    built) or through ctypes: both must call the driver alike."""
+    from helpers import compiled_or_skip
+
+    compiled_or_skip(request.param)
+    if not request.param:
+        monkeypatch.setenv("OFFLOAD_CORE_NATIVE", "0")
+    return request.param
+
+
+def test_driver_events_record_wait_and_time_on_any_streams_handle(event_calls):
     lib = FakeLib()
     driver = drv.Driver(lib)
     assert driver.has_events
@@ -760,7 +772,7 @@ def test_driver_events_record_wait_and_time_on_any_streams_handle():
 
 
 @pytest.mark.parametrize("current", [[], [0xC1]], ids=["no context", "another GPU's context"])
-def test_a_driver_event_runs_in_its_gpus_context_and_leaves_the_threads_alone(current):
+def test_a_driver_event_runs_in_its_gpus_context_and_leaves_the_threads_alone(current, event_calls):
     lib = FakeLib()
     driver = drv.Driver(lib)
     event = DriverEvent(driver, GPU_CONTEXT)
@@ -769,10 +781,48 @@ def test_a_driver_event_runs_in_its_gpus_context_and_leaves_the_threads_alone(cu
     event.record(SimpleNamespace(cuda_stream=0))  # the default stream: the current context's
     assert lib.calls == [("push", GPU_CONTEXT), ("record", event.handle, None), ("pop",)]  # None: a null handle
     assert lib.contexts == current
+    del lib.calls[:]
+    lib.codes["query"] = [drv.ERROR_NOT_READY]
+    assert event.query() is False
+    assert lib.calls == [("push", GPU_CONTEXT), ("query", event.handle), ("pop",)] and lib.contexts == current
+    lib.codes["record"] = [700]
+    with pytest.raises(drv.CudaDriverError, match="cuEventRecord failed: CUDA_ERROR_INVALID_VALUE") as failed:
+        event.record(SimpleNamespace(cuda_stream=0x51))
+    assert failed.value.code == 700 and lib.contexts == current, "popped after a failure too"
     lib.codes["wait"] = [1]
     with pytest.raises(drv.CudaDriverError, match="cuStreamWaitEvent failed"):
         event.wait(SimpleNamespace(cuda_stream=0x51))
     assert lib.contexts == current, "popped after a failure too"
+
+
+def test_a_context_that_cannot_be_made_current_fails_the_call_not_the_process(event_calls):
+    lib = FakeLib()
+    driver = drv.Driver(lib)
+    event = DriverEvent(driver, GPU_CONTEXT)
+    lib.contexts[:] = []
+    push = lib._keep["cuCtxPushCurrent"]
+    lib._keep["cuCtxPushCurrent"] = drv.CTX_IN(lambda ctx: 201)  # CUDA_ERROR_INVALID_CONTEXT
+    driver = drv.Driver(lib)  # resolves the failing push
+    event._driver = driver
+    del lib.calls[:]
+    for call in (lambda: event.record(SimpleNamespace(cuda_stream=0x51)), event.query):
+        with pytest.raises(drv.CudaDriverError, match="cuCtxPushCurrent failed") as failed:
+            call()
+        assert failed.value.code == 201
+    assert lib.calls == [], "neither the call nor a pop ran"
+    lib._keep["cuCtxPushCurrent"] = push
+
+
+def test_the_compiled_context_call_refuses_what_would_crash():
+    from helpers import compiled_or_skip
+
+    compiled = compiled_or_skip(True)
+    with pytest.raises(TypeError, match="6 or 7 arguments"):
+        compiled.context_call(1, 2, 3, 4, 5)
+    with pytest.raises(ValueError, match="address is 0"):
+        compiled.context_call(1, 2, 0, 4, 5, 6)
+    with pytest.raises(TypeError):
+        compiled.context_call(1, 2, 3, 4, 5, "stream")
 
 
 def test_a_torch_stream_waits_for_a_raw_streams_position_and_back():

@@ -10,6 +10,7 @@ foreign call and no Python object per descriptor. Entry points come from
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -136,6 +137,34 @@ class Driver:
         self.ctx_get_current = self.resolve("cuCtxGetCurrent", 4000, CTX_OUT)
         self.ctx_push_current = self.resolve("cuCtxPushCurrent", 4000, CTX_IN)
         self.ctx_pop_current = self.resolve("cuCtxPopCurrent", 4000, CTX_OUT)
+        # An event's record and query, once or twice per job: ``(context, event[, stream]) ->
+        # CUresult``, the negated code where the context could not be made current. Compiled
+        # where offload_core's extension is built (no ctypes marshalling, the GIL kept: the
+        # calls return at once), else through `in_context`.
+        self.record_in, self.query_in = self._context_call(self.event_record), self._context_call(self.event_query)
+
+    def _context_call(self, fn: Callable | None) -> Callable[..., int] | None:
+        if fn is None or not self.has_events:
+            return None
+        from offload_core import native
+
+        compiled = native.load()
+        if compiled is None:
+            return functools.partial(self._in_context_or_code, fn)
+        address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+        return functools.partial(
+            compiled.context_call,
+            address(self.ctx_get_current),
+            address(self.ctx_push_current),
+            address(self.ctx_pop_current),
+            address(fn),
+        )
+
+    def _in_context_or_code(self, fn: Callable, context: int, *args) -> int:
+        try:
+            return self.in_context(context, fn, *args)
+        except CudaDriverError as exc:  # only the push raises
+            return -exc.code
 
     @property
     def has_events(self) -> bool:

@@ -48,7 +48,9 @@ class DriverEvent:
 
     def record(self, stream) -> None:
         """Mark `stream`'s current position (any stream of this GPU with a ``cuda_stream`` handle)."""
-        self._call(self._driver.event_record, "cuEventRecord", self.handle, stream.cuda_stream)
+        code = self._driver.record_in(self._ctx, self.handle, stream.cuda_stream)
+        if code:
+            self._failed(code, "cuEventRecord")
 
     def wait(self, stream) -> None:
         """Later work on `stream` waits for this event (what ``stream.wait_event`` calls)."""
@@ -60,11 +62,12 @@ class DriverEvent:
         Raises:
             CudaDriverError: the work failed (a device fault).
         """
-        code = self._driver.in_context(self._ctx, self._driver.event_query, self.handle)
+        code = self._driver.query_in(self._ctx, self.handle)
+        if code == 0:
+            return True
         if code == ERROR_NOT_READY:
             return False
-        self._driver.check(code, "cuEventQuery")
-        return True
+        self._failed(code, "cuEventQuery")
 
     def synchronize(self) -> None:
         """Block until the marked work has completed (the GIL is released meanwhile).
@@ -88,6 +91,12 @@ class DriverEvent:
         code = self._driver.in_context(self._ctx, fn, *args)
         if code != 0:
             raise CudaDriverError(f"{what} failed: {self._driver.error_name(code)}", code)
+
+    def _failed(self, code: int, what: str):
+        """Raise for a `Driver.record_in` or `query_in` result other than success."""
+        if code < 0:
+            what, code = "cuCtxPushCurrent", -code
+        raise CudaDriverError(f"{what} failed: {self._driver.error_name(code)}", code)
 
 
 def _destroy(driver: Driver, context: int, handle: int, pid: int) -> None:
