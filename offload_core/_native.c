@@ -2,9 +2,10 @@
  * and the fallback: `single_job` does what `CompactLayout._job_single` does (a submit's checks
  * and block table, offload_core/compact.py), `concat` what `CompactJob.concat` does (jobs
  * joined for one launch), `first_clash` what `queue._first_clash` does (which waiting jobs may
- * share a launch, offload_core/queue.py); `context_call` calls a driver entry point without
- * ctypes (an event's record and query, once or twice per job). Built where a C compiler is found
- * (setup.py); offload_core works the same without it.
+ * share a launch, offload_core/queue.py), `row_runs` what `compact._row_runs` does (a job's
+ * host-contiguous runs, for the cuda backend's choice of mechanism). `context_call` calls a
+ * driver entry point without ctypes (an event's record and query, once or twice per job).
+ * Built where a C compiler is found (setup.py); offload_core works the same without it.
  *
  * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
  */
@@ -348,10 +349,39 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
     return PyLong_FromLong(result);
 }
 
+PyDoc_STRVAR(row_runs_doc,
+             "row_runs(hosts, short) -> (runs, rows_in_short_runs)\n\n"
+             "Runs of consecutive values in `hosts` (int64: a run continues where a value is the one\n"
+             "before plus 1), and how many values the runs of at most `short` values hold.");
+
+static PyObject *row_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "row_runs takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    long long shortest = PyLong_AsLongLong(args[1]);
+    if (shortest == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (int64_buffer(args[0], &view, 0, "hosts") < 0) return NULL;
+    const int64_t *h = view.buf;
+    Py_ssize_t n = view.len / 8, runs = 0, in_short = 0, start = 0;
+    for (Py_ssize_t i = 1; i <= n; i++) {
+        /* unsigned: a wrapped difference is a break, as numpy's wrapped one is */
+        if (i == n || (uint64_t)h[i] - (uint64_t)h[i - 1] != 1) {
+            runs++;
+            if (i - start <= shortest) in_short += i - start;
+            start = i;
+        }
+    }
+    PyBuffer_Release(&view);
+    return Py_BuildValue("nn", runs, in_short);
+}
+
 static PyMethodDef methods[] = {
     {"concat", (PyCFunction)(void (*)(void))concat, METH_FASTCALL, concat_doc},
     {"context_call", (PyCFunction)(void (*)(void))context_call, METH_FASTCALL, context_call_doc},
     {"first_clash", first_clash, METH_O, first_clash_doc},
+    {"row_runs", (PyCFunction)(void (*)(void))row_runs, METH_FASTCALL, row_runs_doc},
     {"single_job", (PyCFunction)(void (*)(void))single_job, METH_FASTCALL, single_job_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -391,7 +391,7 @@ class CompactLayout:
                 uses = {r: n for r, n in enumerate(counts.tolist()) if n}
             templates = [(n, *self._template(g, 0, 0, r, store)) for r, n in uses.items()]
             if len(templates) == 1 and templates[0][1].size == 1 and templates[0][2][0] == row:
-                return _row_runs(job.host_ids[c0:c1], row, small_limit)
+                return _row_runs(job.host_ids[c0:c1], row, small_limit, self.native)
             starts_at_0 = any(s.size and s[0] == 0 for _, s, _ in templates)
             ends_at_row = any(s.size and s[-1] + lengths[-1] == row for _, s, lengths in templates)
             if not (starts_at_0 and ends_at_row):
@@ -429,9 +429,12 @@ class CompactLayout:
         return found
 
 
-def _row_runs(hosts: np.ndarray, row: int, small_limit: int) -> tuple[int, int]:
+def _row_runs(hosts: np.ndarray, row: int, small_limit: int, compiled=None) -> tuple[int, int]:
     """`CompactLayout.segment_summary` where every chunk covers its whole row: a run of
     consecutive host blocks is one segment."""
+    if compiled is not None and hosts.size:
+        runs, rows = compiled.row_runs(hosts, small_limit // row)
+        return runs, rows * row
     first = run_starts((hosts,), 1)
     if small_limit < row:
         return first.size, 0

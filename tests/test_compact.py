@@ -145,10 +145,11 @@ def test_a_segment_summary_counts_what_segments_returns(case, limit):
     hosts=st.lists(st.integers(0, 11), min_size=1, max_size=12, unique=True),
     direction=st.sampled_from(list(Direction)),
     limit=st.sampled_from([0, 47, 48, 96, 200, 1 << 20]),
+    compiled=st.booleans(),
 )
-def test_a_segment_summary_of_whole_rows_counts_runs_of_host_blocks(hosts, direction, limit):
+def test_a_segment_summary_of_whole_rows_counts_runs_of_host_blocks(hosts, direction, limit, compiled):
     model = Model([16, 32], [[(0, 16), (1, 32)]], 1, 16, 12)  # every block fills its 48-byte row
-    layout = CompactLayout(Planner(model.geometry))
+    layout = compact_layout(Planner(model.geometry), compiled)
     job = layout.job(direction, DeviceBlocks(list(range(len(hosts)))), HostBlocks(hosts))
     _, _, sizes = layout.segments(job)
     assert layout.segment_summary(job, limit) == (sizes.size, int(sizes[sizes <= limit].sum()))
@@ -286,6 +287,22 @@ def test_the_compiled_check_agrees_with_numpy(dev, host_extra, limit_extra, uniq
         np.testing.assert_array_equal(out, np.stack([d, np.arange(d.size), zeros, h, zeros]))
     else:
         assert (out == -7).all(), "a refused job left a partial table"
+
+
+@given(
+    hosts=st.lists(st.sampled_from([0, 1, 2, 3, 5, 6, 2**62, 2**63 - 1, -(2**63), -1]), max_size=40),
+    row=st.sampled_from([1, 48, 4096]),
+    small_limit=st.integers(0, 40 * 4096),
+)
+def test_the_compiled_row_runs_agree_with_numpy(hosts, row, small_limit):
+    """Runs of consecutive host blocks, wrapping differences included (numpy's int64 ones wrap)."""
+    from offload_core.compact import _row_runs
+
+    module = compiled_or_skip(True)
+    h = np.array(hosts, dtype=np.int64)
+    expected = _row_runs(h, row, small_limit) if h.size else (0, 0)
+    assert _row_runs(h, row, small_limit, module) == expected
+    assert module.row_runs(h, small_limit // row) == (expected[0], expected[1] // row)
 
 
 @pytest.mark.parametrize("n, limit", [(16, 1000), (200, 1000), (200, 10**6)], ids=["pairs", "bitmap", "set"])

@@ -73,6 +73,7 @@ def instrument(backend_name: str) -> None:
         timed(CudaBackend, "current_stream", "current_stream")
         timed(blocks.BlockCopier, "choose", "launch: copy_blocks: choose")
         timed(compact.CompactLayout, "segments", "launch: copy_blocks: segments")
+        timed(compact.CompactLayout, "segment_summary", "launch: copy_blocks: choose: segment_summary")
         timed(ring.DescriptorRing, "upload", "launch: copy_blocks: ring upload")
         timed(kernels, "_launch", "launch: copy_blocks: kernel launch")
         timed(drv.Driver, "memcpy_batch_async", "launch: copy_blocks: cuMemcpyBatchAsync")
