@@ -273,16 +273,19 @@ class TransferQueue:
     def poll(self) -> list[TransferResult]:
         """Results of the jobs completed so far, from the head of the queue, without blocking."""
         results = []
+        passed = None  # (end event, seconds) of the launch of the last job reported: its other jobs share both
         with self._lock:
             while self._jobs:
                 job = self._jobs[0]
                 try:
                     # A failed launch is reported once what it enqueued has run: the engine may
                     # reuse the blocks as soon as it sees the result.
-                    if job.end is not None and not job.end.query():
+                    if job.end is not None and (passed is None or passed[0] is not job.end) and not job.end.query():
                         break
                     ok = not job.failed
-                    elapsed = job.start.elapsed_time(job.end) / 1e3 * job.share if ok else 0.0
+                    if ok and (passed is None or passed[0] is not job.end):
+                        passed = (job.end, job.start.elapsed_time(job.end) / 1e3)
+                    elapsed = passed[1] * job.share if ok else 0.0
                 except Exception as exc:  # a device fault fails this job, not the caller's loop
                     log.error("%s job %s failed on the device: %r", self.direction.value, job.job_id, exc)
                     ok, elapsed = False, 0.0

@@ -76,6 +76,43 @@ def test_jobs_waiting_for_a_launch_go_as_one_with_results_per_job(held):
             assert torch.equal(h[ids], t.tensor[ids])
 
 
+def test_the_jobs_of_one_launch_ask_the_device_about_it_once(held, monkeypatch):
+    backend, lock = held
+    asked = {"query": 0, "elapsed_time": 0}
+    inside = []  # the cpu backend's elapsed_time queries both events itself: not the queue's asking
+    event_type = type(backend.new_event())
+
+    def counting(name):
+        original = getattr(event_type, name)
+
+        def counted(self, *args):
+            asked[name] += not inside
+            inside.append(name)
+            try:
+                return original(self, *args)
+            finally:
+                inside.pop()
+
+        return counted
+
+    for name in asked:
+        monkeypatch.setattr(event_type, name, counting(name))
+    kv = small_kv(pages=(64, 32), blocks=32)
+    with OffloadWorker(kv, 32, backend=backend) as worker:
+        first = first_in_flight(worker)
+        for j in range(1, 9):
+            store(worker, j, [2 * j, 2 * j + 1], [2 * j, 2 * j + 1])
+        lock.release()
+        first.join()
+        worker.wait(range(9))
+        asked.update(query=0, elapsed_time=0)
+        results = worker.get_finished()
+        assert [r.job_id for r in results] == list(range(9)) and all(r.success for r in results)
+        assert asked == {"query": 2, "elapsed_time": 2}, "once per launch, not per job"
+        times = [r.transfer_time for r in results[1:]]
+        assert times == [times[0]] * 8, "equal jobs of one launch get equal shares of its time"
+
+
 def test_two_writes_of_the_same_bytes_never_share_a_launch(held):
     backend, lock = held
     kv = small_kv(pages=(64,), blocks=32)
