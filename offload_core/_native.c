@@ -317,8 +317,7 @@ PyDoc_STRVAR(context_call_doc,
              "current in the calling thread (through the cuCtxGetCurrent, cuCtxPushCurrent and\n"
              "cuCtxPopCurrent at `get`, `push`, `pop`; pushed and popped only where another is\n"
              "current), and return its result; -code where the push failed and `fn` was not called.\n"
-             "The GIL stays held: for calls that return at once (an event's record or query), where\n"
-             "letting it go costs more than the call.");
+             "None stands for a null context or handle. The GIL is released around the calls.");
 
 static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 && nargs != 7) {
@@ -327,26 +326,38 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     void *v[7];
     for (Py_ssize_t i = 0; i < nargs; i++) {
-        v[i] = PyLong_AsVoidPtr(args[i]);
-        if (v[i] == NULL && PyErr_Occurred()) return NULL;
-        if (v[i] == NULL && i < 4) { /* entry points; a null context or handle may be meant */
-            PyErr_SetString(PyExc_ValueError, "context_call: a driver entry point's address is 0");
-            return NULL;
+        if (i < 4) { /* entry points: a non-negative, non-zero address */
+            unsigned long long address = PyLong_AsUnsignedLongLong(args[i]);
+            if (address == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+            if (address == 0 || address > UINTPTR_MAX) {
+                PyErr_SetString(PyExc_ValueError, "context_call: a driver entry point's address is 0 or out of range");
+                return NULL;
+            }
+            v[i] = (void *)(uintptr_t)address;
+        } else if (args[i] == Py_None) { /* a null context or handle, as ctypes passes None */
+            v[i] = NULL;
+        } else {
+            v[i] = PyLong_AsVoidPtr(args[i]);
+            if (v[i] == NULL && PyErr_Occurred()) return NULL;
         }
     }
+    int code = 0, result = 0;
+    /* The GIL goes: the driver may block (a stream's full command buffer, another thread's
+     * long call holding its lock), and the other Python threads must run meanwhile. */
+    Py_BEGIN_ALLOW_THREADS
     void *current = NULL;
     if (((get_ctx_fn)v[0])(&current) != 0) current = NULL;
     int pushed = current != v[4];
-    if (pushed) {
-        int code = ((push_ctx_fn)v[1])(v[4]);
-        if (code != 0) return PyLong_FromLong(-(long)code);
+    if (pushed) code = ((push_ctx_fn)v[1])(v[4]);
+    if (code == 0) {
+        result = nargs == 6 ? ((call1_fn)v[3])(v[5]) : ((call2_fn)v[3])(v[5], v[6]);
+        if (pushed) {
+            void *popped = NULL;
+            ((get_ctx_fn)v[2])(&popped);
+        }
     }
-    int result = nargs == 6 ? ((call1_fn)v[3])(v[5]) : ((call2_fn)v[3])(v[5], v[6]);
-    if (pushed) {
-        void *popped = NULL;
-        ((get_ctx_fn)v[2])(&popped);
-    }
-    return PyLong_FromLong(result);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(code != 0 ? -(long)code : (long)result);
 }
 
 PyDoc_STRVAR(row_runs_doc,
@@ -359,8 +370,10 @@ static PyObject *row_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_Format(PyExc_TypeError, "row_runs takes 2 arguments (%zd given)", nargs);
         return NULL;
     }
-    long long shortest = PyLong_AsLongLong(args[1]);
+    int overflow = 0;
+    long long shortest = PyLong_AsLongLongAndOverflow(args[1], &overflow); /* saturates: no run is longer */
     if (shortest == -1 && PyErr_Occurred()) return NULL;
+    if (overflow) shortest = overflow > 0 ? LLONG_MAX : -1;
     Py_buffer view;
     if (int64_buffer(args[0], &view, 0, "hosts") < 0) return NULL;
     const int64_t *h = view.buf;

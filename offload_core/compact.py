@@ -433,7 +433,7 @@ def _row_runs(hosts: np.ndarray, row: int, small_limit: int, compiled=None) -> t
     """`CompactLayout.segment_summary` where every chunk covers its whole row: a run of
     consecutive host blocks is one segment."""
     if compiled is not None and hosts.size:
-        runs, rows = compiled.row_runs(hosts, small_limit // row)
+        runs, rows = compiled.row_runs(hosts, int(small_limit) // row)  # a profile's limit may be a float
         return runs, rows * row
     first = run_starts((hosts,), 1)
     if small_limit < row:

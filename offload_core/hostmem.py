@@ -41,53 +41,75 @@ def _meminfo_available() -> int | None:
     return None
 
 
+# Per cgroup version: the limit's file, the usage's, the page cache in memory.stat (the kernel
+# drops it before it kills; MemAvailable counts it too), and a limit inherited from above.
+_V2 = ("memory.max", "memory.current", ("active_file", "inactive_file"), None)
+_V1 = (
+    "memory.limit_in_bytes",
+    "memory.usage_in_bytes",
+    ("total_active_file", "total_inactive_file"),
+    "hierarchical_memory_limit",
+)
+
+
 def _cgroup_headroom() -> int | None:
-    """The memory cgroup's limit less what it uses (file cache it can drop not counted), for
-    cgroup v2 and v1; None where there is no limit or nothing can be read."""
+    """The least headroom (limit less usage, page cache counted free) of the process's memory
+    cgroup and every cgroup above it, for cgroup v2 and v1; None where none has a limit or
+    nothing can be read."""
     try:
-        with open(CGROUPS) as f:
-            lines = f.read().splitlines()
+        with open(CGROUPS, "rb") as f:
+            lines = f.read().decode("utf-8", "surrogateescape").splitlines()  # paths are bytes
     except OSError:
         return None
+    least, seen = None, set()
     for line in lines:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if hierarchy == "0" and controllers == "":
-            files, base = ("memory.max", "memory.current", "inactive_file"), CGROUP_ROOT
-        elif "memory" in controllers.split(","):
-            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-            base = CGROUP_ROOT + "/memory"
+            spec, bases = _V2, [CGROUP_ROOT]
+        elif "memory" in controllers.split(","):  # v1 mounts it alone, or with others ("cpu,memory")
+            spec, bases = _V1, [f"{CGROUP_ROOT}/memory", f"{CGROUP_ROOT}/{controllers}"]
         else:
             continue
-        # Inside a container the cgroup's own directory is usually mounted as the root.
-        for directory in (base + path.rstrip("/"), base):
-            headroom = _headroom(directory, *files)
-            if headroom is not None:
-                return headroom
-    return None
+        parts = [p for p in path.split("/") if p]
+        for base in bases:
+            # from the process's own cgroup up to the root: a parent's limit binds the children
+            # (inside a container the own cgroup is usually mounted as the root: only that is read)
+            for depth in range(len(parts), -1, -1):
+                directory = "/".join([base, *parts[:depth]])
+                if directory in seen:
+                    continue
+                seen.add(directory)
+                headroom = _headroom(directory, spec)
+                if headroom is not None:
+                    least = headroom if least is None else min(least, headroom)
+    return least
 
 
-def _headroom(directory: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+def _headroom(directory: str, spec: tuple) -> int | None:
+    limit_file, usage_file, cache_keys, inherited_key = spec
     try:
         with open(os.path.join(directory, limit_file)) as f:
             text = f.read().strip()
-        if text == "max" or int(text) >= _NO_LIMIT:
-            return None
+        limit = None if text == "max" else int(text)
         with open(os.path.join(directory, usage_file)) as f:
             used = int(f.read().strip())
     except (OSError, ValueError):
         return None
-    inactive = 0
+    stat: dict[str, int] = {}
     try:
         with open(os.path.join(directory, "memory.stat")) as f:
             for line in f:
                 key, _, value = line.partition(" ")
-                if key == inactive_key:
-                    inactive = int(value)
-                    break
+                if key in cache_keys or key == inherited_key:
+                    stat[key] = int(value)
     except (OSError, ValueError):
         pass
-    return max(0, int(text) - used + inactive)
+    if inherited_key in stat:
+        limit = stat[inherited_key] if limit is None else min(limit, stat[inherited_key])
+    if limit is None or limit >= _NO_LIMIT:
+        return None
+    return max(0, limit - used + sum(stat.get(key, 0) for key in cache_keys))
 
 
 def check_host_bytes(nbytes: int, what: str) -> None:

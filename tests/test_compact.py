@@ -303,6 +303,9 @@ def test_the_compiled_row_runs_agree_with_numpy(hosts, row, small_limit):
     expected = _row_runs(h, row, small_limit) if h.size else (0, 0)
     assert _row_runs(h, row, small_limit, module) == expected
     assert module.row_runs(h, small_limit // row) == (expected[0], expected[1] // row)
+    assert _row_runs(h, row, float(small_limit), module) == expected  # a limit read from a profile as a float
+    assert module.row_runs(h, 2**80) == (expected[0], h.size)  # saturated: every run is short
+    assert module.row_runs(h, -(2**80)) == (expected[0], 0)
 
 
 @pytest.mark.parametrize("n, limit", [(16, 1000), (200, 1000), (200, 10**6)], ids=["pairs", "bitmap", "set"])

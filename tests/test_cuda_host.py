@@ -821,8 +821,24 @@ def test_the_compiled_context_call_refuses_what_would_crash():
         compiled.context_call(1, 2, 3, 4, 5)
     with pytest.raises(ValueError, match="address is 0"):
         compiled.context_call(1, 2, 0, 4, 5, 6)
+    with pytest.raises(OverflowError):
+        compiled.context_call(-1, 2, 3, 4, 5, 6)  # an address, never negative
     with pytest.raises(TypeError):
         compiled.context_call(1, 2, 3, 4, 5, "stream")
+
+
+def test_the_compiled_context_call_takes_none_for_a_null_context_or_handle():
+    from helpers import compiled_or_skip
+
+    compiled = compiled_or_skip(True)
+    lib = FakeLib()
+    driver = drv.Driver(lib)
+    lib.contexts[:] = []  # no context current: a null one is what is asked for, so nothing is pushed
+    address = lambda name: ctypes.cast(lib._keep[name], ctypes.c_void_p).value  # noqa: E731
+    entry = [address(n) for n in ("cuCtxGetCurrent", "cuCtxPushCurrent", "cuCtxPopCurrent", "cuEventRecord")]
+    assert compiled.context_call(*entry, None, 0xE5, None) == 0
+    assert lib.calls == [("record", 0xE5, None)]
+    assert driver.record_in is not None
 
 
 def test_a_torch_stream_waits_for_a_raw_streams_position_and_back():

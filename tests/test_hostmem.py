@@ -35,8 +35,8 @@ def test_a_cgroup_v2_limit_below_the_machine_decides(fake_kernel, where):
     fake_kernel("cgroup", "0::/job\n")
     fake_kernel(f"{where}/memory.max", f"{128 * GIB}\n")
     fake_kernel(f"{where}/memory.current", f"{30 * GIB}\n")
-    fake_kernel(f"{where}/memory.stat", f"anon 1\ninactive_file {2 * GIB}\nactive_file 5\n")
-    assert hostmem.available_host_bytes() == 100 * GIB  # 128 - 30 + 2 of droppable file cache
+    fake_kernel(f"{where}/memory.stat", f"anon 1\ninactive_file {2 * GIB}\nactive_file {GIB}\nshmem 7\n")
+    assert hostmem.available_host_bytes() == 101 * GIB  # 128 - 30 + 3 of page cache the kernel drops first
 
 
 def test_a_cgroup_v1_limit_below_the_machine_decides(fake_kernel):
@@ -67,3 +67,39 @@ def test_unreadable_files_fall_back_to_what_can_be_read(fake_kernel):
     fake_kernel("cgroup", "0::/job\n")
     fake_kernel("sys/job/memory.max", "garbage\n")
     assert hostmem.available_host_bytes() == 400 * GIB
+
+
+def test_a_limit_on_a_parent_cgroup_binds_its_children(fake_kernel):
+    # a batch scheduler's layout: the job's cgroup has the limit, the task's below it none
+    fake_kernel("cgroup", "0::/slice/job_1/step_0/task_0\n")
+    fake_kernel("sys/slice/job_1/step_0/task_0/memory.max", "max\n")
+    fake_kernel("sys/slice/job_1/step_0/task_0/memory.current", f"{GIB}\n")
+    fake_kernel("sys/slice/job_1/memory.max", f"{64 * GIB}\n")
+    fake_kernel("sys/slice/job_1/memory.current", f"{60 * GIB}\n")
+    fake_kernel("sys/slice/memory.max", f"{256 * GIB}\n")
+    fake_kernel("sys/slice/memory.current", f"{100 * GIB}\n")
+    assert hostmem.available_host_bytes() == 4 * GIB
+
+
+def test_a_cgroup_v1_inherited_limit_counts_where_only_the_leaf_is_visible(fake_kernel):
+    fake_kernel("cgroup", "4:memory:/\n")
+    fake_kernel("sys/memory/memory.limit_in_bytes", "9223372036854771712\n")
+    fake_kernel("sys/memory/memory.usage_in_bytes", f"{4 * GIB}\n")
+    fake_kernel("sys/memory/memory.stat", f"hierarchical_memory_limit {16 * GIB}\ntotal_active_file {GIB}\n")
+    assert hostmem.available_host_bytes() == 13 * GIB
+
+
+def test_a_cgroup_v1_memory_controller_mounted_with_another(fake_kernel):
+    fake_kernel("cgroup", "3:cpu,memory:/job\n")
+    fake_kernel("sys/cpu,memory/job/memory.limit_in_bytes", f"{8 * GIB}\n")
+    fake_kernel("sys/cpu,memory/job/memory.usage_in_bytes", f"{2 * GIB}\n")
+    assert hostmem.available_host_bytes() == 6 * GIB
+
+
+def test_a_cgroup_path_that_is_not_utf8_is_read_as_bytes(fake_kernel, tmp_path):
+    (tmp_path / "cgroup").write_bytes(b"0::/job\xff\n")
+    directory = tmp_path / "sys" / "job\udcff"  # the name's byte, as the file system has it
+    directory.mkdir(parents=True)
+    (directory / "memory.max").write_text(f"{2 * GIB}\n")
+    (directory / "memory.current").write_text(f"{GIB}\n")
+    assert hostmem.available_host_bytes() == GIB
