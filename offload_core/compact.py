@@ -184,6 +184,7 @@ class CompactLayout:
         # per-group bookkeeping (`_job_single`), which is most of a small job's submit.
         groups = planner._groups
         self._single_limit = groups[0].device_limit if len(groups) == 1 and self.blocks_per_chunk == 1 else None
+        self._single_entries = int(self.group_entries[1, 0]) if self.group_entries.size else 0  # copies per block
         self._counters = np.zeros(0, np.int64)  # 0, 1, 2, ...: the chunk row of single-group jobs
         self.native = native.load() if compiled else None  # the compiled steps its jobs take, or None
         self.device_limit = planner.device_limit  # above every device block id
@@ -266,8 +267,7 @@ class CompactLayout:
             nbytes = int(self._elected(0, host_ids).sum())
         else:
             nbytes = n * self._entry_bytes[0]
-        items = n * int(self.group_entries[1, 0])
-        return CompactJob(self, direction, blocks, host_ids, ((0, 0, n, 0, n, 0),), nbytes, items)
+        return CompactJob(self, direction, blocks, host_ids, ((0, 0, n, 0, n, 0),), nbytes, n * self._single_entries)
 
     def _elected(self, group: int, pages: np.ndarray) -> np.ndarray:
         """Bytes each (block, entry) of `group` stores, given the blocks' canonical page ids."""

@@ -201,6 +201,8 @@ def integer(value: Any, what: str, minimum: int | None = None) -> int:
     Raises:
         InvalidSpecError: naming `what`, the value and the rule.
     """
+    if type(value) is int and (minimum is None or value >= minimum):  # the usual: once per submit
+        return value
     rule = "an integer" if minimum is None else "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     if isinstance(value, bool):
         raise InvalidSpecError(f"{what} must be {rule}, got {value!r}")

@@ -427,7 +427,7 @@ class TransferQueue:
         Raises:
             OffloadError: no thread can be started (none left, or the interpreter is exiting).
         """
-        if self._launcher is not None and self._launcher.is_alive():
+        if self._launcher is not None:  # it clears the field under this lock on every way out (`_launch_loop`)
             return
         # Not a daemon: at exit, a daemon thread inside a torch call that let go of the GIL
         # (freeing a queue's events, say) is killed by the interpreter, which aborts the
@@ -562,6 +562,17 @@ def _launch_loop(queue_ref: weakref.ref[TransferQueue]) -> None:
     """The launcher thread of one queue: launches what is waiting until the queue is closed,
     dropped, or the main thread has ended. Holds the queue only while it has work or waits for
     some (`IDLE_POLL_S` at a time), so that a dropped queue can be collected."""
+    try:
+        _launch_until_done(queue_ref)
+    finally:  # however it ends, a submit must then start another (`_ensure_launcher` trusts the field)
+        queue = queue_ref()
+        if queue is not None:
+            with queue._lock:
+                if queue._launcher is threading.current_thread():
+                    queue._launcher = None
+
+
+def _launch_until_done(queue_ref: weakref.ref[TransferQueue]) -> None:
     while True:
         queue = queue_ref()
         if queue is None:
