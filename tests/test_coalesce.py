@@ -203,6 +203,31 @@ def test_shutdown_launches_what_waits_and_stops_the_launchers(held):
     assert not launcher.is_alive() and queue._launcher is None
 
 
+def test_a_launcher_that_dies_is_replaced_by_the_next_submit(monkeypatch):
+    """Submits trust the launcher field; a launcher that ends in any way must clear it."""
+    from offload_core import queue as queue_module
+
+    died = threading.Event()
+
+    def dies(queue_ref):
+        died.set()
+        raise RuntimeError("launcher died")
+
+    kv = small_kv(pages=(64,), blocks=16)
+    with OffloadWorker(kv, 8, backend=ExpandingCpuBackend()) as worker:
+        queue = worker._queues[next(iter(worker._queues))]
+        with monkeypatch.context() as patch:
+            patch.setattr(queue_module, "_launch_until_done", dies)
+            patch.setattr(threading, "excepthook", lambda args: None)  # the thread's error is the test's doing
+            store(worker, 1, [1], [1])
+            assert died.wait(5)
+            until(lambda: queue._launcher is None)
+        store(worker, 2, [2], [2])
+        assert queue._launcher is not None and queue._launcher.is_alive()
+        worker.wait([1, 2])
+        assert [r.job_id for r in worker.get_finished()] == [1, 2]
+
+
 def test_a_lone_job_on_an_idle_device_is_launched_by_its_submit():
     kv = small_kv(pages=(64,), blocks=16)
     with OffloadWorker(kv, 8, backend=ExpandingCpuBackend()) as worker:
