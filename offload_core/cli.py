@@ -45,21 +45,49 @@ def _progress(enabled: bool):
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
+    import os
+
+    from offload_core import native
+
     avail = registry.availability()
+    problem = None
     try:
         selected = registry.select_backend_name()
-    except OffloadError:
-        selected = None
-    if args.json:
-        print(json.dumps({"selected": selected, "backends": avail}))
-        return 0
-    rows = []
-    for name, reason in avail.items():
-        cls_priority = registry.backend_class(name).priority if reason is None or "cannot import" not in reason else "-"
-        rows.append(
-            ("*" if name == selected else "", name, "yes" if reason is None else "no", cls_priority, reason or "")
+    except OffloadError as exc:
+        selected, problem = None, str(exc)
+    by = f"${registry.ENV_BACKEND}" if os.environ.get(registry.ENV_BACKEND) else "the highest priority available"
+    if selected is not None and avail.get(selected) is not None:
+        hint = registry.backend_class(selected).install_hint
+        problem = f"the selected backend {selected!r} ({by}) cannot run here: {avail[selected]}" + (
+            f"; install: {hint}" if hint else ""
         )
-    _table("offload-core backends (* = selected)", ["", "name", "available", "priority", "reason"], rows)
+    compiled = native.status()
+    if args.json:
+        print(json.dumps({"selected": selected, "selected_by": by, "backends": avail, "compiled_steps": compiled}))
+    else:
+        rows = []
+        for name, reason in avail.items():
+            usable = reason is None or "cannot import" not in reason
+            rows.append(
+                (
+                    "*" if name == selected else "",
+                    name,
+                    "yes" if reason is None else "no",
+                    registry.backend_class(name).priority if usable else "-",
+                    reason or "",
+                )
+            )
+        _table("offload-core backends (* = selected)", ["", "name", "available", "priority", "reason"], rows)
+        if selected is not None:
+            print(f"selected: {selected}, by {by}" + ("" if by.startswith("$") else " (ties go by name)"))
+        why = {
+            "not built": " (no C compiler at install: the hot path runs in numpy)",
+            "off": f" (${native.ENV_NATIVE}=0)",
+        }
+        print(f"compiled steps: {compiled}{why.get(compiled, '')}")
+    if problem is not None:
+        print(f"offload-core backends: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 

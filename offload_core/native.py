@@ -22,3 +22,11 @@ def load() -> ModuleType | None:
     except ImportError:
         return None
     return _native
+
+
+def status() -> str:
+    """``"built"``, ``"off"`` (``OFFLOAD_CORE_NATIVE=0``) or ``"not built"`` (no C compiler or
+    Python headers at install: everything runs in numpy), for `offload-core backends`."""
+    if os.environ.get(ENV_NATIVE, "").strip() == "0":
+        return "off"
+    return "built" if load() is not None else "not built"

@@ -42,6 +42,39 @@ def test_backends_table_lists_every_backend_and_the_selected_one(capsys):
     assert "available" in out and "priority" in out and "reason" in out
 
 
+def test_backends_says_how_it_selected_and_whether_the_compiled_steps_were_built(capsys, monkeypatch):
+    monkeypatch.delenv("OFFLOAD_CORE_BACKEND", raising=False)
+    monkeypatch.setenv("OFFLOAD_CORE_NATIVE", "0")
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "by the highest priority available" in out and "compiled steps: off ($OFFLOAD_CORE_NATIVE=0)" in out
+
+
+@pytest.mark.parametrize("value", ["bogus", "unusable"])
+def test_backends_fails_where_the_environment_selects_nothing_usable(capsys, monkeypatch, value):
+    class Unusable(FakeBackend):
+        name = "unusable"
+        install_hint = "pip install unusable-sdk"
+
+        @classmethod
+        def probe(cls):
+            return "no unusable device here"
+
+    with restored_registry():
+        registry.register_backend("unusable", Unusable)
+        monkeypatch.setenv("OFFLOAD_CORE_BACKEND", value)
+        assert main(["backends"]) == 1
+        err = capsys.readouterr().err
+        if value == "bogus":
+            assert "unknown offload backend 'bogus'" in err
+        else:
+            assert "'unusable' ($OFFLOAD_CORE_BACKEND) cannot run here: no unusable device here" in err
+            assert "install: pip install unusable-sdk" in err
+        assert main(["backends", "--json"]) == 1
+        data = json.loads(capsys.readouterr().out)
+        assert data["selected_by"] == "$OFFLOAD_CORE_BACKEND" and data["compiled_steps"] in ("built", "not built")
+
+
 def test_backends_json(capsys):
     assert main(["backends", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -191,6 +191,16 @@ def test_missing_driver_library_is_an_os_error(monkeypatch):
         drv.Driver.load()
 
 
+def test_probe_names_a_rocm_build_of_torch(monkeypatch):
+    import torch
+
+    from offload_core.backends.cuda import CudaBackend
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    assert "ROCm (HIP) build" in CudaBackend.probe()
+
+
 def test_probe_explains_a_machine_without_cuda():
     import torch
 

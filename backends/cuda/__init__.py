@@ -113,6 +113,8 @@ class CudaBackend(TorchDeviceBackend):
         except Exception as exc:
             return f"torch is not importable: {exc}"
         if torch.version.cuda is None:
+            if getattr(torch.version, "hip", None):  # ROCm builds name their devices "cuda" too
+                return f"torch {torch.__version__} is a ROCm (HIP) build: the cuda backend needs NVIDIA's CUDA driver"
             return f"torch {torch.__version__} is built without CUDA"
         if not torch.cuda.is_available():
             return "torch.cuda.is_available() is False: no usable NVIDIA GPU or driver"
