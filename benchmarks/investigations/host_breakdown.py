@@ -75,6 +75,16 @@ def instrument(backend_name: str) -> None:
         timed(compact.CompactLayout, "segments", "launch: copy_blocks: segments")
         timed(compact.CompactLayout, "segment_summary", "launch: copy_blocks: choose: segment_summary")
         timed(ring.DescriptorRing, "upload", "launch: copy_blocks: ring upload")
+        reserve = ring.DescriptorRing._reserve
+
+        def counted_reserve(self, count):  # None: the ring is full, the upload takes one-off pinned memory
+            start = reserve(self, count)
+            if start is None:
+                CALLS[("launch: copy_blocks: ring full, one-off pinned tables", True)] += 1
+                TIMES[("launch: copy_blocks: ring full, one-off pinned tables", True)] += 0.0
+            return start
+
+        ring.DescriptorRing._reserve = counted_reserve
         timed(kernels, "_launch", "launch: copy_blocks: kernel launch")
         timed(drv.Driver, "memcpy_batch_async", "launch: copy_blocks: cuMemcpyBatchAsync")
         timed(events.DriverEvent, "record", "event record")
@@ -94,6 +104,7 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--jobs", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--blocks", type=int, help="device blocks per tensor (default: 1024, or twice a job)")
     args = parser.parse_args()
     if args.backend == "expanding":
         from offload_core.testing.expanding import ExpandingCpuBackend
@@ -102,7 +113,7 @@ def main() -> None:
     else:
         backend = get_backend(args.backend)
     instrument("cuda" if backend.name == "cuda" else "expanding")
-    blocks = max(1024, 2 * args.blocks_per_job)
+    blocks = args.blocks or max(1024, 2 * args.blocks_per_job)
     tensors = [
         KVCacheTensor(torch.zeros(blocks, args.page, dtype=torch.int8, device=backend.device), args.page)
         for _ in range(args.tensors)
