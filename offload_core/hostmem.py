@@ -7,32 +7,32 @@ import os
 
 from offload_core.errors import OffloadError
 
-# Where the kernel says what this process may use; module attributes so tests can point elsewhere.
-MEMINFO = "/proc/meminfo"
-CGROUPS = "/proc/self/cgroup"
-CGROUP_ROOT = "/sys/fs/cgroup"
 _NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as a number near 2**63
 
 
-def available_host_bytes() -> int | None:
+def available_host_bytes(root: str = "/") -> int | None:
     """Host memory this process can get without swapping: the kernel's ``MemAvailable`` (else
     all physical memory), or less where the process's memory cgroup (a container's limit) leaves
-    less; None where nothing can be read."""
-    machine = _meminfo_available()
+    less; None where nothing can be read.
+
+    Args:
+        root: where the kernel's ``proc`` and ``sys`` file systems are mounted.
+    """
+    machine = _meminfo_available(os.path.join(root, "proc/meminfo"))
     if machine is None:
         try:
             machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError, AttributeError):
             machine = None
-    group = _cgroup_headroom()
+    group = _cgroup_headroom(os.path.join(root, "proc/self/cgroup"), os.path.join(root, "sys/fs/cgroup"))
     if machine is None or group is None:
         return group if machine is None else machine
     return min(machine, group)
 
 
-def _meminfo_available() -> int | None:
+def _meminfo_available(meminfo: str) -> int | None:
     try:
-        with open(MEMINFO, "rb") as f:
+        with open(meminfo, "rb") as f:
             for line in f:
                 if line.startswith(b"MemAvailable:"):
                     return int(line.split()[1]) * 1024
@@ -52,12 +52,12 @@ _V1 = (
 )
 
 
-def _cgroup_headroom() -> int | None:
+def _cgroup_headroom(cgroups: str, cgroup_root: str) -> int | None:
     """The least headroom (limit less usage, page cache counted free) of the process's memory
     cgroup and every cgroup above it, for cgroup v2 and v1; None where none has a limit or
     nothing can be read."""
     try:
-        with open(CGROUPS, "rb") as f:
+        with open(cgroups, "rb") as f:
             lines = f.read().decode("utf-8", "surrogateescape").splitlines()  # paths are bytes
     except OSError:
         return None
@@ -66,9 +66,9 @@ def _cgroup_headroom() -> int | None:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if hierarchy == "0" and controllers == "":
-            spec, bases = _V2, [CGROUP_ROOT]
+            spec, bases = _V2, [cgroup_root]
         elif "memory" in controllers.split(","):  # v1 mounts it alone, or with others ("cpu,memory")
-            spec, bases = _V1, [f"{CGROUP_ROOT}/memory", f"{CGROUP_ROOT}/{controllers}"]
+            spec, bases = _V1, [f"{cgroup_root}/memory", f"{cgroup_root}/{controllers}"]
         else:
             continue
         parts = [p for p in path.split("/") if p]
@@ -112,14 +112,15 @@ def _headroom(directory: str, spec: tuple) -> int | None:
     return max(0, limit - used + sum(stat.get(key, 0) for key in cache_keys))
 
 
-def check_host_bytes(nbytes: int, what: str) -> None:
-    """Refuse to allocate `nbytes` of host memory for `what` where less is available.
+def check_host_bytes(nbytes: int, what: str, root: str = "/") -> None:
+    """Refuse to allocate `nbytes` of host memory for `what` where less is available
+    (`available_host_bytes` under `root`).
 
     Raises:
         OffloadError: more than the available host memory is asked for; the message names
             both sizes.
     """
-    available = available_host_bytes()
+    available = available_host_bytes(root)
     if available is not None and nbytes > available:
         raise OffloadError(
             f"{what} needs {gib(nbytes)} of host memory, but only {gib(available)} is available; ask for less"

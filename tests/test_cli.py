@@ -269,7 +269,7 @@ def test_bench_reports_the_memory_it_uses(capsys):
     [(2**20, "not even one job (--blocks 4) would fit"), (100 * 2**20, "--blocks 8 or fewer would fit")],
 )
 def test_bench_refuses_more_memory_than_is_available(capsys, monkeypatch, available, hint):
-    monkeypatch.setattr(hostmem, "available_host_bytes", lambda: available)
+    monkeypatch.setattr(hostmem, "available_host_bytes", lambda root="/": available)
     assert main(["bench", "--backend", "cpu", "--blocks", "64", "--blocks-per-job", "4"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
@@ -278,7 +278,7 @@ def test_bench_refuses_more_memory_than_is_available(capsys, monkeypatch, availa
 
 
 def test_bench_run_refuses_before_allocating(monkeypatch):
-    monkeypatch.setattr(hostmem, "available_host_bytes", lambda: 2**20)
+    monkeypatch.setattr(hostmem, "available_host_bytes", lambda root="/": 2**20)
     monkeypatch.setattr(bench, "build_kv_caches", lambda *a, **k: pytest.fail("allocated before the check"))
     with pytest.raises(OffloadError, match="of host memory"):
         bench.run("cpu", blocks=4, blocks_per_job=4)

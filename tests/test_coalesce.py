@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from offload_core import DeviceBlocks, HostBlocks, OffloadWorker
+from offload_core.backends.cpu import CpuEvent
 from offload_core.queue import _first_clash, enqueue_lock
 from offload_core.testing.expanding import ExpandingCpuBackend
 
@@ -76,27 +77,40 @@ def test_jobs_waiting_for_a_launch_go_as_one_with_results_per_job(held):
             assert torch.equal(h[ids], t.tensor[ids])
 
 
-def test_the_jobs_of_one_launch_ask_the_device_about_it_once(held, monkeypatch):
-    backend, lock = held
-    asked = {"query": 0, "elapsed_time": 0}
-    inside = []  # the cpu backend's elapsed_time queries both events itself: not the queue's asking
-    event_type = type(backend.new_event())
+class _Counted(CpuEvent):
+    """A cpu event that counts the queue's queries and elapsed times (not the queries the cpu
+    backend's elapsed_time makes itself)."""
 
-    def counting(name):
-        original = getattr(event_type, name)
+    def __init__(self, asked):
+        super().__init__()
+        self.asked = asked
 
-        def counted(self, *args):
-            asked[name] += not inside
-            inside.append(name)
-            try:
-                return original(self, *args)
-            finally:
-                inside.pop()
+    def query(self):
+        self.asked["query"] += not self.asked["inside"]
+        return super().query()
 
-        return counted
+    def elapsed_time(self, end):
+        self.asked["elapsed_time"] += 1
+        self.asked["inside"] = True
+        try:
+            return super().elapsed_time(end)
+        finally:
+            self.asked["inside"] = False
 
-    for name in asked:
-        monkeypatch.setattr(event_type, name, counting(name))
+
+class CountingEvents(ExpandingCpuBackend):
+    def __init__(self):
+        super().__init__()
+        self.asked = {"query": 0, "elapsed_time": 0, "inside": False}
+
+    def new_event(self):
+        return _Counted(self.asked)
+
+
+def test_the_jobs_of_one_launch_ask_the_device_about_it_once():
+    backend = CountingEvents()
+    lock = enqueue_lock(backend)
+    lock.acquire()  # the first launch blocks on it: the next 8 jobs wait, and go as one
     kv = small_kv(pages=(64, 32), blocks=32)
     with OffloadWorker(kv, 32, backend=backend) as worker:
         first = first_in_flight(worker)
@@ -105,10 +119,10 @@ def test_the_jobs_of_one_launch_ask_the_device_about_it_once(held, monkeypatch):
         lock.release()
         first.join()
         worker.wait(range(9))
-        asked.update(query=0, elapsed_time=0)
+        backend.asked.update(query=0, elapsed_time=0)
         results = worker.get_finished()
         assert [r.job_id for r in results] == list(range(9)) and all(r.success for r in results)
-        assert asked == {"query": 2, "elapsed_time": 2}, "once per launch, not per job"
+        assert backend.asked == {"query": 2, "elapsed_time": 2, "inside": False}, "once per launch, not per job"
         times = [r.transfer_time for r in results[1:]]
         assert times == [times[0]] * 8, "equal jobs of one launch get equal shares of its time"
 

@@ -9,67 +9,76 @@ GIB = 2**30
 
 
 @pytest.fixture
-def fake_kernel(tmp_path, monkeypatch):
-    """Point hostmem at files under tmp_path: write(relative path, text) makes one."""
+def fake_kernel(tmp_path):
+    """A stand-in root with /proc and /sys under tmp_path: write(name, text) makes ``meminfo``
+    (proc/meminfo), ``cgroup`` (proc/self/cgroup) or ``sys/...`` (under sys/fs/cgroup)."""
 
     def write(name, text):
-        path = tmp_path / name
+        path = tmp_path / where(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
 
-    monkeypatch.setattr(hostmem, "MEMINFO", str(tmp_path / "meminfo"))
-    monkeypatch.setattr(hostmem, "CGROUPS", str(tmp_path / "cgroup"))
-    monkeypatch.setattr(hostmem, "CGROUP_ROOT", str(tmp_path / "sys"))
     write("meminfo", f"MemTotal: {512 * GIB // 1024} kB\nMemAvailable: {400 * GIB // 1024} kB\n")
     return write
 
 
-def test_without_a_cgroup_limit_the_machine_decides(fake_kernel):
+def where(name):
+    if name in ("meminfo", "cgroup"):
+        return {"meminfo": "proc/meminfo", "cgroup": "proc/self/cgroup"}[name]
+    return "sys/fs/cgroup" + name.removeprefix("sys")
+
+
+@pytest.fixture
+def available(tmp_path):
+    return lambda: hostmem.available_host_bytes(root=str(tmp_path))
+
+
+def test_without_a_cgroup_limit_the_machine_decides(fake_kernel, available):
     fake_kernel("cgroup", "0::/job\n")
     fake_kernel("sys/job/memory.max", "max\n")
-    assert hostmem.available_host_bytes() == 400 * GIB
+    assert available() == 400 * GIB
 
 
 @pytest.mark.parametrize("where", ["sys/job", "sys"])  # the cgroup's directory, or mounted as the root
-def test_a_cgroup_v2_limit_below_the_machine_decides(fake_kernel, where):
+def test_a_cgroup_v2_limit_below_the_machine_decides(fake_kernel, where, available):
     fake_kernel("cgroup", "0::/job\n")
     fake_kernel(f"{where}/memory.max", f"{128 * GIB}\n")
     fake_kernel(f"{where}/memory.current", f"{30 * GIB}\n")
     fake_kernel(f"{where}/memory.stat", f"anon 1\ninactive_file {2 * GIB}\nactive_file {GIB}\nshmem 7\n")
-    assert hostmem.available_host_bytes() == 101 * GIB  # 128 - 30 + 3 of page cache the kernel drops first
+    assert available() == 101 * GIB  # 128 - 30 + 3 of page cache the kernel drops first
 
 
-def test_a_cgroup_v1_limit_below_the_machine_decides(fake_kernel):
+def test_a_cgroup_v1_limit_below_the_machine_decides(fake_kernel, available):
     fake_kernel("cgroup", "5:cpu,cpuacct:/\n4:memory:/job\n0::/\n")
     fake_kernel("sys/memory/job/memory.limit_in_bytes", f"{64 * GIB}\n")
     fake_kernel("sys/memory/job/memory.usage_in_bytes", f"{4 * GIB}\n")
     fake_kernel("sys/memory/job/memory.stat", f"cache 9\ntotal_inactive_file {GIB}\n")
-    assert hostmem.available_host_bytes() == 61 * GIB
+    assert available() == 61 * GIB
 
 
-def test_a_cgroup_v1_without_a_limit_is_ignored(fake_kernel):
+def test_a_cgroup_v1_without_a_limit_is_ignored(fake_kernel, available):
     fake_kernel("cgroup", "4:memory:/\n")
     fake_kernel("sys/memory/memory.limit_in_bytes", "9223372036854771712\n")
     fake_kernel("sys/memory/memory.usage_in_bytes", f"{4 * GIB}\n")
-    assert hostmem.available_host_bytes() == 400 * GIB
+    assert available() == 400 * GIB
 
 
-def test_a_cgroup_over_its_limit_leaves_nothing(fake_kernel):
+def test_a_cgroup_over_its_limit_leaves_nothing(fake_kernel, available, tmp_path):
     fake_kernel("cgroup", "0::/\n")
     fake_kernel("sys/memory.max", f"{GIB}\n")
     fake_kernel("sys/memory.current", f"{2 * GIB}\n")
-    assert hostmem.available_host_bytes() == 0
+    assert available() == 0
     with pytest.raises(hostmem.OffloadError, match="host buffer needs 1.0 MiB of host memory, but only 0.0 MiB"):
-        hostmem.check_host_bytes(2**20, "host buffer")
+        hostmem.check_host_bytes(2**20, "host buffer", root=str(tmp_path))
 
 
-def test_unreadable_files_fall_back_to_what_can_be_read(fake_kernel):
+def test_unreadable_files_fall_back_to_what_can_be_read(fake_kernel, available):
     fake_kernel("cgroup", "0::/job\n")
     fake_kernel("sys/job/memory.max", "garbage\n")
-    assert hostmem.available_host_bytes() == 400 * GIB
+    assert available() == 400 * GIB
 
 
-def test_a_limit_on_a_parent_cgroup_binds_its_children(fake_kernel):
+def test_a_limit_on_a_parent_cgroup_binds_its_children(fake_kernel, available):
     # a batch scheduler's layout: the job's cgroup has the limit, the task's below it none
     fake_kernel("cgroup", "0::/slice/job_1/step_0/task_0\n")
     fake_kernel("sys/slice/job_1/step_0/task_0/memory.max", "max\n")
@@ -78,28 +87,29 @@ def test_a_limit_on_a_parent_cgroup_binds_its_children(fake_kernel):
     fake_kernel("sys/slice/job_1/memory.current", f"{60 * GIB}\n")
     fake_kernel("sys/slice/memory.max", f"{256 * GIB}\n")
     fake_kernel("sys/slice/memory.current", f"{100 * GIB}\n")
-    assert hostmem.available_host_bytes() == 4 * GIB
+    assert available() == 4 * GIB
 
 
-def test_a_cgroup_v1_inherited_limit_counts_where_only_the_leaf_is_visible(fake_kernel):
+def test_a_cgroup_v1_inherited_limit_counts_where_only_the_leaf_is_visible(fake_kernel, available):
     fake_kernel("cgroup", "4:memory:/\n")
     fake_kernel("sys/memory/memory.limit_in_bytes", "9223372036854771712\n")
     fake_kernel("sys/memory/memory.usage_in_bytes", f"{4 * GIB}\n")
     fake_kernel("sys/memory/memory.stat", f"hierarchical_memory_limit {16 * GIB}\ntotal_active_file {GIB}\n")
-    assert hostmem.available_host_bytes() == 13 * GIB
+    assert available() == 13 * GIB
 
 
-def test_a_cgroup_v1_memory_controller_mounted_with_another(fake_kernel):
+def test_a_cgroup_v1_memory_controller_mounted_with_another(fake_kernel, available):
     fake_kernel("cgroup", "3:cpu,memory:/job\n")
     fake_kernel("sys/cpu,memory/job/memory.limit_in_bytes", f"{8 * GIB}\n")
     fake_kernel("sys/cpu,memory/job/memory.usage_in_bytes", f"{2 * GIB}\n")
-    assert hostmem.available_host_bytes() == 6 * GIB
+    assert available() == 6 * GIB
 
 
-def test_a_cgroup_path_that_is_not_utf8_is_read_as_bytes(fake_kernel, tmp_path):
-    (tmp_path / "cgroup").write_bytes(b"0::/job\xff\n")
-    directory = tmp_path / "sys" / "job\udcff"  # the name's byte, as the file system has it
+def test_a_cgroup_path_that_is_not_utf8_is_read_as_bytes(fake_kernel, tmp_path, available):
+    fake_kernel("cgroup", "")
+    (tmp_path / "proc/self/cgroup").write_bytes(b"0::/job\xff\n")
+    directory = tmp_path / "sys/fs/cgroup" / "job\udcff"  # the name's byte, as the file system has it
     directory.mkdir(parents=True)
     (directory / "memory.max").write_text(f"{2 * GIB}\n")
     (directory / "memory.current").write_text(f"{GIB}\n")
-    assert hostmem.available_host_bytes() == GIB
+    assert available() == GIB
