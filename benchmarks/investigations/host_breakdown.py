@@ -80,8 +80,12 @@ def instrument(backend_name: str) -> None:
         def counted_reserve(self, count):  # None: the ring is full, the upload takes one-off pinned memory
             start = reserve(self, count)
             if start is None:
-                CALLS[("launch: copy_blocks: ring full, one-off pinned tables", True)] += 1
-                TIMES[("launch: copy_blocks: ring full, one-off pinned tables", True)] += 0.0
+                key = (
+                    "launch: copy_blocks: ring full, one-off pinned tables",
+                    threading.current_thread() is threading.main_thread(),
+                )
+                CALLS[key] += 1
+                TIMES[key] += 0.0
             return start
 
         ring.DescriptorRing._reserve = counted_reserve
