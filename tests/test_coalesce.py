@@ -44,6 +44,17 @@ def first_in_flight(worker, job_id=0, dev=(0,), host=(0,)):
     return thread
 
 
+def one_then_eight(worker, lock):
+    """Job 0 launched alone (its launch blocks on the held `lock`), jobs 1-8 submitted meanwhile
+    (they wait, for one launch together), then the lock released and all nine jobs done."""
+    first = first_in_flight(worker)
+    for j in range(1, 9):
+        store(worker, j, [2 * j, 2 * j + 1], [2 * j, 2 * j + 1])
+    lock.release()
+    first.join()
+    worker.wait(range(9))
+
+
 @pytest.fixture
 def held():
     """A backend whose enqueue lock the test holds: the first launch blocks on it, so later jobs
@@ -60,12 +71,7 @@ def test_jobs_waiting_for_a_launch_go_as_one_with_results_per_job(held):
     backend, lock = held
     kv = small_kv(pages=(64, 32), blocks=32)
     with OffloadWorker(kv, 32, backend=backend) as worker:
-        first = first_in_flight(worker)
-        for j in range(1, 9):
-            store(worker, j, [2 * j, 2 * j + 1], [2 * j, 2 * j + 1])
-        lock.release()
-        first.join()
-        worker.wait(range(9))
+        one_then_eight(worker, lock)
         results = worker.get_finished()
         assert [r.job_id for r in results] == list(range(9))
         assert [r.transfer_size for r in results] == [96] + [192] * 8
@@ -113,12 +119,7 @@ def test_the_jobs_of_one_launch_ask_the_device_about_it_once():
     lock.acquire()  # the first launch blocks on it: the next 8 jobs wait, and go as one
     kv = small_kv(pages=(64, 32), blocks=32)
     with OffloadWorker(kv, 32, backend=backend) as worker:
-        first = first_in_flight(worker)
-        for j in range(1, 9):
-            store(worker, j, [2 * j, 2 * j + 1], [2 * j, 2 * j + 1])
-        lock.release()
-        first.join()
-        worker.wait(range(9))
+        one_then_eight(worker, lock)
         backend.asked.update(query=0, elapsed_time=0)
         results = worker.get_finished()
         assert [r.job_id for r in results] == list(range(9)) and all(r.success for r in results)
