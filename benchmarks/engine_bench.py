@@ -68,7 +68,7 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
             for direction in ("store", "load"):
                 submit_s = []
                 launches, launch_s = worker.stats()[direction].launches, worker.stats()[direction].launch_s
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 for j, (dev, host) in enumerate(specs):
                     s0 = time.perf_counter()
                     if direction == "store":
@@ -76,6 +76,7 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
                     else:  # into other blocks: the ids shifted by one job
                         worker.submit_load(j, HostBlocks(host), DeviceBlocks(specs[(j + 1) % jobs][0]))
                     submit_s.append(time.perf_counter() - s0)
+                cpu = time.process_time() - cpu0  # every thread's, while the jobs are submitted (not the wait)
                 worker.wait(range(jobs))
                 wall = time.perf_counter() - t0
                 results = worker.get_finished()
@@ -84,6 +85,9 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
                     out[f"{direction}_wall_gbps"] = jobs * job_bytes / wall / 1e9
                     out[f"{direction}_submit_us_median"] = float(np.median(us))
                     out[f"{direction}_submit_us_p99"] = float(np.percentile(us, 99))
+                    # CPU time, unlike wall time, leaves out what a VM's host takes away (steal):
+                    # where it holds steady while the wall time drifts, the drift is the machine's
+                    out[f"{direction}_host_cpu_us_per_job"] = cpu / jobs * 1e6
                     out[f"{direction}_ok"] = all(r.success for r in results) and len(results) == jobs
                     out[f"{direction}_jobs_per_launch"] = jobs / max(1, worker.stats()[direction].launches - launches)
                     out[f"{direction}_launch_us_per_job"] = (worker.stats()[direction].launch_s - launch_s) / jobs * 1e6
@@ -217,7 +221,8 @@ def main() -> None:
                     f"{backend.name:5} {name:9} page {page:>6} B x {per_job:>3} blocks ({row['job_bytes'] / 2**20:7.2f} MiB): "
                     f"store {row['store_ratio']:5.2f} load {row['load_ratio']:5.2f} of the link; submit median "
                     f"{row['store_submit_us_median']:6.0f} / {row['load_submit_us_median']:6.0f} us, p99 "
-                    f"{row['store_submit_us_p99']:6.0f} / {row['load_submit_us_p99']:6.0f} us; "
+                    f"{row['store_submit_us_p99']:6.0f} / {row['load_submit_us_p99']:6.0f} us; host cpu "
+                    f"{row['store_host_cpu_us_per_job']:.0f} / {row['load_host_cpu_us_per_job']:.0f} us per job; "
                     f"+{row['device_bytes_beyond_kv'] / 2**20:.0f} MiB device; jobs per launch "
                     f"{row['store_jobs_per_launch']:.1f} / {row['load_jobs_per_launch']:.1f} (launch "
                     f"{row['store_launch_us_per_job']:.0f} / {row['load_launch_us_per_job']:.0f} us per job); "
