@@ -200,7 +200,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="offload-core", description=__doc__)
     sub = parser.add_subparsers(dest="command")
-    p = sub.add_parser("backends", help="list every backend: available or not, why, which one is selected")
+    p = sub.add_parser(
+        "backends",
+        help="list every backend: available or not, why, which one is selected",
+        description=(
+            "List every registered backend (built in, or a plugin's entry point): whether it can run here and "
+            "why not, and which one is selected: $OFFLOAD_CORE_BACKEND, else the available one of the highest "
+            "priority, ties by name. Also says whether the compiled steps were built. Exit status 1 where the "
+            "selection names an unknown backend or one that cannot run here."
+        ),
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.set_defaults(func=cmd_backends)
     from offload_core.bench import LIMIT_COPIES, PRESETS
