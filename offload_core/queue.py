@@ -280,10 +280,11 @@ class TransferQueue:
                 try:
                     # A failed launch is reported once what it enqueued has run: the engine may
                     # reuse the blocks as soon as it sees the result.
-                    if job.end is not None and (passed is None or passed[0] is not job.end) and not job.end.query():
+                    known = passed is not None and passed[0] is job.end  # an earlier job's launch: passed
+                    if job.end is not None and not known and not job.end.query():
                         break
                     ok = not job.failed
-                    if ok and (passed is None or passed[0] is not job.end):
+                    if ok and not known:
                         passed = (job.end, job.start.elapsed_time(job.end) / 1e3)
                     elapsed = passed[1] * job.share if ok else 0.0
                 except Exception as exc:  # a device fault fails this job, not the caller's loop
