@@ -18,6 +18,7 @@ forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import time
@@ -67,6 +68,8 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
         for warm in (True, False):  # the first pass warms pools, rings, compiled kernels
             for direction in ("store", "load"):
                 submit_s = []
+                if not warm:  # the setup's garbage collected now, not by a pause inside the measured jobs
+                    gc.collect()
                 launches, launch_s = worker.stats()[direction].launches, worker.stats()[direction].launch_s
                 t0, cpu0 = time.perf_counter(), time.process_time()
                 for j, (dev, host) in enumerate(specs):

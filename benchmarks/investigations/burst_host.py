@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pathlib
 import pstats
 import sys
@@ -77,6 +78,7 @@ def main() -> None:
 
         for r in range(5):  # warm-up
             burst(r * 2 * args.jobs)
+        gc.collect()  # the setup's garbage collected now, not by a pause inside a measured burst
         per_job = []
         for r in range(5, 5 + args.rounds):
             t0 = time.perf_counter()
