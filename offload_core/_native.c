@@ -32,6 +32,16 @@ static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char
     return 0;
 }
 
+/* Whether a METH_FASTCALL function got `least` to `most` arguments; a TypeError naming it if not. */
+static int arity(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most) {
+    if (nargs >= least && nargs <= most) return 1;
+    if (least == most)
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, least, nargs);
+    else
+        PyErr_Format(PyExc_TypeError, "%s takes %zd or %zd arguments (%zd given)", name, least, most, nargs);
+    return 0;
+}
+
 /* Whether any id lies outside [0, limit): a negative int64 read as uint64 is above any limit. */
 static int any_outside(const int64_t *ids, Py_ssize_t n, int64_t limit) {
     if (limit <= 0) return n > 0;
@@ -103,10 +113,7 @@ PyDoc_STRVAR(single_job_doc,
              "C order) holding device ids, 0..n-1, zeros, host ids and zeros.");
 
 static PyObject *single_job(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "single_job takes 6 arguments");
-        return NULL;
-    }
+    if (!arity("single_job", nargs, 6, 6)) return NULL;
     int64_t dev_limit, host_limit;
     if (as_limit(args[2], &dev_limit) < 0 || as_limit(args[3], &host_limit) < 0) return NULL;
     int unique_dev = PyObject_IsTrue(args[4]);
@@ -223,10 +230,7 @@ PyDoc_STRVAR(concat_doc,
              "of the jobs before it, and their host ids one after another in `out_host_ids`.");
 
 static PyObject *concat(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "concat takes 4 arguments");
-        return NULL;
-    }
+    if (!arity("concat", nargs, 4, 4)) return NULL;
     PyObject *tables = PySequence_Fast(args[0], "blocks must be a sequence of int64 arrays");
     if (tables == NULL) return NULL;
     PyObject *hosts = PySequence_Fast(args[1], "host_ids must be a sequence of int64 arrays");
@@ -320,10 +324,7 @@ PyDoc_STRVAR(context_call_doc,
              "None stands for a null context or handle. The GIL is released around the calls.");
 
 static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6 && nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "context_call takes 6 or 7 arguments (%zd given)", nargs);
-        return NULL;
-    }
+    if (!arity("context_call", nargs, 6, 7)) return NULL;
     void *v[7];
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (i < 4) { /* entry points: a non-negative, non-zero address */
@@ -366,10 +367,7 @@ PyDoc_STRVAR(row_runs_doc,
              "before plus 1), and how many values the runs of at most `short` values hold.");
 
 static PyObject *row_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "row_runs takes 2 arguments (%zd given)", nargs);
-        return NULL;
-    }
+    if (!arity("row_runs", nargs, 2, 2)) return NULL;
     int overflow = 0;
     long long shortest = PyLong_AsLongLongAndOverflow(args[1], &overflow); /* saturates: no run is longer */
     if (shortest == -1 && PyErr_Occurred()) return NULL;

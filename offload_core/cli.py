@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
-from offload_core import registry
+from offload_core import native, registry
 from offload_core.errors import OffloadError
 from offload_core.hostmem import gib
 
@@ -45,10 +46,6 @@ def _progress(enabled: bool):
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    import os
-
-    from offload_core import native
-
     avail = registry.availability()
     problem = None
     try:

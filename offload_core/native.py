@@ -15,7 +15,7 @@ ENV_NATIVE = "OFFLOAD_CORE_NATIVE"
 
 def load() -> ModuleType | None:
     """The compiled module, or None where it is not built or switched off."""
-    if os.environ.get(ENV_NATIVE, "").strip() == "0":
+    if _switched_off():
         return None
     try:
         from offload_core import _native
@@ -27,6 +27,10 @@ def load() -> ModuleType | None:
 def status() -> str:
     """``"built"``, ``"off"`` (``OFFLOAD_CORE_NATIVE=0``) or ``"not built"`` (no C compiler or
     Python headers at install: everything runs in numpy), for `offload-core backends`."""
-    if os.environ.get(ENV_NATIVE, "").strip() == "0":
+    if _switched_off():
         return "off"
     return "built" if load() is not None else "not built"
+
+
+def _switched_off() -> bool:
+    return os.environ.get(ENV_NATIVE, "").strip() == "0"
