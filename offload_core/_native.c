@@ -1,6 +1,6 @@
 /* Compiled steps of the hot path, each the twin of a numpy function that stays the reference
- * and the fallback: `single_job` does what `CompactLayout._job_single` does (a submit's checks
- * and block table, offload_core/compact.py), `concat` what `CompactJob.concat` does (jobs
+ * and the fallback: `single_check` does what `CompactLayout._job_single` does (a submit's checks,
+ * offload_core/compact.py), `concat` what `CompactJob.concat` does (jobs
  * joined for one launch), `first_clash` what `queue._first_clash` does (which waiting jobs may
  * share a launch, offload_core/queue.py), `row_runs` what `compact._row_runs` does (a job's
  * host-contiguous runs, for the cuda backend's choice of mechanism). `context_call` calls a
@@ -105,53 +105,33 @@ static int as_limit(PyObject *obj, int64_t *out) {
     return 0;
 }
 
-PyDoc_STRVAR(single_job_doc,
-             "single_job(dev_ids, host_ids, dev_limit, host_limit, unique_dev, out) -> bool\n\n"
-             "Check a one-group job and write its block table: False, with `out` untouched, where\n"
-             "the counts differ or are zero, an id is out of range, or the destination side (device\n"
-             "ids if `unique_dev`, else host ids) repeats one; else True, with `out` (int64, 5 x n,\n"
-             "C order) holding device ids, 0..n-1, zeros, host ids and zeros.");
+PyDoc_STRVAR(single_check_doc,
+             "single_check(dev_ids, host_ids, dev_limit, host_limit, unique_dev) -> bool\n\n"
+             "Whether a one-group job may go as it is: False where the counts differ or are zero,\n"
+             "an id is out of range, or the destination side (device ids if `unique_dev`, else host\n"
+             "ids) repeats one.");
 
-static PyObject *single_job(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!arity("single_job", nargs, 6, 6)) return NULL;
+static PyObject *single_check(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!arity("single_check", nargs, 5, 5)) return NULL;
     int64_t dev_limit, host_limit;
     if (as_limit(args[2], &dev_limit) < 0 || as_limit(args[3], &host_limit) < 0) return NULL;
     int unique_dev = PyObject_IsTrue(args[4]);
     if (unique_dev < 0) return NULL;
-    Py_buffer dev, host, out;
+    Py_buffer dev, host;
     if (int64_buffer(args[0], &dev, 0, "dev_ids") < 0) return NULL;
     if (int64_buffer(args[1], &host, 0, "host_ids") < 0) {
         PyBuffer_Release(&dev);
         return NULL;
     }
-    if (int64_buffer(args[5], &out, 1, "out") < 0) {
-        PyBuffer_Release(&dev);
-        PyBuffer_Release(&host);
-        return NULL;
-    }
     Py_ssize_t n = dev.len / 8;
     const int64_t *d = dev.buf, *h = host.buf;
     PyObject *result = Py_False;
-    if (out.len != 5 * n * 8) {
-        PyErr_SetString(PyExc_ValueError, "out must hold 5 x n int64 entries");
-        result = NULL;
-    } else if (n > 0 && host.len == dev.len && !any_outside(d, n, dev_limit) && !any_outside(h, n, host_limit)) {
+    if (n > 0 && host.len == dev.len && !any_outside(d, n, dev_limit) && !any_outside(h, n, host_limit)) {
         int dup = unique_dev ? has_duplicates(d, n, dev_limit) : has_duplicates(h, n, host_limit);
-        if (dup < 0) {
-            result = NULL;
-        } else if (!dup) {
-            int64_t *o = out.buf;
-            memcpy(o, d, (size_t)n * 8);
-            for (Py_ssize_t i = 0; i < n; i++) o[n + i] = i;
-            memset(o + 2 * n, 0, (size_t)n * 8);
-            memcpy(o + 3 * n, h, (size_t)n * 8);
-            memset(o + 4 * n, 0, (size_t)n * 8);
-            result = Py_True;
-        }
+        result = dup < 0 ? NULL : dup ? Py_False : Py_True;
     }
     PyBuffer_Release(&dev);
     PyBuffer_Release(&host);
-    PyBuffer_Release(&out);
     Py_XINCREF(result);
     return result;
 }
@@ -393,7 +373,7 @@ static PyMethodDef methods[] = {
     {"context_call", (PyCFunction)(void (*)(void))context_call, METH_FASTCALL, context_call_doc},
     {"first_clash", first_clash, METH_O, first_clash_doc},
     {"row_runs", (PyCFunction)(void (*)(void))row_runs, METH_FASTCALL, row_runs_doc},
-    {"single_job", (PyCFunction)(void (*)(void))single_job, METH_FASTCALL, single_job_doc},
+    {"single_check", (PyCFunction)(void (*)(void))single_check, METH_FASTCALL, single_check_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from itertools import accumulate
-from typing import NamedTuple
 
 import numpy as np
 
@@ -38,44 +37,72 @@ from offload_core.runs import merge_runs, run_starts
 
 ENTRY_COLUMNS = ("dev_base", "dev_page", "dev_off", "host_off", "host_sub", "size", "writers", "writer")
 BLOCK_COLUMNS = ("dev_id", "chunk", "sub", "page", "group")
-# Up to this many ids a job's compiled check is the faster (2.3 against 9.6 us at 256 ids, 675
-# against 879 us at 256K on the CI-class CPU); at a million numpy's vector passes win (6 ms against 8).
-_NATIVE_IDS = 1 << 18
 
 
-class CompactJob(NamedTuple):
+class CompactJob:
     """One validated transfer, one entry per device block.
 
     Attributes:
         layout: the layout the ids refer to.
         direction: STORE or LOAD.
-        blocks: int64 ``(5, n)``, rows named by `BLOCK_COLUMNS`: device block id, position
-            of its host block in `host_ids` (its chunk), sub-page in that host block, canonical
-            page id (``host block * blocks_per_chunk + sub``) and KV-cache group.
+        dev_ids: int64, the device block of each block.
         host_ids: int64, the host block of each chunk.
         groups: per group that moves blocks, ``(group, first block, end block, first chunk,
             end chunk, skip)``: its range in `blocks` and in `host_ids`, and the sub-pages
             of its first chunk it skips.
         nbytes: bytes the job copies.
         items: copies the job expands to (blocks times their group's entries).
+        simple: one group, one block per chunk, block ``i`` in chunk ``i``: `dev_ids` and
+            `host_ids` say everything, and `blocks` is built only when asked for.
     """
 
-    layout: CompactLayout
-    direction: Direction
-    blocks: np.ndarray
-    host_ids: np.ndarray
-    groups: tuple
-    nbytes: int
-    items: int
+    __slots__ = ("layout", "direction", "dev_ids", "host_ids", "groups", "nbytes", "items", "_blocks")
+
+    def __init__(
+        self,
+        layout: CompactLayout,
+        direction: Direction,
+        blocks: np.ndarray | None,
+        host_ids: np.ndarray,
+        groups: tuple,
+        nbytes: int,
+        items: int,
+        dev_ids: np.ndarray | None = None,
+    ):
+        self.layout, self.direction, self.host_ids = layout, direction, host_ids
+        self.groups, self.nbytes, self.items = groups, nbytes, items
+        self._blocks = blocks
+        self.dev_ids = blocks[0] if dev_ids is None else dev_ids
+
+    @property
+    def simple(self) -> bool:
+        """See the class's attributes."""
+        return self._blocks is None
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """int64 ``(5, n)``, rows named by `BLOCK_COLUMNS`: device block id, position of its host
+        block in `host_ids` (its chunk), sub-page in that host block, canonical page id
+        (``host block * blocks_per_chunk + sub``) and KV-cache group."""
+        if self._blocks is not None:
+            return self._blocks
+        n = self.dev_ids.size  # a simple job's, built anew on each call (the reference paths')
+        table = np.zeros((5, n), dtype=np.int64)
+        table[0] = self.dev_ids
+        table[1] = np.arange(n)
+        table[3] = self.host_ids
+        return table
 
     def __len__(self) -> int:
-        return self.blocks.shape[1]
+        return self.dev_ids.size
 
     def destinations(self) -> np.ndarray:
         """A key per block that two blocks share if they may write the same bytes: the host
         page for a store, the device block for a load (conservative across groups). Every key
         lies in ``[0, destination_limit)``."""
-        return self.blocks[3] if self.direction is Direction.STORE else self.blocks[0]
+        if self.direction is Direction.LOAD:
+            return self.dev_ids
+        return self.host_ids if self._blocks is None else self._blocks[3]
 
     @property
     def destination_limit(self) -> int:
@@ -91,10 +118,17 @@ class CompactJob(NamedTuple):
         The caller makes sure that no two of them write the same bytes (`destinations`)."""
         if len(jobs) == 1:
             return jobs[0]
-        lengths = [j.blocks.shape[1] for j in jobs]
+        first = jobs[0]
+        nbytes, items = sum(j.nbytes for j in jobs), sum(j.items for j in jobs)
+        if all(j._blocks is None or not (len(j) or j.host_ids.size) for j in jobs):  # empty ones add nothing
+            dev_ids = np.concatenate([j.dev_ids for j in jobs])
+            host_ids = np.concatenate([j.host_ids for j in jobs])
+            groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
+            return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids)
+        lengths = [len(j) for j in jobs]
         block_offsets = list(accumulate(lengths, initial=0))
         chunk_offsets = list(accumulate((j.host_ids.size for j in jobs), initial=0))
-        compiled = jobs[0].layout.native
+        compiled = first.layout.native
         if compiled is not None:
             blocks = np.empty((5, block_offsets[-1]), dtype=np.int64)
             host_ids = np.empty(chunk_offsets[-1], dtype=np.int64)
@@ -108,16 +142,7 @@ class CompactJob(NamedTuple):
             for j, ob, oc in zip(jobs, block_offsets, chunk_offsets)
             for g, b0, b1, c0, c1, skip in j.groups
         )
-        first = jobs[0]
-        return CompactJob(
-            first.layout,
-            first.direction,
-            blocks,
-            host_ids,
-            groups,
-            sum(j.nbytes for j in jobs),
-            sum(j.items for j in jobs),
-        )
+        return CompactJob(first.layout, first.direction, blocks, host_ids, groups, nbytes, items)
 
 
 class CompactLayout:
@@ -135,6 +160,8 @@ class CompactLayout:
         largest: the largest entry, in bytes.
         native: the compiled steps (`offload_core.native`) this layout's jobs take, or None
             where they were not built or are switched off: numpy then.
+        simple_jobs: every job of this layout that moves blocks is simple (`CompactJob.simple`):
+            one group, one block per chunk.
     """
 
     def __init__(self, planner: Planner, compiled: bool = True):
@@ -185,8 +212,8 @@ class CompactLayout:
         groups = planner._groups
         self._single_limit = groups[0].device_limit if len(groups) == 1 and self.blocks_per_chunk == 1 else None
         self._single_entries = int(self.group_entries[1, 0]) if self.group_entries.size else 0  # copies per block
-        self._counters = np.zeros(0, np.int64)  # 0, 1, 2, ...: the chunk row of single-group jobs
         self.native = native.load() if compiled else None  # the compiled steps its jobs take, or None
+        self.simple_jobs = self._single_limit is not None  # every job that moves blocks is simple
         self.device_limit = planner.device_limit  # above every device block id
 
     @property
@@ -247,27 +274,21 @@ class CompactLayout:
             return None
         store = direction is Direction.STORE
         limit = self._single_limit
-        if self.native is not None and n <= _NATIVE_IDS:
-            blocks = np.empty((5, n), dtype=np.int64)
-            if not self.native.single_job(dev_ids, host_ids, limit, self.host_blocks, not store, blocks):
+        if self.native is not None:
+            if not self.native.single_check(dev_ids, host_ids, limit, self.host_blocks, not store):
                 return None
-        else:
-            if any_outside(dev_ids, limit) or any_outside(host_ids, self.host_blocks):
-                return None
-            if has_duplicates(host_ids, self.host_blocks) if store else has_duplicates(dev_ids, limit):
-                return None
-            counters = self._counters  # one read: another thread may swap in a longer one meanwhile
-            if counters.size < n:
-                counters = self._counters = np.arange(2 * n, dtype=np.int64)
-            blocks = np.zeros((5, n), dtype=np.int64)  # sub-page and group stay 0
-            blocks[0] = dev_ids
-            blocks[1] = counters[:n]
-            blocks[3] = host_ids
+        elif (
+            any_outside(dev_ids, limit)
+            or any_outside(host_ids, self.host_blocks)
+            or (has_duplicates(host_ids, self.host_blocks) if store else has_duplicates(dev_ids, limit))
+        ):
+            return None
         if store and self._periods[0] > 1:
             nbytes = int(self._elected(0, host_ids).sum())
         else:
             nbytes = n * self._entry_bytes[0]
-        return CompactJob(self, direction, blocks, host_ids, ((0, 0, n, 0, n, 0),), nbytes, n * self._single_entries)
+        groups = ((0, 0, n, 0, n, 0),)
+        return CompactJob(self, direction, None, host_ids, groups, nbytes, n * self._single_entries, dev_ids)
 
     def _elected(self, group: int, pages: np.ndarray) -> np.ndarray:
         """Bytes each (block, entry) of `group` stores, given the blocks' canonical page ids."""

@@ -245,21 +245,23 @@ def test_compact_jobs_are_bit_exact(expanding, case):
     assert {r.mechanism for r in results} <= {expanding.mechanism, ""}  # "": a job of no blocks
 
 
-@pytest.mark.parametrize("a, b, heads", [(4, 2, 2), (4, 4, 1), (2, 4, 4)])
-def test_compact_canonical_jobs_with_writer_election(expanding, a, b, heads):
+@pytest.mark.parametrize("a, b, heads, bpc", [(4, 2, 2, 2), (4, 4, 1, 2), (2, 4, 4, 2), (4, 2, 2, 1), (2, 4, 4, 1)])
+def test_compact_canonical_jobs_with_writer_election(expanding, a, b, heads, bpc):
     """In the default region directory (/dev/shm): the driver registers its memory, so
-    ``expand_direct`` reaches it (a file elsewhere may not be registrable)."""
+    ``expand_direct`` reaches it (a file elsewhere may not be registrable). One block per chunk:
+    simple jobs, whose election reads the host ids of their two-column tables."""
     import torch
     from test_canonical import load_all, store_all
     from tp_ranks import full_model, rank_kv
 
     full = full_model(heads)
-    bpc, num_host = 2, 8
-    src, dst, hosts = [1, 4, 5, 7], [9, 2, 3, 0], [6, 2, 3]
-    name = f"test-{os.getpid()}-{expanding.mechanism}-{a}{b}{heads}"
-    regions = store_all(expanding, a, full, name, None, src, hosts, bpc, num_host, block_index=1)
+    num_host = 8
+    src, dst = [1, 4, 5, 7], [9, 2, 3, 0]
+    hosts, index = ([6, 2, 3], 1) if bpc == 2 else ([6, 2, 3, 5], 0)
+    name = f"test-{os.getpid()}-{expanding.mechanism}-{a}{b}{heads}{bpc}"
+    regions = store_all(expanding, a, full, name, None, src, hosts, bpc, num_host, block_index=index)
     try:
-        for rank, kv in enumerate(load_all(expanding, b, full, regions, dst, hosts, bpc, num_host, block_index=1)):
+        for rank, kv in enumerate(load_all(expanding, b, full, regions, dst, hosts, bpc, num_host, block_index=index)):
             for t, e in zip(kv.tensors, rank_kv(full, b, rank).tensors):
                 assert torch.equal(t.tensor.cpu()[dst], e.tensor[src])
     finally:

@@ -950,12 +950,14 @@ def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
     expanded = []
     copier = SimpleNamespace(
         backend=host_only_backend(monkeypatch, FakeLib()),
-        expand=lambda job, prepared, rows, b0, b1, stream, held, programs: expanded.append((rows.tolist(), programs)),
+        expand=lambda job, prepared, b0, b1, stream, held, programs, stage=None: expanded.append(
+            (b0, b1, programs, stage)
+        ),
     )
     prepared = SimpleNamespace(layout=SimpleNamespace(host_base=1000, row_bytes=10))
     for direction in (Direction.STORE, Direction.LOAD):
         TABLE["expand_direct"].enqueue_job(copier, Job(direction), prepared, None, None, [], [])
-    assert expanded == [([1030, 1030], 8), ([1030, 1030], 32)]
+    assert expanded == [(0, 2, 8, None), (0, 2, 32, None)]
 
 
 @pytest.mark.parametrize(
@@ -985,3 +987,91 @@ def test_a_constructor_setting_wins_over_the_environment(monkeypatch):
     backend = CudaBackend(driver=drv.Driver(FakeLib()), runtime=FakeCudaRuntime(), max_programs=12, max_batch=0)
     assert backend.sm_programs == {Direction.STORE: 12, Direction.LOAD: 12}
     assert backend.max_batch == 0
+
+
+def kernel_reading(table: np.ndarray, n: int, rows, layout, store: bool):
+    """The copies the expansion kernel makes of a block table (`kernels.expand`'s contract), in
+    numpy: block by block, entry by entry, the entries a store does not elect left out."""
+    dev_id = table[:n]
+    if rows is None:
+        row, sub, page, g = (table[k * n : (k + 1) * n] for k in range(1, 5))
+    else:
+        base, step, by_host = rows
+        page = table[n : 2 * n]
+        row = base + step * (page if by_host else np.arange(n))
+        sub = g = np.zeros(n, dtype=np.int64)
+    e = layout.entries
+    dev, side, size = [], [], []
+    for b in range(n):
+        first, count = layout.group_entries[:, g[b]]
+        for k in range(first, first + count):
+            mine = not store or e[6, k] == 1 or page[b] % e[6, k] == e[7, k]
+            if mine:
+                dev.append(e[0, k] + dev_id[b] * e[1, k] + e[2, k])
+                side.append(row[b] + e[3, k] + sub[b] * e[4, k])
+                size.append(e[5, k])
+    return [np.array(x, dtype=np.int64) for x in (dev, side, size)]
+
+
+@pytest.mark.parametrize("shape", ["simple", "simple, elected", "chunks of two", "two groups"])
+@pytest.mark.parametrize("stage", [None, 1 << 40], ids=["host rows", "staging"])
+@pytest.mark.parametrize("direction", list(Direction))
+def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, stage, direction):
+    """What `BlockCopier.expand` uploads, read as the kernel reads it, gives the reference's copies
+    (`CompactLayout.descriptors`): a simple job's two columns with the rows found from the host
+    ids or the block index, and the five columns of the others."""
+    from test_plan import Model
+
+    from offload_core import DeviceBlocks, HostBlocks, Planner
+    from offload_core.backends.cuda import blocks as cuda_blocks
+    from offload_core.canonical import CanonicalPageMapping, CopyRun
+    from offload_core.compact import CompactLayout
+
+    bpc = 2 if shape == "chunks of two" else 1
+    if shape == "two groups":
+        model = Model([16, 24], [[(0, 16)], [(1, 24)]], bpc, 64, 64)
+        device, host = DeviceBlocks([5, 9, 2, 40, 7], [2, 3]), HostBlocks([11, 3, 60, 8, 0])
+    elif shape == "simple, elected":
+        mapping = CanonicalPageMapping(128, 64, (CopyRun(0, 0, 64),), num_writers=2, writer_index=1)
+        model = Model([128], [[(0, 64, mapping)]], 1, 64, 64)
+        device, host = DeviceBlocks([5, 9, 2, 40, 7]), HostBlocks([11, 3, 60, 8, 0])
+    else:
+        model = Model([16], [[(0, 16)]], bpc, 64, 64)
+        device = DeviceBlocks([5, 9, 2, 40, 7], block_indices=[1] if bpc == 2 else None)
+        host = HostBlocks([11, 3, 60] if bpc == 2 else [11, 3, 60, 8, 0])
+    layout = CompactLayout(Planner(model.geometry), compiled=False)
+    job = layout.job(direction, device, host)
+    assert job.simple == shape.startswith("simple")
+    uploaded, launched = [], []
+
+    class Ring:
+        def upload(self, cols, stream):
+            uploaded.append(np.concatenate(cols))
+            return [0], []
+
+    monkeypatch.setattr(cuda_blocks.kernels, "expand", lambda *args: launched.append(args))
+    copier = cuda_blocks.BlockCopier.__new__(cuda_blocks.BlockCopier)
+    copier.backend = SimpleNamespace(_ring=Ring())
+    prepared = SimpleNamespace(
+        layout=layout,
+        entries=SimpleNamespace(data_ptr=lambda: 0),
+        groups=SimpleNamespace(data_ptr=lambda: 0),
+        entry_count=layout.entries.shape[1],
+        group_count=layout.group_entries.shape[1],
+        per_block=layout.max_entries,
+    )
+    copier.expand(job, prepared, 0, len(job), None, [], 4, stage)
+    (args,) = launched
+    assert args[1] == len(job) and args[7] == (direction is Direction.STORE)
+    got = kernel_reading(uploaded[0], len(job), args[11], layout, direction is Direction.STORE)
+    want = layout.descriptors(job, stage)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert uploaded[0].size == (2 if job.simple else 5) * len(job)
+    if stage is not None and shape in ("simple", "chunks of two"):  # a piece: blocks 2..4, chunk 2 (1) at stage
+        chunk = 2 // bpc
+        copier.expand(job, prepared, 2, 5, None, [], 4, stage - chunk * layout.row_bytes)
+        got = kernel_reading(uploaded[1], 3, launched[1][11], layout, direction is Direction.STORE)
+        per = int(layout.group_entries[1, 0])
+        for g, w in zip(got, layout.descriptors(job, stage - chunk * layout.row_bytes)):
+            np.testing.assert_array_equal(g, w[2 * per : 5 * per])

@@ -1,6 +1,7 @@
 """Compact jobs on the GPU: the block ids go up, the device expands them (`offload_core.compact`).
 
-Per job the host uploads one small table (five int64 per block, through the descriptor ring)
+Per job the host uploads one small table (two int64 per block for simple jobs, five for others,
+through the descriptor ring)
 and enqueues one expansion kernel and at most one batch of copies per piece:
 
 * ``expand_staged``: the kernel gathers every entry of every block into a staging buffer that
@@ -77,20 +78,24 @@ class BlockCopier:
         with b._on_device():
             prepared = Prepared(b._torch, b.device, layout)
             stream = b.runtime.current_stream(b.device_index)
+            # simple jobs' tables: host rows addressed by host block (direct) or by block (staged)
+            variants = ((0, 0, True), (0, 0, False)) if layout.simple_jobs else (None,)
             for store in (True, False):
-                kernels.expand(
-                    prepared.groups.data_ptr(),
-                    0,
-                    prepared.entries.data_ptr(),
-                    prepared.entry_count,
-                    prepared.groups.data_ptr(),
-                    prepared.group_count,
-                    prepared.per_block,
-                    store,
-                    layout.largest,
-                    stream,
-                    1,
-                )
+                for rows in variants:
+                    kernels.expand(
+                        prepared.groups.data_ptr(),
+                        0,
+                        prepared.entries.data_ptr(),
+                        prepared.entry_count,
+                        prepared.groups.data_ptr(),
+                        prepared.group_count,
+                        prepared.per_block,
+                        store,
+                        layout.largest,
+                        stream,
+                        1,
+                        rows,
+                    )
         return prepared
 
     def direct_ok(self, prepared: Prepared) -> bool:
@@ -136,12 +141,23 @@ class BlockCopier:
         mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
         return mechanism.name
 
-    def expand(self, job, prepared, rows, b0, b1, stream, held, programs: int) -> None:
-        """Upload blocks b0..b1 (their host row addresses `rows`) and enqueue the kernel on `stream`
-        with at most `programs` programs."""
-        blocks = job.blocks
-        cols = (blocks[0, b0:b1], rows, blocks[2, b0:b1], blocks[3, b0:b1], blocks[4, b0:b1])
-        b = self.backend
+    def expand(self, job, prepared, b0, b1, stream, held, programs: int, stage: int | None = None) -> None:
+        """Upload the table of blocks b0..b1 and enqueue the kernel on `stream` with at most
+        `programs` programs; the host rows are the host buffer's where `stage` is None, else
+        a staging buffer's that mirrors the job's host rows, chunk j at ``stage + j * row_bytes``."""
+        layout, b = prepared.layout, self.backend
+        if job.simple:  # two columns; the kernel finds the rows
+            cols = (job.dev_ids[b0:b1], job.host_ids[b0:b1])
+            row = layout.row_bytes
+            rows = (layout.host_base, row, True) if stage is None else (stage + b0 * row, row, False)
+        else:
+            blocks = job.blocks
+            chunks = blocks[1, b0:b1]
+            if stage is None:
+                addresses = layout.host_base + job.host_ids[chunks] * layout.row_bytes
+            else:
+                addresses = stage + chunks * layout.row_bytes
+            cols, rows = (blocks[0, b0:b1], addresses, blocks[2, b0:b1], blocks[3, b0:b1], blocks[4, b0:b1]), None
         (table,), keep = b._ring.upload(cols, stream)
         held.append(keep)
         kernels.expand(
@@ -153,9 +169,10 @@ class BlockCopier:
             prepared.group_count,
             prepared.per_block,
             job.direction is Direction.STORE,
-            prepared.layout.largest,
+            layout.largest,
             stream,
             programs,
+            rows,
         )
 
     @property
@@ -221,10 +238,8 @@ class ExpandDirect(_Expansion):
         return "expand_direct needs host memory from alloc_host or pin_host_memory (device-addressable)"
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
-        layout = prepared.layout
-        rows = layout.host_base + job.host_ids[job.blocks[1]] * layout.row_bytes
         # it holds its SMs while the bytes cross the link: as few as keep the link busy
-        copier.expand(job, prepared, rows, 0, len(job), stream, held, copier.backend.sm_programs[job.direction])
+        copier.expand(job, prepared, 0, len(job), stream, held, copier.backend.sm_programs[job.direction])
 
 
 class ExpandStaged(_Expansion):
@@ -257,7 +272,7 @@ class ExpandStaged(_Expansion):
         cuts = list(range(0, chunks, per_piece)) + [chunks]
         if len(cuts) > 2:  # a segment may run across a cut (consecutive host rows): split it there
             seg_stage, seg_host, seg_sizes = _split(seg_stage, seg_host, seg_sizes, np.array(cuts[1:-1]) * row)
-        chunk_of = job.blocks[1]
+        chunk_of = None if job.simple else job.blocks[1]  # a simple job's block i is in chunk i
         if store:  # the gather reads what the compute streams wrote; the queue's stream already waits for them
             for event in after:
                 st.side.wait_event(event)
@@ -265,14 +280,17 @@ class ExpandStaged(_Expansion):
             half = st.halves[st.next]
             free = st.free[st.next]
             st.next ^= 1
-            b0, b1 = np.searchsorted(chunk_of, (j0, j1)).tolist() if len(cuts) > 2 else (0, len(job))
-            s0, s1 = np.searchsorted(seg_stage, (j0 * row, j1 * row)).tolist() if len(cuts) > 2 else (0, seg_stage.size)
-            stage_addr = seg_stage[s0:s1] + (half - j0 * row)
-            rows = (half - j0 * row) + chunk_of[b0:b1] * row
+            if len(cuts) == 2:
+                b0, b1, s0, s1 = 0, len(job), 0, seg_stage.size
+            else:
+                b0, b1 = (j0, j1) if chunk_of is None else np.searchsorted(chunk_of, (j0, j1)).tolist()
+                s0, s1 = np.searchsorted(seg_stage, (j0 * row, j1 * row)).tolist()
+            stage = half - j0 * row  # where chunk 0 would lie: chunk j0 lies at the half's start
+            stage_addr = seg_stage[s0:s1] + stage
             if store:
                 st.side.wait_event(free)  # the copies that last read this half are done
                 if b1 > b0:
-                    copier.expand(job, prepared, rows, b0, b1, st.side, held, b.gather_programs)
+                    copier.expand(job, prepared, b0, b1, st.side, held, b.gather_programs, stage)
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if s1 > s0:
@@ -293,7 +311,7 @@ class ExpandStaged(_Expansion):
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if b1 > b0:
-                    copier.expand(job, prepared, rows, b0, b1, stream, held, b.gather_programs)
+                    copier.expand(job, prepared, b0, b1, stream, held, b.gather_programs, stage)
                 free.record(stream)
 
 

@@ -134,7 +134,7 @@ def _compile():
             )
             copy_tile(src, dst, size, W)
 
-    @triton.jit(do_not_specialize=["blocks", "n", "num_entries", "num_groups", "per_block"])
+    @triton.jit(do_not_specialize=["blocks", "n", "num_entries", "num_groups", "per_block", "row_base", "row_step"])
     def expand_kernel(
         blocks,
         n,
@@ -143,12 +143,18 @@ def _compile():
         groups,
         num_groups,
         per_block,
+        row_base,
+        row_step,
         STORE: tl.constexpr,
+        SIMPLE: tl.constexpr,
+        BY_HOST: tl.constexpr,
         D: tl.constexpr,
         W: tl.constexpr,
     ):
         # Item t is entry slot t % per_block of block t // per_block (offload_core.compact has the
-        # formulas); each program moves a tile of D items at once (`copy_tile`).
+        # formulas); each program moves a tile of D items at once (`copy_tile`). The block table
+        # has five columns, the host row's address in place of the chunk; or, SIMPLE, two: device
+        # and host block ids, the row at row_base + row_step * (host id if BY_HOST else block).
         rows = tl.arange(0, D)
         blk = blocks.to(tl.pointer_type(tl.int64))
         ent = entries.to(tl.pointer_type(tl.int64))
@@ -158,10 +164,16 @@ def _compile():
             b = t // per_block
             ok = b < n
             dev_id = tl.load(blk + b, mask=ok, other=0)
-            row = tl.load(blk + n + b, mask=ok, other=0)
-            sub = tl.load(blk + 2 * n + b, mask=ok, other=0)
-            page = tl.load(blk + 3 * n + b, mask=ok, other=0)
-            g = tl.load(blk + 4 * n + b, mask=ok, other=0)
+            if SIMPLE:
+                page = tl.load(blk + n + b, mask=ok, other=0)
+                row = row_base + row_step * (page if BY_HOST else b.to(tl.int64))
+                sub = tl.zeros_like(page)
+                g = tl.zeros_like(page)
+            else:
+                row = tl.load(blk + n + b, mask=ok, other=0)
+                sub = tl.load(blk + 2 * n + b, mask=ok, other=0)
+                page = tl.load(blk + 3 * n + b, mask=ok, other=0)
+                g = tl.load(blk + 4 * n + b, mask=ok, other=0)
             ok = ok & ((t % per_block) < tl.load(grp + num_groups + g, mask=ok, other=0))
             e = tl.load(grp + g, mask=ok, other=0) + t % per_block
             dev = (
@@ -297,12 +309,19 @@ def expand(
     largest: int,
     stream,
     max_programs: int,
+    rows: tuple[int, int, bool] | None = None,
 ) -> None:
-    """Enqueue the expansion of `n` blocks on `stream`: the device addresses of the block table
-    (`offload_core.compact.BLOCK_COLUMNS`, with the host row's address in place of the chunk),
+    """Enqueue the expansion of `n` blocks on `stream`: the device addresses of the block table,
     the entry table (``ENTRY_COLUMNS``, `num_entries` wide) and the group table (first entry,
-    count; `num_groups` wide); `per_block` is the most entries of any group."""
-    rows, width = expand_tile(largest)
-    programs = max(1, min(max_programs, -(-(n * per_block) // rows)))
-    args = [blocks, n, entries, num_entries, groups, num_groups, per_block]
-    _launch(_compile()[2], programs, args, {"STORE": store, "D": rows, "W": width}, stream)
+    count; `num_groups` wide); `per_block` is the most entries of any group.
+
+    The block table is `offload_core.compact.BLOCK_COLUMNS` with the host row's address in place
+    of the chunk where `rows` is None; else it is a simple job's two columns, device and host
+    block ids, and `rows` is ``(base, step, by_host)``: block i's host row lies at
+    ``base + step * (its host block if by_host else i)``."""
+    tile, width = expand_tile(largest)
+    programs = max(1, min(max_programs, -(-(n * per_block) // tile)))
+    base, step, by_host = (0, 0, False) if rows is None else rows
+    args = [blocks, n, entries, num_entries, groups, num_groups, per_block, base, step]
+    constexprs = {"STORE": store, "SIMPLE": rows is not None, "BY_HOST": by_host, "D": tile, "W": width}
+    _launch(_compile()[2], programs, args, constexprs, stream)
