@@ -301,7 +301,7 @@ PyDoc_STRVAR(context_call_doc,
              "current in the calling thread (through the cuCtxGetCurrent, cuCtxPushCurrent and\n"
              "cuCtxPopCurrent at `get`, `push`, `pop`; pushed and popped only where another is\n"
              "current), and return its result; -code where the push failed and `fn` was not called.\n"
-             "None stands for a null context or handle. The GIL is released around the calls.");
+             "None stands for a null context or handle. The GIL is held: for short calls only.");
 
 static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!arity("context_call", nargs, 6, 7)) return NULL;
@@ -323,9 +323,9 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
     }
     int code = 0, result = 0;
-    /* The GIL goes: the driver may block (a stream's full command buffer, another thread's
-     * long call holding its lock), and the other Python threads must run meanwhile. */
-    Py_BEGIN_ALLOW_THREADS
+    /* The GIL stays: these calls take a few microseconds and do not wait for the device, and
+     * letting go of it hands it to the queue's launcher thread and back, twice a job: 15-20 us
+     * more CPU a job at 1 MiB jobs on the H200's host (docs/dev/cuda-tuning-log.md). */
     void *current = NULL;
     if (((get_ctx_fn)v[0])(&current) != 0) current = NULL;
     int pushed = current != v[4];
@@ -337,7 +337,6 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
             ((get_ctx_fn)v[2])(&popped);
         }
     }
-    Py_END_ALLOW_THREADS
     return PyLong_FromLong(code != 0 ? -(long)code : (long)result);
 }
 
