@@ -38,7 +38,8 @@ static int arity(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_
     if (least == most)
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, least, nargs);
     else
-        PyErr_Format(PyExc_TypeError, "%s takes %zd or %zd arguments (%zd given)", name, least, most, nargs);
+        PyErr_Format(PyExc_TypeError, "%s takes %zd %s %zd arguments (%zd given)", name, least,
+                     most == least + 1 ? "or" : "to", most, nargs);
     return 0;
 }
 
@@ -294,18 +295,21 @@ typedef int (*get_ctx_fn)(void **);
 typedef int (*push_ctx_fn)(void *);
 typedef int (*call1_fn)(void *);
 typedef int (*call2_fn)(void *, void *);
+typedef int (*call3_fn)(void *, void *, void *);
+typedef int (*call4_fn)(void *, void *, void *, void *);
 
 PyDoc_STRVAR(context_call_doc,
-             "context_call(get, push, pop, fn, context, a[, b]) -> int\n\n"
-             "Call the C function at address `fn` with the pointer arguments `a` (and `b`), `context`\n"
+             "context_call(get, push, pop, fn, context, a[, b[, c[, d]]]) -> int\n\n"
+             "Call the C function at address `fn` with the arguments `a` to `d`, each a pointer or an\n"
+             "integer of pointer size (an int; None for null), `context`\n"
              "current in the calling thread (through the cuCtxGetCurrent, cuCtxPushCurrent and\n"
              "cuCtxPopCurrent at `get`, `push`, `pop`; pushed and popped only where another is\n"
              "current), and return its result; -code where the push failed and `fn` was not called.\n"
              "None stands for a null context or handle. The GIL is held: for short calls only.");
 
 static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!arity("context_call", nargs, 6, 7)) return NULL;
-    void *v[7];
+    if (!arity("context_call", nargs, 6, 9)) return NULL;
+    void *v[9];
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (i < 4) { /* entry points: a non-negative, non-zero address */
             unsigned long long address = PyLong_AsUnsignedLongLong(args[i]);
@@ -331,7 +335,12 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
     int pushed = current != v[4];
     if (pushed) code = ((push_ctx_fn)v[1])(v[4]);
     if (code == 0) {
-        result = nargs == 6 ? ((call1_fn)v[3])(v[5]) : ((call2_fn)v[3])(v[5], v[6]);
+        switch (nargs) {
+        case 6: result = ((call1_fn)v[3])(v[5]); break;
+        case 7: result = ((call2_fn)v[3])(v[5], v[6]); break;
+        case 8: result = ((call3_fn)v[3])(v[5], v[6], v[7]); break;
+        default: result = ((call4_fn)v[3])(v[5], v[6], v[7], v[8]); break;
+        }
         if (pushed) {
             void *popped = NULL;
             ((get_ctx_fn)v[2])(&popped);

@@ -94,7 +94,7 @@ class FakeLib:
 
         def elapsed(ms, start, end):
             self.calls.append(("elapsed", start, end))
-            ms[0] = 1.5
+            ctypes.c_float.from_address(ms).value = 1.5
             return returns("elapsed")
 
         self._keep["cuEventCreate"] = drv.EVENT_CREATE(event_create)
@@ -803,6 +803,27 @@ def test_a_driver_event_runs_in_its_gpus_context_and_leaves_the_threads_alone(cu
     with pytest.raises(drv.CudaDriverError, match="cuStreamWaitEvent failed"):
         event.wait(SimpleNamespace(cuda_stream=0x51))
     assert lib.contexts == current, "popped after a failure too"
+    del lib.calls[:]
+    event.wait(SimpleNamespace(cuda_stream=0x51))
+    assert event.elapsed_time(event) == 1.5
+    assert lib.calls == [
+        ("push", GPU_CONTEXT),
+        ("wait", 0x51, event.handle, 0),
+        ("pop",),
+        ("push", GPU_CONTEXT),
+        ("elapsed", event.handle, event.handle),
+        ("pop",),
+    ]
+    assert lib.contexts == current
+
+
+def test_a_descriptor_tables_upload_runs_in_the_gpus_context(monkeypatch, event_calls):
+    lib = FakeLib()
+    backend = host_only_backend(monkeypatch, lib)
+    lib.contexts[:] = []  # a launcher thread that made no CUDA call
+    del lib.calls[:]
+    backend._table_copy(0xD0, 0x40, 96, 0x77)
+    assert lib.calls == [("push", GPU_CONTEXT), ("memcpy", 0xD0, 0x40, 96, 0x77), ("pop",)] and lib.contexts == []
 
 
 def test_a_context_that_cannot_be_made_current_fails_the_call_not_the_process(event_calls):
@@ -815,7 +836,13 @@ def test_a_context_that_cannot_be_made_current_fails_the_call_not_the_process(ev
     driver = drv.Driver(lib)  # resolves the failing push
     event._driver = driver
     del lib.calls[:]
-    for call in (lambda: event.record(SimpleNamespace(cuda_stream=0x51)), event.query):
+    calls = (
+        lambda: event.record(SimpleNamespace(cuda_stream=0x51)),
+        event.query,
+        lambda: event.wait(SimpleNamespace(cuda_stream=0x51)),
+        lambda: event.elapsed_time(event),
+    )
+    for call in calls:
         with pytest.raises(drv.CudaDriverError, match="cuCtxPushCurrent failed") as failed:
             call()
         assert failed.value.code == 201
@@ -827,8 +854,10 @@ def test_the_compiled_context_call_refuses_what_would_crash():
     from helpers import compiled_or_skip
 
     compiled = compiled_or_skip(True)
-    with pytest.raises(TypeError, match="6 or 7 arguments"):
+    with pytest.raises(TypeError, match="6 to 9 arguments"):
         compiled.context_call(1, 2, 3, 4, 5)
+    with pytest.raises(TypeError, match="6 to 9 arguments"):
+        compiled.context_call(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
     with pytest.raises(ValueError, match="address is 0"):
         compiled.context_call(1, 2, 0, 4, 5, 6)
     with pytest.raises(OverflowError):

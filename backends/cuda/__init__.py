@@ -156,7 +156,7 @@ class CudaBackend(TorchDeviceBackend):
         self._keepalive: deque = deque()  # (event, objects) the driver may still read
         self._spare_events: list = []
         self._staged_buffers = PerStream(lambda stream: StagedPair(self, stream))
-        self._ring = DescriptorRing(self._torch, self._device, self.driver.memcpy_async)
+        self._ring = DescriptorRing(self._torch, self._device, self._table_copy)
         self._blocks = BlockCopier(self, self.staging_bytes)
         sms = runtime.get_device_properties(self._device).multi_processor_count
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
@@ -178,6 +178,14 @@ class CudaBackend(TorchDeviceBackend):
         silently serialize them. These streams live as long as the process."""
         with self._context():
             return self.runtime.ExternalStream(self.driver.new_stream(), device=self._device)
+
+    def _table_copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """A descriptor table's upload (`ring.DescriptorRing`): a short call that keeps the GIL
+        where the driver's events are used (`driver.Driver.memcpy_in`)."""
+        if self._driver_events:
+            self.driver.call_in(self.driver.memcpy_in, "cuMemcpyAsync", self._ctx, dst, src, nbytes, stream)
+        else:
+            self.driver.memcpy_async(dst, src, nbytes, stream)
 
     def new_event(self):
         """A driver event (`events.DriverEvent`): recorded, waited for and queried at a ctypes

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -78,7 +78,7 @@ EVENT_CREATE = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_void_p), ctype
 EVENT_RECORD = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p)
 STREAM_WAIT_EVENT = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 EVENT_CALL = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
-EVENT_ELAPSED_TIME = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p)
+EVENT_ELAPSED_TIME = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)  # (float *, ...)
 # cuCtxGetCurrent(CUcontext *); cuCtxPushCurrent(CUcontext); cuCtxPopCurrent(CUcontext *)
 CTX_OUT = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_void_p))
 CTX_IN = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
@@ -137,11 +137,19 @@ class Driver:
         self.ctx_get_current = self.resolve("cuCtxGetCurrent", 4000, CTX_OUT)
         self.ctx_push_current = self.resolve("cuCtxPushCurrent", 4000, CTX_IN)
         self.ctx_pop_current = self.resolve("cuCtxPopCurrent", 4000, CTX_OUT)
-        # An event's record and query, once or twice per job: ``(context, event[, stream]) ->
-        # CUresult``, the negated code where the context could not be made current. Compiled
-        # where offload_core's extension is built (no ctypes marshalling: a few us less a
-        # call), else through `in_context`.
+        # Short calls of the hot path, ``(context, *args) -> CUresult`` (the negated code where
+        # the context could not be made current): an event's record and query (once or twice a
+        # job), a stream's wait and an elapsed time (a few a launch), a descriptor table's
+        # upload (one a launch). Compiled where offload_core's extension is built: no ctypes
+        # marshalling, and the GIL stays (a ctypes call lets go of it, and the queue's launcher
+        # thread then takes it and gives it back: 5-20 us of a job on a busy host), else
+        # through `in_context`.
         self.record_in, self.query_in = self._context_call(self.event_record), self._context_call(self.event_query)
+        self.wait_in, self.elapsed_in = (
+            self._context_call(self.stream_wait_event),
+            self._context_call(self.event_elapsed_time),
+        )
+        self.memcpy_in = self._context_call(self.memcpy)
 
     def _context_call(self, fn: Callable | None) -> Callable[..., int] | None:
         if fn is None or not self.has_events:
@@ -159,6 +167,23 @@ class Driver:
             address(self.ctx_pop_current),
             address(fn),
         )
+
+    def call_in(self, call: Callable[..., int], what: str, context: int, *args) -> None:
+        """``call(context, *args)`` for one of the short calls above (`record_in` ...).
+
+        Raises:
+            CudaDriverError: naming `what`, or cuCtxPushCurrent where the context could not be
+                made current.
+        """
+        code = call(context, *args)
+        if code:
+            self.fail(code, what)
+
+    def fail(self, code: int, what: str) -> NoReturn:
+        """Raise for a short call's nonzero result (see `call_in`)."""
+        if code < 0:
+            what, code = "cuCtxPushCurrent", -code
+        raise CudaDriverError(f"{what} failed: {self.error_name(code)}", code)
 
     def _in_context_or_code(self, fn: Callable, context: int, *args) -> int:
         try:

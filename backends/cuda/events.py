@@ -48,13 +48,13 @@ class DriverEvent:
 
     def record(self, stream) -> None:
         """Mark `stream`'s current position (any stream of this GPU with a ``cuda_stream`` handle)."""
-        code = self._driver.record_in(self._ctx, self.handle, stream.cuda_stream)
+        code = self._driver.record_in(self._ctx, self.handle, stream.cuda_stream)  # once or twice a job: inline
         if code:
-            self._failed(code, "cuEventRecord")
+            self._driver.fail(code, "cuEventRecord")
 
     def wait(self, stream) -> None:
         """Later work on `stream` waits for this event (what ``stream.wait_event`` calls)."""
-        self._call(self._driver.stream_wait_event, "cuStreamWaitEvent", stream.cuda_stream, self.handle, 0)
+        self._driver.call_in(self._driver.wait_in, "cuStreamWaitEvent", self._ctx, stream.cuda_stream, self.handle, 0)
 
     def query(self) -> bool:
         """Whether the marked work has completed.
@@ -67,7 +67,7 @@ class DriverEvent:
             return True
         if code == ERROR_NOT_READY:
             return False
-        self._failed(code, "cuEventQuery")
+        self._driver.fail(code, "cuEventQuery")
 
     def synchronize(self) -> None:
         """Block until the marked work has completed (the GIL is released meanwhile).
@@ -83,20 +83,15 @@ class DriverEvent:
         Raises:
             CudaDriverError: either has not been recorded, or has not passed.
         """
-        ms = ctypes.c_float()
-        self._call(self._driver.event_elapsed_time, "cuEventElapsedTime", ctypes.byref(ms), self.handle, end.handle)
+        ms, driver = ctypes.c_float(), self._driver
+        out = ctypes.addressof(ms)
+        driver.call_in(driver.elapsed_in, "cuEventElapsedTime", self._ctx, out, self.handle, end.handle)
         return ms.value
 
     def _call(self, fn, what: str, *args) -> None:
         code = self._driver.in_context(self._ctx, fn, *args)
         if code != 0:
             raise CudaDriverError(f"{what} failed: {self._driver.error_name(code)}", code)
-
-    def _failed(self, code: int, what: str):
-        """Raise for a `Driver.record_in` or `query_in` result other than success."""
-        if code < 0:
-            what, code = "cuCtxPushCurrent", -code
-        raise CudaDriverError(f"{what} failed: {self._driver.error_name(code)}", code)
 
 
 def _destroy(driver: Driver, context: int, handle: int, pid: int) -> None:
