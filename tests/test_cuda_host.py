@@ -1104,3 +1104,36 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
         per = int(layout.group_entries[1, 0])
         for g, w in zip(got, layout.descriptors(job, stage - chunk * layout.row_bytes)):
             np.testing.assert_array_equal(g, w[2 * per : 5 * per])
+
+
+def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch):
+    """Triton builds a kernel per set of constexprs and per type of each int argument (whether it
+    fits 32 bits), and the first launch of a build loads it, which waits for the device to go
+    idle. `prepare` must launch every build a job will use, so that no job waits for that."""
+    from test_plan import Model
+
+    from offload_core import DeviceBlocks, HostBlocks, Planner
+    from offload_core.compact import CompactLayout
+
+    launched = []
+
+    def launch(kernel, programs, args, constexprs, stream):
+        launched.append((tuple(constexprs.items()), tuple(-(1 << 31) <= a < (1 << 31) for a in args)))
+
+    monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
+    monkeypatch.setattr(kernels, "_launch", launch)
+    backend = host_only_backend(monkeypatch, FakeLib())
+    backend._ring = SimpleNamespace(upload=lambda cols, stream, split=0: ([1 << 40], []))
+    for simple in (True, False):
+        model = Model([16], [[(0, 16)]], 1 if simple else 2, 64, 64)
+        planner = Planner(model.geometry)
+        planner.host_base = 0x7F00_0000_0000  # where pinned host memory lies
+        layout = CompactLayout(planner)
+        prepared = backend._blocks.prepare(layout)
+        warmed, launched[:] = set(launched), []
+        for direction in Direction:
+            job = layout.job(direction, DeviceBlocks([5, 9, 2]), HostBlocks([11, 3, 60] if simple else [11, 3]))
+            assert job.simple == simple
+            for stage in (None, prepared.entries.data_ptr() + 4096):
+                backend._blocks.expand(job, prepared, 0, len(job), SimpleNamespace(cuda_stream=7), [], 4, stage)
+        assert launched and set(launched) <= warmed, "a job's launch that prepare did not warm up"

@@ -78,8 +78,13 @@ class BlockCopier:
         with b._on_device():
             prepared = Prepared(b._torch, b.device, layout)
             stream = b.runtime.current_stream(b.device_index)
-            # simple jobs' tables: host rows addressed by host block (direct) or by block (staged)
-            variants = ((0, 0, True), (0, 0, False)) if layout.simple_jobs else (None,)
+            # Simple jobs' tables: host rows found from the host block (direct) or from the block
+            # (staged, in a device buffer; the entry table's address stands in for it). Triton
+            # compiles per type of each int argument (32 or 64 bits), and the first launch of each
+            # build loads it, waiting for the device to go idle: the values must be of a job's kind.
+            row = layout.row_bytes
+            staged_base = prepared.entries.data_ptr()
+            variants = ((layout.host_base, row, True), (staged_base, row, False)) if layout.simple_jobs else (None,)
             for store in (True, False):
                 for rows in variants:
                     kernels.expand(
