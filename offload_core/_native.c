@@ -4,7 +4,8 @@
  * joined for one launch), `first_clash` what `queue._first_clash` does (which waiting jobs may
  * share a launch, offload_core/queue.py), `row_runs` what `compact._row_runs` does (a job's
  * host-contiguous runs, for the cuda backend's choice of mechanism). `context_call` calls a
- * driver entry point without ctypes (an event's record and query, once or twice per job).
+ * driver entry point without ctypes, in a given context (the cuda backend's events, stream
+ * waits and descriptor-table uploads).
  * Built where a C compiler is found (setup.py); offload_core works the same without it.
  *
  * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
@@ -298,17 +299,27 @@ typedef int (*call2_fn)(void *, void *);
 typedef int (*call3_fn)(void *, void *, void *);
 typedef int (*call4_fn)(void *, void *, void *, void *);
 
+/* The arguments go as pointers: on the ABIs CUDA runs on (x86-64, aarch64), an integer
+ * argument of pointer size or smaller (size_t, CUdeviceptr, unsigned int flags) travels in a
+ * full register as a pointer does. */
+_Static_assert(sizeof(size_t) == sizeof(void *) && sizeof(unsigned long long) == sizeof(void *),
+               "context_call passes integers as pointers");
+
 PyDoc_STRVAR(context_call_doc,
-             "context_call(get, push, pop, fn, context, a[, b[, c[, d]]]) -> int\n\n"
-             "Call the C function at address `fn` with the arguments `a` to `d`, each a pointer or an\n"
-             "integer of pointer size (an int; None for null), `context`\n"
-             "current in the calling thread (through the cuCtxGetCurrent, cuCtxPushCurrent and\n"
-             "cuCtxPopCurrent at `get`, `push`, `pop`; pushed and popped only where another is\n"
+             "context_call(keep_gil, get, push, pop, fn, context, a[, b[, c[, d]]]) -> int\n\n"
+             "Call the C function at address `fn` with the arguments `a` to `d` (ints, passed as\n"
+             "pointers: pointers, handles, or integers of pointer size or smaller; None for null),\n"
+             "`context` current in the calling thread (through the cuCtxGetCurrent, cuCtxPushCurrent\n"
+             "and cuCtxPopCurrent at `get`, `push`, `pop`; pushed and popped only where another is\n"
              "current), and return its result; -code where the push failed and `fn` was not called.\n"
-             "None stands for a null context or handle. The GIL is held: for short calls only.");
+             "None stands for a null context or handle. The GIL is released around the calls unless\n"
+             "`keep_gil`.");
 
 static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!arity("context_call", nargs, 6, 9)) return NULL;
+    if (!arity("context_call", nargs, 7, 10)) return NULL;
+    int keep_gil = PyObject_IsTrue(args[0]);
+    if (keep_gil < 0) return NULL;
+    args++, nargs--;
     void *v[9];
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (i < 4) { /* entry points: a non-negative, non-zero address */
@@ -327,9 +338,11 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
     }
     int code = 0, result = 0;
-    /* The GIL stays: these calls take a few microseconds and do not wait for the device, and
-     * letting go of it hands it to the queue's launcher thread and back, twice a job: 15-20 us
-     * more CPU a job at 1 MiB jobs on the H200's host (docs/dev/cuda-tuning-log.md). */
+    /* keep_gil for an event's record and query, once or twice a job: letting go of the GIL
+     * there handed it to the queue's launcher thread and back, 15-20 us more CPU a job at 1 MiB
+     * jobs on the H200 (docs/dev/cuda-tuning-log.md). Such a call can still wait for the device
+     * where a stream's command queue is full; other threads then wait too, for as long. */
+    PyThreadState *saved = keep_gil ? NULL : PyEval_SaveThread();
     void *current = NULL;
     if (((get_ctx_fn)v[0])(&current) != 0) current = NULL;
     int pushed = current != v[4];
@@ -346,6 +359,7 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
             ((get_ctx_fn)v[2])(&popped);
         }
     }
+    if (saved != NULL) PyEval_RestoreThread(saved);
     return PyLong_FromLong(code != 0 ? -(long)code : (long)result);
 }
 

@@ -448,3 +448,39 @@ def test_jobs_concatenated_expand_to_their_copies_in_order(compiled, bpc, sizes,
     assert (whole.nbytes, whole.items) == (sum(j.nbytes for j in jobs), sum(j.items for j in jobs))
     _, _, sizes = layout.segments(whole)  # a launch's summary is of concatenated jobs
     assert layout.segment_summary(whole, 24) == (sizes.size, int(sizes[sizes <= 24].sum()))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
+@pytest.mark.parametrize("direction", list(Direction))
+def test_simple_jobs_join_as_their_ids_and_copy_what_each_would(compiled, direction):
+    """One group, one block per chunk: jobs keep their ids only (no block table), a launch joins
+    them by concatenating the ids, and empty jobs among them add nothing."""
+    model = Model([16], [[(0, 16)]], 1, 64, 64)
+    layout = compact_layout(Planner(model.geometry), compiled)
+    specs = [([5, 9, 2], [11, 3, 60]), ([], []), ([40], [8]), ([7, 1], [0, 63])]
+    jobs = [layout.job(direction, DeviceBlocks(d), HostBlocks(h)) for d, h in specs]
+    assert [j.simple for j in jobs] == [True, False, True, True]  # an empty spec goes the general way
+    whole = CompactJob.concat(jobs)
+    assert whole.simple and whole.groups == ((0, 0, 6, 0, 6, 0),)
+    np.testing.assert_array_equal(whole.dev_ids, [5, 9, 2, 40, 7, 1])
+    np.testing.assert_array_equal(whole.host_ids, [11, 3, 60, 8, 0, 63])
+    np.testing.assert_array_equal(
+        whole.destinations(), whole.host_ids if direction is Direction.STORE else whole.dev_ids
+    )
+    assert (whole.nbytes, whole.items) == (sum(j.nbytes for j in jobs), sum(j.items for j in jobs))
+    general = CompactJob.concat([layout._job_general(direction, DeviceBlocks(d), HostBlocks(h)) for d, h in specs])
+    np.testing.assert_array_equal(whole.blocks, general.blocks)  # the table it stands for
+    want = [np.concatenate(parts) for parts in zip(*(layout.descriptors(j) for j in jobs))]
+    for got, expected in zip(layout.descriptors(whole), want):
+        np.testing.assert_array_equal(got, expected)
+    for got, expected in zip(layout.segments(whole), layout.segments(general)):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_empty_jobs_join_as_an_empty_job_of_no_group():
+    model = Model([16, 24], [[(0, 16)], [(1, 24)]], 2, 64, 64)
+    layout = CompactLayout(Planner(model.geometry))
+    empty = layout.job(Direction.STORE, DeviceBlocks([], [0, 0]), HostBlocks([]))
+    whole = CompactJob.concat([empty, empty])
+    assert not whole.simple and len(whole) == 0 and whole.groups == ()
+    assert [a.size for a in layout.segments(whole)] == [0, 0, 0]

@@ -854,16 +854,17 @@ def test_the_compiled_context_call_refuses_what_would_crash():
     from helpers import compiled_or_skip
 
     compiled = compiled_or_skip(True)
-    with pytest.raises(TypeError, match="6 to 9 arguments"):
-        compiled.context_call(1, 2, 3, 4, 5)
-    with pytest.raises(TypeError, match="6 to 9 arguments"):
-        compiled.context_call(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
-    with pytest.raises(ValueError, match="address is 0"):
-        compiled.context_call(1, 2, 0, 4, 5, 6)
-    with pytest.raises(OverflowError):
-        compiled.context_call(-1, 2, 3, 4, 5, 6)  # an address, never negative
-    with pytest.raises(TypeError):
-        compiled.context_call(1, 2, 3, 4, 5, "stream")
+    for keep_gil in (True, False):
+        with pytest.raises(TypeError, match="7 to 10 arguments"):
+            compiled.context_call(keep_gil, 1, 2, 3, 4, 5)
+        with pytest.raises(TypeError, match="7 to 10 arguments"):
+            compiled.context_call(keep_gil, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+        with pytest.raises(ValueError, match="address is 0"):
+            compiled.context_call(keep_gil, 1, 2, 0, 4, 5, 6)
+        with pytest.raises(OverflowError):
+            compiled.context_call(keep_gil, -1, 2, 3, 4, 5, 6)  # an address, never negative
+        with pytest.raises(TypeError):
+            compiled.context_call(keep_gil, 1, 2, 3, 4, 5, "stream")
 
 
 def test_the_compiled_context_call_takes_none_for_a_null_context_or_handle():
@@ -875,8 +876,9 @@ def test_the_compiled_context_call_takes_none_for_a_null_context_or_handle():
     lib.contexts[:] = []  # no context current: a null one is what is asked for, so nothing is pushed
     address = lambda name: ctypes.cast(lib._keep[name], ctypes.c_void_p).value  # noqa: E731
     entry = [address(n) for n in ("cuCtxGetCurrent", "cuCtxPushCurrent", "cuCtxPopCurrent", "cuEventRecord")]
-    assert compiled.context_call(*entry, None, 0xE5, None) == 0
-    assert lib.calls == [("record", 0xE5, None)]
+    assert compiled.context_call(True, *entry, None, 0xE5, None) == 0
+    assert compiled.context_call(False, *entry, None, 0xE6, None) == 0
+    assert lib.calls == [("record", 0xE5, None), ("record", 0xE6, None)]
     assert driver.record_in is not None
 
 
@@ -1137,3 +1139,89 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch):
             for stage in (None, prepared.entries.data_ptr() + 4096):
                 backend._blocks.expand(job, prepared, 0, len(job), SimpleNamespace(cuda_stream=7), [], 4, stage)
         assert launched and set(launched) <= warmed, "a job's launch that prepare did not warm up"
+
+
+@pytest.mark.parametrize("bpc", [1, 2], ids=["simple", "chunks of two"])
+@pytest.mark.parametrize("direction", list(Direction))
+def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, direction):
+    """`expand_staged` over halves of three host rows: the job goes in pieces, segments of
+    consecutive host rows are cut at the pieces' edges, and the halves alternate. The kernel
+    and the batch call run at once, on the CPU (the kernel as `kernel_reading` reads its table),
+    over a model's real memory: the bytes must be the reference model's."""
+    from test_plan import Model
+
+    from offload_core import DeviceBlocks, HostBlocks, Planner
+    from offload_core.backends.cuda import blocks as cuda_blocks
+    from offload_core.compact import CompactLayout
+
+    model = Model([16, 8], [[(0, 16), (1, 8)]], bpc, 32, 24, seed=bpc)
+    layout = CompactLayout(Planner(model.geometry))
+    row = layout.row_bytes
+    store = direction is Direction.STORE
+    half_bytes = 3 * row
+    staging = np.full(2 * half_bytes, 0xA5, dtype=np.uint8)
+    tables, pieces = {}, []
+
+    regions = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in (staging, model.host, *model.backing)]
+
+    def move(dst, src, sizes):
+        for d, s, n in zip(np.asarray(dst).tolist(), np.asarray(src).tolist(), np.asarray(sizes).tolist()):
+            for a in (d, s):  # a copy outside the buffers fails the test, not the process
+                assert any(lo <= a and a + n <= hi for lo, hi in regions), f"a copy of {n} bytes at {a:#x}"
+            ctypes.memmove(d, s, n)
+
+    def upload(cols, stream, split=0):
+        tables[len(tables)] = np.concatenate(cols)
+        return [len(tables) - 1], []
+
+    def expand(
+        table, n, entries, num_entries, groups, num_groups, per_block, is_store, largest, stream, programs, rows
+    ):
+        pieces.append(n)
+        dev, side, sizes = kernel_reading(tables[table], n, rows, layout, is_store)
+        half = st.halves[st.next ^ 1]  # the half this piece took
+        assert ((side >= half) & (side + sizes <= half + half_bytes)).all(), "the kernel left its half"
+        move(side, dev, sizes) if is_store else move(dev, side, sizes)
+
+    class Event:
+        def record(self, stream):
+            pass
+
+    stream = SimpleNamespace(cuda_stream=7, wait_event=lambda event: None)
+    st = SimpleNamespace(
+        halves=[staging.ctypes.data, staging.ctypes.data + half_bytes],
+        free=[Event(), Event()],
+        next=0,
+        side=SimpleNamespace(cuda_stream=8, wait_event=lambda event: None),
+        ready=Event(),
+    )
+    monkeypatch.setattr(cuda_blocks.kernels, "expand", expand)
+    copier = cuda_blocks.BlockCopier.__new__(cuda_blocks.BlockCopier)
+    copier.half_bytes = half_bytes
+    copier.staging = SimpleNamespace(for_stream=lambda s: st)
+    copier.backend = SimpleNamespace(
+        _ring=SimpleNamespace(upload=upload),
+        gather_programs=4,
+        driver=SimpleNamespace(memcpy_batch_async=lambda dst, src, sizes, order, handle: move(dst, src, sizes) or ()),
+    )
+    prepared = SimpleNamespace(
+        layout=layout,
+        entries=SimpleNamespace(data_ptr=lambda: 0),
+        groups=SimpleNamespace(data_ptr=lambda: 0),
+        entry_count=layout.entries.shape[1],
+        group_count=layout.group_entries.shape[1],
+        per_block=layout.max_entries,
+    )
+    hosts = [3, 4, 5, 6, 7, 20, 21, 9] if bpc == 1 else [3, 4, 5, 6, 20]  # runs of rows across the cuts
+    dev_ids = [5, 9, 2, 30, 17, 11, 0, 22] if bpc == 1 else [5, 9, 2, 30, 17, 11, 0, 22, 13]
+    device, host = DeviceBlocks(dev_ids, block_indices=[bpc - 1]), HostBlocks(hosts)
+    job = layout.job(direction, device, host)
+    assert job.simple == (bpc == 1)
+    want_dev, want_host = model.expected(direction, device, host)
+    cuda_blocks.EXPAND_STAGED.enqueue_job(copier, job, prepared, layout.segments(job), stream, [], [])
+    assert len(pieces) == -(-len(hosts) // 3), "not cut into pieces of three rows"
+    if store:
+        np.testing.assert_array_equal(model.host, want_host)
+    else:
+        for got, want in zip(model.device, want_dev):
+            np.testing.assert_array_equal(got, want)
