@@ -1020,6 +1020,18 @@ def test_a_constructor_setting_wins_over_the_environment(monkeypatch):
     assert backend.max_batch == 0
 
 
+def host_prepared(layout):
+    """What `BlockCopier.prepare` gives, without a device: the tables' addresses are 0."""
+    return SimpleNamespace(
+        layout=layout,
+        entries=SimpleNamespace(data_ptr=lambda: 0),
+        groups=SimpleNamespace(data_ptr=lambda: 0),
+        entry_count=layout.entries.shape[1],
+        group_count=layout.group_entries.shape[1],
+        per_block=layout.max_entries,
+    )
+
+
 def kernel_reading(table: np.ndarray, n: int, rows, layout, store: bool):
     """The copies the expansion kernel makes of a block table (`kernels.expand`'s contract), in
     numpy: block by block, entry by entry, the entries a store does not elect left out."""
@@ -1083,14 +1095,7 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
     monkeypatch.setattr(cuda_blocks.kernels, "expand", lambda *args: launched.append(args))
     copier = cuda_blocks.BlockCopier.__new__(cuda_blocks.BlockCopier)
     copier.backend = SimpleNamespace(_ring=Ring())
-    prepared = SimpleNamespace(
-        layout=layout,
-        entries=SimpleNamespace(data_ptr=lambda: 0),
-        groups=SimpleNamespace(data_ptr=lambda: 0),
-        entry_count=layout.entries.shape[1],
-        group_count=layout.group_entries.shape[1],
-        per_block=layout.max_entries,
-    )
+    prepared = host_prepared(layout)
     copier.expand(job, prepared, 0, len(job), None, [], 4, stage)
     (args,) = launched
     assert args[1] == len(job) and args[7] == (direction is Direction.STORE)
@@ -1204,14 +1209,7 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
         gather_programs=4,
         driver=SimpleNamespace(memcpy_batch_async=lambda dst, src, sizes, order, handle: move(dst, src, sizes) or ()),
     )
-    prepared = SimpleNamespace(
-        layout=layout,
-        entries=SimpleNamespace(data_ptr=lambda: 0),
-        groups=SimpleNamespace(data_ptr=lambda: 0),
-        entry_count=layout.entries.shape[1],
-        group_count=layout.group_entries.shape[1],
-        per_block=layout.max_entries,
-    )
+    prepared = host_prepared(layout)
     hosts = [3, 4, 5, 6, 7, 20, 21, 9] if bpc == 1 else [3, 4, 5, 6, 20]  # runs of rows across the cuts
     dev_ids = [5, 9, 2, 30, 17, 11, 0, 22] if bpc == 1 else [5, 9, 2, 30, 17, 11, 0, 22, 13]
     device, host = DeviceBlocks(dev_ids, block_indices=[bpc - 1]), HostBlocks(hosts)
