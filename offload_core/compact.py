@@ -121,9 +121,8 @@ class CompactJob:
         first = jobs[0]
         nbytes, items = sum(j.nbytes for j in jobs), sum(j.items for j in jobs)
         simple = [j._blocks is None for j in jobs]
-        if any(simple) and all(
-            s or not (len(j) or j.host_ids.size) for s, j in zip(simple, jobs)
-        ):  # empty ones add nothing
+        empty = [not (len(j) or j.host_ids.size) for j in jobs]  # never simple, and they add nothing
+        if any(simple) and all(s or e for s, e in zip(simple, empty)):
             dev_ids = np.concatenate([j.dev_ids for j in jobs])
             host_ids = np.concatenate([j.host_ids for j in jobs])
             groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
