@@ -4,8 +4,8 @@
 # commit (`git archive`), a directory holding a copy of the tree, "." for the working tree (a
 # copy of a tree whose git metadata lacks the newest commits, as on a lent GPU machine), or
 # NAME=VALUE for the working tree with that environment variable set. Each side gets its own
-# editable install; the benchmark runs ROUNDS times per side, sides in the order given, and its
-# output goes to OUTDIR/<tag>-<side index>-<round>.log.
+# editable install; the benchmark runs ROUNDS times per side, sides in the order given in odd
+# rounds and in reverse in even ones, and its output goes to OUTDIR/<tag>-<side index>-<round>.log.
 #
 #   bash benchmarks/investigations/ab.sh OUTDIR TAG ROUNDS SIDE SIDE... -- BENCHMARK.py ARGS...
 #   e.g. bash benchmarks/investigations/ab.sh out engine 2 e67d3da . -- \
@@ -32,7 +32,11 @@ for i in "${!sides[@]}"; do
   fi
 done
 for r in $(seq 1 "$rounds"); do
-  for i in "${!sides[@]}"; do
+  order=("${!sides[@]}")
+  if (( r % 2 == 0 )); then  # even rounds in reverse: a place in the round favours no side
+    order=(); for (( k=${#sides[@]}-1; k>=0; k-- )); do order+=("$k"); done
+  fi
+  for i in "${order[@]}"; do
     env=()
     [[ "${sides[$i]}" =~ ^[A-Z_][A-Z0-9_]*= ]] && env=("${sides[$i]}")
     (cd "ab/$i" && python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | grep -v WARNING | tail -1
