@@ -58,6 +58,8 @@ def timed(owner, name: str, label: str) -> None:
 
 
 def instrument(backend_name: str) -> None:
+    timed(DeviceBlocks, "__init__", "specs (the benchmark's, before each submit)")
+    timed(HostBlocks, "__init__", "specs (the benchmark's, before each submit)")
     timed(worker.OffloadWorker, "submit_store", "submit")
     timed(worker.OffloadWorker, "submit_load", "submit")
     timed(compact.CompactLayout, "job", "submit: CompactLayout.job")
