@@ -215,6 +215,19 @@ def integer(value: Any, what: str, minimum: int | None = None) -> int:
     return number
 
 
+def flag(value: Any, what: str) -> bool:
+    """`value` as a bool: True or False (Python's or numpy's), or 0 or 1.
+
+    Raises:
+        InvalidSpecError: naming `what` and the value, for anything else (an array, say).
+    """
+    if type(value) is bool:
+        return value
+    if isinstance(value, np.bool_) or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise InvalidSpecError(f"{what} must be True or False, got {value!r}")
+
+
 def positive_int(value: Any, what: str) -> int:
     """`value` as an int if it is an integer >= 1 (see `integer`)."""
     return integer(value, what, 1)
@@ -223,7 +236,7 @@ def positive_int(value: Any, what: str) -> int:
 def _ids(values: Any, what: str) -> np.ndarray:
     """`values` as a 1-D int64 array; raises InvalidSpecError for any other dtype or shape."""
     if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:  # the usual: one copy
-        return _read_only(values.copy())
+        return _frozen(values)
     try:
         arr = np.asarray(values)
     except Exception as exc:  # e.g. a device tensor: ids must live on the host
@@ -232,13 +245,20 @@ def _ids(values: Any, what: str) -> np.ndarray:
         return _ZEROS[0]
     if arr.ndim != 1:
         raise InvalidSpecError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind in "fO" and isinstance(values, (list, tuple)):
+        # numpy made floats or objects of Python ints beyond int64, or of mixed numpy integer types
+        ids = [integer(v, f"{what}[{i}]") for i, v in enumerate(values)]
+        bad = next((v for v in ids if not -(1 << 63) <= v < (1 << 63)), None)
+        if bad is not None:
+            raise InvalidSpecError(f"{what} holds {bad}, beyond any block id")
+        return _frozen(np.array(ids, dtype=np.int64))
     if arr.dtype.kind not in "iu":
         raise InvalidSpecError(f"{what} must be integers, got dtype {arr.dtype}")
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > np.iinfo(np.int64).max:
         raise InvalidSpecError(f"{what} holds {int(arr.max())}, beyond any block id")
-    # A copy, read-only: the caller's array may change after validation (another thread, a
-    # reused buffer), and the planner must address exactly what was checked.
-    return _read_only(arr.astype(np.int64, copy=True))
+    # A copy that nothing can change: the caller's array may change after validation (another
+    # thread, a reused buffer), and the planner and the queue address exactly what was checked.
+    return _frozen(arr.astype(np.int64, copy=False))
 
 
 @dataclass(frozen=True, init=False)
@@ -269,13 +289,11 @@ class DeviceBlocks:
             object.__setattr__(self, "block_indices", _ZEROS[1])
             return
         if group_sizes is None:
-            sizes = _read_only(np.array([ids.size], dtype=np.int64))
+            sizes = _frozen(np.array([ids.size], dtype=np.int64))
         else:
             sizes = _ids(group_sizes, "group_sizes")
         if block_indices is None:
-            indices = (
-                _ZEROS[sizes.size] if sizes.size < len(_ZEROS) else _read_only(np.zeros(sizes.size, dtype=np.int64))
-            )
+            indices = _ZEROS[sizes.size] if sizes.size < len(_ZEROS) else _frozen(np.zeros(sizes.size, dtype=np.int64))
         else:
             indices = _ids(block_indices, "block_indices")
         # A few groups: plain Python on lists is cheaper than numpy reductions here.
@@ -291,19 +309,21 @@ class DeviceBlocks:
         object.__setattr__(self, "block_indices", indices)
 
 
-def _read_only(array: np.ndarray) -> np.ndarray:
-    array.setflags(write=False)  # a third cheaper than through `array.flags`, twice a submit
-    return array
+def _frozen(array: np.ndarray) -> np.ndarray:
+    """A copy of `array` over an immutable bytes object: numpy refuses to make it writeable
+    (a read-only copy that owns its memory can be made writeable again, and a compact job
+    reads its ids when it launches, after they were checked)."""
+    return np.frombuffer(array.tobytes(), dtype=array.dtype)
 
 
-_ZEROS = [_read_only(np.zeros(n, dtype=np.int64)) for n in range(17)]  # shared block_indices of few groups
+_ZEROS = [_frozen(np.zeros(n, dtype=np.int64)) for n in range(17)]  # shared block_indices of few groups
 _ONE_GROUP: dict[int, np.ndarray] = {}  # shared group_sizes ``[n]`` of one-group specs
 
 
 def _one_group(n: int) -> np.ndarray:
     sizes = _ONE_GROUP.get(n)
     if sizes is None:
-        sizes = _read_only(np.array([n], dtype=np.int64))
+        sizes = _frozen(np.array([n], dtype=np.int64))
         if n < 4096:  # the sizes an engine's jobs have; larger ones are not worth keeping
             _ONE_GROUP[n] = sizes
     return sizes

@@ -69,7 +69,8 @@ def job_id_set(job_ids: Iterable[int]) -> set[int]:
     Raises:
         InvalidSpecError: not an iterable of integers (a bare id, say).
     """
-    if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+    # a 0-d array or tensor claims to be iterable and is not
+    if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable) or getattr(job_ids, "ndim", 1) == 0:
         raise InvalidSpecError(f"wait takes an iterable of job ids, got {job_ids!r}; for one job: wait([job_id])")
     return {integer(j, "a job id passed to wait") for j in job_ids}
 

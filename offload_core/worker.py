@@ -14,7 +14,7 @@ from offload_core.compact import CompactLayout
 from offload_core.errors import InvalidSpecError, OffloadError, RegionError
 from offload_core.host_layout import HostLayout
 from offload_core.hostmem import check_host_bytes
-from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches, integer, positive_int
+from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches, flag, integer, positive_int
 from offload_core.plan import Planner
 from offload_core.queue import QueueStats, TransferQueue, TransferResult, job_id_set
 from offload_core.region import SharedHostRegion
@@ -180,11 +180,12 @@ class OffloadWorker:
             True if queued; False if the backend failed to enqueue it (as `submit_store`).
 
         Raises:
-            InvalidSpecError: bad specs or a job id still in flight; nothing was enqueued.
+            InvalidSpecError: bad specs, a job id still in flight, or an `expedited` that is not
+                a truth value (True, False, 0 or 1); nothing was enqueued.
             RegionError: the shared region was removed, replaced or truncated under this rank.
             OffloadError: the worker is shut down, or used from a forked child.
         """
-        return self._submit(Direction.LOAD, job_id, dst, src, expedited=bool(expedited))
+        return self._submit(Direction.LOAD, job_id, dst, src, expedited=flag(expedited, "expedited"))
 
     def _submit(
         self, direction: Direction, job_id: int, device: DeviceBlocks, host: HostBlocks, expedited: bool = False

@@ -224,7 +224,7 @@ def test_duplicate_load_destination_is_rejected_but_duplicate_source_is_not():
     "kwargs, message",
     [
         (dict(block_ids=[[1, 2]]), "1-D"),
-        (dict(block_ids=[1.0, 2.0]), "integers"),
+        (dict(block_ids=[1.0, 2.0]), r"block_ids\[0\] must be an integer, got 1.0"),
         (dict(block_ids=[1, 2], group_sizes=[1]), "add up to 1"),
         (dict(block_ids=[1, 2], group_sizes=[3, -1]), "non-negative"),
         (dict(block_ids=[1, 2], group_sizes=[2], block_indices=[0, 0]), "1 group sizes but 2"),
@@ -252,10 +252,13 @@ def test_specs_hold_a_read_only_copy_of_the_ids(make):
     device, host = DeviceBlocks(ids), HostBlocks(ids)
     if isinstance(ids, np.ndarray):
         ids[:] = 0
+    for spec_ids in (device.block_ids, host.block_ids, device.group_sizes, device.block_indices):
+        assert spec_ids.dtype == np.int64 and not spec_ids.flags.writeable
+        with pytest.raises(ValueError, match="WRITEABLE"):  # not even on purpose: a queued job reads them later
+            spec_ids.setflags(write=True)
     for spec_ids in (device.block_ids, host.block_ids):
-        assert spec_ids.tolist() == [7, 3, 5] and spec_ids.dtype == np.int64 and not spec_ids.flags.writeable
+        assert spec_ids.tolist() == [7, 3, 5]
     assert device.group_sizes.tolist() == [3] and device.block_indices.tolist() == [0]
-    assert not device.group_sizes.flags.writeable
 
 
 def test_empty_transfer_plans_nothing():

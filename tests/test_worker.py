@@ -179,7 +179,9 @@ def test_invalid_specs_raise_and_move_nothing(backend, direction, a, b, message)
         assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([0]))  # still usable
 
 
-@pytest.mark.parametrize("ids, message", [([1.5], "integers"), ([[1]], "1-D"), (np.array([True]), "integers")])
+@pytest.mark.parametrize(
+    "ids, message", [([1.5], "must be an integer, got 1.5"), ([[1]], "1-D"), (np.array([True]), "integers")]
+)
 def test_block_ids_must_be_1d_integers(ids, message):
     with pytest.raises(InvalidSpecError, match=message):
         DeviceBlocks(ids)
@@ -325,7 +327,7 @@ def test_rejected_submits_return_their_scratch_to_the_pool():
         assert Counting.allocs - before <= 1  # one scratch buffer, reused
 
 
-@pytest.mark.parametrize("ids", [7, None, "7", [1.5], [None]])
+@pytest.mark.parametrize("ids", [7, None, "7", [1.5], [None], np.array(5), torch.tensor(5)], ids=repr)
 def test_wait_takes_an_iterable_of_integer_ids(ids):
     with OffloadWorker(small_kv(), 4, backend="cpu") as worker:
         with pytest.raises(InvalidSpecError, match="wait"):
@@ -371,3 +373,34 @@ def test_job_ids_that_are_tensors_without_data_are_refused(job_id):
     with OffloadWorker(small_kv(), 4, backend="cpu") as worker:
         with pytest.raises(InvalidSpecError, match="job_id must be an integer"):
             worker.submit_store(job_id, DeviceBlocks([0]), HostBlocks([0]))
+
+
+@pytest.mark.parametrize("expedited", [np.array([1, 0]), 2, "yes", None, 1.0], ids=repr)
+def test_expedited_is_a_truth_value(expedited):
+    with OffloadWorker(small_kv(), 4, backend="cpu") as worker:
+        with pytest.raises(InvalidSpecError, match="expedited must be True or False"):
+            worker.submit_load(1, HostBlocks([0]), DeviceBlocks([0]), expedited=expedited)
+        for ok in (np.True_, 1, False):
+            assert worker.submit_load(2, HostBlocks([0]), DeviceBlocks([0]), expedited=ok)
+            worker.wait([2])
+            worker.get_finished()
+
+
+@pytest.mark.parametrize(
+    "ids, rule",
+    [
+        ([1, 2**63], "holds 9223372036854775808, beyond any block id"),
+        ([2**64], "holds 18446744073709551616, beyond any block id"),
+        ([-(2**63) - 1], "holds -9223372036854775809, beyond any block id"),
+        ([1, 2.5], r"DeviceBlocks.block_ids\[1\] must be an integer, got 2.5"),
+    ],
+)
+def test_ids_numpy_cannot_hold_as_int64_are_named(ids, rule):
+    with pytest.raises(InvalidSpecError, match=rule):
+        DeviceBlocks(ids)
+
+
+def test_ids_of_mixed_numpy_integer_types_are_taken():
+    """numpy makes floats of int64 and uint64 together: the ids are integers all the same."""
+    assert DeviceBlocks([np.int64(1), np.uint64(2)]).block_ids.tolist() == [1, 2]
+    assert HostBlocks((np.int32(7), 3)).block_ids.tolist() == [7, 3]
