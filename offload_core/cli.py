@@ -64,16 +64,12 @@ def cmd_backends(args: argparse.Namespace) -> int:
     else:
         rows = []
         for name, reason in avail.items():
-            usable = reason is None or "cannot import" not in reason
-            rows.append(
-                (
-                    "*" if name == selected else "",
-                    name,
-                    "yes" if reason is None else "no",
-                    registry.backend_class(name).priority if usable else "-",
-                    reason or "",
-                )
-            )
+            try:
+                priority = registry.backend_class(name).priority
+            except OffloadError:  # a plugin that cannot be imported, or is not a backend
+                priority = "-"
+            available = "yes" if reason is None else "no"
+            rows.append(("*" if name == selected else "", name, available, priority, reason or ""))
         _table("offload-core backends (* = selected)", ["", "name", "available", "priority", "reason"], rows)
         if selected is not None:
             print(f"selected: {selected}, by {by}" + ("" if by.startswith("$") else " (ties go by name)"))

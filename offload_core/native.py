@@ -14,7 +14,11 @@ ENV_NATIVE = "OFFLOAD_CORE_NATIVE"
 
 
 def load() -> ModuleType | None:
-    """The compiled module, or None where it is not built or switched off."""
+    """The compiled module, or None where it is not built or switched off.
+
+    Raises:
+        ConfigError: ``OFFLOAD_CORE_NATIVE`` is set to anything but 0 or 1.
+    """
     if _switched_off():
         return None
     try:
@@ -26,11 +30,21 @@ def load() -> ModuleType | None:
 
 def status() -> str:
     """``"built"``, ``"off"`` (``OFFLOAD_CORE_NATIVE=0``) or ``"not built"`` (no C compiler or
-    Python headers at install: everything runs in numpy), for `offload-core backends`."""
+    Python headers at install: everything runs in numpy), for `offload-core backends`.
+
+    Raises:
+        ConfigError: as `load`.
+    """
     if _switched_off():
         return "off"
     return "built" if load() is not None else "not built"
 
 
 def _switched_off() -> bool:
-    return os.environ.get(ENV_NATIVE, "").strip() == "0"
+    setting = os.environ.get(ENV_NATIVE, "1").strip()
+    if setting not in ("0", "1"):
+        from offload_core.errors import ConfigError
+
+        rule = "0 (numpy's steps) or 1 (the compiled ones, where built)"
+        raise ConfigError(f"{ENV_NATIVE} must be {rule}, got {setting!r}")
+    return setting == "0"

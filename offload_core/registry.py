@@ -3,7 +3,7 @@
 Built-in backends are registered as lazy ``"module:Class"`` strings, so nothing is
 imported until a backend is probed or selected. Third-party packages add backends
 through the entry-point group ``offload_core.backends`` (set
-``OFFLOAD_CORE_PLUGINS=0`` to ignore them).
+``OFFLOAD_CORE_PLUGINS=0`` to ignore them; any value but 0 or 1 is a `ConfigError`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 from typing import Union
 
 from offload_core.backend import Backend
-from offload_core.errors import BackendUnavailableError, InvalidSpecError, UnknownBackendError
+from offload_core.errors import BackendUnavailableError, ConfigError, InvalidSpecError, UnknownBackendError
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,12 @@ def backend_class(name: str) -> type[Backend]:
     module_name, _, attr = target.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
-    except Exception as exc:  # a broken plugin must not break the others
+    except (Exception, SystemExit) as exc:  # a broken plugin must not break the others, nor end the process
         raise BackendUnavailableError(name, f"cannot import {target}: {exc!r}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise BackendUnavailableError(name, f"{target} is {cls!r}, not a Backend subclass")
+    if type(cls.priority) is not int:
+        raise BackendUnavailableError(name, f"{target}.priority must be an int, got {cls.priority!r}")
     with _lock:
         if _targets.get(name) == target:
             _targets[name] = cls
@@ -132,7 +136,7 @@ def select_backend_name(name: str | None = None, *, device_type: str | None = No
         UnknownBackendError: an explicit or environment name that is not registered.
         BackendUnavailableError: no backend at all is usable.
     """
-    if name is not None and not isinstance(name, str):
+    if name is not None and (not isinstance(name, str) or not name):
         raise UnknownBackendError(repr(name), backend_names())
     name = name or os.environ.get(ENV_BACKEND) or device_type or None
     if name is not None:
@@ -182,8 +186,11 @@ def _load_plugins() -> None:
     global _plugins_loaded
     if _plugins_loaded:
         return
+    setting = os.environ.get(ENV_PLUGINS, "1").strip()
+    if setting not in ("0", "1"):  # raised on every call until it is set right
+        raise ConfigError(f"{ENV_PLUGINS} must be 0 (ignore third-party backends) or 1, got {setting!r}")
     _plugins_loaded = True
-    if os.environ.get(ENV_PLUGINS, "1") == "0":
+    if setting == "0":
         return
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in _targets:

@@ -27,7 +27,11 @@ def pytest_configure(config):
     from offload_core.testing import simulated
 
     real = registry.availability()
-    for name in _listed("OFFLOAD_CORE_SIMULATE") or ():
+    listed = _listed("OFFLOAD_CORE_SIMULATE") or set()
+    unknown = sorted(listed - {"npu", "xpu"})
+    if unknown:
+        raise pytest.UsageError(f"OFFLOAD_CORE_SIMULATE lists {', '.join(unknown)}: only npu and xpu have simulations")
+    for name in sorted(listed):
         if real.get(name) is not None:  # never hide a real device behind its simulation
             _simulations.enter_context(getattr(simulated, name)())
 

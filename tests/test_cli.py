@@ -86,6 +86,22 @@ def test_backends_fails_where_the_environment_selects_nothing_usable(capsys, mon
         )
 
 
+def test_backends_lists_a_plugin_that_is_not_a_backend_as_unavailable(capsys):
+    with restored_registry():
+        registry.register_backend("notabackend", "os:path")  # a lazy target, checked on import
+        assert main(["backends"]) == 0
+        out = capsys.readouterr().out
+        assert "notabackend" in out and "not a Backend subclass" in out
+
+
+@pytest.mark.parametrize("value", ["false", "2", "yes"])
+def test_a_native_switch_other_than_0_or_1_is_one_line(capsys, monkeypatch, value):
+    monkeypatch.setenv("OFFLOAD_CORE_NATIVE", value)
+    assert main(["backends"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "OFFLOAD_CORE_NATIVE must be 0 (numpy's steps) or 1" in err and repr(value) in err
+
+
 def test_backends_json(capsys):
     assert main(["backends", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

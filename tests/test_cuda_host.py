@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import json
 import os
 import sys
 from types import SimpleNamespace
@@ -254,6 +255,36 @@ def test_profiles_round_trip(tmp_path, monkeypatch):
     loaded = CostModel.load(path)
     assert loaded.sm_gbps == {"store": 40.0, "load": 30.0} and loaded.source == "calibrated"
     assert loaded.ce_gbps == CostModel().ce_gbps
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[]",
+        '"x"',
+        '{"ce_gbps": "fast"}',
+        '{"ce_gbps": {"store": 0, "load": 0}}',
+        '{"ce_gbps": {"store": 55}}',
+        '{"sm_penalty": -5}',
+        '{"staged_host_s": [1e-5]}',
+        '{"inline_h2d_bytes": 1.5}',
+        '{"launch_s": NaN}',
+        "{not json",
+    ],
+)
+def test_a_malformed_profile_is_ignored_for_the_defaults(tmp_path, monkeypatch, caplog, content):
+    """A profile edited by hand or cut short: logged and left out, never a crash at the first choice."""
+    from offload_core.backends.cuda.calibration import saved_profile
+
+    monkeypatch.setenv("OFFLOAD_CORE_PROFILE_DIR", str(tmp_path))
+    profile_path("Some GPU").write_text(content)
+    with pytest.raises(ValueError):
+        CostModel.load(profile_path("Some GPU"))
+    assert saved_profile("Some GPU") == CostModel()
+    assert "ignoring unreadable cuda profile" in caplog.text
+    old = {"staged_host_s": [28e-6, 3.3e-9], "sm_host_s": [44e-6, 3.4e-9]}  # before the per-piece term
+    profile_path("Old GPU").write_text(json.dumps(old))
+    assert saved_profile("Old GPU").staged_host_s == (28e-6, 3.3e-9)
 
 
 def test_host_time_of_the_batch_call_counts():

@@ -164,3 +164,55 @@ def test_a_workers_device_type_comes_after_name_and_environment(monkeypatch):
     monkeypatch.delenv(registry.ENV_BACKEND)
     with pytest.raises(UnknownBackendError):
         registry.select_backend_name(device_type="tpu")
+
+
+class BadPriority(FakeBackend):
+    name = "badprio"
+    priority = "high"
+
+
+@pytest.mark.parametrize(
+    "attr, body, reason",
+    [
+        ("NotABackend", "NotABackend = len", "not a Backend subclass"),
+        ("BadPriority", None, "priority must be an int"),
+        ("Leaving", "import sys; sys.exit(3)", "cannot import"),
+    ],
+)
+def test_a_plugin_that_is_not_a_backend_is_unavailable_not_fatal(monkeypatch, tmp_path, attr, body, reason):
+    """A plugin whose target is no Backend subclass, ranks with a priority that is no int, or ends
+    the process while importing: unavailable, with the reason; the others, and the selection, work."""
+    if body is None:
+        module = types.ModuleType("odd_plugin")
+        module.BadPriority = BadPriority
+        monkeypatch.setitem(sys.modules, "odd_plugin", module)
+    else:
+        (tmp_path / "odd_plugin.py").write_text(body + "\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.delitem(sys.modules, "odd_plugin", raising=False)
+    eps = [EntryPoint("odd", f"odd_plugin:{attr}", registry.ENTRY_POINT_GROUP)]
+    monkeypatch.setattr(registry, "entry_points", lambda group: eps if group == registry.ENTRY_POINT_GROUP else [])
+    with fresh_registry():
+        assert reason in registry.availability()["odd"]
+        assert registry.get_backend().name in {"cpu", "cuda", "npu", "xpu"}
+        with pytest.raises(BackendUnavailableError, match=reason):
+            registry.get_backend("odd")
+
+
+@pytest.mark.parametrize("setting", ["false", "off", " 2", "garbage"])
+def test_the_plugins_switch_takes_0_or_1(monkeypatch, setting):
+    from offload_core import ConfigError
+
+    monkeypatch.setenv(registry.ENV_PLUGINS, setting)
+    with fresh_registry():
+        with pytest.raises(ConfigError, match=f"OFFLOAD_CORE_PLUGINS must be 0 .* or 1, got {setting.strip()!r}"):
+            registry.backend_names()
+    monkeypatch.setenv(registry.ENV_PLUGINS, " 0 ")
+    with fresh_registry():
+        assert "cpu" in registry.backend_names()
+
+
+def test_an_empty_backend_name_is_refused(monkeypatch):
+    monkeypatch.setenv(registry.ENV_BACKEND, "cpu")
+    with pytest.raises(UnknownBackendError, match="unknown offload backend \"''\""):
+        registry.get_backend("")

@@ -29,6 +29,7 @@ docs/dev/cuda-tuning-log.md. `offload-core calibrate` replaces them with this GP
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 from dataclasses import asdict, dataclass, field
@@ -155,8 +156,44 @@ class CostModel:
             OSError, ValueError: unreadable or malformed file.
         """
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a profile is a JSON object, got {type(data).__name__}")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+        defaults = cls()
+        for name, value in known.items():
+            _check_field(name, value, getattr(defaults, name))
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in known.items()})
+
+
+def _number(value, positive: bool) -> bool:
+    """A finite number (not a bool), above 0 where `positive`, else at least 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
+
+
+def _check_field(name: str, value, default) -> None:
+    """Raise ValueError where a profile's field is not of its default's shape: per direction,
+    a number; a tuple, as many numbers (a profile older than a third one may lack it); rates
+    (``*_gbps``) and the SM penalty above 0, times and sizes at least 0; the source a string."""
+    positive = name.endswith("_gbps") or name == "sm_penalty"
+    if isinstance(default, dict):
+        ok = isinstance(value, dict) and set(value) == set(default)
+        ok = ok and all(_number(v, positive) for v in value.values())
+    elif isinstance(default, tuple):
+        ok = (
+            isinstance(value, (list, tuple))
+            and 2 <= len(value) <= len(default)
+            and all(_number(v, positive) for v in value)
+        )
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    elif isinstance(default, int):
+        ok = type(value) is int and value >= 0
+    else:
+        ok = _number(value, positive)
+    if not ok:
+        raise ValueError(f"field {name!r} is {value!r}, not of the shape of its default {default!r}")
 
 
 def piece_bounds(total: int, staging_bytes: int, store: bool, first: int = 1 << 20) -> list[int]:
