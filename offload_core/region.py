@@ -496,7 +496,7 @@ class SharedHostRegion:
         """Remove temporary files of this region left by creators that died before publishing
         (old, and unlocked: a live creator locks its file right after making it)."""
         mine = re.compile(rf"\.{re.escape(self.name)}\.\d+\.[0-9a-f]{{16}}\.tmp")
-        for entry in self.path.parent.iterdir():
+        for entry in _listing(self.path.parent.iterdir):
             if not mine.fullmatch(entry.name):
                 continue
             try:
@@ -518,7 +518,7 @@ class SharedHostRegion:
     def _sweep_abandoned(self) -> None:
         """Remove regions of this user's that no process holds any more (their ranks died: a
         crashed engine's file would otherwise stay in memory for good)."""
-        for entry in self.path.parent.glob("*.shm"):
+        for entry in _listing(lambda: self.path.parent.glob("*.shm")):
             if entry == self.path:
                 continue  # our own name: `_open` decides about it
             try:
@@ -536,6 +536,16 @@ class SharedHostRegion:
                 pass  # another process removed it first
             finally:
                 os.close(fd)
+
+
+def _listing(entries) -> list:
+    """The entries `entries()` lists, or none where the directory cannot be listed (writable but
+    not readable, say): the sweeps are housekeeping, and the region's own file is opened by name."""
+    try:
+        return list(entries())
+    except OSError as exc:
+        log.debug("not sweeping: %s", exc)
+        return []
 
 
 def _abandoned(fd: int) -> bool:

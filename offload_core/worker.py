@@ -125,7 +125,7 @@ class OffloadWorker:
             if self._prepared is not None:
                 self._layout = layout
         if host_region is not None:  # last: nothing after it can fail and leave it registered
-            self._registered = backend.pin_host_memory(self._host)
+            self._registered = _pin(backend, self._host)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when the last submit under way ends
         self._in_flight: set[int] = set()  # job ids reserved or queued, both directions
@@ -326,10 +326,37 @@ def _drain(queues, backend: Backend, host, registered: bool, kept) -> list[Trans
         results += queue.close()
     if registered:
         try:
-            backend.unpin_host_memory(host)
+            _unpin(backend, host)
         except Exception:
             log.exception("unregistering a worker's host memory failed")
     return results
+
+
+# Workers of one process that share a region share its registration: the first registers it,
+# the last to shut down unregisters it (another worker's copies may still read it before).
+_pins: dict[tuple[int, int, int], int] = {}  # (id of the backend, address, bytes) -> workers
+_pins_lock = threading.Lock()
+
+
+def _pin(backend: Backend, host) -> bool:
+    """Register `host` with `backend` for this worker; whether it is registered."""
+    key = (id(backend), host.data_ptr(), host.numel() * host.element_size())  # the workers hold the backend
+    with _pins_lock:
+        count = _pins.get(key, 0)
+        if count == 0 and not backend.pin_host_memory(host):
+            return False
+        _pins[key] = count + 1
+        return True
+
+
+def _unpin(backend: Backend, host) -> None:
+    key = (id(backend), host.data_ptr(), host.numel() * host.element_size())
+    with _pins_lock:  # held through the call: a worker registering meanwhile must find it done
+        count = _pins.pop(key, 1) - 1
+        if count:
+            _pins[key] = count
+        else:
+            backend.unpin_host_memory(host)
 
 
 def _dropped(pid: int, *held) -> None:

@@ -271,6 +271,42 @@ def test_worker_checks_the_region_layout(tmp_path):
             OffloadWorker(kv, 3, backend="cpu", host_region=reg)
 
 
+def test_workers_sharing_a_region_share_its_registration(tmp_path):
+    """The first worker on a region registers it, the last to shut down unregisters it: a worker
+    that shuts down first must not unpin memory another one's copies still read."""
+    from offload_core.backends.cpu import CpuBackend
+
+    class Pinning(CpuBackend):
+        def __init__(self):
+            super().__init__()
+            self.calls, self.pinned = [], False
+
+        def pin_host_memory(self, tensor):
+            self.calls.append("pin")
+            self.pinned = True
+            return True
+
+        def unpin_host_memory(self, tensor):
+            self.calls.append("unpin")
+            self.pinned = False
+
+    full = full_model(2)
+    row = tp.row_bytes(full, 1)
+    backend = Pinning()
+    with SharedHostRegion("p", num_blocks=4, slot_bytes=[row], rank=0, directory=tmp_path) as reg:
+        a = OffloadWorker(rank_kv(full, 1, 0), 4, backend=backend, host_region=reg)
+        b = OffloadWorker(rank_kv(full, 1, 0), 4, backend=backend, host_region=reg)
+        a.shutdown()
+        assert backend.pinned and backend.calls == ["pin"], "unpinned under the other worker"
+        assert b.submit_store(1, DeviceBlocks([2]), HostBlocks([1]))
+        b.wait([1])
+        b.shutdown()
+        assert not backend.pinned and backend.calls == ["pin", "unpin"]
+        c = OffloadWorker(rank_kv(full, 1, 0), 4, backend=backend, host_region=reg)  # pinned afresh
+        del c
+        assert backend.calls == ["pin", "unpin", "pin", "unpin"]
+
+
 def test_direct_slots_keep_ranks_apart(tmp_path):
     full = full_model(2)
     row = tp.row_bytes(full, 1)

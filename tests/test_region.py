@@ -617,3 +617,20 @@ def test_a_region_nobody_holds_is_removed_when_another_is_made(tmp_path):
         assert not (tmp_path / "crashed.shm").exists()
         assert live.path.exists() and (tmp_path / "other.shm").exists()
     live.close()
+
+
+def test_a_directory_that_cannot_be_listed_still_takes_a_region(monkeypatch, tmp_path):
+    """Writable but not readable (mode 0300 for a user who is not root): the sweeps of files left
+    by crashed ranks are skipped; the region's own file is made and opened by name."""
+    import pathlib
+
+    def unlistable(self, *args):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "iterdir", unlistable)
+    monkeypatch.setattr(pathlib.Path, "glob", unlistable)
+    with SharedHostRegion("hidden", num_blocks=2, slot_bytes=[4096, 4096], directory=tmp_path) as reg:
+        reg.tensor[:] = 7
+        again = SharedHostRegion("hidden", num_blocks=2, slot_bytes=[4096, 4096], rank=1, directory=tmp_path)
+        assert int(again.tensor[0, 0]) == 7
+        again.close()

@@ -104,6 +104,39 @@ def test_host_memory_beyond_vllms_budget_is_refused():
         WorkerAdapter(NS(tensors=tensors, group_data_refs=refs), 4, 1, row_budget=32)
 
 
+@pytest.mark.parametrize(
+    "tensor_page, ref_page, args, rule",
+    [
+        (256.9, 256, (4,), "must be a positive integer, got 256.9"),
+        (256, 200.7, (4,), "must be a positive integer, got 200.7"),
+        (256, 256, (None,), "num_chunks must be a positive integer, got None"),
+        (256, 256, ("4",), "num_chunks must be a positive integer, got '4'"),
+        (256, 256, (4, "2"), "blocks_per_chunk must be a positive integer, got '2'"),
+        (256, 256, (4, None), "blocks_per_chunk must be a positive integer, got None"),
+    ],
+)
+def test_what_vllm_hands_over_is_checked_not_truncated(tensor_page, ref_page, args, rule):
+    tensors = [NS(tensor=torch.zeros(4, 256, dtype=torch.int8), page_size_bytes=tensor_page)]
+    refs = [[NS(tensor_idx=0, page_size_bytes=ref_page, mapping=None)]]
+    with pytest.raises(InvalidSpecError, match=rule):
+        WorkerAdapter(NS(tensors=tensors, group_data_refs=refs), *args)
+
+
+def test_a_spec_that_is_not_one_is_named():
+    tensors = [NS(tensor=torch.zeros(4, 64, dtype=torch.int8), page_size_bytes=64)]
+    refs = [[NS(tensor_idx=0, page_size_bytes=64, mapping=None)]]
+    adapter = WorkerAdapter(NS(tensors=tensors, group_data_refs=refs), 4, backend="cpu")
+    try:
+        with pytest.raises(InvalidSpecError, match="expected a GPULoadStoreSpec"):
+            adapter.submit_store(1, None, cpu_spec([0]))
+        with pytest.raises(InvalidSpecError, match="expected a CPULoadStoreSpec"):
+            adapter.submit_load(2, object(), gpu_spec([0], [1], [0]))
+    finally:
+        adapter.shutdown()
+    with pytest.raises(InvalidSpecError, match="expected a GPULoadStoreSpec"):  # named before the worker's state
+        adapter.submit_store(3, None, None)
+
+
 def test_region_names_are_unique_and_keep_the_replica():
     from offload_core.integrations.vllm_convert import region_name
 

@@ -20,7 +20,7 @@ from typing import Any
 from offload_core.canonical import CanonicalPageMapping, CopyRun
 from offload_core.errors import InvalidSpecError
 from offload_core.host_layout import HostLayout
-from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
+from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, integer, positive_int
 from offload_core.region import SharedHostRegion
 from offload_core.worker import OffloadWorker
 
@@ -68,6 +68,12 @@ class WorkerAdapter:
     ):
         if canonical and shared_region is None:
             raise InvalidSpecError("a canonical layout needs the name of the region the ranks share (shared_region)")
+        num_chunks, blocks_per_chunk = (
+            positive_int(num_chunks, "num_chunks"),
+            positive_int(blocks_per_chunk, "blocks_per_chunk"),
+        )
+        rank = integer(rank, "rank", 0)
+        row_budget = None if row_budget is None else positive_int(row_budget, "row_budget")
         kv = to_kv_caches(kv_caches, canonical=canonical)
         row = HostLayout.of(kv, blocks_per_chunk, canonical).row_bytes
         if row_budget is not None and row > row_budget:
@@ -171,7 +177,7 @@ def to_kv_caches(kv_caches: Any, canonical: bool = False) -> KVCaches:
     """
     # vLLM's names: a tensor's page_size_bytes is its row (the padded page), a ref's the prefix
     # of it that the layer uses and a copy moves
-    tensors = [KVCacheTensor(t.tensor, int(t.page_size_bytes)) for t in kv_caches.tensors]
+    tensors = [KVCacheTensor(t.tensor, t.page_size_bytes) for t in kv_caches.tensors]  # it checks the size
     groups = []
     for g, refs in enumerate(kv_caches.group_data_refs):
         kept: dict[int, Any] = {}
@@ -186,7 +192,7 @@ def to_kv_caches(kv_caches: Any, canonical: bool = False) -> KVCaches:
                 kept[ref.tensor_idx] = ref
         groups.append(
             [
-                KVCacheRef(i, int(r.page_size_bytes), mapping=to_mapping(r.mapping) if canonical else None)
+                KVCacheRef(i, r.page_size_bytes, mapping=to_mapping(r.mapping) if canonical else None)
                 for i, r in kept.items()
             ]
         )
@@ -203,23 +209,32 @@ def to_mapping(mapping: Any) -> CanonicalPageMapping:
         for r in mapping.runs
     )
     return CanonicalPageMapping(
-        canonical_page_size_bytes=int(mapping.canonical_page_size_bytes),
-        local_page_size_bytes=int(mapping.local_page_size_bytes),
+        canonical_page_size_bytes=mapping.canonical_page_size_bytes,  # it checks them: a float is refused
+        local_page_size_bytes=mapping.local_page_size_bytes,
         runs=runs,
-        num_writers=int(mapping.num_writers),
-        writer_index=int(mapping.writer_index),
+        num_writers=mapping.num_writers,
+        writer_index=mapping.writer_index,
     )
 
 
 def device_blocks(spec: Any) -> DeviceBlocks:
     """A ``GPULoadStoreSpec`` (block ids in group order, group sizes, each group's first block
     index) as `DeviceBlocks`; older specs without groups are one group."""
-    return DeviceBlocks(spec.block_ids, getattr(spec, "group_sizes", None), getattr(spec, "block_indices", None))
+    return DeviceBlocks(
+        _ids_of(spec, "GPULoadStoreSpec"), getattr(spec, "group_sizes", None), getattr(spec, "block_indices", None)
+    )
 
 
 def host_blocks(spec: Any) -> HostBlocks:
     """A ``CPULoadStoreSpec`` (host chunk ids) as `HostBlocks`."""
-    return HostBlocks(spec.block_ids)
+    return HostBlocks(_ids_of(spec, "CPULoadStoreSpec"))
+
+
+def _ids_of(spec: Any, kind: str) -> Any:
+    ids = getattr(spec, "block_ids", None)
+    if ids is None:
+        raise InvalidSpecError(f"expected a {kind} (with block_ids), got {spec!r}")
+    return ids
 
 
 def region_name(engine_id: str, data_parallel_index: int) -> str:
