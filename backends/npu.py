@@ -128,6 +128,7 @@ class NpuBackend(TorchDeviceBackend):
         super().__init__(device_index, runtime=runtime)
         if acl is None:
             acl = load_acl()
+        self._acl = acl  # held: its entry points may be callbacks that live only as long as it
         self._batch = _entry(acl, "aclrtMemcpyBatchAsync", ACL_MEMCPY_BATCH)
         self._memcpy = _entry(acl, "aclrtMemcpyAsync", ACL_MEMCPY)
         if self._memcpy is None:

@@ -82,11 +82,14 @@ class XpuBackend(TorchDeviceBackend):
         super().__init__(device_index, runtime=runtime)
         self.copier = copier if copier is not None else StreamCopier()
         # Registered buffers: (start, end, weak ref to the tensor), sorted by address, with their
-        # bounds as arrays for searchsorted, in one tuple so that a reader never sees a mix of
-        # two versions (a tensor's collection rebuilds it from any thread). Weak: the backend
-        # outlives workers (the registry keeps it) and must neither keep their memory alive nor
-        # pin a shared region's mapping; whoever queues copies keeps the memory until they finish.
-        self._table: tuple[list, np.ndarray, np.ndarray] = ([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+        # starts as an array for searchsorted and, per position, the entry up to it that reaches
+        # furthest (`_rebuild`), in one tuple so that a reader never sees a mix of two versions
+        # (a tensor's collection rebuilds it from any thread). Several tensors may cover the same
+        # memory (two workers' views of one cache): each stays until it is collected. Weak: the
+        # backend outlives workers (the registry keeps it) and must neither keep their memory
+        # alive nor pin a shared region's mapping; whoever queues copies keeps the memory until
+        # they finish.
+        self._table: tuple[list, np.ndarray, np.ndarray, np.ndarray] = ([], *(np.zeros(0, np.int64),) * 3)
         self._table_lock = threading.RLock()  # re-entrant: a collection during a rebuild calls _forget
 
     def new_stream(self):
@@ -110,8 +113,9 @@ class XpuBackend(TorchDeviceBackend):
     def register_buffer(self, tensor) -> None:
         start = tensor.data_ptr()
         entry = (start, start + span_bytes(tensor), weakref.ref(tensor, self._forget))
-        with self._table_lock:
-            self._rebuild([e for e in self._table[0] if e[0] != start and e[2]() is not None] + [entry])
+        with self._table_lock:  # a tensor registered again (a second worker over it) keeps one entry
+            kept = [e for e in self._table[0] if e[2]() is not None and not (e[2]() is tensor and e[1] == entry[1])]
+            self._rebuild(kept + [entry])
 
     def _forget(self, ref: weakref.ref) -> None:
         with self._table_lock:
@@ -121,7 +125,12 @@ class XpuBackend(TorchDeviceBackend):
         entries = sorted(entries, key=lambda e: e[0])
         starts = np.array([e[0] for e in entries], dtype=np.int64)
         ends = np.array([e[1] for e in entries], dtype=np.int64)
-        self._table = (entries, starts, ends)
+        # reach[j]: the entry among the first j + 1 whose end lies furthest; where any entry
+        # starting at or before an address covers a copy from it, that one does
+        reach = np.zeros(len(entries), dtype=np.int64)
+        for j in range(1, len(entries)):
+            reach[j] = j if ends[j] >= ends[reach[j - 1]] else reach[j - 1]
+        self._table = (entries, starts, ends, reach)
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         self._bind_thread()
@@ -138,9 +147,12 @@ class XpuBackend(TorchDeviceBackend):
 
     def _resolve(self, addresses: np.ndarray, sizes: np.ndarray):
         """Each address as (a flat byte view of its registered buffer, offset in it)."""
-        entries, starts, ends = self._table
+        entries, starts, ends, reach = self._table
         i = np.searchsorted(starts, addresses, side="right") - 1
-        if i.min(initial=0) < 0 or np.any(addresses + sizes > ends[i]):
+        if i.min(initial=0) < 0:
+            raise ValueError("xpu copies need their memory registered (register_buffer or alloc_host)")
+        i = reach[i]
+        if np.any(addresses + sizes > ends[i]):
             raise ValueError("xpu copies need their memory registered (register_buffer or alloc_host)")
         views = {}
         for k in set(i.tolist()):

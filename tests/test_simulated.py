@@ -235,3 +235,51 @@ def test_simulations_replace_registrations_and_patch_no_module():
             assert (getattr(torch, "npu", None), getattr(torch, "xpu", None), sys.modules.get("torch_npu")) == modules
         assert registry.backend_class("xpu") is before["xpu"]
     assert {name: registry.backend_class(name) for name in ("npu", "xpu")} == before
+
+
+def test_npu_holds_the_acl_library_it_was_given():
+    """Its entry points may be callbacks that live only as long as the object: the backend keeps
+    it, so a caller that passes a fresh one and drops it does not leave dangling pointers."""
+    import gc
+    import weakref
+
+    from offload_core.backends.npu import NpuBackend
+
+    runtime = simulated.SimRuntime("npu")
+    acl = simulated.SimAcl(runtime)
+    backend = NpuBackend(0, runtime=runtime, acl=acl)
+    gone = weakref.ref(acl)
+    del acl
+    gc.collect()
+    assert gone() is not None and backend._acl is gone()
+
+
+@pytest.mark.xpu
+def test_xpu_memory_stays_registered_while_any_tensor_over_it_lives(sim_xpu):
+    """Two workers' views of one cache: the first's registration must survive the second's, a
+    shorter one from the same address, and its collection; a view's own registration goes with it."""
+    import gc
+
+    backend, _ = sim_xpu
+    host = backend.alloc_host(256)
+    cache = torch.zeros(256, dtype=torch.uint8)
+    backend.register_buffer(cache)
+    head = cache[:64]  # a second worker over the first blocks only
+    backend.register_buffer(head)
+    one, base = np.ones(1, dtype=np.int64), cache.data_ptr()
+
+    def store(offset):
+        backend.copy_batch(one * (base + offset), one * host.data_ptr(), one * 8, Direction.STORE, backend.new_stream())
+
+    store(200)  # beyond the shorter view: the longer one covers it
+    del head
+    gc.collect()
+    store(200)
+    store(0)
+    for _ in range(3):
+        backend.register_buffer(cache)  # again and again: one entry
+    assert sum(e[2]() is cache for e in backend._table[0]) == 1
+    del cache
+    gc.collect()
+    with pytest.raises(ValueError, match="registered"):  # its memory is no longer the caller's
+        store(0)
