@@ -113,3 +113,62 @@ def test_a_cgroup_path_that_is_not_utf8_is_read_as_bytes(fake_kernel, tmp_path, 
     (directory / "memory.max").write_text(f"{2 * GIB}\n")
     (directory / "memory.current").write_text(f"{GIB}\n")
     assert available() == GIB
+
+
+def test_what_is_not_a_file_is_not_read(fake_kernel, available, tmp_path):
+    """A FIFO (never waited on), a device (never read without end) or a huge sparse file in place
+    of a kernel file: that file counts as unreadable."""
+    import os
+
+    fake_kernel("cgroup", "0::/job\n")
+    (tmp_path / "sys/fs/cgroup/job").mkdir(parents=True)
+    os.mkfifo(tmp_path / "sys/fs/cgroup/job/memory.max")
+    fake_kernel("sys/job/memory.current", f"{GIB}\n")
+    assert available() == 400 * GIB
+    (tmp_path / "proc/meminfo").unlink()
+    (tmp_path / "proc/meminfo").symlink_to("/dev/zero")
+    assert available() is not None  # the machine's physical memory, from sysconf
+    with open(tmp_path / "proc/self/cgroup", "wb") as f:
+        f.truncate(1 << 40)
+    assert available() is not None
+
+
+@pytest.mark.parametrize(
+    "cgroup, files",
+    [
+        ("0::/../../../../outside\n", {}),  # out of the mount (tmp_path/sys/fs/cgroup): not read
+        ("7:../../../../outside/x,memory:/\n", {}),
+        ("0::" + "/a" * 5000 + "\n", {}),  # deeper than any real one: not read
+        ("0::/job\n", {"sys/job/memory.max": "-1\n", "sys/job/memory.current": "0\n"}),
+        ("0::/job\n", {"sys/job/memory.max": "\u0661\u0660\u0660\n", "sys/job/memory.current": "0\n"}),  # not ASCII
+        ("0::/job\n", {"sys/job/memory.max": "1_0\n", "sys/job/memory.current": "0\n"}),
+    ],
+)
+def test_odd_cgroup_files_leave_the_machine_to_decide(fake_kernel, available, tmp_path, cgroup, files):
+    (tmp_path / "sys/fs/cgroup").mkdir(parents=True)  # a path through it leads out only where it exists
+    for outside in (tmp_path.parent / "outside", tmp_path.parent / "outside/x,memory"):  # where they lead
+        outside.mkdir(parents=True, exist_ok=True)
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            (outside / name).write_text(f"{GIB}\n")
+        for name in ("memory.current", "memory.usage_in_bytes"):
+            (outside / name).write_text("0\n")
+    fake_kernel("cgroup", cgroup)
+    for name, text in files.items():
+        fake_kernel(name, text)
+    assert available() == 400 * GIB
+
+
+def test_a_negative_memavailable_is_not_believed(fake_kernel, available):
+    fake_kernel("meminfo", "MemTotal: 1 kB\nMemAvailable: -5 kB\n")
+    assert available() is None or available() > 0
+
+
+@pytest.mark.parametrize("nbytes", ["5", 2.5, -1, True, None])
+def test_a_size_that_is_not_one_is_named(nbytes, tmp_path):
+    with pytest.raises(hostmem.InvalidSpecError, match="host buffer: a size of host memory must be a non-negative"):
+        hostmem.check_host_bytes(nbytes, "host buffer", root=str(tmp_path))
+
+
+def test_a_size_beyond_any_machine_is_refused_in_words(fake_kernel, tmp_path):
+    with pytest.raises(hostmem.OffloadError, match=r"needs \d+ GiB of host memory, but only 400.00 GiB"):
+        hostmem.check_host_bytes(10**400, "host buffer", root=str(tmp_path))
