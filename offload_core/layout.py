@@ -77,6 +77,9 @@ class KVCacheTensor:
                 f"KV tensor rows overlap: a pitch of {pitch} bytes (stride(0)={t.stride(0)}) is below "
                 f"page_size_bytes={self.page_size_bytes}"
             )
+        # A private alias of what was checked: the caller's tensor object may be re-viewed after
+        # this (`as_strided_`, `set_`); this one keeps the checked geometry, and its memory alive.
+        object.__setattr__(self, "tensor", t.detach().as_strided(t.size(), t.stride(), t.storage_offset()))
 
     @property
     def num_blocks(self) -> int:

@@ -404,3 +404,35 @@ def test_ids_of_mixed_numpy_integer_types_are_taken():
     """numpy makes floats of int64 and uint64 together: the ids are integers all the same."""
     assert DeviceBlocks([np.int64(1), np.uint64(2)]).block_ids.tolist() == [1, 2]
     assert HostBlocks((np.int32(7), 3)).block_ids.tolist() == [7, 3]
+
+
+@pytest.mark.parametrize("change", ["as_strided_", "set_"])
+def test_a_kv_tensor_changed_after_it_was_checked_is_not_followed(backend_name_for_probe, change):
+    """The caller's tensor object re-viewed (`as_strided_`) or given other memory (`set_`) after
+    `KVCacheTensor` checked it: the worker copies what was checked, from memory it keeps alive,
+    and never past the original rows."""
+    backing = torch.full((1024,), -1, dtype=torch.int8)
+    view = backing[256:768].view(8, 64)  # 8 pages of 64 bytes, guards on both sides
+    kv = KVCaches([KVCacheTensor(view, 64)], [[KVCacheRef(0, 64)]])
+    if change == "as_strided_":
+        view.as_strided_((8, 32), (64, 1), view.storage_offset() + 32)
+    else:
+        view.set_(torch.zeros(16, dtype=torch.int8))
+    with OffloadWorker(kv, 8, backend=backend_name_for_probe()) as worker:
+        worker.host_tensors[0][:] = 7
+        assert worker.submit_load(1, HostBlocks([0]), DeviceBlocks([7]))
+        worker.wait([1])
+        assert all(r.success for r in worker.get_finished())
+    assert (backing[256 + 7 * 64 : 768] == 7).all()
+    assert (backing[:256] == -1).all() and (backing[768:] == -1).all()
+
+
+@pytest.fixture(params=["cpu", "expanding-staged", "expanding-direct"])
+def backend_name_for_probe(request):
+    from offload_core.testing.expanding import ExpandingCpuBackend
+
+    return {
+        "cpu": lambda: "cpu",
+        "expanding-staged": lambda: ExpandingCpuBackend(staged=True),
+        "expanding-direct": lambda: ExpandingCpuBackend(staged=False),
+    }[request.param]
