@@ -23,6 +23,10 @@ from offload_core.runs import merge_runs
 log = logging.getLogger(__name__)
 
 
+MAX_FRAGMENTS = 1 << 22  # fragments of one mapping: far more than any page has (a head per token)
+MAX_PAGE = 1 << 48  # bytes of a page, either side: any offset within it stays far inside int64
+
+
 @dataclass(frozen=True)
 class CopyRun:
     """Fragment i covers local bytes ``[local_offset + i*local_stride, +fragment_size)`` and canonical
@@ -80,6 +84,20 @@ class CanonicalPageMapping:
         # checked on the counts before anything is unrolled, which bounds the unrolling
         if sum(r.fragment_size * r.num_fragments for r in self.runs) != self.local_page_size_bytes:
             raise InvalidSpecError("runs must cover the local page exactly once")
+        for name in ("canonical_page_size_bytes", "local_page_size_bytes"):
+            if getattr(self, name) > MAX_PAGE:
+                raise InvalidSpecError(f"{name} {getattr(self, name)} is beyond any page (at most {MAX_PAGE} bytes)")
+        fragments = sum(r.num_fragments for r in self.runs)
+        if fragments > MAX_FRAGMENTS:
+            raise InvalidSpecError(f"a mapping of {fragments} fragments: at most {MAX_FRAGMENTS} are taken")
+        for r in self.runs:  # in Python's integers: no offset or stride can wrap around in int64 below
+            for first, stride, page, side in (
+                (r.local_offset, r.local_stride, self.local_page_size_bytes, "local"),
+                (r.canonical_offset, r.canonical_stride, self.canonical_page_size_bytes, "canonical"),
+            ):
+                last = first + (r.num_fragments - 1) * stride
+                if min(first, last) < 0 or max(first, last) + r.fragment_size > page:
+                    raise InvalidSpecError(f"{r} leaves the {side} page of {page} bytes")
         local, canon, sizes = _unroll(self.runs)
         if sizes.size == 0 or sizes.min() <= 0:
             raise InvalidSpecError("a mapping needs runs of positive size")
@@ -121,13 +139,15 @@ def _unroll(runs: Iterable[CopyRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def _coverage(starts: np.ndarray, sizes: np.ndarray, length: int) -> np.ndarray:
-    """Distinct counts of how often each byte of ``[0, length)`` is covered (out-of-range = error)."""
+    """Distinct counts of how often each byte of ``[0, length)`` is covered (out-of-range = error),
+    from the fragments' ends alone: no array as long as the page."""
     if starts.min() < 0 or (starts + sizes).max() > length:
         return np.array([-1])
-    diff = np.zeros(length + 1, dtype=np.int64)
-    np.add.at(diff, starts, 1)
-    np.add.at(diff, starts + sizes, -1)
-    return np.unique(np.cumsum(diff[:-1]))
+    points, where = np.unique(np.concatenate([starts, starts + sizes, [0, length]]), return_inverse=True)
+    steps = np.zeros(points.size, dtype=np.int64)
+    np.add.at(steps, where, np.concatenate([np.ones(starts.size, np.int64), -np.ones(starts.size, np.int64), [0, 0]]))
+    counts = np.cumsum(steps)[:-1]  # over [points[i], points[i + 1]), each of positive length
+    return np.unique(counts)
 
 
 def _merge(local, canon, sizes):
@@ -217,8 +237,11 @@ def attention_mappings(
         One mapping per rank, certified by `verify_tiling`.
 
     Raises:
-        InvalidSpecError: a layout these helpers do not know, or heads that do not divide.
+        InvalidSpecError: a layout these helpers do not know, heads that do not divide, or a
+            count or size that is not a positive integer.
     """
+    total_kv_heads, tp_size = positive_int(total_kv_heads, "total_kv_heads"), positive_int(tp_size, "tp_size")
+    block_tokens, head_bytes = positive_int(block_tokens, "block_tokens"), positive_int(head_bytes, "head_bytes")
     if order not in ("NHD", "HND") or kv not in (None, "split", "packed") or (kv == "packed" and order != "NHD"):
         raise InvalidSpecError(f"unknown attention page layout: order={order!r}, kv={kv!r}")
     if tp_size % total_kv_heads and total_kv_heads % tp_size:

@@ -362,3 +362,28 @@ def test_padded_pages_do_not_change_the_canonical_host_page():
     )
     with OffloadWorker(kv, 4, canonical_layout=True, backend="cpu") as worker:
         assert worker.host_row_bytes == m0.canonical_page_size_bytes
+
+
+@pytest.mark.parametrize(
+    "make, rule",
+    [
+        (lambda: CanonicalPageMapping(2**70, 32, [CopyRun(0, 2**69, 32)]), "beyond any page"),
+        (lambda: CanonicalPageMapping(64, 32, [CopyRun(0, 0, 16, 2, 16, 2**70)]), "leaves the canonical page"),
+        (lambda: CanonicalPageMapping(2**63 - 1, 16, [CopyRun(0, 2**63 - 8, 16)]), "beyond any page"),
+        (lambda: CanonicalPageMapping(2**40, 16, [CopyRun(0, 2**40 - 8, 16)]), "leaves the canonical page"),
+        (lambda: CanonicalPageMapping(2**40, 2**40, [CopyRun(0, 0, 1, 2**40, 1, 1)]), "at most 4194304 are taken"),
+        (lambda: attention_mappings(total_kv_heads=0, tp_size=2, block_tokens=4, head_bytes=8), "total_kv_heads"),
+        (lambda: attention_mappings(total_kv_heads=2.0, tp_size=2, block_tokens=4, head_bytes=8), "total_kv_heads"),
+    ],
+)
+def test_mappings_beyond_any_page_are_refused_before_any_arithmetic(make, rule):
+    """Offsets and strides beyond int64, ends that would wrap around in it, or fragments by the
+    trillion: named, not an overflow, a wrong answer or a memory error."""
+    with pytest.raises(InvalidSpecError, match=rule):
+        make()
+
+
+def test_a_large_page_is_checked_without_an_array_as_long():
+    page = 1 << 40  # a tebibyte: only the fragments' ends are looked at
+    mapping = CanonicalPageMapping(page, page, [CopyRun(0, 0, page // 2, 2, page // 2, page // 2)])
+    assert mapping.fragments[2].sum() == page
