@@ -307,6 +307,31 @@ def test_workers_sharing_a_region_share_its_registration(tmp_path):
         assert backend.calls == ["pin", "unpin", "pin", "unpin"]
 
 
+def test_a_worker_copies_after_another_on_its_region_shut_down(backend, tmp_path):
+    """On every backend: the second worker's copies through a region still reach its memory after
+    the first worker shut down (on cuda, `expand_direct` reads and writes the region through the
+    registration they shared)."""
+    full = full_model(2)
+    device = getattr(backend, "device", "cpu")
+    with region("shared", full, 1, 4, tmp_path) as reg:
+        kv, fresh = rank_kv(full, 1, 0, device=device), rank_kv(full, 1, 0, empty=True, device=device)
+        a = OffloadWorker(kv, 4, backend=backend, canonical_layout=True, host_region=reg)
+        b = OffloadWorker(fresh, 4, backend=backend, canonical_layout=True, host_region=reg)
+        assert a.submit_store(1, DeviceBlocks([3, 5]), HostBlocks([2, 0]))
+        a.wait([1])
+        a.shutdown()
+        assert b.submit_load(2, HostBlocks([2, 0]), DeviceBlocks([7, 8]))
+        b.wait([2])  # the lanes are not ordered with each other: the store reads what the load wrote
+        assert b.submit_store(3, DeviceBlocks([8, 7]), HostBlocks([1, 3]))
+        b.wait([3])
+        assert b.submit_load(4, HostBlocks([3, 1]), DeviceBlocks([9, 10]))
+        b.wait([4])
+        assert [r.success for r in b.get_finished()] == [True] * 3
+        b.shutdown()
+        for got, want in zip(fresh.tensors, kv.tensors):
+            assert torch.equal(got.tensor[[7, 8, 9, 10]].cpu(), want.tensor[[3, 5, 3, 5]].cpu())
+
+
 def test_direct_slots_keep_ranks_apart(tmp_path):
     full = full_model(2)
     row = tp.row_bytes(full, 1)
