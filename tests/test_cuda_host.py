@@ -1144,7 +1144,8 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
             np.testing.assert_array_equal(g, w[2 * per : 5 * per])
 
 
-def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch):
+@pytest.mark.parametrize("ring", [1 << 20, 1 << 40], ids=["32-bit", "64-bit"])
+def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
     """Triton builds a kernel per set of constexprs and per type of each int argument (whether it
     fits 32 bits), and the first launch of a build loads it, which waits for the device to go
     idle. `prepare` must launch every build a job will use, so that no job waits for that."""
@@ -1161,7 +1162,9 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch):
     monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
     monkeypatch.setattr(kernels, "_launch", launch)
     backend = host_only_backend(monkeypatch, FakeLib())
-    backend._ring = SimpleNamespace(upload=lambda cols, stream, split=0: ([1 << 40], []))
+    # the ring's device memory, where every job's table lies, at an address of either kind (the
+    # warm-up once passed another table, a CPU heap's in this test: on the H200 it fitted 32 bits)
+    backend._ring = SimpleNamespace(upload=lambda cols, stream, split=0: ([ring], []), device_address=lambda: ring)
     for simple in (True, False):
         model = Model([16], [[(0, 16)]], 1 if simple else 2, 64, 64)
         planner = Planner(model.geometry)

@@ -81,14 +81,16 @@ class BlockCopier:
             # Simple jobs' tables: host rows found from the host block (direct) or from the block
             # (staged, in a device buffer; the entry table's address stands in for it). Triton
             # compiles per type of each int argument (32 or 64 bits), and the first launch of each
-            # build loads it, waiting for the device to go idle: the values must be of a job's kind.
+            # build loads it, waiting for the device to go idle: the values must be of a job's kind,
+            # the block table's an address in the ring that every job's table comes from.
             row = layout.row_bytes
             staged_base = prepared.entries.data_ptr()
             variants = ((layout.host_base, row, True), (staged_base, row, False)) if layout.simple_jobs else (None,)
+            table = b._ring.device_address()
             for store in (True, False):
                 for rows in variants:
                     kernels.expand(
-                        prepared.groups.data_ptr(),
+                        table,
                         0,
                         prepared.entries.data_ptr(),
                         prepared.entry_count,

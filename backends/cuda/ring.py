@@ -65,6 +65,12 @@ class DescriptorRing:
             tables.append(dev_ptr + 8 * k * a)
         return tables, keep
 
+    def device_address(self) -> int:
+        """Where the ring's tables lie on the device (allocated now if they were not): what a
+        kernel's table argument looks like, for warming its builds up (`blocks.BlockCopier.prepare`)."""
+        self._allocate()
+        return self._dev_ptr
+
     def retire(self, event) -> None:
         """The regions reserved since the last call are free once `event` has passed."""
         for region in reversed(self._regions):
@@ -72,15 +78,18 @@ class DescriptorRing:
                 break
             region[2] = event
 
-    def _reserve(self, count: int) -> int | None:
-        if count > self.entries:
-            return None
+    def _allocate(self) -> None:
         if self._host is None:
             torch = self._torch
             self._host = torch.empty(self.entries, dtype=torch.int64, pin_memory=True)
             self._dev = torch.empty(self.entries, dtype=torch.int64, device=self._device)
             self._flat: np.ndarray = self._host.numpy()
             self._host_ptr, self._dev_ptr = self._host.data_ptr(), self._dev.data_ptr()
+
+    def _reserve(self, count: int) -> int | None:
+        if count > self.entries:
+            return None
+        self._allocate()
         regions = self._regions
         while regions and regions[0][2] is not None and regions[0][2].query():
             regions.popleft()
