@@ -355,6 +355,9 @@ class CompactLayout:
                 a, n = int(starts[0]), int(lengths[0])
                 if n == row:  # whole rows: a run of consecutive host blocks is one range
                     hosts = host_ids[c0:c1]
+                    if self.native is not None and hosts.size and self.native.row_runs(hosts, 0)[0] == hosts.size:
+                        # no two rows continue each other (what scattered host blocks give): one range each
+                        return np.arange(c0 * row, c1 * row, row, dtype=np.int64), hosts * row, np.full(hosts.size, row)
                     first = run_starts((hosts,), 1)
                     sizes = np.diff(np.append(first, hosts.size)) * row
                     return (first + c0) * row, hosts[first] * row, sizes

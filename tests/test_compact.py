@@ -155,6 +155,24 @@ def test_a_segment_summary_of_whole_rows_counts_runs_of_host_blocks(hosts, direc
     assert layout.segment_summary(job, limit) == (sizes.size, int(sizes[sizes <= limit].sum()))
 
 
+@given(
+    hosts=st.lists(st.integers(0, 11), min_size=1, max_size=12, unique=True), direction=st.sampled_from(list(Direction))
+)
+def test_whole_rows_segments_compiled_are_numpys(hosts, direction):
+    """Rows of which none continues another take a compiled shortcut: the same ranges, the same types."""
+    model = Model([16, 32], [[(0, 16), (1, 32)]], 1, 16, 12)
+    jobs = [
+        compact_layout(Planner(model.geometry), compiled).job(
+            direction, DeviceBlocks(list(range(len(hosts)))), HostBlocks(hosts)
+        )
+        for compiled in (False, True)
+    ]
+    numpy_side, compiled_side = (job.layout.segments(job) for job in jobs)
+    for a, b in zip(numpy_side, compiled_side):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == b.dtype == np.int64
+
+
 def test_a_segment_summary_sees_ranges_that_continue_into_the_next_row():
     # rows of 128 bytes; each block touches [0, 32) and [64, 128): a row's last range and the
     # next row's first continue each other where host blocks follow each other

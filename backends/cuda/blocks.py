@@ -68,7 +68,9 @@ class BlockCopier:
         self.backend = backend
         self.half_bytes = half_bytes
         self.staging = PerStream(
-            lambda stream: StagingHalves(backend._torch, backend.device, stream, backend.new_stream(), half_bytes)
+            lambda stream: StagingHalves(
+                backend._torch, backend.device, stream, backend.new_stream(), half_bytes, backend._marker
+            )
         )
 
     def prepare(self, layout: CompactLayout) -> Prepared:
@@ -328,6 +330,10 @@ HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT = HostExpanded(), ExpandStaged(), Ex
 def _split(stage: np.ndarray, host: np.ndarray, sizes: np.ndarray, cuts: np.ndarray):
     """Segments cut at the staging offsets `cuts`, so that none runs across one."""
     ends = stage + sizes
+    # Usually none does (scattered host rows merge rarely): then the segments are the answer.
+    around = np.searchsorted(stage, cuts) - 1  # the last segment starting before each cut
+    if not (ends[around[around >= 0]] > cuts[around >= 0]).any():
+        return stage, host, sizes
     points = np.union1d(stage, cuts)
     owner = np.searchsorted(stage, points, "right") - 1  # the segment each point falls in, if any
     inside = (owner >= 0) & (points < ends[np.maximum(owner, 0)])

@@ -68,15 +68,16 @@ class StagedPair:
 
 class StagingHalves:
     """Compact jobs' staging for one queue stream: its side stream, two halves of one buffer
-    and their hand-over events."""
+    and their hand-over events, made by `new_event` (the backend's untimed markers: four of
+    their calls a piece, each a fraction of what torch's event wrappers cost)."""
 
-    def __init__(self, torch, device, stream, side, half_bytes: int):
+    def __init__(self, torch, device, stream, side, half_bytes: int, new_event: Callable):
         self.stream, self.side = stream, side  # the stream is held so its handle stays ours
         with torch.cuda.stream(side):
             self.buffer = torch.empty(2 * half_bytes, dtype=torch.uint8, device=device)
         self.halves = (self.buffer.data_ptr(), self.buffer.data_ptr() + half_bytes)
-        self.free = [torch.cuda.Event(), torch.cuda.Event()]  # a half may be overwritten once passed
-        self.ready = torch.cuda.Event()  # the side stream's step is done
+        self.free = [new_event(), new_event()]  # a half may be overwritten once passed
+        self.ready = new_event()  # the side stream's step is done
         self.next = 0  # the half the next piece uses
 
 
