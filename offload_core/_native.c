@@ -338,11 +338,10 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
     }
     int code = 0, result = 0;
-    /* keep_gil for the hot path's enqueues (an event's record and query, a stream's wait, a
-     * table's upload): letting go of the GIL there handed it to the queue's launcher thread and
-     * back, 15-20 us more CPU a job at 1 MiB jobs on the H200 for the record and query alone
-     * (docs/dev/cuda-tuning-log.md). Such a call can still wait for the device where a stream's
-     * command queue is full; other threads then wait too, for as long. */
+    /* keep_gil for an event's record and query, once or twice a job: letting go of the GIL
+     * there handed it to the queue's launcher thread and back, 15-20 us more CPU a job at 1 MiB
+     * jobs on the H200 (docs/dev/cuda-tuning-log.md). Such a call can still wait for the device
+     * where a stream's command queue is full; other threads then wait too, for as long. */
     PyThreadState *saved = keep_gil ? NULL : PyEval_SaveThread();
     void *current = NULL;
     if (((get_ctx_fn)v[0])(&current) != 0) current = NULL;

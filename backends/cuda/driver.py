@@ -139,18 +139,16 @@ class Driver:
         self.ctx_pop_current = self.resolve("cuCtxPopCurrent", 4000, CTX_OUT)
         # Short calls of the hot path, ``(context, *args) -> CUresult`` (the negated code where
         # the context could not be made current): an event's record and query (once or twice a
-        # job), a stream's wait and an elapsed time (a few a launch and piece), a descriptor
-        # table's upload (one a piece). Compiled where offload_core's extension is built (no
-        # ctypes marshalling), else through `in_context`. All but the elapsed time keep the GIL:
-        # letting go of it hands it to the queue's launcher thread and back, 15-20 us of a job
-        # on the H200's host for the record and query alone. Each only enqueues a command; like
-        # any enqueue it waits where the stream's command queue is full, and other Python
-        # threads then wait with it.
+        # job), a stream's wait and an elapsed time (a few a launch), a descriptor table's
+        # upload (one a launch). Compiled where offload_core's extension is built (no ctypes
+        # marshalling), else through `in_context`. The record and query keep the GIL: letting
+        # go of it hands it to the queue's launcher thread and back, 15-20 us of a job on the
+        # H200's host; the others release it as ctypes does (they may wait for the device).
         self.record_in = self._context_call(self.event_record, keep_gil=True)
         self.query_in = self._context_call(self.event_query, keep_gil=True)
-        self.wait_in = self._context_call(self.stream_wait_event, keep_gil=True)
+        self.wait_in = self._context_call(self.stream_wait_event)
         self.elapsed_in = self._context_call(self.event_elapsed_time)
-        self.memcpy_in = self._context_call(self.memcpy, keep_gil=True)
+        self.memcpy_in = self._context_call(self.memcpy)
 
     def _context_call(self, fn: Callable | None, keep_gil: bool = False) -> Callable[..., int] | None:
         if fn is None or not self.has_events:
