@@ -357,7 +357,8 @@ class CompactLayout:
                     hosts = host_ids[c0:c1]
                     if self.native is not None and hosts.size and self.native.row_runs(hosts, 0)[0] == hosts.size:
                         # no two rows continue each other (what scattered host blocks give): one range each
-                        return np.arange(c0 * row, c1 * row, row, dtype=np.int64), hosts * row, np.full(hosts.size, row)
+                        stage = np.arange(c0 * row, c1 * row, row, dtype=np.int64)
+                        return stage, hosts * row, np.full(hosts.size, row, np.int64)
                     first = run_starts((hosts,), 1)
                     sizes = np.diff(np.append(first, hosts.size)) * row
                     return (first + c0) * row, hosts[first] * row, sizes

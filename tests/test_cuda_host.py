@@ -700,6 +700,19 @@ def test_enqueue_with_refuses_what_cannot_run_before_enqueueing(monkeypatch, mec
     assert lib.calls == []
 
 
+def test_calibration_holds_the_backends_enqueue_lock(monkeypatch):
+    """Calibrating uploads through the backend's descriptor ring and stages through its buffers,
+    which every enqueue shares: a worker's launch on the same backend must wait for it."""
+    from offload_core.backends.cuda import calibration
+    from offload_core.queue import enqueue_lock
+
+    backend = host_only_backend(monkeypatch, FakeLib())
+    seen = []
+    monkeypatch.setattr(calibration, "calibrate", lambda b, save: seen.append(enqueue_lock(b).locked()) or {})
+    backend.calibrate(save=False)
+    assert seen == [True] and not enqueue_lock(backend).locked()
+
+
 def test_calibration_is_a_capability_the_cli_asks_for(monkeypatch, capsys):
     import json
 
@@ -1284,3 +1297,68 @@ def test_segments_split_at_piece_cuts_cover_the_same_bytes_and_cross_none(gaps_a
     assert bytes_of(s, h, n) == bytes_of(stage, host, sizes)
     assert (np.diff(s) > 0).all() and (n > 0).all()
     assert not any(a < c < a + k for a, k in zip(s.tolist(), n.tolist()) for c in cuts.tolist())
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_staging_halves_hand_over_through_driver_markers(monkeypatch, direction):
+    """`expand_staged`'s pieces hand a staging half from the kernel to the copies and back through
+    the backend's untimed driver events, alternating halves: a store's piece waits until its
+    half's last copies passed, gathers, and its copies wait for the gather; a load's the other
+    way round."""
+    from test_plan import Model
+
+    from offload_core import DeviceBlocks, HostBlocks, Planner
+    from offload_core.backends.cuda import blocks as cuda_blocks
+    from offload_core.compact import CompactLayout
+
+    class Stream:  # what a torch stream's wait_event does with any event
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+        def wait_event(self, event):
+            event.wait(self)
+
+    monkeypatch.setattr(FakeCudaRuntime, "ExternalStream", lambda self, handle, device=None: Stream(handle))
+    lib = FakeLib()
+    backend = host_only_backend(monkeypatch, lib)
+    monkeypatch.setattr(kernels, "expand", lambda *args, **kwargs: lib.calls.append(("kernel",)))
+    model = Model([16, 8], [[(0, 16), (1, 8)]], 1, 32, 24)
+    layout = CompactLayout(Planner(model.geometry))
+    backend._blocks.half_bytes = 3 * layout.row_bytes  # three pieces of three rows, the last of two
+    ring = 1 << 40
+    backend._ring = SimpleNamespace(
+        device_address=lambda: ring, upload=lambda cols, stream, split=0: ([ring], []), retire=lambda event: None
+    )
+    prepared = backend._blocks.prepare(layout)
+    stream = backend.new_stream()
+    job = layout.job(direction, DeviceBlocks([5, 9, 2, 30, 17, 11, 0, 22]), HostBlocks([3, 4, 5, 6, 7, 20, 21, 9]))
+    lib.calls.clear()
+    cuda_blocks.EXPAND_STAGED.enqueue_job(backend._blocks, job, prepared, layout.segments(job), stream, [], [])
+    halves = backend._blocks.staging.for_stream(stream)
+    assert all(isinstance(e, DriverEvent) for e in (*halves.free, halves.ready))
+    assert [c for c in lib.calls if c[0] == "event_create"] == [("event_create", 2)] * 3  # untimed markers
+    free, ready = [e.handle for e in halves.free], halves.ready.handle
+    names = {free[0]: "free0", free[1]: "free1", ready: "ready"}
+    calls = [c for c in lib.calls if c[0] in ("kernel", "batch", "record", "wait")]
+    steps = [
+        c[0] if len(c) == 1 or c[0] == "batch" else (c[0], names[c[1] if c[0] == "record" else c[2]]) for c in calls
+    ]
+    piece = {
+        Direction.STORE: lambda h: [
+            ("wait", h),
+            "kernel",
+            ("record", "ready"),
+            ("wait", "ready"),
+            "batch",
+            ("record", h),
+        ],
+        Direction.LOAD: lambda h: [
+            ("wait", h),
+            "batch",
+            ("record", "ready"),
+            ("wait", "ready"),
+            "kernel",
+            ("record", h),
+        ],
+    }[direction]
+    assert steps == piece("free0") + piece("free1") + piece("free0")

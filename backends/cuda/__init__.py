@@ -349,7 +349,8 @@ class CudaBackend(TorchDeviceBackend):
 
     def calibrate(self, save: bool = True) -> dict:
         """Measure this GPU's copy costs (a few seconds), use them, and save them as its
-        profile (`calibration.calibrate`).
+        profile (`calibration.calibrate`). Workers' launches on this backend wait meanwhile:
+        the measurements use its descriptor ring and staging as any enqueue does.
 
         Returns:
             The measured cost model as a dict, with ``profile`` (the file) and ``saved``.
@@ -358,7 +359,10 @@ class CudaBackend(TorchDeviceBackend):
             ConfigError: the driver lacks the batch API that measures the link.
             Exception: anything the GPU, its driver or the profile's folder raises.
         """
-        return calibration.calibrate(self, save)
+        from offload_core.queue import enqueue_lock  # the lock every enqueue on this backend takes
+
+        with enqueue_lock(self):
+            return calibration.calibrate(self, save)
 
     # ---- helpers -----------------------------------------------------------
 

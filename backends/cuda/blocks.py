@@ -84,7 +84,8 @@ class BlockCopier:
             # (staged, in a device buffer; the entry table's address stands in for it). Triton
             # compiles per type of each int argument (32 or 64 bits), and the first launch of each
             # build loads it, waiting for the device to go idle: the values must be of a job's kind,
-            # the block table's an address in the ring that every job's table comes from.
+            # the block table's an address in the ring that jobs' tables come from (a table that
+            # finds the ring full takes one-off device memory: an address of the same kind).
             row = layout.row_bytes
             staged_base = prepared.entries.data_ptr()
             variants = ((layout.host_base, row, True), (staged_base, row, False)) if layout.simple_jobs else (None,)

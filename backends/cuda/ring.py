@@ -7,6 +7,7 @@ pinned allocator cannot reuse a buffer while the copy that reads it is pending.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import numpy as np
@@ -17,7 +18,7 @@ class DescriptorRing:
 
     Regions are reserved during a job's enqueue (`upload`) and retired with an event
     recorded after the last work that reads them (`retire`); a region is reused only after
-    its event has passed. Not thread-safe, like the queue that calls it.
+    its event has passed. Uploads are not thread-safe: they run under the backend's enqueue lock.
 
     Args:
         torch: the torch module.
@@ -30,6 +31,7 @@ class DescriptorRing:
         self._torch, self._device, self._memcpy = torch, device, memcpy
         self.entries = entries
         self._host = self._dev = None
+        self._allocating = threading.Lock()
         self._head = 0
         self._regions: deque = deque()  # [start, end, event or None while its job is enqueued]
 
@@ -79,12 +81,16 @@ class DescriptorRing:
             region[2] = event
 
     def _allocate(self) -> None:
-        if self._host is None:
-            torch = self._torch
-            self._host = torch.empty(self.entries, dtype=torch.int64, pin_memory=True)
-            self._dev = torch.empty(self.entries, dtype=torch.int64, device=self._device)
-            self._flat: np.ndarray = self._host.numpy()
-            self._host_ptr, self._dev_ptr = self._host.data_ptr(), self._dev.data_ptr()
+        if self._host is not None:
+            return
+        with self._allocating:  # a worker's `prepare` may ask while another thread's launch uploads
+            if self._host is None:
+                torch = self._torch
+                dev = torch.empty(self.entries, dtype=torch.int64, device=self._device)
+                host = torch.empty(self.entries, dtype=torch.int64, pin_memory=True)
+                self._flat: np.ndarray = host.numpy()
+                self._host_ptr, self._dev, self._dev_ptr = host.data_ptr(), dev, dev.data_ptr()
+                self._host = host  # last: another thread that finds it set finds the rest set too
 
     def _reserve(self, count: int) -> int | None:
         if count > self.entries:
