@@ -24,7 +24,7 @@ class DescriptorRing:
         torch: the torch module.
         device: the torch device of the mirror.
         memcpy: ``(dst, src, nbytes, stream_handle) -> None``, an asynchronous host-to-device copy.
-        entries: capacity; the memory is allocated on first use.
+        entries: capacity; the memory is allocated on first use (an upload, or `device_address`).
     """
 
     def __init__(self, torch, device, memcpy, entries: int = 1 << 21):
