@@ -58,6 +58,7 @@ BURST_JOBS = 16  # jobs of a burst that wait for the launcher before a submit la
 BURST_BYTES = 128 << 20  # or bytes: about 2.4 ms of a PCIe 5 link, several launches' host time
 MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
 IDLE_POLL_S = 0.1  # how often an idle launcher looks whether its queue was dropped or the interpreter exits
+SETTLE_POLL_S = 0.001  # how often a drain asks an event whose wait failed whether the work has passed
 
 _enqueue_locks: weakref.WeakKeyDictionary[Backend, threading.Lock] = weakref.WeakKeyDictionary()
 _enqueue_locks_guard = threading.Lock()
@@ -338,6 +339,11 @@ class TransferQueue:
     def drain(self) -> list[TransferResult]:
         """Wait for every queued job (compact ones launched first, by this thread where no launch
         is under way) and return all pending results."""
+        self.finish()
+        return self.poll()
+
+    def finish(self) -> None:
+        """Wait for every queued job, as `drain` does, leaving the results for `poll`."""
         with self._lock:
             while self._pending or self._launching:
                 if self._launching:
@@ -354,7 +360,6 @@ class TransferQueue:
             _settle(ends[-1])
         for end in ends:  # a fault on one event may not have waited for the rest
             _settle(end)
-        return self.poll()
 
     def close(self) -> list[TransferResult]:
         """Refuse further jobs, drain, and stop the launcher thread. Returns all pending results."""
@@ -529,22 +534,20 @@ class TransferQueue:
                     end = None  # the device is lost
             with self._lock:
                 total = max(1, job.nbytes)
-                for i, p in enumerate(batch):
-                    if failed is None:
-                        self._jobs.append(
-                            _Job(
-                                p.job_id,
-                                start,
-                                end,
-                                p.job.nbytes,
-                                None,
-                                mechanism or "",
-                                p.job.nbytes / total,
-                                i == len(batch) - 1,
-                            )
-                        )
-                    else:
-                        self._jobs.append(_Job(p.job_id, None, end, p.job.nbytes, None, "", failed=True))
+                if failed is None:
+                    last = len(batch) - 1
+                    mechanism = mechanism or ""
+                    entries = [
+                        _Job(p.job_id, start, end, p.job.nbytes, None, mechanism, p.job.nbytes / total, i == last)
+                        for i, p in enumerate(batch)
+                    ]
+                else:
+                    entries = [_Job(p.job_id, None, end, p.job.nbytes, None, "", failed=True) for p in batch]
+                # Recorded and released in one step: `_run` fails a batch still marked launching, so
+                # nothing that can raise (a backend's odd mechanism in the stats, say) comes between.
+                self._jobs.extend(entries)
+                self._launching = set()
+                self._launched.notify_all()
                 self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
                 if failed is None:
                     self._last_end = end
@@ -552,12 +555,10 @@ class TransferQueue:
                     self.stats.jobs += len(batch)
                     self.stats.bytes += job.nbytes
                     self.stats.descriptors += job.items
-                    self.stats.mechanisms[mechanism or ""] += len(batch)
+                    self.stats.mechanisms[mechanism] += len(batch)
                 now = time.perf_counter()
                 self.stats.launch_s += now - t0
                 self._launch_s += 0.25 * (now - t_locked - self._launch_s)
-                self._launching = set()
-                self._launched.notify_all()
 
 
 def _launch_loop(queue_ref: weakref.ref[TransferQueue]) -> None:
@@ -649,8 +650,18 @@ def _after(batch: list[_Pending]) -> list[Event]:
 
 
 def _settle(event: Event) -> None:
-    """Wait for an event; a failure is reported later by `poll`, not here."""
+    """Wait for an event; a failure is reported later by `poll`, not here. Where waiting fails but
+    the event can still be asked, it is asked until it has passed or fails too: a drain must not
+    return, and let memory go, while the work may still run."""
     try:
         event.synchronize()
+        return
     except Exception:
         pass
+    while True:
+        try:
+            if event.query():
+                return
+        except Exception:  # the device reports the work failed: it runs no further
+            return
+        time.sleep(SETTLE_POLL_S)

@@ -131,7 +131,8 @@ class OffloadWorker:
         self._in_flight: set[int] = set()  # job ids reserved or queued, both directions
         self._submitting = 0
         self._closed = False
-        self._drained: list[TransferResult] = []
+        # per lane, results `shutdown` collected, in order: returned before what the lane has since
+        self._drained: list[list[TransferResult]] = [[] for _ in self._lanes]
         # Holds what queued copies may touch until they have finished, should the worker be
         # dropped without `shutdown`.
         self._pid = os.getpid()
@@ -247,10 +248,14 @@ class OffloadWorker:
         """Results of completed jobs: stores, then loads, then expedited loads, each in submission
         order. Never blocks on the device; each result is returned once, to one caller."""
         self._same_process()
-        polled = [r for queue in self._lanes for r in queue.poll()]
+        results: list[TransferResult] = []
+        # Under the lock, as `shutdown` collects: a lane's results leave it in the order they came.
         with self._lock:
-            results, self._drained = self._drained + polled, []
-            self._in_flight.difference_update(r.job_id for r in polled)
+            for i, queue in enumerate(self._lanes):
+                results += self._drained[i]
+                self._drained[i] = []
+                results += queue.poll()
+            self._in_flight.difference_update(r.job_id for r in results)
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -289,15 +294,16 @@ class OffloadWorker:
             # Drained while the finalizer still holds the memory: an interruption here leaves
             # it held, and the next call (or the collector) drains again; each queue's results
             # are kept as soon as it is drained.
-            for queue in self._lanes:
-                results = queue.drain()
-                with self._lock:
-                    self._drained += results
+            for i, queue in enumerate(self._lanes):
+                queue.finish()
+                with self._lock:  # as `get_finished` polls: the lane's results stay in order
+                    self._drained[i] += queue.poll()
             detached = self._finalizer.detach()
             if detached is not None:
-                results = _drain(*detached[2][1:])
+                lanes = _drain(*detached[2][1:])
                 with self._lock:
-                    self._drained += results
+                    for i, results in enumerate(lanes):
+                        self._drained[i] += results
             self.host_tensors = []
             self._layout = self._prepared = None
             self._host = None  # a shared region outlives the worker: its owner closes it
@@ -316,14 +322,12 @@ class OffloadWorker:
         self.shutdown()
 
 
-def _drain(queues, backend: Backend, host, registered: bool, kept) -> list[TransferResult]:
-    """Wait for every job in `queues`, then undo the host registration. `host` and `kept`
-    (the KV caches, the backend's prepared layout) are passed only to be held: they may be
-    freed once this returns.
+def _drain(queues, backend: Backend, host, registered: bool, kept) -> list[list[TransferResult]]:
+    """Wait for every job in `queues`, then undo the host registration; returns each queue's
+    results. `host` and `kept` (the KV caches, the backend's prepared layout) are passed only to
+    be held: they may be freed once this returns.
     """
-    results: list[TransferResult] = []
-    for queue in queues:
-        results += queue.close()
+    results = [queue.close() for queue in queues]
     if registered:
         try:
             _unpin(backend, host)

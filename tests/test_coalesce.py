@@ -529,3 +529,20 @@ def test_the_compiled_clash_check_counts_every_key_and_lets_go_of_every_buffer()
         a.append(0)
     with pytest.raises(TypeError, match="keys must be a C-contiguous int64 array"):
         module.first_clash([np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int64)])
+
+
+def test_a_launch_whose_bookkeeping_fails_reports_each_job_once():
+    """Whatever raises after a launch was enqueued (here a backend's mechanism that is no string,
+    which the stats cannot count) must not record the launch's jobs a second time, as failed."""
+
+    class OddMechanism(ExpandingCpuBackend):
+        def copy_blocks(self, job, prepared, stream, after):
+            super().copy_blocks(job, prepared, stream, after)
+            return ["expand_staged"]
+
+    with OffloadWorker(small_kv(), 8, backend=OddMechanism()) as worker:
+        store(worker, 1, [3], [3])
+        store(worker, 2, [4], [4])
+        worker.wait([1, 2])
+        results = worker.get_finished()
+    assert sorted(r.job_id for r in results) == [1, 2]

@@ -324,3 +324,69 @@ def test_shutdown_waits_for_expedited_loads_too(worker, fake):
     assert [r.job_id for r in worker.get_finished()] == [4]
     with pytest.raises(OffloadError, match="shut down"):
         worker.submit_load(5, HostBlocks([5]), DeviceBlocks([5]), expedited=True)
+
+
+def test_a_drain_whose_wait_fails_asks_until_the_work_has_passed(fake):
+    """An event whose `synchronize` fails while its work still runs (and `query` answers): shutdown
+    must not return, and let the host buffer go, before the job has finished; its result comes
+    from the drain."""
+    import threading
+
+    from offload_core.testing.fake import FakeEvent
+
+    class WaitFails(FakeEvent):
+        def synchronize(self):
+            raise RuntimeError("a transient fault while waiting")
+
+    fake.new_event = lambda: WaitFails(fake)
+    worker = OffloadWorker(small_kv(), 8, backend=fake)
+    assert store(worker, 1, block=1, host=1)
+    end = fake.job_ends(fake.streams[0])[0]
+    timer = threading.Timer(0.2, fake.complete_all)  # the device finishes later
+    timer.start()
+    worker.shutdown()
+    assert end.done, "shutdown returned while the job still ran"
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    timer.join()
+
+
+def test_get_finished_racing_shutdown_returns_each_lane_in_order(fake):
+    """A poll that took a lane's first results, then is slow on the next lane, while shutdown
+    collects the lane's later results: the later ones must come after, in any list."""
+    import threading
+    import time
+
+    from offload_core.testing.fake import FakeEvent
+
+    polled = threading.Event()
+    release = threading.Event()
+
+    class SlowLoadQuery(FakeEvent):
+        def query(self):
+            if threading.current_thread().name == "poller" and self.stream is fake.streams[1] and release.is_set():
+                polled.set()  # the store lane was polled already
+                time.sleep(0.3)
+            return super().query()
+
+    fake.new_event = lambda: SlowLoadQuery(fake)
+    worker = OffloadWorker(small_kv(), 8, backend=fake)
+    for job in (0, 1):
+        assert store(worker, job, block=job, host=job)
+    assert load(worker, 10, host=5, block=5)
+    fake.complete_all()
+    for job in (2, 3):
+        assert store(worker, job, block=job, host=job)
+    ends = fake.job_ends(fake.streams[0])
+    for e in ends[:2]:
+        fake.complete(e)
+    release.set()
+    out = []
+    poller = threading.Thread(target=lambda: out.extend(worker.get_finished()), name="poller")
+    poller.start()
+    polled.wait(5)
+    fake.complete_all()
+    worker.shutdown()  # collects stores 2 and 3 while the poller sits in the load lane
+    poller.join()
+    out += worker.get_finished()
+    assert [r.job_id for r in out if r.direction == "store"] == [0, 1, 2, 3]
+    assert sorted(r.job_id for r in out) == [0, 1, 2, 3, 10]
