@@ -26,12 +26,17 @@ def _table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]])
         for r in cells:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         return
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # rich's own answer is exit(1), which `bench` means as a mismatch
+            raise BrokenPipeError("Broken pipe")
+
     table = Table(title=title, title_justify="left")
     for h in headers:
         table.add_column(h)
     for r in rows:
         table.add_row(*map(str, r))
-    Console().print(table)
+    _Console().print(table)
 
 
 def _progress(enabled: bool):
@@ -86,6 +91,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from offload_core import bench
+
+    native.load()  # a malformed $OFFLOAD_CORE_NATIVE is refused here as in `backends`, used or not
 
     result = bench.run(
         args.backend,
@@ -166,6 +173,7 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    native.load()  # as in `bench`
     backend = registry.get_backend(args.backend)
     if not backend.calibrates:
         print(f"backend {backend.name} has nothing to calibrate")
@@ -183,14 +191,61 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} GiB"
 
 
+class _OutputError(Exception):
+    """Writing the command's output failed (a closed pipe, a full disk)."""
+
+
+class _Output:
+    """The standard output, whose write failures are told apart from the command's own."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise _OutputError(exc.strerror or str(exc)) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise _OutputError(exc.strerror or str(exc)) from exc
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `offload-core` command.
 
     Returns:
         The exit status: 0 on success, 1 when `bench` finds a byte that differs or `backends`
         finds the selected backend unknown or unusable, 2 for input that cannot be run
-        (argparse exits 2 itself for malformed options), 130 when interrupted.
+        (argparse exits 2 itself for malformed options or a missing command), 3 when the
+        output cannot be written (a closed pipe, a full disk), 130 when interrupted.
     """
+    stdout, sys.stdout = sys.stdout, _Output(sys.stdout)
+    try:
+        status = _run(argv)
+        sys.stdout.flush()
+        return status
+    except _OutputError as exc:
+        try:  # what is still buffered would fail again at exit, with a traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        print(f"offload-core: cannot write the output: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:  # Ctrl-C during a long bench is an answer, not a crash
+        print("offload-core: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        sys.stdout = stdout
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="offload-core", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser(
@@ -220,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Columns: GB/s of the stores and of the loads; the limit and its share; descriptors/job, the copies "
             "a job became after merging contiguous runs; mean copy, their average size. 'plan+submit' is the "
             "median host time of a job's submit. Exit status: 0 verified, 1 a byte differs, 2 options that "
-            "cannot run."
+            "cannot run, 3 output that cannot be written, 130 interrupted."
         ),
     )
     p.add_argument(
@@ -268,14 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="measure and print, do not save (default: save)")
     p.set_defaults(func=cmd_calibrate)
     args = parser.parse_args(argv)
-    if args.command is None:  # no subcommand: say what there is
-        parser.print_help()
+    if args.command is None:  # no subcommand: say what there is, as argparse says the rest
+        parser.print_usage(sys.stderr)
+        print(f"offload-core: error: choose a command: {', '.join(sub.choices)} (offload-core --help)", file=sys.stderr)
         return 2
     try:
         return args.func(args)
     except (OffloadError, ValueError) as exc:
         print(f"offload-core: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C during a long bench is an answer, not a crash
-        print("offload-core: interrupted", file=sys.stderr)
-        return 130

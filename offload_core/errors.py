@@ -10,10 +10,11 @@ class OffloadError(Exception):
 class UnknownBackendError(OffloadError, LookupError):
     """A backend name that is neither built in nor registered."""
 
-    def __init__(self, name: str, known: tuple[str, ...]):
+    def __init__(self, name: object, known: tuple[str, ...], source: str = ""):
         self.name = name
         self.known = known
-        super().__init__(f"unknown offload backend {name!r}; known backends: {', '.join(known)}")
+        origin = f" (from {source})" if source else ""
+        super().__init__(f"unknown offload backend {name!r}{origin}; known backends: {', '.join(known)}")
 
 
 class BackendUnavailableError(OffloadError, RuntimeError):

@@ -16,7 +16,13 @@ from importlib.metadata import entry_points
 from typing import Union
 
 from offload_core.backend import Backend
-from offload_core.errors import BackendUnavailableError, ConfigError, InvalidSpecError, UnknownBackendError
+from offload_core.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    InvalidSpecError,
+    OffloadError,
+    UnknownBackendError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +126,7 @@ def _probe(name: str) -> str | None:
         reason = backend_class(name).probe()
     except BackendUnavailableError as exc:
         reason = exc.reason
-    except Exception as exc:  # a probe must never take the registry down
+    except (Exception, SystemExit) as exc:  # a probe must never take the registry down, nor end the process
         reason = f"probe raised {exc!r}"
     if reason is not None:
         log.debug("offload backend %s unavailable: %s", name, reason)
@@ -137,10 +143,18 @@ def select_backend_name(name: str | None = None, *, device_type: str | None = No
         BackendUnavailableError: no backend at all is usable.
     """
     if name is not None and (not isinstance(name, str) or not name):
-        raise UnknownBackendError(repr(name), backend_names())
-    name = name or os.environ.get(ENV_BACKEND) or device_type or None
+        raise UnknownBackendError(name, backend_names())
+    source = ""
+    if not name and os.environ.get(ENV_BACKEND):
+        name, source = os.environ[ENV_BACKEND], f"${ENV_BACKEND}"
+    name = name or device_type or None
     if name is not None:
-        backend_class(name)  # unknown names fail loudly here
+        try:
+            backend_class(name)  # unknown names fail loudly here
+        except UnknownBackendError as exc:
+            if not source:
+                raise
+            raise UnknownBackendError(name, exc.known, source) from None
         return name
     ranked = sorted(backend_names(), key=lambda n: (-_priority(n), n))
     for candidate in ranked:
@@ -178,7 +192,13 @@ def get_backend(name: str | None = None, *, device_index: int = 0, device_type: 
     if reason is not None:
         raise BackendUnavailableError(chosen, reason, cls.install_hint)
     with _lock:
-        return _instances.setdefault((chosen, device_index), cls(device_index))
+        try:
+            made = cls(device_index)
+        except OffloadError:  # a setting's or the device's own message, already named
+            raise
+        except (Exception, SystemExit) as exc:  # a plugin's constructor must not end the caller's process
+            raise BackendUnavailableError(chosen, f"making it raised {exc!r}", cls.install_hint) from exc
+        return _instances.setdefault((chosen, device_index), made)
 
 
 def _load_plugins() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from offload_core import bench, hostmem, registry
 from offload_core.cli import bench_report, main
-from offload_core.errors import InvalidSpecError, OffloadError
+from offload_core.errors import BackendUnavailableError, InvalidSpecError, OffloadError
 from offload_core.testing.fake import FakeBackend
 from offload_core.testing.fresh_registry import restored_registry
 
@@ -400,15 +400,53 @@ def test_calibrate_refuses_an_unknown_backend_in_one_line(capsys):
     assert err.startswith("offload-core: unknown offload backend 'nosuch'") and err.count("\n") == 1
 
 
-def test_no_subcommand_prints_the_help(capsys):
+def test_no_subcommand_is_a_usage_error_that_names_the_commands(capsys):
     from offload_core.cli import main
 
     assert main([]) == 2
-    out = capsys.readouterr().out
-    assert "usage: offload-core" in out and "calibrate" in out
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("usage: offload-core")
+    assert "error: choose a command: backends, bench, calibrate" in captured.err
 
 
 def test_copy_sizes_are_printed_in_a_readable_unit():
     from offload_core.cli import _size
 
     assert [_size(n) for n in (512, 32768, 32 << 20, 3 << 30)] == ["512 B", "32 KiB", "32 MiB", "3 GiB"]
+
+
+@pytest.mark.parametrize(
+    "args", [["backends"], ["backends", "--json"], ["bench", "--json", "--blocks", "16", "--iters", "1"]]
+)
+def test_output_that_cannot_be_written_is_one_line_and_status_3(args):
+    """A full disk (/dev/full) or a closed pipe: one line on stderr naming why, exit 3, no traceback."""
+    with open("/dev/full", "w") as full:
+        out = subprocess.run(
+            [sys.executable, "-m", "offload_core", *args], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120
+        )
+    assert out.returncode == 3, out.stderr
+    assert out.stderr == "offload-core: cannot write the output: No space left on device\n"
+
+
+def test_a_plugin_that_exits_or_fails_to_construct_is_unavailable_not_fatal():
+    class Exits(FakeBackend):
+        name = "exits"
+
+        @classmethod
+        def probe(cls):
+            raise SystemExit(3)
+
+    class Breaks(FakeBackend):
+        name = "breaks"
+
+        def __init__(self, device_index=0):
+            raise RuntimeError("no such device")
+
+    with restored_registry():
+        registry.register_backend("exits", Exits)
+        registry.register_backend("breaks", Breaks)
+        assert "probe raised SystemExit(3)" in registry.availability()["exits"]
+        with pytest.raises(BackendUnavailableError, match="'breaks' is unavailable: making it raised RuntimeError"):
+            registry.get_backend("breaks")
+        assert main(["bench", "--backend", "breaks", "--blocks", "16", "--iters", "1"]) == 2
