@@ -8,6 +8,7 @@ shows up as a wrong byte in tests instead of passing by luck.
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import threading
 import time
@@ -49,16 +50,26 @@ def _run(state: _StreamState) -> None:
 
 
 class CpuStream:
-    """An in-order queue of host work, run by its own thread."""
+    """An in-order queue of host work, run by its own thread (in a forked child, a thread of its
+    own: the parent's is not there, and what the parent queued is the parent's)."""
 
     def __init__(self) -> None:
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
         self._state = _StreamState()
         threading.Thread(target=_run, args=(self._state,), daemon=True, name="offload-core-cpu-stream").start()
         weakref.finalize(self, self._state.tasks.put, None)  # stop the thread with the stream
 
     def launch(self, fn: Callable[[], None]) -> None:
         """Enqueue a host function as if it were a kernel (tests use it to stand in for compute)."""
-        self._state.tasks.put(fn)
+        self._live().tasks.put(fn)
+
+    def _live(self) -> _StreamState:
+        if self._pid != os.getpid():
+            self._start()
+        return self._state
 
     def wait_event(self, event: CpuEvent) -> None:
         marker = event._marker
@@ -84,7 +95,7 @@ class CpuEvent:
 
     def record(self, stream: CpuStream) -> None:
         marker = self._marker = _Marker()
-        state = stream._state
+        state = stream._live()
 
         def reach() -> None:
             marker.error, state.error = state.error, None

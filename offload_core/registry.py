@@ -44,6 +44,7 @@ _lock = threading.RLock()
 _targets: dict[str, Target] = dict(_BUILTIN)
 _plugins_loaded = False
 _instances: dict[tuple[str, int], Backend] = {}
+_instances_pid = os.getpid()  # a forked child makes its own: the parent's streams have no threads there
 
 
 def register_backend(name: str, target: Target, *, clobber: bool = False) -> None:
@@ -182,8 +183,12 @@ def get_backend(name: str | None = None, *, device_index: int = 0, device_type: 
         BackendUnavailableError: the backend cannot run here; the message carries the
             probe's reason and an install hint.
     """
+    global _instances_pid
     chosen = select_backend_name(name, device_type=device_type)
     with _lock:
+        if _instances_pid != os.getpid():
+            _instances.clear()
+            _instances_pid = os.getpid()
         instance = _instances.get((chosen, device_index))
         if instance is not None:
             return instance

@@ -339,7 +339,9 @@ def _drain(queues, backend: Backend, host, registered: bool, kept) -> list[list[
 # Workers of one process that share a region share its registration: the first registers it,
 # the last to shut down unregisters it (another worker's copies may still read it before).
 _pins: dict[tuple[int, int, int], int] = {}  # (id of the backend, address, bytes) -> workers
-_pins_lock = threading.Lock()
+# Re-entrant: a collection inside a backend's (un)pin call may finalize a dropped worker on this
+# thread, whose drain unpins another region (never this one: a worker still holds it).
+_pins_lock = threading.RLock()
 
 
 def _pin(backend: Backend, host) -> bool:

@@ -224,6 +224,46 @@ def forked_during_a_submit() -> None:
     assert [r.job_id for r in worker.get_finished()] == [1]
 
 
+def forked_child_makes_its_own_worker() -> None:
+    """What the forked child is told to do, it can: a new worker there, on the registry's backend
+    or on the parent's backend object, copies and waits (the parent's stream threads are not in
+    the child). On the cpu backend under every name: a CUDA context cannot cross a fork."""
+    import os
+
+    from offload_core.backends.cpu import CpuBackend
+
+    mine = CpuBackend()
+    parent = [OffloadWorker(_kv(2, "cpu"), 2, backend=b) for b in ("cpu", mine)]
+    # Small: torch's own thread pool, which a large fill or copy uses, may hang in a forked child.
+    caches = [
+        KVCaches([KVCacheTensor(torch.arange(128, dtype=torch.uint8).view(2, 64), 64)], [[KVCacheRef(0, 64)]])
+        for _ in range(2)
+    ]
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        for backend, kv in zip(("cpu", mine), caches):
+            with OffloadWorker(kv, 2, backend=backend) as worker:
+                worker.submit_store(1, DeviceBlocks([1]), HostBlocks([0]))
+                worker.wait([1])
+                ok = [r.success for r in worker.get_finished()] == [True]
+                ok = ok and all(torch.equal(h[0], t.tensor[1]) for h, t in zip(worker.host_tensors, kv.tensors))
+            code = code or (0 if ok else 1)
+        os._exit(code)
+    for _ in range(3000):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        threading.Event().wait(0.01)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child's own worker hung")
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's own worker copied wrong or failed"
+    for worker in parent:
+        worker.shutdown()
+
+
 def exit_with_live_workers() -> None:
     """The interpreter exits with workers never shut down: one idle, one with jobs waiting for
     a launch and copies in flight. Exit drains them and neither hangs nor aborts (a daemon

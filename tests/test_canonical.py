@@ -307,6 +307,47 @@ def test_workers_sharing_a_region_share_its_registration(tmp_path):
         assert backend.calls == ["pin", "unpin", "pin", "unpin"]
 
 
+def test_a_collection_inside_a_registration_may_drop_another_regions_worker(tmp_path):
+    """The registration count's lock is held while the backend pins: a garbage collection there
+    that finalizes a dropped worker of another region (which unpins it) must not hang."""
+    import gc
+    import threading
+
+    from offload_core.backends.cpu import CpuBackend
+
+    class CollectingPins(CpuBackend):
+        collect = False
+
+        def pin_host_memory(self, tensor):
+            if self.collect:
+                gc.collect()  # what an allocation inside a real pin may set off
+            return True
+
+        def unpin_host_memory(self, tensor):
+            pass
+
+    full = full_model(2)
+    row = tp.row_bytes(full, 1)
+    backend = CollectingPins()
+    with (
+        SharedHostRegion("a", num_blocks=4, slot_bytes=[row], directory=tmp_path) as first,
+        SharedHostRegion("b", num_blocks=4, slot_bytes=[row], directory=tmp_path) as second,
+    ):
+        dropped = OffloadWorker(rank_kv(full, 1, 0), 4, backend=backend, host_region=first)
+        dropped.cycle = dropped  # only a collection frees it
+        del dropped
+        backend.collect = True
+        made = []
+        thread = threading.Thread(
+            target=lambda: made.append(OffloadWorker(rank_kv(full, 1, 0), 4, backend=backend, host_region=second)),
+            daemon=True,
+        )
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "the registration hung on its own lock"
+        made[0].shutdown()
+
+
 def test_a_worker_copies_after_another_on_its_region_shut_down(backend, tmp_path):
     """On every backend: the second worker's copies through a region still reach its memory after
     the first worker shut down (on cuda, `expand_direct` reads and writes the region through the

@@ -27,6 +27,7 @@ HERE = pathlib.Path(__file__).parent
         "interrupted_shutdown",
         "forked_child",
         "forked_during_a_submit",
+        "forked_child_makes_its_own_worker",
         "exit_with_live_workers",
         "submits_after_the_main_thread_ended",
     ],
