@@ -18,6 +18,7 @@ def _table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]])
     try:
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
     except ImportError:  # the `cli` extra is optional: fall back to plain columns
         cells = [list(map(str, headers))] + [[str(c) for c in r] for r in rows]
         widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -34,9 +35,9 @@ def _table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]])
     table = Table(title=title, title_justify="left")
     for h in headers:
         table.add_column(h)
-    for r in rows:
-        table.add_row(*map(str, r))
-    _Console().print(table)
+    for r in rows:  # as text, not markup: a reason may hold brackets or :colons: of its own
+        table.add_row(*(Text(str(c)) for c in r))
+    _Console(emoji=False).print(table)
 
 
 def _progress(enabled: bool):

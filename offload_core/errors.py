@@ -10,11 +10,12 @@ class OffloadError(Exception):
 class UnknownBackendError(OffloadError, LookupError):
     """A backend name that is neither built in nor registered."""
 
-    def __init__(self, name: object, known: tuple[str, ...], source: str = ""):
+    def __init__(self, name: object, known: tuple[str, ...], source: str = "", note: str = ""):
         self.name = name
         self.known = known
+        self.note = note
         origin = f" (from {source})" if source else ""
-        super().__init__(f"unknown offload backend {name!r}{origin}; known backends: {', '.join(known)}")
+        super().__init__(f"unknown offload backend {name!r}{origin}; known backends: {', '.join(known)}{note}")
 
 
 class BackendUnavailableError(OffloadError, RuntimeError):

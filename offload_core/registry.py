@@ -91,7 +91,9 @@ def backend_class(name: str) -> type[Backend]:
     with _lock:
         _load_plugins()
         if name not in _targets:
-            raise UnknownBackendError(name, tuple(sorted(_targets)))
+            off = os.environ.get(ENV_PLUGINS, "").strip() == "0"
+            note = f" (third-party backends are off: ${ENV_PLUGINS}=0)" if off else ""
+            raise UnknownBackendError(name, tuple(sorted(_targets)), note=note)
         target = _targets[name]
     if not isinstance(target, str):
         return target
@@ -155,7 +157,7 @@ def select_backend_name(name: str | None = None, *, device_type: str | None = No
         except UnknownBackendError as exc:
             if not source:
                 raise
-            raise UnknownBackendError(name, exc.known, source) from None
+            raise UnknownBackendError(name, exc.known, source, exc.note) from None
         return name
     ranked = sorted(backend_names(), key=lambda n: (-_priority(n), n))
     for candidate in ranked:

@@ -140,6 +140,7 @@ def interrupted_shutdown() -> None:
     import os
     import signal
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell that started us in the background ignores it
     backend = get_backend(BACKEND)
     kv = _kv(4)
     worker = OffloadWorker(kv, 4, backend=backend)

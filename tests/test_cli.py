@@ -450,3 +450,20 @@ def test_a_plugin_that_exits_or_fails_to_construct_is_unavailable_not_fatal():
         with pytest.raises(BackendUnavailableError, match="'breaks' is unavailable: making it raised RuntimeError"):
             registry.get_backend("breaks")
         assert main(["bench", "--backend", "breaks", "--blocks", "16", "--iters", "1"]) == 2
+
+
+def test_backends_prints_a_reason_as_it_is(capsys, monkeypatch):
+    """A probe's reason is text: brackets and colons in it are not markup or emoji."""
+    monkeypatch.setenv("COLUMNS", "400")  # one line per row
+
+    class Odd(FakeBackend):
+        name = "odd"
+
+        @classmethod
+        def probe(cls):
+            return "cannot import pkg.x:X: [bold]no[/bold] :x:"
+
+    with restored_registry():
+        registry.register_backend("odd", Odd)
+        main(["backends"])
+    assert "cannot import pkg.x:X: [bold]no[/bold] :x:" in capsys.readouterr().out

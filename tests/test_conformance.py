@@ -1,6 +1,10 @@
 """Every registered backend against the conformance suite (unavailable ones are skipped with their reason)."""
 
+import pytest
+import torch
+
 from offload_core.testing.conformance import BackendConformance
+from offload_core.testing.fake import FakeBackend
 
 
 class TestBackendConformance(BackendConformance):
@@ -8,15 +12,24 @@ class TestBackendConformance(BackendConformance):
 
 
 class TestFakeBackendConformance(BackendConformance):
-    """The fake backend must honour the contract too, or ordering tests built on it prove nothing."""
-
-    import pytest
+    """The fake backend must honour the contract too, or ordering tests built on it prove nothing;
+    under a name of its own, as a third party's backend over host memory is."""
 
     @pytest.fixture
     def backend(self):
-        from offload_core.testing.fake import FakeBackend
+        class Toy(FakeBackend):
+            name = "toy"
 
-        class _Fake(FakeBackend):
-            name = "cpu"  # its device is the host: the suite checks device.type == name
+        return Toy()
 
-        return _Fake()
+
+def test_an_accelerators_backend_must_be_named_after_its_device():
+    class Misnamed(FakeBackend):
+        name = "gpu"
+
+        @property
+        def device(self):
+            return torch.device("meta")
+
+    with pytest.raises(AssertionError, match="'gpu' copies meta: an accelerator's backend must be named after"):
+        BackendConformance().test_device_type_is_the_backend_name(Misnamed())

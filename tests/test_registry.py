@@ -67,6 +67,7 @@ def test_instances_are_cached_per_device_index():
 
 
 def test_unknown_name_lists_the_known_ones(monkeypatch):
+    monkeypatch.setenv(registry.ENV_PLUGINS, "0")  # the built-ins only, whatever plugins are installed
     with pytest.raises(UnknownBackendError, match="unknown offload backend 'tpu'.*cpu, cuda, npu, xpu") as info:
         registry.get_backend("tpu")
     assert isinstance(info.value, LookupError)
@@ -104,7 +105,8 @@ def test_lazy_string_is_imported_only_when_used(monkeypatch):
     assert registry.backend_class("lazy") is Fast
 
 
-def test_a_backend_that_fails_to_import_is_unavailable_not_fatal():
+def test_a_backend_that_fails_to_import_is_unavailable_not_fatal(monkeypatch):
+    monkeypatch.setenv(registry.ENV_PLUGINS, "0")  # no installed plugin may outrank the built-ins
     registry.register_backend("ghost", "no_such_module_anywhere:Ghost")
     reason = registry.availability()["ghost"]
     assert "cannot import no_such_module_anywhere:Ghost" in reason
