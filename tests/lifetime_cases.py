@@ -185,6 +185,20 @@ def forked_child() -> None:
     assert [r.job_id for r in worker.get_finished()] == [1]
 
 
+def _child_status(pid: int, seconds: float, hung: str) -> int:
+    """The exit code of forked child `pid`; killed, and `hung` raised, after `seconds`."""
+    import os
+
+    for _ in range(int(seconds * 100)):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        threading.Event().wait(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError(hung)
+
+
 def forked_during_a_submit() -> None:
     """A fork while another thread is inside submit: the child's shutdown returns at once
     (the copied submit count, or a lock copied held, would otherwise stop it for good)."""
@@ -209,16 +223,7 @@ def forked_during_a_submit() -> None:
     if pid == 0:
         worker.shutdown()  # must return: a hang here is killed below and fails the case
         os._exit(0)
-    for _ in range(1000):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        threading.Event().wait(0.01)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        raise AssertionError("the forked child's shutdown hung")
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert _child_status(pid, 10, "the forked child's shutdown hung") == 0
     leave.set()
     submitter.join()
     worker.shutdown()
@@ -251,16 +256,7 @@ def forked_child_makes_its_own_worker() -> None:
                 ok = ok and all(torch.equal(h[0], t.tensor[1]) for h, t in zip(worker.host_tensors, kv.tensors))
             code = code or (0 if ok else 1)
         os._exit(code)
-    for _ in range(3000):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        threading.Event().wait(0.01)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        raise AssertionError("the forked child's own worker hung")
-    assert os.waitstatus_to_exitcode(status) == 0, "the child's own worker copied wrong or failed"
+    assert _child_status(pid, 30, "the forked child's own worker hung") == 0, "its copies went wrong or failed"
     for worker in parent:
         worker.shutdown()
 
