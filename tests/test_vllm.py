@@ -39,6 +39,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
+from offload_core.errors import InvalidSpecError  # noqa: E402
 from offload_core.integrations.vllm import OffloadCoreOffloadingSpec, OffloadCoreWorker  # noqa: E402
 
 SPEC = {"spec_name": "OffloadCoreOffloadingSpec", "spec_module_path": "offload_core.integrations.vllm"}
@@ -453,3 +454,38 @@ def test_older_vllm_specs_without_num_chunks_or_groups():
     assert [r.success for r in worker.get_finished()] == [True, True]
     assert torch.equal(tensors[0].tensor[[8, 9]], tensors[0].tensor[[2, 3]])
     worker.shutdown()
+
+
+def test_swapped_specs_are_refused_before_anything_moves():
+    """vLLM's own handler asserts which spec is which; a swapped pair must not copy host chunk 5
+    over device block 9 (both kinds carry `block_ids`)."""
+    spec = OffloadingSpecFactory.create_spec(offloading_config(kv_bytes_per_block=256, cpu_bytes=8 * 4096))
+    tensors, _, _ = kv("cpu", [256], 16, seed=3)
+    before = tensors[0].tensor.clone()
+    worker = spec.get_worker(CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 256)]]))
+    gpu = GPULoadStoreSpec([9], [1], [0])
+    with pytest.raises(InvalidSpecError, match="expected a CPULoadStoreSpec .*, got a GPULoadStoreSpec: .* swapped"):
+        worker.submit_load(1, gpu, CPULoadStoreSpec([5]))
+    with pytest.raises(InvalidSpecError, match="expected a CPULoadStoreSpec .*, got a GPULoadStoreSpec"):
+        worker.submit_store(2, gpu, gpu)
+    with pytest.raises(InvalidSpecError, match="expected a GPULoadStoreSpec .*, got a CPULoadStoreSpec"):
+        worker.submit_store(3, CPULoadStoreSpec([5]), CPULoadStoreSpec([5]))
+    assert worker.get_finished() == []
+    assert torch.equal(tensors[0].tensor, before)
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("value", [None, 0, -4096, "8GB", [1], True])
+def test_cpu_bytes_to_use_that_sizes_nothing_is_named(value):
+    extra = {"cpu_bytes_to_use": value}
+    config = offloading_config(extra=extra)
+    if value is None:
+        del config.extra_config["cpu_bytes_to_use"]
+    with pytest.raises(InvalidSpecError, match="cpu_bytes_to_use in kv_connector_extra_config must be a positive"):
+        OffloadCoreOffloadingSpec(config)
+
+
+def test_no_kv_bytes_per_block_is_named_as_such():
+    spec = OffloadCoreOffloadingSpec(offloading_config(kv_bytes_per_block=0))
+    with pytest.raises(InvalidSpecError, match="worker_kv_bytes_per_block=0"):
+        spec.get_worker(None)

@@ -57,10 +57,12 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
             platform: the ranks share a `SharedHostRegion`.
 
     Raises:
-        Exception: as vLLM's `CPUOffloadingSpec` (``cpu_bytes_to_use`` missing, say).
+        InvalidSpecError: ``cpu_bytes_to_use`` missing, or not a positive number of bytes.
+        Exception: anything else vLLM's `CPUOffloadingSpec` refuses.
     """
 
     def __init__(self, config: Any):
+        _check_cpu_bytes(getattr(config, "extra_config", None) or {})  # vLLM's own check raises bare errors
         super().__init__(config)
         self._offload_core_worker: OffloadCoreWorker | None = None
 
@@ -81,7 +83,11 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
             chunks = getattr(self, "num_chunks", None)
             if chunks is None:  # vLLM before num_chunks (vllm-ascend's)
                 chunks = getattr(self, "num_blocks", 0)
-            if not chunks:
+            if not getattr(self.config, "worker_kv_bytes_per_block", 1):
+                raise InvalidSpecError(
+                    "vLLM reported no KV bytes per block (worker_kv_bytes_per_block=0): nothing to offload"
+                )
+            if not chunks or chunks <= 0:
                 raise InvalidSpecError(
                     f"vLLM sized no host chunks (cpu_bytes_to_use={self.extra_config.get('cpu_bytes_to_use')!r} "
                     "is below one chunk of every rank's KV bytes): raise cpu_bytes_to_use"
@@ -106,6 +112,20 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
                 row_budget=budget or None,
             )
         return self._offload_core_worker
+
+
+def _check_cpu_bytes(extra: Any) -> None:
+    """``cpu_bytes_to_use`` as vLLM reads it (``int(value)``), refused where vLLM would fail
+    with a bare exception or size nothing."""
+    value = extra.get("cpu_bytes_to_use") if isinstance(extra, dict) else None
+    try:
+        ok = not isinstance(value, bool) and int(value) > 0
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise InvalidSpecError(
+            f"cpu_bytes_to_use in kv_connector_extra_config must be a positive number of bytes, got {value!r}"
+        )
 
 
 class OffloadCoreWorker(WorkerAdapter, OffloadingWorker):

@@ -219,14 +219,30 @@ def to_mapping(mapping: Any) -> CanonicalPageMapping:
 
 def device_blocks(spec: Any) -> DeviceBlocks:
     """A ``GPULoadStoreSpec`` (block ids in group order, group sizes, each group's first block
-    index) as `DeviceBlocks`; older specs without groups are one group."""
+    index) as `DeviceBlocks`; older specs without groups are one group.
+
+    Raises:
+        InvalidSpecError: a host spec in its place (source and destination swapped), or no ids.
+    """
+    if type(spec).__name__ == "CPULoadStoreSpec":
+        raise InvalidSpecError(
+            f"expected a GPULoadStoreSpec (device blocks), got a {type(spec).__name__}: source and destination swapped?"
+        )
     return DeviceBlocks(
         _ids_of(spec, "GPULoadStoreSpec"), getattr(spec, "group_sizes", None), getattr(spec, "block_indices", None)
     )
 
 
 def host_blocks(spec: Any) -> HostBlocks:
-    """A ``CPULoadStoreSpec`` (host chunk ids) as `HostBlocks`."""
+    """A ``CPULoadStoreSpec`` (host chunk ids) as `HostBlocks`.
+
+    Raises:
+        InvalidSpecError: a device spec in its place (source and destination swapped), or no ids.
+    """
+    if hasattr(spec, "group_sizes") or type(spec).__name__ == "GPULoadStoreSpec":
+        raise InvalidSpecError(
+            f"expected a CPULoadStoreSpec (host chunks), got a {type(spec).__name__}: source and destination swapped?"
+        )
     return HostBlocks(_ids_of(spec, "CPULoadStoreSpec"))
 
 
