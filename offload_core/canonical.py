@@ -59,8 +59,8 @@ class CanonicalPageMapping:
         writer_index: this rank's turn among them.
 
     Raises:
-        InvalidSpecError: runs that leave local bytes uncovered, cover some twice, or leave the
-            canonical page; a writer index out of range.
+        InvalidSpecError: runs that leave local bytes uncovered, cover some twice, place two on
+            one canonical byte, or leave the canonical page; a writer index out of range.
     """
 
     canonical_page_size_bytes: int
@@ -105,6 +105,8 @@ class CanonicalPageMapping:
             raise InvalidSpecError("a run leaves the canonical page")
         if _coverage(local, sizes, self.local_page_size_bytes).tolist() != [1]:
             raise InvalidSpecError("runs must cover the local page exactly once")
+        if _coverage(canon, sizes, self.canonical_page_size_bytes).max() > 1:  # one store would write a byte twice
+            raise InvalidSpecError("runs must place no two local bytes on one canonical byte")
         order = np.argsort(local, kind="stable")
         local, canon, sizes = local[order], canon[order], sizes[order]
         merged = _merge(local, canon, sizes)

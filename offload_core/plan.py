@@ -157,8 +157,15 @@ class Planner:
                 raise InvalidSpecError(f"tensor {t}: {g.device_blocks[t]} device blocks, a negative count")
             if g.host_offset[t] < 0 or g.host_offset[t] + bpc * g.host_page[t] > row:
                 raise InvalidSpecError(f"tensor {t}: host chunk does not fit in a host row of {row} bytes")
+        chunks = sorted((g.host_offset[t], g.host_offset[t] + bpc * g.host_page[t], t) for t in range(n))
+        for (_, end, t), (start, _, u) in zip(chunks, chunks[1:]):
+            if start < end:  # a store of both would write the same host bytes twice
+                raise InvalidSpecError(f"tensors {t} and {u}: their host chunks overlap in the host row")
         self._groups: list[_Group] = []
         for refs in g.group_refs:
+            named = [r.tensor for r in refs if isinstance(r, PlanRef)]
+            if len(named) != len(set(named)):
+                raise InvalidSpecError(f"a group names tensor {max(named, key=named.count)} twice")
             by_shape: dict[tuple, list[int]] = {}
             for ref in refs:
                 if not isinstance(ref, PlanRef):

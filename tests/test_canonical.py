@@ -44,6 +44,7 @@ def test_vllm_example_four_heads_at_tp2():
         ((CopyRun(0, 0, 32),), "exactly once"),  # leaves local bytes uncovered
         ((CopyRun(0, 0, 64), CopyRun(32, 64, 32)), "exactly once"),  # covers some twice
         ((CopyRun(0, 100, 64),), "leaves the canonical page"),
+        ((CopyRun(0, 0, 32), CopyRun(32, 16, 32)), "no two local bytes on one canonical byte"),  # a store writes twice
         ((CopyRun(0, 0, 16, 2**62),), "exactly once"),  # refused before 2**62 fragments are unrolled
         (None, "sequence of CopyRun"),
         (5, "sequence of CopyRun"),

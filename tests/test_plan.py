@@ -344,3 +344,29 @@ def test_canonical_plan_matches_the_reference(case):
     np.testing.assert_array_equal(model.host, expected_host)
     for got, exp in zip(model.gaps(), gaps):
         np.testing.assert_array_equal(got, exp)
+
+
+@pytest.mark.parametrize(
+    "offsets, refs, message",
+    [
+        ([0, 8], [[(0, 16), (1, 16)]], "tensors 0 and 1: their host chunks overlap"),
+        ([0, 16], [[(0, 16), (0, 8)]], "a group names tensor 0 twice"),
+    ],
+)
+def test_a_geometry_whose_stores_would_write_a_host_byte_twice_is_refused(offsets, refs, message):
+    """`Planner` takes a hand-made `Geometry` too: no two tensors' host chunks may overlap, and no
+    group may copy one tensor twice (a store would write the same host bytes twice in one job)."""
+    geometry = Geometry(
+        device_base=[1 << 20, 2 << 20],
+        device_page=[16, 16],
+        device_blocks=[4, 4],
+        host_base=3 << 20,
+        host_row_bytes=32,
+        host_offset=offsets,
+        host_page=[16, 16],
+        host_blocks=4,
+        group_refs=plan_refs(refs),
+        blocks_per_chunk=1,
+    )
+    with pytest.raises(InvalidSpecError, match=message):
+        Planner(geometry)
