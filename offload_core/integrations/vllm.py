@@ -87,7 +87,7 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
                 raise InvalidSpecError(
                     "vLLM reported no KV bytes per block (worker_kv_bytes_per_block=0): nothing to offload"
                 )
-            if not chunks or chunks <= 0:
+            if chunks <= 0:
                 raise InvalidSpecError(
                     f"vLLM sized no host chunks (cpu_bytes_to_use={self.extra_config.get('cpu_bytes_to_use')!r} "
                     "is below one chunk of every rank's KV bytes): raise cpu_bytes_to_use"
