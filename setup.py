@@ -2,6 +2,19 @@
 and Python's headers are found; without them the install goes on and offload_core uses its
 numpy path. Everything else about the package is in pyproject.toml."""
 
+import sys
+
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("offload_core._native", ["offload_core/_native.c"], optional=True)])
+threads = [] if sys.platform == "win32" else ["-pthread"]  # _posting.c's thread; Windows builds go without it
+setup(
+    ext_modules=[
+        Extension(
+            "offload_core._native",
+            ["offload_core/_native.c", "offload_core/_posting.c"],
+            extra_compile_args=threads,
+            extra_link_args=threads,
+            optional=True,
+        )
+    ]
+)

@@ -5,7 +5,7 @@
  * share a launch, offload_core/queue.py), `row_runs` what `compact._row_runs` does (a job's
  * host-contiguous runs, for the cuda backend's choice of mechanism). `context_call` calls a
  * driver entry point without ctypes, in a given context (the cuda backend's events, stream
- * waits and descriptor-table uploads).
+ * waits and descriptor-table uploads); `Poster` (_posting.c) issues driver calls on a thread of its own.
  * Built where a C compiler is found (setup.py); offload_core works the same without it.
  *
  * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
@@ -403,4 +403,10 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "offload_core._native", "Compiled steps of offload-core's hot path.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+int add_poster(PyObject *module); /* _posting.c */
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && add_poster(m) < 0) Py_CLEAR(m);
+    return m;
+}

@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,9 +25,12 @@ from offload_core.backends.cuda.select import CostModel, piece_bounds, profile_p
 
 @pytest.fixture(autouse=True)
 def _no_cuda_settings(monkeypatch):
-    """Each test starts from the defaults, whatever the shell that runs it has set."""
+    """Each test starts from the defaults, whatever the shell that runs it has set, except that
+    the driver's calls are made on the calling thread: tests read them in order. Posted calls
+    have tests of their own (`test_posting_*`)."""
     for name in [n for n in os.environ if n.startswith("OFFLOAD_CORE_CUDA_")]:
         monkeypatch.delenv(name)
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_POSTED", "0")
 
 
 def test_memcpy_attributes_has_the_driver_layout():
@@ -41,7 +45,17 @@ ERROR_NAME = b"CUDA_ERROR_INVALID_VALUE"  # lives as long as the module: the dri
 
 
 class FakeLib:
-    """A libcuda stand-in whose entry points are Python callbacks behind real C function pointers."""
+    """A libcuda stand-in whose entry points are Python callbacks behind real C function pointers.
+
+    `contexts` is the calling thread's context stack (top last): the creating thread starts with
+    the GPU's context current, any other thread (a poster's) with none."""
+
+    @property
+    def contexts(self) -> list:
+        me = threading.get_ident()  # not a threading.local: each callback from a C thread is a new thread state
+        if me not in self._stacks:
+            self._stacks[me] = [GPU_CONTEXT] if me == self._creator else []
+        return self._stacks[me]
 
     def __init__(self, with_batch=True, fail_at=None):
         self.calls = []
@@ -75,7 +89,8 @@ class FakeLib:
 
         def event_create(handle, flags):
             self.calls.append(("event_create", flags))
-            handle[0] = 0xE0 + sum(c[0] == "event_create" for c in self.calls)
+            self._events += 1  # unique, even once the calls were cleared
+            handle[0] = 0xE0 + self._events
             return returns("create")
 
         def event_record(event, stream):
@@ -104,7 +119,9 @@ class FakeLib:
         for name in ("query", "synchronize", "destroy"):
             self._keep[f"cuEvent{name.capitalize()}"] = drv.EVENT_CALL(event_call(name))
         self._keep["cuEventElapsedTime"] = drv.EVENT_ELAPSED_TIME(elapsed)
-        self.contexts = [GPU_CONTEXT]  # the calling thread's context stack, top last
+        self._events = 0
+        self._stacks: dict = {}  # each thread's context stack, as the driver keeps them
+        self._creator = threading.get_ident()
 
         def ctx_get(out):
             out[0] = self.contexts[-1] if self.contexts else None
@@ -1138,7 +1155,7 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
 
     monkeypatch.setattr(cuda_blocks.kernels, "expand", lambda *args: launched.append(args))
     copier = cuda_blocks.BlockCopier.__new__(cuda_blocks.BlockCopier)
-    copier.backend = SimpleNamespace(_ring=Ring())
+    copier.backend = SimpleNamespace(_ring=Ring(), _poster=None)
     prepared = host_prepared(layout)
     copier.expand(job, prepared, 0, len(job), None, [], 4, stage)
     (args,) = launched
@@ -1169,7 +1186,7 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
 
     launched = []
 
-    def launch(kernel, programs, args, constexprs, stream):
+    def launch(kernel, programs, args, constexprs, stream, poster=None):
         launched.append((tuple(constexprs.items()), tuple(-(1 << 31) <= a < (1 << 31) for a in args)))
 
     monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
@@ -1227,7 +1244,7 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
         return [len(tables) - 1], []
 
     def expand(
-        table, n, entries, num_entries, groups, num_groups, per_block, is_store, largest, stream, programs, rows
+        table, n, entries, num_entries, groups, num_groups, per_block, is_store, largest, stream, programs, rows, poster
     ):
         pieces.append(n)
         dev, side, sizes = kernel_reading(tables[table], n, rows, layout, is_store)
@@ -1252,6 +1269,7 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
     copier.half_bytes = half_bytes
     copier.staging = SimpleNamespace(for_stream=lambda s: st)
     copier.backend = SimpleNamespace(
+        _poster=None,
         _ring=SimpleNamespace(upload=upload),
         gather_programs=4,
         driver=SimpleNamespace(memcpy_batch_async=lambda dst, src, sizes, order, handle: move(dst, src, sizes) or ()),

@@ -34,7 +34,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from offload_core.backend import Direction
-from offload_core.backends.cuda import calibration, kernels, select
+from offload_core.backends.cuda import calibration, kernels, posting, select
 from offload_core.backends.cuda.blocks import BlockCopier
 from offload_core.backends.cuda.driver import (
     ERROR_HOST_MEMORY_ALREADY_REGISTERED,
@@ -162,9 +162,12 @@ class CudaBackend(TorchDeviceBackend):
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
         # the hot path's events and compute stream through the driver, where it has them all
         self._driver_events = self.driver.has_events
+        self._poster = None
         if self._driver_events:
             with self._context():
                 self._ctx = self.driver.current_context()  # this GPU's primary context
+            # compact launches' driver calls, made by a thread of their own (`posting`)
+            self._poster = self.driver.poster = posting.make(self.driver, self._ctx)
         # what Triton reads too; only torch's own runtime has it
         self._raw_stream = (
             getattr(self._torch._C, "_cuda_getCurrentRawStream", None) if isinstance(runtime, TorchRuntime) else None
@@ -180,9 +183,12 @@ class CudaBackend(TorchDeviceBackend):
             return self.runtime.ExternalStream(self.driver.new_stream(), device=self._device)
 
     def _table_copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        """A descriptor table's upload (`ring.DescriptorRing`): a short call that keeps the GIL
-        where the driver's events are used (`driver.Driver.memcpy_in`)."""
-        if self._driver_events:
+        """A descriptor table's upload (`ring.DescriptorRing`): posted on an adopted stream, else
+        a short call in the GPU's context where the driver's events are used."""
+        poster = self._poster
+        if poster is not None and poster.owns(stream):
+            poster.call(posting.MEMCPY, stream, poster.memcpy_fn, dst, src, nbytes, stream)
+        elif self._driver_events:
             self.driver.call_in(self.driver.memcpy_in, "cuMemcpyAsync", self._ctx, dst, src, nbytes, stream)
         else:
             self.driver.memcpy_async(dst, src, nbytes, stream)
@@ -263,6 +269,8 @@ class CudaBackend(TorchDeviceBackend):
             reason = forced.refuses_layout(self._blocks, prepared)
             if reason:
                 raise ConfigError(reason)
+        if self._poster is not None:
+            self._poster.adopt(stream)
         with self._enqueued(stream) as held:
             return self._blocks.copy(job, prepared, stream, after, held, forced)
 
@@ -318,6 +326,8 @@ class CudaBackend(TorchDeviceBackend):
             chosen = TABLE[name]
         else:
             raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
+        if self._poster is not None and self._poster.owns(stream.cuda_stream):
+            self._poster.drain()  # these mechanisms call torch and Triton: behind what was posted
         with self._enqueued(stream) as held:
             chosen.enqueue(self, src, dst, sizes, direction, stream, held, summary)
         return chosen.name
@@ -362,6 +372,8 @@ class CudaBackend(TorchDeviceBackend):
         from offload_core.queue import enqueue_lock  # the lock every enqueue on this backend takes
 
         with enqueue_lock(self):
+            if self._poster is not None:
+                self._poster.drain()
             return calibration.calibrate(self, save)
 
     # ---- helpers -----------------------------------------------------------

@@ -67,11 +67,16 @@ class BlockCopier:
     def __init__(self, backend, half_bytes: int):
         self.backend = backend
         self.half_bytes = half_bytes
-        self.staging = PerStream(
-            lambda stream: StagingHalves(
-                backend._torch, backend.device, stream, backend.new_stream(), half_bytes, backend._marker
-            )
+        self.staging = PerStream(self._staging_for)
+
+    def _staging_for(self, stream) -> StagingHalves:
+        b = self.backend
+        halves = StagingHalves(
+            b._torch, b.device, stream, b.new_stream(), half_bytes=self.half_bytes, new_event=b._marker
         )
+        if b._poster is not None:  # the side stream's calls are posted as the queue stream's are
+            b._poster.adopt(halves.side)
+        return halves
 
     def prepare(self, layout: CompactLayout) -> Prepared:
         """Upload the layout's tables, and compile the kernel for it in both directions (a
@@ -183,6 +188,7 @@ class BlockCopier:
             stream,
             programs,
             rows,
+            b._poster,
         )
 
     @property

@@ -79,6 +79,11 @@ EVENT_RECORD = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p)
 STREAM_WAIT_EVENT = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 EVENT_CALL = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
 EVENT_ELAPSED_TIME = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)  # (float *, ...)
+# CUresult cuLaunchKernel(CUfunction, unsigned gridX, gridY, gridZ, blockX, blockY, blockZ,
+#     unsigned sharedMemBytes, CUstream, void **kernelParams, void **extra)
+LAUNCH_KERNEL = ctypes.CFUNCTYPE(
+    CUresult, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+)
 # cuCtxGetCurrent(CUcontext *); cuCtxPushCurrent(CUcontext); cuCtxPopCurrent(CUcontext *)
 CTX_OUT = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_void_p))
 CTX_IN = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
@@ -108,11 +113,14 @@ class Driver:
     Attributes:
         memcpy_batch: ``cuMemcpyBatchAsync`` (12.8 ABI), or None on drivers before 12.8.
         memcpy: ``cuMemcpyAsync``.
+        poster: the backend's `posting.Poster`, or None: where it adopted a stream, the calls
+            on it below go through the poster thread.
     """
 
     def __init__(self, lib: Any):
         self._attrs: dict = {}
         self._lib = lib
+        self.poster = None
         self._get_proc = GET_PROC_ADDRESS(ctypes.cast(lib.cuGetProcAddress_v2, ctypes.c_void_p).value)
         self._error_name = GET_ERROR_NAME(ctypes.cast(lib.cuGetErrorName, ctypes.c_void_p).value)
         self.memcpy_batch = self.resolve("cuMemcpyBatchAsync", BATCH_ABI_VERSION, MEMCPY_BATCH)
@@ -134,6 +142,7 @@ class Driver:
         self.event_elapsed_time = self.resolve("cuEventElapsedTime", 12080, EVENT_ELAPSED_TIME) or self.resolve(
             "cuEventElapsedTime", 2000, EVENT_ELAPSED_TIME
         )
+        self.launch_kernel = self.resolve("cuLaunchKernel", 4000, LAUNCH_KERNEL)
         self.ctx_get_current = self.resolve("cuCtxGetCurrent", 4000, CTX_OUT)
         self.ctx_push_current = self.resolve("cuCtxPushCurrent", 4000, CTX_IN)
         self.ctx_pop_current = self.resolve("cuCtxPopCurrent", 4000, CTX_OUT)
@@ -190,6 +199,11 @@ class Driver:
             return self.in_context(context, fn, *args)
         except CudaDriverError as exc:  # only the push raises
             return -exc.code
+
+    @staticmethod
+    def address(fn: Callable) -> int:
+        """The C address of an entry point."""
+        return ctypes.cast(fn, ctypes.c_void_p).value
 
     @property
     def has_events(self) -> bool:
@@ -272,9 +286,21 @@ class Driver:
         if not stream:  # the legacy default stream is rejected with INVALID_VALUE
             raise CudaDriverError("cuMemcpyBatchAsync cannot run on the legacy default stream", 1)
         attrs, first = self._batch_attrs(order)
-        fail = ctypes.c_size_t(0)
         n = len(sizes)
         step = max_batch if max_batch > 0 else n
+        poster = self.poster
+        if poster is not None and poster.batch_fn is not None and poster.owns(stream):
+            from offload_core.backends.cuda.posting import BATCH
+
+            attrs_at, first_at = ctypes.addressof(attrs), ctypes.addressof(first)
+            for start in range(0, n, step):
+                d, s, z = dst.ctypes.data + 8 * start, src.ctypes.data + 8 * start, sizes.ctypes.data + 8 * start
+                count = min(step, n - start)
+                poster.call(
+                    BATCH, stream, poster.batch_fn, d, s, z, count, attrs_at, first_at, 1, poster.fail_address, stream
+                )
+            return (dst, src, sizes, attrs, first)
+        fail = ctypes.c_size_t(0)
         for start in range(0, n, step):
             count = min(step, n - start)
             fail.value = 0

@@ -11,6 +11,9 @@ Every call runs in the backend's GPU context: a thread may have none current (it
 call yet), or another GPU's, and handle 0 (the default stream) means the current context's.
 Where the current context is another, the call pushes the backend's and pops it after
 (`Driver.in_context`), leaving the thread as it was.
+
+On a stream the backend's poster adopted (`posting`), a record or a wait is posted: the event
+then carries the record's ticket, and asks the poster before anything that depends on it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import weakref
 
 from offload_core.backends.cuda.driver import ERROR_NOT_READY, CudaDriverError, Driver
+from offload_core.backends.cuda.posting import DESTROY, RECORD, WAIT
 
 EVENT_DISABLE_TIMING = 0x2
 
@@ -36,10 +40,13 @@ class DriverEvent:
         CudaDriverError: the driver could not create the event.
     """
 
-    __slots__ = ("handle", "_driver", "_ctx", "__weakref__")
+    __slots__ = ("handle", "_driver", "_ctx", "_ticket", "_touch", "_from", "__weakref__")
 
     def __init__(self, driver: Driver, context: int, timing: bool = True):
         self._driver, self._ctx = driver, context
+        self._ticket = 0  # the posted record that marks this event's position, until issued
+        self._touch = 0  # the last posted call that records or reads it
+        self._from = 0  # the first ticket of a call enqueued after its last record
         out = ctypes.c_void_p()
         self._call(driver.event_create, "cuEventCreate", ctypes.byref(out), 0 if timing else EVENT_DISABLE_TIMING)
         self.handle = out.value
@@ -48,20 +55,39 @@ class DriverEvent:
 
     def record(self, stream) -> None:
         """Mark `stream`'s current position (any stream of this GPU with a ``cuda_stream`` handle)."""
-        code = self._driver.record_in(self._ctx, self.handle, stream.cuda_stream)  # once or twice a job: inline
+        handle, poster = stream.cuda_stream, self._driver.poster
+        if poster is not None:
+            if poster.owns(handle):
+                self._ticket = self._touch = self._from = poster.call(
+                    RECORD, handle, poster.record_fn, self.handle, handle
+                )
+                return
+            if self._touch:  # a posted wait may still read the position this record replaces
+                poster.wait(self._touch)
+                self._ticket = self._touch = 0
+            self._from = poster.posted + 1
+        code = self._driver.record_in(self._ctx, self.handle, handle)  # once or twice a job: inline
         if code:
             self._driver.fail(code, "cuEventRecord")
 
     def wait(self, stream) -> None:
         """Later work on `stream` waits for this event (what ``stream.wait_event`` calls)."""
-        self._driver.call_in(self._driver.wait_in, "cuStreamWaitEvent", self._ctx, stream.cuda_stream, self.handle, 0)
+        handle, poster = stream.cuda_stream, self._driver.poster
+        if poster is not None:
+            if poster.owns(handle):
+                self._touch = poster.call(WAIT, handle, poster.wait_fn, handle, self.handle, 0)
+                return
+            poster.wait(self._ticket)  # the wait must see the posted record
+        self._driver.call_in(self._driver.wait_in, "cuStreamWaitEvent", self._ctx, handle, self.handle, 0)
 
     def query(self) -> bool:
-        """Whether the marked work has completed.
+        """Whether the marked work has completed (False while its posted record waits to be made).
 
         Raises:
             CudaDriverError: the work failed (a device fault).
         """
+        if self._ticket and self._driver.poster is not None and self._driver.poster.issued < self._ticket:
+            return False
         code = self._driver.query_in(self._ctx, self.handle)
         if code == 0:
             return True
@@ -75,15 +101,24 @@ class DriverEvent:
         Raises:
             CudaDriverError: the work failed.
         """
+        if self._ticket and self._driver.poster is not None:
+            self._driver.poster.wait(self._ticket)
         self._call(self._driver.event_synchronize, "cuEventSynchronize", self.handle)
 
     def elapsed_time(self, end: DriverEvent) -> float:
         """Milliseconds from this event to `end`, both passed.
 
         Raises:
-            CudaDriverError: either has not been recorded, or has not passed.
+            CudaDriverError: either has not been recorded, or has not passed; or a call posted
+                between the two records failed (a launch's calls lie between its two events).
         """
         ms, driver = ctypes.c_float(), self._driver
+        poster = driver.poster
+        if poster is not None and end._ticket:
+            poster.wait(end._ticket)
+            failed = poster.failure(max(1, self._from), end._ticket)
+            if failed is not None:
+                raise failed
         out = ctypes.addressof(ms)
         driver.call_in(driver.elapsed_in, "cuEventElapsedTime", self._ctx, out, self.handle, end.handle)
         return ms.value
@@ -95,8 +130,16 @@ class DriverEvent:
 
 
 def _destroy(driver: Driver, context: int, handle: int, pid: int) -> None:
-    if os.getpid() == pid:  # a forked child must not touch its parent's driver state
-        driver.in_context(context, driver.event_destroy, handle)
+    if os.getpid() != pid:  # a forked child must not touch its parent's driver state
+        return
+    poster = driver.poster
+    if poster is not None and poster.streams:  # after the posted calls that may name it
+        try:
+            poster.call(DESTROY, 0, poster.destroy_fn, handle)
+            return
+        except RuntimeError:  # closed meanwhile: every posted call was made
+            pass
+    driver.in_context(context, driver.event_destroy, handle)
 
 
 class RawStream:

@@ -214,22 +214,40 @@ def _spec(value: int) -> tuple:
 
 
 _compiled: dict = {}  # (kernel, constexprs, argument specializations) -> Triton's compiled kernel
+_raw: dict = {}  # the same keys -> what `_raw_launch` found (None: not launchable by hand)
 _fast = True  # False once the compiled kernel's own launcher is found unusable (another Triton)
+MAX_SHARED = 49152  # above it, Triton's own loader sets the kernel up for dynamic shared memory
+RAW_TYPES = ("i32", "u32", "i64", "u64")  # what a 64-bit parameter slot passes as it is
 
 
-def _launch(kernel, programs: int, args: list, constexprs: dict, stream) -> None:
+def _launch(kernel, programs: int, args: list, constexprs: dict, stream, poster=None) -> None:
     """Launch `kernel` on `stream`; from the second launch of a specialization on, through the
     compiled kernel's launcher with the stream handle, which skips Triton's dispatch and
-    torch's stream context (two thirds of a launch's host time).
+    torch's stream context (two thirds of a launch's host time). On a stream `poster` adopted,
+    the launch is posted as a plain ``cuLaunchKernel`` where the compiled kernel allows
+    (`_raw_launch`), else it waits until everything posted was issued.
 
     The arguments are all ints, so the key here covers everything Triton specializes on.
     """
     global _fast
     key = (kernel, *constexprs.values(), *map(_spec, args))
     compiled = _compiled.get(key)
+    handle = stream.cuda_stream
+    posted = poster is not None and poster.owns(handle)
+    if posted and compiled is not None and poster.launch_fn is not None:
+        raw = _raw.get(key, False)
+        if raw is False:
+            raw = _raw[key] = _raw_launch(compiled)
+        if raw is not None:
+            function, threads, shared, kept, hidden = raw
+            values = [*args, *constexprs.values()]
+            poster.launch(function, programs, threads, shared, handle, [values[i] for i in kept] + [0] * hidden)
+            return
+    if posted:
+        poster.drain()
     if compiled is not None and _fast:
         try:
-            compiled[(programs, 1, 1)](*args, *constexprs.values(), stream=stream.cuda_stream)
+            compiled[(programs, 1, 1)](*args, *constexprs.values(), stream=handle)
             return
         except (TypeError, IndexError, AttributeError):  # a Triton whose launcher differs: dispatch as usual
             _fast = False
@@ -237,6 +255,73 @@ def _launch(kernel, programs: int, args: list, constexprs: dict, stream) -> None
 
     with torch.cuda.stream(stream):
         _compiled[key] = kernel[(programs,)](*args, **constexprs)
+
+
+def _raw_launch(compiled) -> tuple | None:
+    """What a plain ``cuLaunchKernel`` of a Triton-compiled kernel needs, or None where it needs
+    more than that (launch hooks, clusters, cooperative or dependent launches, scratch memory,
+    large shared memory, parameter types a 64-bit slot does not pass as they are).
+
+    Returns:
+        ``(function, threads, shared, kept, hidden)``: the CUfunction, threads per program,
+        dynamic shared bytes, the indices of the arguments (in the kernel's order, constexprs
+        included) that are parameters, and how many null scratch pointers follow them (Triton
+        adds one per scratch size its metadata names).
+    """
+    try:
+        md, src = compiled.metadata, compiled.src
+        if _hooked(compiled):
+            return None
+        if (
+            getattr(md, "num_ctas", 1) != 1
+            or getattr(md, "launch_cooperative_grid", False)
+            or getattr(md, "launch_pdl", False)
+        ):
+            return None
+        if any(d != 1 for d in (getattr(md, "cluster_dims", None) or ())):
+            return None
+        hidden = 0
+        for name in ("global_scratch_size", "profile_scratch_size"):
+            if hasattr(md, name):
+                if getattr(md, name):
+                    return None
+                hidden += 1
+        shared = int(md.shared)
+        if shared > MAX_SHARED:
+            return None
+        if getattr(compiled, "function", None) is None:
+            compiled._init_handles()
+        names = list(src.fn.arg_names)
+        signature = src.signature
+        constants = {
+            k[0] if isinstance(k, tuple) else (names.index(k) if isinstance(k, str) else k)
+            for k in getattr(src, "constants", {})
+        }
+        kept = []
+        for i, name in enumerate(names):
+            kind = signature.get(name, signature.get(i)) if isinstance(signature, dict) else None
+            if kind == "constexpr" or i in constants:
+                continue
+            if kind not in RAW_TYPES:
+                return None
+            kept.append(i)
+        return int(compiled.function), 32 * int(md.num_warps), shared, tuple(kept), hidden
+    except Exception:  # another Triton's layout: its own launcher stays
+        return None
+
+
+def _hooked(compiled) -> bool:
+    """Whether Triton calls launch hooks (a profiler's) around this kernel's launches: on the
+    compiled kernel (older Triton) or in ``triton.knobs.runtime`` (3.4 on)."""
+    import sys
+
+    holders = [compiled]
+    knobs = getattr(sys.modules.get("triton"), "knobs", None)
+    if knobs is not None:
+        holders.append(getattr(knobs, "runtime", None))
+    hooks = [getattr(h, name, None) for h in holders for name in ("launch_enter_hook", "launch_exit_hook")]
+    # a hook, or a chain of them (Triton 3.5 on: an object whose `calls` may be empty)
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
 
 
 def run(src, dst, size, n: int, largest: int, stream, max_programs: int) -> None:
@@ -310,10 +395,12 @@ def expand(
     stream,
     max_programs: int,
     rows: tuple[int, int, bool] | None = None,
+    poster=None,
 ) -> None:
-    """Enqueue the expansion of `n` blocks on `stream`: the device addresses of the block table,
-    the entry table (``ENTRY_COLUMNS``, `num_entries` wide) and the group table (first entry,
-    count; `num_groups` wide); `per_block` is the most entries of any group.
+    """Enqueue the expansion of `n` blocks on `stream` (posted where `poster` adopted it): the
+    device addresses of the block table, the entry table (``ENTRY_COLUMNS``, `num_entries`
+    wide) and the group table (first entry, count; `num_groups` wide); `per_block` is the most
+    entries of any group.
 
     The block table is `offload_core.compact.BLOCK_COLUMNS` with the host row's address in place
     of the chunk where `rows` is None; else it is a simple job's two columns, device and host
@@ -324,4 +411,4 @@ def expand(
     base, step, by_host = (0, 0, False) if rows is None else rows
     args = [blocks, n, entries, num_entries, groups, num_groups, per_block, base, step]
     constexprs = {"STORE": store, "SIMPLE": rows is not None, "BY_HOST": by_host, "D": tile, "W": width}
-    _launch(_compile()[2], programs, args, constexprs, stream)
+    _launch(_compile()[2], programs, args, constexprs, stream, poster)
