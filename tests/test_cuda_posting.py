@@ -7,7 +7,9 @@ which a C thread may call (ctypes takes the GIL for them)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -85,7 +87,11 @@ class EveryKey(dict):
 
 
 def posted_backend(monkeypatch, lib, posted: bool):
+    import torch
+
     monkeypatch.setenv(posting.ENV_POSTED, "1" if posted else "0")
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())  # a GPU's torch too
+    monkeypatch.setattr(kernels, "_fast", True)
     monkeypatch.setattr(kernels, "_compiled", EveryKey(TritonLike(lib, lib.types, lib.hidden)))
     monkeypatch.setattr(kernels, "_raw", {})
     monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
@@ -234,16 +240,21 @@ def test_a_posted_events_ticket_decides_what_it_answers(monkeypatch):
     assert done and [c[0] for c in lib.calls if c[0] in ("record", "synchronize")] == ["record", "synchronize"]
     assert event.query()
 
-    # a posted wait reads `ready`; recording it again on the caller's stream waits for that wait
+    # A posted wait reads `ready`; recording it again on the caller's stream, as a submit does,
+    # neither waits for the poster nor moves what that wait sees: it takes a new handle.
     hold.clear(), holding.clear()
     poster.call(posting.CALL, stream.cuda_stream, drv.Driver.address(blocker), 0)
     assert holding.wait(10)
     ready = backend.new_event()
     ready.wait(stream)
+    old = ready.handle
     lib.calls.clear()
-    threading.Timer(0.2, hold.set).start()
-    ready.record(backend.current_stream())
-    assert [c[0] for c in lib.calls if c[0] in ("wait", "record")] == ["wait", "record"]
+    ready.record(backend.current_stream())  # would hang here if it waited: the poster is held
+    assert ready.handle != old and [c for c in lib.calls if c[0] == "record"] == [("record", ready.handle, 0x5)]
+    hold.set()
+    poster.drain()
+    later = [c for c in lib.calls if c[0] in ("wait", "destroy")]
+    assert later == [("wait", stream.cuda_stream, old, 0), ("destroy", old)]
 
 
 def test_a_failed_posted_call_fails_its_launch_and_no_other(monkeypatch):
@@ -346,6 +357,13 @@ def test_raw_launches_pass_the_parameters_triton_compiled_and_refuse_what_they_c
     assert kernels._raw_launch(hooked) is None
     odd = TritonLike(lib, ("fp32",) + types[1:], hidden=1)
     assert kernels._raw_launch(odd) is None
+    # Triton 3.5 on: hooks are chains in triton.knobs.runtime, set once any hook is added
+    chains = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=None)
+    monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(knobs=SimpleNamespace(runtime=chains)))
+    assert kernels._raw_launch(TritonLike(lib, types, hidden=1)) is not None
+    chains.launch_enter_hook.calls.append(print)
+    assert kernels._raw_launch(TritonLike(lib, types, hidden=1)) is None
+    monkeypatch.delitem(sys.modules, "triton")
 
     backend = posted_backend(monkeypatch, lib, True)
     monkeypatch.setattr(kernels, "_compiled", EveryKey(compiled))

@@ -40,18 +40,23 @@ class DriverEvent:
         CudaDriverError: the driver could not create the event.
     """
 
-    __slots__ = ("handle", "_driver", "_ctx", "_ticket", "_touch", "_from", "__weakref__")
+    __slots__ = ("handle", "_driver", "_ctx", "_ticket", "_touch", "_from", "_flags", "_owned", "__weakref__")
 
     def __init__(self, driver: Driver, context: int, timing: bool = True):
         self._driver, self._ctx = driver, context
         self._ticket = 0  # the posted record that marks this event's position, until issued
         self._touch = 0  # the last posted call that records or reads it
         self._from = 0  # the first ticket of a call enqueued after its last record
-        out = ctypes.c_void_p()
-        self._call(driver.event_create, "cuEventCreate", ctypes.byref(out), 0 if timing else EVENT_DISABLE_TIMING)
-        self.handle = out.value
-        done = weakref.finalize(self, _destroy, driver, context, out.value, os.getpid())
+        self._flags = 0 if timing else EVENT_DISABLE_TIMING
+        self.handle = self._create()
+        self._owned = [self.handle]  # what the finalizer destroys: the handle may be replaced
+        done = weakref.finalize(self, _destroy, driver, context, self._owned, os.getpid())
         done.atexit = False  # at exit the driver may be gone; the process frees its events anyway
+
+    def _create(self) -> int:
+        out = ctypes.c_void_p()
+        self._call(self._driver.event_create, "cuEventCreate", ctypes.byref(out), self._flags)
+        return out.value
 
     def record(self, stream) -> None:
         """Mark `stream`'s current position (any stream of this GPU with a ``cuda_stream`` handle)."""
@@ -62,9 +67,14 @@ class DriverEvent:
                     RECORD, handle, poster.record_fn, self.handle, handle
                 )
                 return
-            if self._touch:  # a posted wait may still read the position this record replaces
-                poster.wait(self._touch)
-                self._ticket = self._touch = 0
+            if self._touch and poster.issued < self._touch:
+                # A posted wait still has to read the position this record would replace: this
+                # object takes a new handle rather than wait (the caller may be a submit), and
+                # the old one is destroyed once the poster has made that wait.
+                old, self.handle = self.handle, self._create()
+                self._owned[0] = self.handle
+                _destroy(self._driver, self._ctx, [old], os.getpid())
+            self._ticket = self._touch = 0
             self._from = poster.posted + 1
         code = self._driver.record_in(self._ctx, self.handle, handle)  # once or twice a job: inline
         if code:
@@ -129,9 +139,10 @@ class DriverEvent:
             raise CudaDriverError(f"{what} failed: {self._driver.error_name(code)}", code)
 
 
-def _destroy(driver: Driver, context: int, handle: int, pid: int) -> None:
+def _destroy(driver: Driver, context: int, owned: list, pid: int) -> None:
     if os.getpid() != pid:  # a forked child must not touch its parent's driver state
         return
+    (handle,) = owned
     poster = driver.poster
     if poster is not None and poster.streams:  # after the posted calls that may name it
         try:
