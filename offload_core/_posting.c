@@ -20,7 +20,8 @@
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <pthread.h>
-#include <time.h>
+#include <sys/types.h>
+#include <unistd.h>
 
 #define MAX_ARGS 11
 #define MAX_PARAMS 24
@@ -62,6 +63,8 @@ typedef struct {
     int push_code;
     Failure failures[MAX_FAILURES];
     size_t nfailures;
+    uint64_t dropped; /* the highest ticket of a failure no longer kept: asked about, it fails */
+    pid_t pid;        /* the creating process: a forked child has no thread, and its lock may be taken */
     /* failures waiting for the next record on their stream: few streams, so a short list */
     Failure unattached[MAX_FAILURES];
     size_t nunattached;
@@ -69,7 +72,9 @@ typedef struct {
 } Poster;
 
 static void log_failure(Poster *p, Failure f) {
+    if (p->nfailures > 0 && p->failures[p->nfailures - 1].ticket == f.ticket) return; /* one a record: the first */
     if (p->nfailures == MAX_FAILURES) {
+        if (p->failures[0].ticket > p->dropped) p->dropped = p->failures[0].ticket;
         memmove(p->failures, p->failures + 1, sizeof(Failure) * (MAX_FAILURES - 1));
         p->nfailures--;
     }
@@ -92,7 +97,7 @@ static void account(Poster *p, const Op *o, uint64_t t, int code) {
         }
         p->nunattached = keep;
         if (code != 0) log_failure(p, (Failure){t, o->stream, code, o->what});
-    } else if (code != 0) {
+    } else if (code != 0 && o->stream != 0) { /* stream 0: event destroys, which no launch waits for */
         if (p->nunattached == MAX_FAILURES) { /* never recorded after: keep the newest */
             memmove(p->unattached, p->unattached + 1, sizeof(Failure) * (MAX_FAILURES - 1));
             p->nunattached--;
@@ -185,6 +190,7 @@ static PyObject *Poster_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         return PyErr_NoMemory();
     }
     p->cap = (size_t)capacity;
+    p->pid = getpid();
     p->push = push_fn, p->pop = pop_fn, p->context = (void *)(uintptr_t)ctx;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work, NULL);
@@ -195,6 +201,7 @@ static PyObject *Poster_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
 
 /* Stop after everything posted is issued, and join the thread (the GIL released meanwhile). */
 static void stop(Poster *p) {
+    if (p->pid != getpid()) return; /* a forked child: no thread to stop, and the lock may be held */
     pthread_mutex_lock(&p->mu);
     p->stop = 1;
     if (!p->started) {
@@ -210,14 +217,14 @@ static void stop(Poster *p) {
 }
 
 static void Poster_dealloc(Poster *p) {
-    if (p->ops != NULL) { /* else nothing was set up */
+    if (p->ops != NULL && p->pid == getpid()) { /* else nothing was set up, or a forked child's lock may be held */
         stop(p);
         pthread_mutex_destroy(&p->mu);
         pthread_cond_destroy(&p->work);
         pthread_cond_destroy(&p->room);
         pthread_cond_destroy(&p->done);
-        PyMem_RawFree(p->ops);
     }
+    PyMem_RawFree(p->ops);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
@@ -348,7 +355,8 @@ static PyObject *Poster_wait(Poster *p, PyObject *arg) {
 }
 
 PyDoc_STRVAR(failure_doc, "failure(lo, hi) -> (ticket, what, code) or None\n\n"
-                          "The first failure logged at a ticket in [lo, hi] (see the module's comment).");
+                          "The first failure logged at a ticket in [lo, hi] (see the module's comment); where\n"
+                          "one no longer kept may lie there, (ticket, 0, -1).");
 
 static PyObject *Poster_failure(Poster *p, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
@@ -357,15 +365,15 @@ static PyObject *Poster_failure(Poster *p, PyObject *const *args, Py_ssize_t nar
     }
     unsigned long long lo = PyLong_AsUnsignedLongLong(args[0]), hi = PyLong_AsUnsignedLongLong(args[1]);
     if (PyErr_Occurred()) return NULL;
-    PyObject *found = NULL;
+    Failure found = {0, 0, 0, 0};
     pthread_mutex_lock(&p->mu);
-    for (size_t i = 0; i < p->nfailures && found == NULL; i++) {
-        Failure f = p->failures[i];
-        if (f.ticket >= lo && f.ticket <= hi) found = Py_BuildValue("Kii", (unsigned long long)f.ticket, f.what, f.code);
-    }
+    for (size_t i = 0; i < p->nfailures && found.ticket == 0; i++)
+        if (p->failures[i].ticket >= lo && p->failures[i].ticket <= hi) found = p->failures[i];
+    if (found.ticket == 0 && p->dropped >= lo) found = (Failure){p->dropped, 0, -1, 0};
     pthread_mutex_unlock(&p->mu);
-    if (found == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
-    return found;
+    /* built after unlocking: an allocation may collect garbage, whose finalizers post */
+    if (found.ticket == 0) Py_RETURN_NONE;
+    return Py_BuildValue("Kii", (unsigned long long)found.ticket, found.what, found.code);
 }
 
 static PyObject *Poster_close(Poster *p, PyObject *unused) {
@@ -375,11 +383,11 @@ static PyObject *Poster_close(Poster *p, PyObject *unused) {
 
 static PyObject *Poster_state(Poster *p, PyObject *unused) {
     pthread_mutex_lock(&p->mu);
-    PyObject *out = Py_BuildValue("{sKsKsKsKsi}", "posted", (unsigned long long)p->posted, "issued",
-                                  (unsigned long long)p->issued, "room_waits", p->room_waits, "issue_waits",
-                                  p->issue_waits, "context_error", p->push_code);
+    unsigned long long posted = p->posted, issued = p->issued, room = p->room_waits, waits = p->issue_waits;
+    int context_error = p->push_code;
     pthread_mutex_unlock(&p->mu);
-    return out;
+    return Py_BuildValue("{sKsKsKsKsi}", "posted", posted, "issued", issued, "room_waits", room, "issue_waits", waits,
+                         "context_error", context_error);
 }
 
 /* Read without the lock: a stale value only makes a caller wait or look again. */

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -406,3 +408,77 @@ def test_an_event_collected_with_posted_calls_pending_is_destroyed_after_them(mo
     backend._poster.drain()
     order = [c for c in lib.calls if c[0] in ("record", "destroy") and c[1] == handle]
     assert [c[0] for c in order] == ["record", "destroy"]
+
+
+@pytest.mark.parametrize("mechanism", ["sm_gather", "ce_loop"])
+def test_a_batch_mechanism_on_an_adopted_stream_makes_all_its_calls_itself_in_order(monkeypatch, mechanism):
+    """`sm_gather` uploads its table through the driver and launches through Triton: on a stream
+    with posted calls, both go after them and neither through the poster, so the kernel never
+    reaches the stream before its table."""
+    lib = LaunchingLib()
+    backend = posted_backend(monkeypatch, lib, True)
+    monkeypatch.setattr(backend, "addressable", lambda *args, **kwargs: True)
+    stream = Stream(0x300)
+    backend._poster.adopt(stream)
+    marker = backend.new_event()
+    marker.record(stream)  # posted
+    before = backend._poster.posted
+    src = np.arange(4, dtype=np.int64) * 64 + (1 << 30)
+    sizes = np.full(4, 64, dtype=np.int64)
+    backend.enqueue_with(mechanism, src, src + (1 << 32), sizes, Direction.LOAD, stream)
+    order = [c[0] for c in comparable(lib.calls)]
+    want = ["memcpy", "launch"] if mechanism == "sm_gather" else ["memcpy"] * 4
+    assert order == ["record", *want, "record"]  # the posted marker, the copies, the keepalive record
+    assert backend._poster.posted == before and backend._poster.owns(stream.cuda_stream)
+
+
+def test_a_failure_beyond_what_the_log_keeps_still_fails_its_launch(monkeypatch):
+    """The log keeps the newest failures; a launch whose failure was dropped to make room (other
+    launches failing before it was asked about) still fails."""
+    lib = LaunchingLib()
+    backend = posted_backend(monkeypatch, lib, True)
+    poster = backend._poster
+    stream, other = Stream(0x300), Stream(0x301)
+    poster.adopt(stream), poster.adopt(other)
+    start, end = backend.new_event(), backend.new_event()
+    start.record(stream)
+    lib.codes["wait"] = [1]
+    backend.new_event().wait(stream)  # fails on the poster thread
+    end.record(stream)
+    lib.codes["record"] = [1] * 100  # then a hundred failed records elsewhere
+    for event in [backend.new_event() for _ in range(100)]:
+        event.record(other)
+    poster.drain()
+    with pytest.raises(drv.CudaDriverError, match="dropped from the log"):
+        start.elapsed_time(end)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_closes_its_copy_of_a_poster_without_touching_the_parents_thread(monkeypatch):
+    lib = LaunchingLib()
+    backend = posted_backend(monkeypatch, lib, True)
+    stream = Stream(0x300)
+    backend._poster.adopt(stream)
+    backend.new_event().record(stream)  # the thread runs
+    backend._poster.drain()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing posted, nothing waited for, closed and gone
+        code = 1
+        try:
+            poster = backend._poster
+            ok = not poster.owns(stream.cuda_stream) and poster.failure(0, 1 << 62) is None
+            poster.wait(1 << 62)
+            poster.close()
+            code = 0 if ok else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("the child hung on its copy of the poster")

@@ -166,8 +166,10 @@ class CudaBackend(TorchDeviceBackend):
         if self._driver_events:
             with self._context():
                 self._ctx = self.driver.current_context()  # this GPU's primary context
-            # compact launches' driver calls, made by a thread of their own (`posting`)
-            self._poster = self.driver.poster = posting.make(self.driver, self._ctx)
+            # compact launches' driver calls, made by a thread of their own (`posting`); a driver
+            # another backend posts through stays unposted here: events ask their driver's poster
+            if self.driver.poster is None:
+                self._poster = self.driver.poster = posting.make(self.driver, self._ctx)
         # what Triton reads too; only torch's own runtime has it
         self._raw_stream = (
             getattr(self._torch._C, "_cuda_getCurrentRawStream", None) if isinstance(runtime, TorchRuntime) else None
@@ -326,9 +328,10 @@ class CudaBackend(TorchDeviceBackend):
             chosen = TABLE[name]
         else:
             raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
-        if self._poster is not None and self._poster.owns(stream.cuda_stream):
-            self._poster.drain()  # these mechanisms call torch and Triton: behind what was posted
-        with self._enqueued(stream) as held:
+        # these mechanisms mix driver calls with torch's and Triton's: all made here, in order,
+        # after what was posted on the stream
+        suspended = self._poster.suspended(stream.cuda_stream) if self._poster is not None else nullcontext()
+        with suspended, self._enqueued(stream) as held:
             chosen.enqueue(self, src, dst, sizes, direction, stream, held, summary)
         return chosen.name
 

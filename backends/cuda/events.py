@@ -144,12 +144,12 @@ def _destroy(driver: Driver, context: int, owned: list, pid: int) -> None:
         return
     (handle,) = owned
     poster = driver.poster
-    if poster is not None and poster.streams:  # after the posted calls that may name it
+    if poster is not None and poster.streams and poster.context == context:  # after the posted calls naming it
         try:
             poster.call(DESTROY, 0, poster.destroy_fn, handle)
             return
-        except RuntimeError:  # closed meanwhile: every posted call was made
-            pass
+        except RuntimeError:  # closing: once what was posted is made, directly
+            poster.drain()
     driver.in_context(context, driver.event_destroy, handle)
 
 

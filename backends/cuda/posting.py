@@ -31,6 +31,7 @@ import atexit
 import ctypes
 import os
 import weakref
+from contextlib import contextmanager
 
 from offload_core.backends.cuda.driver import CudaDriverError, Driver
 from offload_core.errors import ConfigError
@@ -96,7 +97,7 @@ class Poster:
         self._native = compiled.Poster(
             address(driver.ctx_push_current), address(driver.ctx_pop_current), context, CAPACITY
         )
-        self._driver = driver
+        self._driver, self.context = driver, context
         self._pid = os.getpid()
         self.streams: set[int] = set()  # handles of the adopted streams
         self.record_fn = address(driver.event_record)
@@ -117,6 +118,22 @@ class Poster:
     def owns(self, handle) -> bool:
         """Whether calls on the stream of `handle` are posted (never in a forked child)."""
         return handle in self.streams and os.getpid() == self._pid
+
+    @contextmanager
+    def suspended(self, handle):
+        """Every call on the stream of `handle` made directly for the block's length, once what
+        was posted was made: for enqueues that mix driver calls with torch's or Triton's (the
+        batch mechanisms), which must not be split between two threads. Call under the
+        backend's enqueue lock (the stream is enqueued on by one thread)."""
+        if handle not in self.streams:
+            yield
+            return
+        self.drain()
+        self.streams.discard(handle)
+        try:
+            yield
+        finally:
+            self.streams.add(handle)
 
     def call(self, what: int, stream: int, fn: int, *args) -> int:
         """Post ``fn(*args)`` on `stream`'s behalf; returns its ticket."""
@@ -148,10 +165,16 @@ class Poster:
 
     def failure(self, lo: int, hi: int) -> CudaDriverError | None:
         """The error of a posted call logged at a ticket in ``[lo, hi]``, or None."""
+        if os.getpid() != self._pid:
+            return None
         found = self._native.failure(lo, hi)
         if found is None:
             return None
         _, what, code = found
+        if code == -1:
+            return CudaDriverError(
+                "a driver call failed on the posting thread (its record was dropped from the log)", 0
+            )
         name = NAMES[what] if 0 <= what < len(NAMES) else NAMES[0]
         return CudaDriverError(f"{name} failed on the posting thread: {self._driver.error_name(code)}", code)
 
@@ -161,9 +184,11 @@ class Poster:
         return self._native.state()
 
     def close(self) -> None:
-        """Make every posted call, then stop the thread; later calls go on the Python thread."""
+        """Make every posted call, then stop the thread; later calls go on the Python thread
+        (posting meanwhile raises: the order of a stream's calls cannot be kept)."""
+        if os.getpid() == self._pid:
+            self._native.close()
         self.streams = set()
-        self._native.close()
 
 
 @atexit.register
