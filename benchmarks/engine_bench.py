@@ -6,7 +6,8 @@ clock from the first submit to the last completion is compared with the link's l
 measured in the same run (the best of several single pinned copies of the same bytes, each
 way). Reported per shape and mechanism: the ratio to the limit, median and p99 host time of
 a submit (specs built from id arrays included), jobs per launch and the host time launches
-took per job (compact jobs, enqueued by the submit, `wait` or the queue's launcher), device memory the backend allocated beyond
+took per job (compact jobs, enqueued by the submit, `wait` or the queue's launcher), how much of the
+wall time the copy stream was busy (each launch's start to end event), device memory the backend allocated beyond
 the KV cache, and whether the last job's bytes arrived. On `cuda`, every mechanism is also
 forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
 
@@ -95,6 +96,9 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
                     out[f"{direction}_jobs_per_launch"] = jobs / max(1, worker.stats()[direction].launches - launches)
                     out[f"{direction}_launch_us_per_job"] = (worker.stats()[direction].launch_s - launch_s) / jobs * 1e6
                     out[f"{direction}_mechanisms"] = sorted({r.mechanism for r in results})
+                    # the copy stream's busy time (each launch's start to end event) over the wall
+                    # time: near 1, the device bounds the jobs; lower, the host leaves it waiting
+                    out[f"{direction}_device_busy"] = sum(r.transfer_time for r in results) / wall
                     # the last job's bytes: host rows after the stores, device pages after the loads
                     last_dev, last_host = specs[-1]
                     host_rows = torch.stack([h[last_host] for h in worker.host_tensors]).to(device)
@@ -229,6 +233,7 @@ def main() -> None:
                     f"+{row['device_bytes_beyond_kv'] / 2**20:.0f} MiB device; jobs per launch "
                     f"{row['store_jobs_per_launch']:.1f} / {row['load_jobs_per_launch']:.1f} (launch "
                     f"{row['store_launch_us_per_job']:.0f} / {row['load_launch_us_per_job']:.0f} us per job); "
+                    f"stream busy {row['store_device_busy']:.2f} / {row['load_device_busy']:.2f}; "
                     f"{'+'.join(row['store_mechanisms'])} / {'+'.join(row['load_mechanisms'])}; verified {row['verified']}",
                     flush=True,
                 )
