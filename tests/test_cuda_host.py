@@ -1336,7 +1336,11 @@ def test_staging_halves_hand_over_through_driver_markers(monkeypatch, direction)
         def wait_event(self, event):
             event.wait(self)
 
+    import torch
+
     monkeypatch.setattr(FakeCudaRuntime, "ExternalStream", lambda self, handle, device=None: Stream(handle))
+    # staging is allocated under torch's stream context, which a CUDA build of torch would apply
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     lib = FakeLib()
     backend = host_only_backend(monkeypatch, lib)
     monkeypatch.setattr(kernels, "expand", lambda *args, **kwargs: lib.calls.append(("kernel",)))
