@@ -379,11 +379,15 @@ def test_raw_launches_pass_the_parameters_triton_compiled_and_refuse_what_they_c
     assert comparable(lib.calls) == [("launch", 9, 128, 0, stream.cuda_stream, *want, 0)]
 
 
-def test_posting_is_off_where_the_environment_says_so_and_a_bad_value_is_named(monkeypatch):
+def test_posting_is_off_unless_the_environment_asks_and_a_bad_value_is_named(monkeypatch):
     from offload_core.errors import ConfigError
 
+    monkeypatch.delenv(posting.ENV_POSTED, raising=False)
+    assert posting.make(drv.Driver(LaunchingLib()), 0xC0) is None
     monkeypatch.setenv(posting.ENV_POSTED, "0")
     assert posting.make(drv.Driver(LaunchingLib()), 0xC0) is None
+    monkeypatch.setenv(posting.ENV_POSTED, "1")
+    assert posting.make(drv.Driver(LaunchingLib()), 0xC0) is not None
     monkeypatch.setenv(posting.ENV_POSTED, "yes")
     with pytest.raises(ConfigError, match="OFFLOAD_CORE_CUDA_POSTED must be 0 .* or 1, got 'yes'"):
         posting.make(drv.Driver(LaunchingLib()), 0xC0)
