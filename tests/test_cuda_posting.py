@@ -318,9 +318,9 @@ def test_a_queue_reports_a_failed_posted_launch_as_failed_jobs_and_goes_on(monke
     assert [(r.job_id, r.success) for r in results] == [(1, False), (2, True)]
 
 
-def test_an_unpostable_enqueue_on_an_adopted_stream_comes_after_the_posted_calls(monkeypatch):
-    """`enqueue_with` (another mechanism's copies) on a stream with posted calls waits until they
-    were made: its copies follow them on the stream."""
+def held_poster(monkeypatch):
+    """A posting backend, a stream it adopted, and its poster thread held inside a call until
+    ``hold`` is set (``blocker``, the C callback, must live as long)."""
     lib = LaunchingLib()
     backend = posted_backend(monkeypatch, lib, True)
     stream = backend.new_stream()
@@ -328,6 +328,14 @@ def test_an_unpostable_enqueue_on_an_adopted_stream_comes_after_the_posted_calls
     hold = threading.Event()
     blocker = drv.EVENT_CALL(lambda _: hold.wait(10) and 0)
     backend._poster.call(posting.CALL, stream.cuda_stream, drv.Driver.address(blocker), 0)
+    return SimpleNamespace(lib=lib, backend=backend, stream=stream, hold=hold, blocker=blocker)
+
+
+def test_an_unpostable_enqueue_on_an_adopted_stream_comes_after_the_posted_calls(monkeypatch):
+    """`enqueue_with` (another mechanism's copies) on a stream with posted calls waits until they
+    were made: its copies follow them on the stream."""
+    held = held_poster(monkeypatch)
+    lib, backend, stream, hold = held.lib, held.backend, held.stream, held.hold
     marker = backend.new_event()
     marker.record(stream)
     threading.Timer(0.2, hold.set).start()
@@ -396,13 +404,8 @@ def test_posting_is_off_unless_the_environment_asks_and_a_bad_value_is_named(mon
 def test_an_event_collected_with_posted_calls_pending_is_destroyed_after_them(monkeypatch):
     import gc
 
-    lib = LaunchingLib()
-    backend = posted_backend(monkeypatch, lib, True)
-    stream = backend.new_stream()
-    backend._poster.adopt(stream)
-    hold = threading.Event()
-    blocker = drv.EVENT_CALL(lambda _: hold.wait(10) and 0)
-    backend._poster.call(posting.CALL, stream.cuda_stream, drv.Driver.address(blocker), 0)
+    held = held_poster(monkeypatch)
+    lib, backend, stream, hold = held.lib, held.backend, held.stream, held.hold
     event = backend.new_event()
     handle = event.handle
     event.record(stream)
