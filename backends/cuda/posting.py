@@ -22,12 +22,9 @@ What the Python side must keep to:
   it has passed, which, with tickets, includes having been issued.
 
 Off unless ``OFFLOAD_CORE_CUDA_POSTED=1`` (it needs the compiled extension, and is not built on
-Windows). The driver serializes the calls of one process, so while the poster thread makes a
-long one (a batch of a few hundred copies takes a few hundred microseconds) every other thread's
-driver call waits, the engine's kernel launches included: on the H200 a bf16 matmul loop ran
-6.8-6.9% slower beside posted stores against 0.0-0.7% without (docs/performance.md). What
-posting buys is the Python thread's time: launches of small-page jobs take a third to a half
-of the host time, and 1 KiB-page jobs ran 0.05-0.15 of the link faster.
+Windows): the driver serializes a process's calls, so while the poster thread is inside a long
+one (a batch of a few hundred copies) other threads' driver calls wait, most likely the engine's too.
+What that costs and buys is in docs/performance.md.
 """
 
 from __future__ import annotations
