@@ -94,6 +94,9 @@ def instrument(backend_name: str) -> None:
         ring.DescriptorRing._reserve = counted_reserve
         timed(kernels, "_launch", "launch: copy_blocks: kernel launch")
         timed(drv.Driver, "memcpy_batch_async", "launch: copy_blocks: cuMemcpyBatchAsync")
+        timed(blocks.ExpandStaged, "enqueue_job", "launch: copy_blocks: expand_staged pieces")
+        timed(blocks.BlockCopier, "expand", "launch: copy_blocks: table upload and kernel")
+        timed(events.DriverEvent, "wait", "event wait (a stream waits)")
         timed(events.DriverEvent, "record", "event record")
         timed(events.DriverEvent, "query", "event query")
         timed(events.RawStream, "wait_event", "stream wait_event")
