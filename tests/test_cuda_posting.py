@@ -214,6 +214,7 @@ def test_posted_calls_are_the_calls_the_python_thread_would_make_in_its_order(
     kinds = {c[0] for c in direct}
     assert {"launch", "memcpy", "record", "wait"} <= kinds and ("batch" in kinds) == (mechanism == "expand_staged")
     assert state["posted"] - before == len(direct) and state["issued"] == state["posted"]
+    assert launch.backend.posting_stats()["posted"] == state["posted"]
 
 
 def test_a_posted_events_ticket_decides_what_it_answers(monkeypatch):
@@ -392,6 +393,7 @@ def test_posting_is_off_unless_the_environment_asks_and_a_bad_value_is_named(mon
 
     monkeypatch.delenv(posting.ENV_POSTED, raising=False)
     assert posting.make(drv.Driver(LaunchingLib()), 0xC0) is None
+    assert host_only_backend(monkeypatch, LaunchingLib()).posting_stats() is None
     monkeypatch.setenv(posting.ENV_POSTED, "0")
     assert posting.make(drv.Driver(LaunchingLib()), 0xC0) is None
     monkeypatch.setenv(posting.ENV_POSTED, "1")

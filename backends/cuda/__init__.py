@@ -360,6 +360,13 @@ class CudaBackend(TorchDeviceBackend):
         top = int((host + sizes).max())
         return any(start <= lo and top <= end for start, end in ranges)
 
+    def posting_stats(self) -> dict | None:
+        """Counters of posted enqueues (`posting`), or None where posting is off: calls posted and
+        made, how often a launch waited for room in the poster's FIFO (``room_waits``, the
+        back-pressure of 4096 calls in flight), and how often a caller waited for a posted call
+        to be made (``issue_waits``: event waits and drains)."""
+        return None if self._poster is None else self._poster.state()
+
     def calibrate(self, save: bool = True) -> dict:
         """Measure this GPU's copy costs (a few seconds), use them, and save them as its
         profile (`calibration.calibrate`). Workers' launches on this backend wait meanwhile:
