@@ -208,13 +208,13 @@ def test_posted_calls_are_the_calls_the_python_thread_would_make_in_its_order(
     before = launch.poster.state()["posted"]
     used, posted = launch.run(posted=True)
     state = launch.poster.state()
+    assert launch.backend.posting_stats() == state
     used_direct, direct = launch.run(posted=False)
     assert used == used_direct == mechanism
     assert posted == direct
     kinds = {c[0] for c in direct}
     assert {"launch", "memcpy", "record", "wait"} <= kinds and ("batch" in kinds) == (mechanism == "expand_staged")
     assert state["posted"] - before == len(direct) and state["issued"] == state["posted"]
-    assert launch.backend.posting_stats()["posted"] == state["posted"]
 
 
 def test_a_posted_events_ticket_decides_what_it_answers(monkeypatch):
