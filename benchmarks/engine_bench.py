@@ -13,6 +13,7 @@ forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
 
     python benchmarks/engine_bench.py [--backend cuda] [--pages 256,1024,4096,32768]
         [--blocks-per-job 1,16,128 | --job-mib 256] [--layers 32 | --tensors 1] [--jobs 32] [--json FILE]
+        [--host-runs]
         [--interference]
 """
 
@@ -44,9 +45,10 @@ def _allocated(backend) -> int:
     return torch.cuda.memory_allocated(backend.device) if backend.device.type == "cuda" else 0
 
 
-def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int = 0) -> dict:
+def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int = 0, host_runs: bool = False) -> dict:
     """One page size and job size over `count` KV tensors on one backend: stores, then loads,
-    J jobs back to back."""
+    J jobs back to back. Host blocks are random, or with `host_runs` each job's a run of
+    consecutive blocks handed out backwards (as a free list, last freed first, gives them)."""
     # about 512 MiB of KV (at most 8192 blocks), and at least two jobs' worth
     blocks = max(2 * per_job, min(8192, (1 << 29) // (count * page)), 64)
     device = backend.device
@@ -61,7 +63,11 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
     # store into a host block, or load into a device block, that a job in flight still writes).
     dev_perm, host_perm = rng.permutation(blocks), rng.permutation(blocks)
     take = lambda perm, j: np.take(perm, np.arange(j * per_job, (j + 1) * per_job), mode="wrap")  # noqa: E731
-    specs = [(take(dev_perm, j), take(host_perm, j)) for j in range(jobs)]
+    if host_runs:
+        starts = rng.permutation(blocks // per_job) * per_job  # whole runs, none shared by two jobs
+        specs = [(take(dev_perm, j), starts[j % starts.size] + np.arange(per_job)[::-1]) for j in range(jobs)]
+    else:
+        specs = [(take(dev_perm, j), take(host_perm, j)) for j in range(jobs)]
     job_bytes = per_job * page * len(tensors)
     before = _allocated(backend)
     out = {"page": page, "blocks_per_job": per_job, "tensors": len(tensors), "job_bytes": job_bytes, "jobs": jobs}
@@ -183,6 +189,11 @@ def main() -> None:
         help="KV tensors, instead of 2 x layers (1: one tensor, pages scattered over host blocks)",
     )
     parser.add_argument("--job-mib", type=float, help="job size in MiB, instead of --blocks-per-job")
+    parser.add_argument(
+        "--host-runs",
+        action="store_true",
+        help="each job's host blocks one run of consecutive blocks, backwards (a free list's order), not random",
+    )
     parser.add_argument("--jobs", type=int, default=32, help="jobs back to back per direction (default: %(default)s)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument(
@@ -221,7 +232,7 @@ def main() -> None:
                 row = {
                     "backend": backend.name,
                     "mechanism": name,
-                    **run_shape(backend, page, per_job, count, args.jobs),
+                    **run_shape(backend, page, per_job, count, args.jobs, host_runs=args.host_runs),
                 }
                 rows.append(row)
                 print(

@@ -502,3 +502,59 @@ def test_empty_jobs_join_as_an_empty_job_of_no_group():
     whole = CompactJob.concat([empty, empty])
     assert not whole.simple and len(whole) == 0 and whole.groups == ()
     assert [a.size for a in layout.segments(whole)] == [0, 0, 0]
+
+
+def _copies(layout, job, row_base=None):
+    """A job's copies as a set of (device, host, size) rows: order aside."""
+    return sorted(zip(*(a.tolist() for a in layout.descriptors(job, row_base))))
+
+
+@given(
+    hosts=st.lists(st.integers(0, 63), min_size=1, max_size=40, unique=True),
+    direction=st.sampled_from(list(Direction)),
+    compiled=st.booleans(),
+)
+def test_a_job_in_host_order_makes_the_same_copies_in_no_more_runs(hosts, direction, compiled):
+    """`in_host_order` permutes a simple job's blocks (device and host id together): the same
+    copies to and from the host buffer, its staged run in no more segments, and where it sorts,
+    the host ids ascending."""
+    model = Model([16, 32], [[(0, 16), (1, 32)]], 1, 64, 64)  # whole 48-byte rows
+    layout = compact_layout(Planner(model.geometry), compiled)
+    job = layout.job(direction, DeviceBlocks(list(range(len(hosts)))), HostBlocks(hosts))
+    ordered = job.in_host_order()
+    assert _copies(layout, ordered) == _copies(layout, job)
+    assert (ordered.nbytes, ordered.items, ordered.groups) == (job.nbytes, job.items, job.groups)
+    assert layout.segments(ordered)[2].size <= layout.segments(job)[2].size
+    if ordered is not job:
+        assert (np.diff(ordered.host_ids) > 0).all()
+        assert layout.segments(ordered)[2].size < layout.segments(job)[2].size
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
+def test_host_blocks_handed_out_backwards_stage_as_one_copy(compiled):
+    """vLLM's CPU manager hands out fresh host blocks in order and reused ones off a free list,
+    last freed first: a run backwards. In host order it is one segment, not one per row."""
+    model = Model([16, 32], [[(0, 16), (1, 32)]], 1, 64, 64)
+    layout = compact_layout(Planner(model.geometry), compiled)
+    job = layout.job(Direction.STORE, DeviceBlocks([5, 9, 2, 30, 17, 11]), HostBlocks([25, 24, 23, 22, 21, 20]))
+    assert layout.segments(job)[2].size == 6
+    ordered = job.in_host_order()
+    assert ordered.host_ids.tolist() == [20, 21, 22, 23, 24, 25] and ordered.dev_ids.tolist() == [11, 17, 30, 2, 9, 5]
+    assert layout.segments(ordered)[2].tolist() == [6 * layout.row_bytes]
+    already = layout.job(Direction.STORE, DeviceBlocks([1, 2]), HostBlocks([7, 8]))
+    scattered = layout.job(Direction.STORE, DeviceBlocks([1, 2, 3]), HostBlocks([9, 3, 30]))
+    assert already.in_host_order() is already and scattered.in_host_order() is scattered  # nothing to join
+
+
+def test_only_simple_jobs_of_a_bounded_size_are_put_in_host_order(monkeypatch):
+    import offload_core.compact as compact
+
+    model = Model([16], [[(0, 16)]], 2, 64, 64)  # two blocks per chunk: not simple
+    layout = CompactLayout(Planner(model.geometry))
+    job = layout.job(Direction.STORE, DeviceBlocks([1, 2, 3, 4]), HostBlocks([9, 8]))
+    assert not job.simple and job.in_host_order() is job
+    model = Model([16], [[(0, 16)]], 1, 64, 64)
+    layout = CompactLayout(Planner(model.geometry))
+    job = layout.job(Direction.STORE, DeviceBlocks([1, 2, 3]), HostBlocks([9, 8, 7]))
+    monkeypatch.setattr(compact, "SORTED_BLOCKS", 2)
+    assert job.in_host_order() is job

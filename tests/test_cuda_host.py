@@ -1210,13 +1210,16 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
         assert launched and set(launched) <= warmed, "a job's launch that prepare did not warm up"
 
 
-@pytest.mark.parametrize("bpc", [1, 2], ids=["simple", "chunks of two"])
+@pytest.mark.parametrize(
+    "bpc, backwards", [(1, False), (2, False), (1, True)], ids=["simple", "chunks of two", "simple, rows backwards"]
+)
 @pytest.mark.parametrize("direction", list(Direction))
-def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, direction):
+def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, backwards, direction):
     """`expand_staged` over halves of three host rows: the job goes in pieces, segments of
     consecutive host rows are cut at the pieces' edges, and the halves alternate. The kernel
     and the batch call run at once, on the CPU (the kernel as `kernel_reading` reads its table),
-    over a model's real memory: the bytes must be the reference model's."""
+    over a model's real memory: the bytes must be the reference model's. Host rows in runs
+    backwards go in host order (`CompactJob.in_host_order`), as `BlockCopier.copy` sends them."""
     from test_plan import Model
 
     from offload_core import DeviceBlocks, HostBlocks, Planner
@@ -1276,10 +1279,15 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
     )
     prepared = host_prepared(layout)
     hosts = [3, 4, 5, 6, 7, 20, 21, 9] if bpc == 1 else [3, 4, 5, 6, 20]  # runs of rows across the cuts
+    if backwards:
+        hosts = [7, 6, 5, 4, 3, 21, 20, 9]
     dev_ids = [5, 9, 2, 30, 17, 11, 0, 22] if bpc == 1 else [5, 9, 2, 30, 17, 11, 0, 22, 13]
     device, host = DeviceBlocks(dev_ids, block_indices=[bpc - 1]), HostBlocks(hosts)
     job = layout.job(direction, device, host)
     assert job.simple == (bpc == 1)
+    if backwards:
+        job = job.in_host_order()
+        assert job.host_ids.tolist() == sorted(hosts) and layout.segments(job)[2].size == 3
     want_dev, want_host = model.expected(direction, device, host)
     cuda_blocks.EXPAND_STAGED.enqueue_job(copier, job, prepared, layout.segments(job), stream, [], [])
     assert len(pieces) == -(-len(hosts) // 3), "not cut into pieces of three rows"
