@@ -558,3 +558,23 @@ def test_only_simple_jobs_of_a_bounded_size_are_put_in_host_order(monkeypatch):
     job = layout.job(Direction.STORE, DeviceBlocks([1, 2, 3]), HostBlocks([9, 8, 7]))
     monkeypatch.setattr(compact, "SORTED_BLOCKS", 2)
     assert job.in_host_order() is job
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, (4 << 20) // 8 - 1, (4 << 20) // 8, (4 << 20) // 8 + 12345])
+def test_the_compiled_frozen_copy_is_tobytes(n):
+    """`_native.frozen` (large specs' private copy of their ids) gives what `tobytes` gives, at
+    sizes around the 4 MiB from which it asks for huge pages, from an offset view too."""
+    compiled = compiled_or_skip(True)
+    ids = np.random.default_rng(n).integers(-(1 << 62), 1 << 62, n + 3)
+    for array in (ids[:n], ids[3:]):
+        got = compiled.frozen(array)
+        assert type(got) is bytes and got == array.tobytes()
+
+
+def test_large_specs_keep_an_immutable_copy_of_their_ids():
+    ids = np.arange((4 << 20) // 8 + 1, dtype=np.int64)[::-1].copy()
+    spec = DeviceBlocks(ids)
+    ids[:] = -1  # the caller's array changes: the spec's ids do not
+    assert spec.block_ids[0] == ids.size - 1 and not spec.block_ids.flags.writeable
+    with pytest.raises(ValueError):
+        spec.block_ids.flags.writeable = True
