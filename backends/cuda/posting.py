@@ -180,10 +180,11 @@ class Poster:
         name = NAMES[what] if 0 <= what < len(NAMES) else NAMES[0]
         return CudaDriverError(f"{name} failed on the posting thread: {self._driver.error_name(code)}", code)
 
-    def state(self) -> dict:
+    def state(self) -> dict | None:
         """Counters: calls posted and issued, and how often a post waited for room
-        (``room_waits``, back-pressure) or a caller for a call to be issued (``issue_waits``)."""
-        return self._native.state()
+        (``room_waits``, back-pressure) or a caller for a call to be issued (``issue_waits``);
+        None in a forked child (no thread there, and its lock may have been held at the fork)."""
+        return self._native.state() if os.getpid() == self._pid else None
 
     def close(self) -> None:
         """Make every posted call, then stop the thread; later calls go on the Python thread
