@@ -364,7 +364,7 @@ class CudaBackend(TorchDeviceBackend):
         """Counters of posted enqueues (`posting`), or None where posting is off: calls posted and
         made, how often a launch waited for room in the poster's FIFO (``room_waits``, the
         back-pressure of 4096 calls in flight), and how often a caller waited for a posted call
-        to be made (``issue_waits``: event waits and drains)."""
+        to be made (``issue_waits``: event waits and drains). None in a forked child too."""
         return None if self._poster is None else self._poster.state()
 
     def calibrate(self, save: bool = True) -> dict:
