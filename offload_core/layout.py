@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from offload_core import native
-from offload_core.errors import InvalidSpecError
+from offload_core.errors import ConfigError, InvalidSpecError
 
 if TYPE_CHECKING:  # only needed for type names here
     import torch
@@ -318,10 +318,13 @@ def _frozen(array: np.ndarray) -> np.ndarray:
     (a read-only copy that owns its memory can be made writeable again, and a compact job
     reads its ids when it launches, after they were checked). Large ones through the compiled
     copy, which takes half the time (`_native.frozen`)."""
-    if array.nbytes >= _FROZEN_NATIVE_BYTES:
-        compiled = native.load()
+    if array.nbytes >= _FROZEN_NATIVE_BYTES and array.flags.c_contiguous:
+        try:
+            compiled = native.load()
+        except ConfigError:  # a malformed OFFLOAD_CORE_NATIVE is for the worker to name, not a spec
+            compiled = None
         if compiled is not None:
-            return np.frombuffer(compiled.frozen(np.ascontiguousarray(array)), dtype=array.dtype)
+            return np.frombuffer(compiled.frozen(array), dtype=array.dtype)
     return np.frombuffer(array.tobytes(), dtype=array.dtype)
 
 

@@ -578,3 +578,12 @@ def test_large_specs_keep_an_immutable_copy_of_their_ids():
     assert spec.block_ids[0] == ids.size - 1 and not spec.block_ids.flags.writeable
     with pytest.raises(ValueError):
         spec.block_ids.flags.writeable = True
+
+
+def test_a_large_spec_is_built_whatever_offload_core_native_says(monkeypatch):
+    """The compiled copy of a large spec's ids is an optimisation: a malformed setting is the
+    worker's to refuse (`ConfigError` where it builds its layout), not a spec's."""
+    monkeypatch.setenv("OFFLOAD_CORE_NATIVE", "yes")
+    ids = np.arange(1 << 19, dtype=np.int64)
+    np.testing.assert_array_equal(DeviceBlocks(ids).block_ids, ids)
+    np.testing.assert_array_equal(HostBlocks(ids[::2]).block_ids, ids[::2])  # not contiguous: tobytes
