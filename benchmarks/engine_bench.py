@@ -13,7 +13,7 @@ forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
 
     python benchmarks/engine_bench.py [--backend cuda] [--pages 256,1024,4096,32768]
         [--blocks-per-job 1,16,128 | --job-mib 256] [--layers 32 | --tensors 1] [--jobs 32] [--json FILE]
-        [--host-runs]
+        [--host-runs] [--no-host-order]
         [--interference]
 """
 
@@ -190,6 +190,11 @@ def main() -> None:
     )
     parser.add_argument("--job-mib", type=float, help="job size in MiB, instead of --blocks-per-job")
     parser.add_argument(
+        "--no-host-order",
+        action="store_true",
+        help="send launches in job order, not host-block order (what host order buys, measured against it)",
+    )
+    parser.add_argument(
         "--host-runs",
         action="store_true",
         help="each job's host blocks one run of consecutive blocks, backwards (a free list's order), not random",
@@ -202,6 +207,10 @@ def main() -> None:
         help="cuda: instead, the slowdown of a matmul loop while store jobs run, per shape and mechanism",
     )
     args = parser.parse_args()
+    if args.no_host_order:
+        from offload_core.compact import CompactJob
+
+        CompactJob.in_host_order = lambda self: self
     rows = []
     mechanisms = args.mechanisms.split(",") if args.mechanisms else None
     if args.interference:
