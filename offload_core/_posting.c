@@ -267,6 +267,14 @@ static uint64_t append(Poster *p, const Op *op) {
     return t;
 }
 
+/* A zeroed op of `kind`, named by the int `what`; -1 with an exception where it is not an int. */
+static int start_op(Op *op, int kind, PyObject *what) {
+    memset(op, 0, sizeof *op);
+    op->kind = kind;
+    op->what = (int)PyLong_AsLong(what);
+    return op->what == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 PyDoc_STRVAR(call_doc, "call(what, stream, fn, *args) -> ticket\n\n"
                        "Post `fn(*args)` (the C function at address `fn`; at most 11 int arguments, passed\n"
                        "as 64-bit words; None for 0), on `stream` (its handle, for failures' attribution).\n"
@@ -278,10 +286,7 @@ static PyObject *Poster_call(Poster *p, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Op op;
-    memset(&op, 0, sizeof op);
-    op.kind = OP_CALL;
-    op.what = (int)PyLong_AsLong(args[0]);
-    if (op.what == -1 && PyErr_Occurred()) return NULL;
+    if (start_op(&op, OP_CALL, args[0]) < 0) return NULL;
     int bad = 0;
     op.stream = as_u64(args[1], &bad);
     if (bad || (op.fn = as_address(args[2], "fn")) == NULL) return NULL;
@@ -302,10 +307,7 @@ static PyObject *Poster_launch(Poster *p, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     Op op;
-    memset(&op, 0, sizeof op);
-    op.kind = OP_LAUNCH;
-    op.what = (int)PyLong_AsLong(args[0]);
-    if (op.what == -1 && PyErr_Occurred()) return NULL;
+    if (start_op(&op, OP_LAUNCH, args[0]) < 0) return NULL;
     if ((op.fn = as_address(args[1], "fn")) == NULL) return NULL;
     int bad = 0;
     op.a[0] = as_u64(args[2], &bad);

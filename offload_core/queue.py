@@ -507,7 +507,8 @@ class TransferQueue:
         t0 = time.perf_counter()
         with self._lock:
             start, end = self._event(), self._event()
-        job = CompactJob.concat([p.job for p in batch])
+        # in host-block order where that joins host rows: copies within a launch run in any order
+        job = CompactJob.concat([p.job for p in batch]).in_host_order()
         stream = self._stream
         after = _after(batch)
         failed = None

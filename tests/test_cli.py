@@ -34,6 +34,13 @@ class Lossy(FakeBackend):
         self.complete_all()
 
 
+def unavailable(name: str, reason: str, **attributes) -> type:
+    """A backend named `name` whose probe says `reason` (plus any class attributes)."""
+    return type(
+        name.capitalize(), (FakeBackend,), {"name": name, "probe": classmethod(lambda cls: reason), **attributes}
+    )
+
+
 @pytest.fixture
 def lossy():
     with restored_registry():
@@ -59,16 +66,10 @@ def test_backends_says_how_it_selected_and_whether_the_compiled_steps_were_built
 
 @pytest.mark.parametrize("value", ["bogus", "unusable"])
 def test_backends_fails_where_the_environment_selects_nothing_usable(capsys, monkeypatch, value):
-    class Unusable(FakeBackend):
-        name = "unusable"
-        install_hint = "pip install unusable-sdk"
-
-        @classmethod
-        def probe(cls):
-            return "no unusable device here"
-
     with restored_registry():
-        registry.register_backend("unusable", Unusable)
+        registry.register_backend(
+            "unusable", unavailable("unusable", "no unusable device here", install_hint="pip install unusable-sdk")
+        )
         monkeypatch.setenv("OFFLOAD_CORE_BACKEND", value)
         assert main(["backends"]) == 1
         err = capsys.readouterr().err
@@ -456,14 +457,7 @@ def test_backends_prints_a_reason_as_it_is(capsys, monkeypatch):
     """A probe's reason is text: brackets and colons in it are not markup or emoji."""
     monkeypatch.setenv("COLUMNS", "400")  # one line per row
 
-    class Odd(FakeBackend):
-        name = "odd"
-
-        @classmethod
-        def probe(cls):
-            return "cannot import pkg.x:X: [bold]no[/bold] :x:"
-
     with restored_registry():
-        registry.register_backend("odd", Odd)
+        registry.register_backend("odd", unavailable("odd", "cannot import pkg.x:X: [bold]no[/bold] :x:"))
         main(["backends"])
     assert "cannot import pkg.x:X: [bold]no[/bold] :x:" in capsys.readouterr().out

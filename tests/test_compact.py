@@ -546,18 +546,21 @@ def test_host_blocks_handed_out_backwards_stage_as_one_copy(compiled):
     assert already.in_host_order() is already and scattered.in_host_order() is scattered  # nothing to join
 
 
-def test_only_simple_jobs_of_a_bounded_size_are_put_in_host_order(monkeypatch):
-    import offload_core.compact as compact
+def test_only_simple_jobs_of_a_bounded_size_are_put_in_host_order():
+    from offload_core.compact import SORTED_BLOCKS
 
     model = Model([16], [[(0, 16)]], 2, 64, 64)  # two blocks per chunk: not simple
     layout = CompactLayout(Planner(model.geometry))
     job = layout.job(Direction.STORE, DeviceBlocks([1, 2, 3, 4]), HostBlocks([9, 8]))
     assert not job.simple and job.in_host_order() is job
-    model = Model([16], [[(0, 16)]], 1, 64, 64)
+    n = SORTED_BLOCKS + 1
+    model = Model([16], [[(0, 16)]], 1, n, n)
     layout = CompactLayout(Planner(model.geometry))
-    job = layout.job(Direction.STORE, DeviceBlocks([1, 2, 3]), HostBlocks([9, 8, 7]))
-    monkeypatch.setattr(compact, "SORTED_BLOCKS", 2)
-    assert job.in_host_order() is job
+    backwards = np.arange(n)[::-1]
+    job = layout.job(Direction.STORE, DeviceBlocks(np.arange(n)), HostBlocks(backwards))
+    assert job.in_host_order() is job  # one more than is sorted
+    shorter = layout.job(Direction.STORE, DeviceBlocks(np.arange(n - 1)), HostBlocks(backwards[1:]))
+    assert shorter.in_host_order().host_ids.tolist() == list(range(n - 1))
 
 
 @pytest.mark.parametrize("n", [0, 1, 17, (4 << 20) // 8 - 1, (4 << 20) // 8, (4 << 20) // 8 + 12345])

@@ -1219,7 +1219,7 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
     consecutive host rows are cut at the pieces' edges, and the halves alternate. The kernel
     and the batch call run at once, on the CPU (the kernel as `kernel_reading` reads its table),
     over a model's real memory: the bytes must be the reference model's. Host rows in runs
-    backwards go in host order (`CompactJob.in_host_order`), as `BlockCopier.copy` sends them."""
+    backwards go in host order (`CompactJob.in_host_order`), as the queue's launch sends them."""
     from test_plan import Model
 
     from offload_core import DeviceBlocks, HostBlocks, Planner

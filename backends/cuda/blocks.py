@@ -151,7 +151,6 @@ class BlockCopier:
     ) -> str:
         """Enqueue `job` on `stream` (the queue's, which waits for `after` already: the compute
         streams' events) by `forced`, or by what `choose` picks; returns the mechanism used."""
-        job = job.in_host_order()  # host blocks handed out in runs, in any order, merge into fewer copies
         mechanism = forced or self.choose(job, prepared)
         segments = prepared.layout.segments(job) if mechanism.needs_segments else None
         mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)

@@ -43,7 +43,6 @@ class ExpandingCpuBackend(CpuBackend):
         self.jobs += 1
         for event in after:
             stream.wait_event(event)
-        job = job.in_host_order()  # as the cuda backend sends launches: every backend test covers it
         staging = (
             np.full(max(1, job.host_ids.size * job.layout.row_bytes), POISON, dtype=np.uint8) if self.staged else None
         )
