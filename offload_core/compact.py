@@ -55,9 +55,11 @@ class CompactJob:
         items: copies the job expands to (blocks times their group's entries).
         simple: one group, one block per chunk, block ``i`` in chunk ``i``: `dev_ids` and
             `host_ids` say everything, and `blocks` is built only when asked for.
+        jobs: how many submitted jobs this one joins (`concat`), for a backend that sizes its
+            launch by the jobs' size (1 for a job as submitted).
     """
 
-    __slots__ = ("layout", "direction", "dev_ids", "host_ids", "groups", "nbytes", "items", "_blocks")
+    __slots__ = ("layout", "direction", "dev_ids", "host_ids", "groups", "nbytes", "items", "_blocks", "jobs")
 
     def __init__(
         self,
@@ -69,11 +71,13 @@ class CompactJob:
         nbytes: int,
         items: int,
         dev_ids: np.ndarray | None = None,
+        jobs: int = 1,
     ):
         self.layout, self.direction, self.host_ids = layout, direction, host_ids
         self.groups, self.nbytes, self.items = groups, nbytes, items
         self._blocks = blocks
         self.dev_ids = blocks[0] if dev_ids is None else dev_ids
+        self.jobs = jobs
 
     @property
     def simple(self) -> bool:
@@ -128,7 +132,15 @@ class CompactJob:
         if _runs(ordered, compiled) >= _runs(hosts, compiled):
             return self
         return CompactJob(
-            self.layout, self.direction, None, ordered, self.groups, self.nbytes, self.items, self.dev_ids[order]
+            self.layout,
+            self.direction,
+            None,
+            ordered,
+            self.groups,
+            self.nbytes,
+            self.items,
+            self.dev_ids[order],
+            self.jobs,
         )
 
     @staticmethod
@@ -138,14 +150,14 @@ class CompactJob:
         if len(jobs) == 1:
             return jobs[0]
         first = jobs[0]
-        nbytes, items = sum(j.nbytes for j in jobs), sum(j.items for j in jobs)
+        nbytes, items, count = sum(j.nbytes for j in jobs), sum(j.items for j in jobs), sum(j.jobs for j in jobs)
         simple = [j._blocks is None for j in jobs]
         empty = [not (len(j) or j.host_ids.size) for j in jobs]  # never simple, and they add nothing
         if any(simple) and all(s or e for s, e in zip(simple, empty)):
             dev_ids = np.concatenate([j.dev_ids for j in jobs])
             host_ids = np.concatenate([j.host_ids for j in jobs])
             groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
-            return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids)
+            return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
         lengths = [len(j) for j in jobs]
         block_offsets = list(accumulate(lengths, initial=0))
         chunk_offsets = list(accumulate((j.host_ids.size for j in jobs), initial=0))
@@ -163,7 +175,7 @@ class CompactJob:
             for j, ob, oc in zip(jobs, block_offsets, chunk_offsets)
             for g, b0, b1, c0, c1, skip in j.groups
         )
-        return CompactJob(first.layout, first.direction, blocks, host_ids, groups, nbytes, items)
+        return CompactJob(first.layout, first.direction, blocks, host_ids, groups, nbytes, items, jobs=count)
 
 
 class CompactLayout:

@@ -464,6 +464,7 @@ def test_jobs_concatenated_expand_to_their_copies_in_order(compiled, bpc, sizes,
     for got, expected in zip(layout.descriptors(whole), want):
         np.testing.assert_array_equal(got, expected)
     assert (whole.nbytes, whole.items) == (sum(j.nbytes for j in jobs), sum(j.items for j in jobs))
+    assert whole.jobs == len(jobs) and CompactJob.concat([whole, jobs[0]]).jobs == len(jobs) + 1
     _, _, sizes = layout.segments(whole)  # a launch's summary is of concatenated jobs
     assert layout.segment_summary(whole, 24) == (sizes.size, int(sizes[sizes <= 24].sum()))
 
@@ -523,7 +524,7 @@ def test_a_job_in_host_order_makes_the_same_copies_in_no_more_runs(hosts, direct
     job = layout.job(direction, DeviceBlocks(list(range(len(hosts)))), HostBlocks(hosts))
     ordered = job.in_host_order()
     assert _copies(layout, ordered) == _copies(layout, job)
-    assert (ordered.nbytes, ordered.items, ordered.groups) == (job.nbytes, job.items, job.groups)
+    assert (ordered.nbytes, ordered.items, ordered.groups, ordered.jobs) == (job.nbytes, job.items, job.groups, 1)
     assert layout.segments(ordered)[2].size <= layout.segments(job)[2].size
     if ordered is not job:
         assert (np.diff(ordered.host_ids) > 0).all()

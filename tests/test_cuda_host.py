@@ -793,7 +793,7 @@ def test_compact_stores_go_straight_to_host_rows_where_the_batch_call_would_bind
 
     def choice(row_bytes, rows, direction=Direction.STORE, merged=0):
         # `merged` pairs of neighbouring rows: one segment each
-        job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=rows * row_bytes)
+        job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=rows * row_bytes, jobs=1)
         layout = SimpleNamespace(row_bytes=row_bytes, segment_summary=lambda job, limit: (rows - merged, 0))
         return copier.choose(job, SimpleNamespace(layout=layout))
 
@@ -803,6 +803,60 @@ def test_compact_stores_go_straight_to_host_rows_where_the_batch_call_would_bind
     assert choice(262144, 16) is EXPAND_STAGED
     copier.direct_ok = lambda prepared: False  # host rows the kernel cannot address
     assert choice(16384, 256) is EXPAND_STAGED
+
+
+def _copier(penalty=2.0, given=None):
+    from offload_core.backends.cuda.blocks import BlockCopier
+
+    programs = {Direction.STORE: given or 8, Direction.LOAD: given or 32}
+    backend = SimpleNamespace(
+        cost=CostModel(sm_penalty=penalty), sm_programs=programs, programs_given=given is not None
+    )
+    copier = BlockCopier(backend, 24 << 20)
+    copier.direct_ok = lambda prepared: True
+    return copier
+
+
+def _launch(direction, job_bytes, jobs, row_bytes=65536):
+    # a launch of `jobs` jobs of `job_bytes`, 1 KiB pages over 64 tensors (64 KiB host rows)
+    rows = job_bytes * jobs // row_bytes
+    job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=job_bytes * jobs, jobs=jobs)
+    layout = SimpleNamespace(row_bytes=row_bytes, segment_summary=lambda job, limit: (rows, 0))
+    return job, SimpleNamespace(layout=layout)
+
+
+@pytest.mark.parametrize(
+    "job_bytes, jobs, expected",
+    [
+        (1 << 20, 14, "expand_direct"),  # 1 KiB x 16 blocks: bound by the host's time per job
+        (256 << 10, 1, "expand_direct"),
+        ((1 << 20) + 65536, 14, "expand_staged"),  # larger: the cost model's choice
+        (4 << 20, 14, "expand_staged"),
+    ],
+)
+def test_small_stores_go_straight_to_host_rows_larger_ones_by_the_cost_model(job_bytes, jobs, expected):
+    copier = _copier()
+    assert copier.choose(*_launch(Direction.STORE, job_bytes, jobs)).name == expected
+    assert copier.choose(*_launch(Direction.LOAD, job_bytes, jobs)).name == "expand_staged"  # loads: the cost model's
+
+
+def test_small_stores_stay_staged_where_the_engine_spares_the_sms_or_the_kernel_cannot_reach_the_rows():
+    assert _copier(penalty=3.0).choose(*_launch(Direction.STORE, 1 << 20, 14)).name == "expand_staged"
+    copier = _copier()
+    copier.direct_ok = lambda prepared: False
+    assert copier.choose(*_launch(Direction.STORE, 1 << 20, 14)).name == "expand_staged"
+
+
+@pytest.mark.parametrize(
+    "job_bytes, jobs, store_programs",
+    [(1 << 20, 14, 2), (256 << 10, 1, 2), ((1 << 20) + 1, 3, 3), (2 << 20, 8, 4), (4 << 20, 14, 8), (256 << 20, 1, 8)],
+)
+def test_direct_stores_take_programs_by_their_jobs_size_and_loads_the_backends(job_bytes, jobs, store_programs):
+    copier = _copier()
+    assert copier.direct_programs(_launch(Direction.STORE, job_bytes, jobs)[0]) == store_programs
+    assert copier.direct_programs(_launch(Direction.LOAD, job_bytes, jobs)[0]) == 32
+    given = _copier(given=12)  # set by the engine: taken as it is
+    assert given.direct_programs(_launch(Direction.STORE, job_bytes, jobs)[0]) == 12
 
 
 @pytest.fixture(params=[True, False], ids=["compiled", "ctypes"])
@@ -1027,11 +1081,13 @@ def test_kernels_that_copy_across_the_link_get_the_programs_of_their_direction(m
 
 
 def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
+    from offload_core.backends.cuda.blocks import BlockCopier
     from offload_core.backends.cuda.mechanisms import TABLE
 
     class Job:
         host_ids = np.array([3, 1])
         blocks = np.zeros((5, 2), dtype=np.int64)
+        nbytes, jobs = 16 << 20, 2  # 8 MiB jobs: all of a store's programs
 
         def __init__(self, direction):
             self.direction = direction
@@ -1040,11 +1096,9 @@ def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
             return 2
 
     expanded = []
-    copier = SimpleNamespace(
-        backend=host_only_backend(monkeypatch, FakeLib()),
-        expand=lambda job, prepared, b0, b1, stream, held, programs, stage=None: expanded.append(
-            (b0, b1, programs, stage)
-        ),
+    copier = BlockCopier(host_only_backend(monkeypatch, FakeLib()), 24 << 20)
+    copier.expand = lambda job, prepared, b0, b1, stream, held, programs, stage=None: expanded.append(
+        (b0, b1, programs, stage)
     )
     prepared = SimpleNamespace(layout=SimpleNamespace(host_base=1000, row_bytes=10))
     for direction in (Direction.STORE, Direction.LOAD):

@@ -137,6 +137,7 @@ class CudaBackend(TorchDeviceBackend):
         self.driver = driver if driver is not None else Driver.load()
         programs = _setting(ENV_SM_PROGRAMS, None, given=max_programs, argument="max_programs")
         self.sm_programs = {d: programs or SM_PROGRAMS[d] for d in Direction}
+        self.programs_given = programs is not None  # else expand_direct sizes its stores' programs by their jobs
         self.staging_bytes = _setting(
             ENV_STAGING_MB, 24 << 20, given=staging_bytes, argument="staging_bytes", scale=1 << 20
         )

@@ -40,6 +40,14 @@ from offload_core.compact import CompactJob, CompactLayout
 # hides behind the link (16 KiB on the H200), so staging always wins. Twice: rows of exactly
 # this size, a few of them neighbours (merged into one segment), must not flip the choice.
 SEGMENT_BYTES = 16384
+# Stores whose jobs average at most this are bound by the host's time per job (on the H200's
+# host about 30 us or more against the link's 19 us for 1 MiB), which `expand_direct` keeps
+# least: no batched copy per host row, no staging pieces. Such stores go there on few programs
+# (`direct_programs`): two of them keep up with that host and hold 2 of the H200's 132 SMs.
+HOST_BOUND_STORE_BYTES = 1 << 20
+STORE_BYTES_PER_PROGRAM = 512 << 10  # expand_direct's store programs: one per this much of a job
+MIN_STORE_PROGRAMS = 2
+DEFAULT_SM_PENALTY = 2.0  # the cost model's; an engine that raises it asks auto to spare the SMs
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
 
 
@@ -123,13 +131,22 @@ class BlockCopier:
         return prepared.direct_ok
 
     def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
-        """What the cost model (`select.CostModel.estimate_job`) finds cheaper: ``expand_staged``,
-        or ``expand_direct`` where the host rows are addressable and the segments too small
-        for the copy engines, or, on loads, mostly small enough that the batch call moves them
-        through the CPU (ties go to staging, which leaves the SMs alone). Where a host row does
-        not fit a staging half: ``expand_direct`` if it is addressable and cheaper, else
-        ``ce_batch`` (host-expanded)."""
+        """``expand_direct`` for stores of small jobs (`HOST_BOUND_STORE_BYTES` on average)
+        where the host rows are addressable and the cost model's SM penalty is not raised above
+        its default. Otherwise what the cost model (`select.CostModel.estimate_job`) finds
+        cheaper: ``expand_staged``, or ``expand_direct`` where the host rows are addressable
+        and the segments too small for the copy engines, or, on loads, mostly small enough
+        that the batch call moves them through the CPU (ties go to staging, which leaves the
+        SMs alone). Where a host row does not fit a staging half: ``expand_direct`` if it is
+        addressable and cheaper, else ``ce_batch`` (host-expanded)."""
         cost, d = self.backend.cost, job.direction.value
+        if (
+            job.direction is Direction.STORE
+            and job.nbytes <= HOST_BOUND_STORE_BYTES * job.jobs
+            and cost.sm_penalty <= DEFAULT_SM_PENALTY
+            and self.direct_ok(prepared)
+        ):
+            return EXPAND_DIRECT
         if prepared.layout.row_bytes > self.half_bytes:  # staging cannot hold a row
             if self.direct_ok(prepared) and (
                 cost.estimate_job("expand_direct", d, job.items, job.nbytes, 0)
@@ -145,6 +162,19 @@ class BlockCopier:
             if cost.estimate_job("expand_direct", d, job.items, job.nbytes, count) < 0.98 * staged:
                 return EXPAND_DIRECT
         return EXPAND_STAGED
+
+    def direct_programs(self, job: CompactJob) -> int:
+        """Programs of an ``expand_direct`` launch: for stores, one per `STORE_BYTES_PER_PROGRAM`
+        of its average job, from `MIN_STORE_PROGRAMS` up to the backend's (small jobs are bound
+        by the host, and each program holds an SM while its bytes cross the link); for loads,
+        and where programs were set (`max_programs`, ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the
+        backend's."""
+        b = self.backend
+        most = b.sm_programs[job.direction]
+        if job.direction is Direction.LOAD or b.programs_given:
+            return most
+        per_job = -(-job.nbytes // max(1, job.jobs))
+        return max(MIN_STORE_PROGRAMS, min(most, -(-per_job // STORE_BYTES_PER_PROGRAM)))
 
     def copy(
         self, job: CompactJob, prepared: Prepared, stream, after: list, held: list, forced: JobMechanism | None = None
@@ -254,8 +284,8 @@ class ExpandDirect(_Expansion):
         return "expand_direct needs host memory from alloc_host or pin_host_memory (device-addressable)"
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
-        # it holds its SMs while the bytes cross the link: as few as keep the link busy
-        copier.expand(job, prepared, 0, len(job), stream, held, copier.backend.sm_programs[job.direction])
+        # it holds its SMs while the bytes cross the link: as few as keep up
+        copier.expand(job, prepared, 0, len(job), stream, held, copier.direct_programs(job))
 
 
 class ExpandStaged(_Expansion):
