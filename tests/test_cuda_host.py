@@ -818,10 +818,10 @@ def _copier(penalty=2.0, given=None):
 
 
 def _launch(direction, job_bytes, jobs, row_bytes=65536):
-    # a launch of `jobs` jobs of `job_bytes`, 1 KiB pages over 64 tensors (64 KiB host rows)
+    # a launch of `jobs` jobs of `job_bytes`, pages of 1/64 of a row over 64 tensors (1 KiB by default)
     rows = job_bytes * jobs // row_bytes
-    job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=job_bytes * jobs, jobs=jobs)
-    layout = SimpleNamespace(row_bytes=row_bytes, segment_summary=lambda job, limit: (rows, 0))
+    layout = SimpleNamespace(row_bytes=row_bytes, largest=row_bytes // 64, segment_summary=lambda job, limit: (rows, 0))
+    job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=job_bytes * jobs, jobs=jobs, layout=layout)
     return job, SimpleNamespace(layout=layout)
 
 
@@ -857,6 +857,8 @@ def test_direct_stores_take_programs_by_their_jobs_size_and_loads_the_backends(j
     assert copier.direct_programs(_launch(Direction.LOAD, job_bytes, jobs)[0]) == 32
     given = _copier(given=12)  # set by the engine: taken as it is
     assert given.direct_programs(_launch(Direction.STORE, job_bytes, jobs)[0]) == 12
+    small_pages = _launch(Direction.STORE, job_bytes, jobs, row_bytes=64 * 512)[0]  # slower per program
+    assert copier.direct_programs(small_pages) == 8
 
 
 @pytest.fixture(params=[True, False], ids=["compiled", "ctypes"])
@@ -1088,6 +1090,7 @@ def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
         host_ids = np.array([3, 1])
         blocks = np.zeros((5, 2), dtype=np.int64)
         nbytes, jobs = 16 << 20, 2  # 8 MiB jobs: all of a store's programs
+        layout = SimpleNamespace(largest=4096)
 
         def __init__(self, direction):
             self.direction = direction

@@ -42,10 +42,14 @@ from offload_core.compact import CompactJob, CompactLayout
 SEGMENT_BYTES = 16384
 # Stores whose jobs average at most this are bound by the host's time per job (on the H200's
 # host about 30 us or more against the link's 19 us for 1 MiB), which `expand_direct` keeps
-# least: no batched copy per host row, no staging pieces. Such stores go there on few programs
-# (`direct_programs`): two of them keep up with that host and hold 2 of the H200's 132 SMs.
+# least: no batched copy per host row, no staging pieces. Such stores go there, and where their
+# pages are large enough, on few programs (`direct_programs`): two programs move about 36 GB/s
+# of 1 KiB pages, enough for that host, and hold 2 of the H200's 132 SMs. Smaller pages move
+# slower per program (on two, 1 MiB jobs of 256 B pages reached 0.34-0.38 of the link against
+# 0.57-0.58 on eight), so they keep the backend's programs.
 HOST_BOUND_STORE_BYTES = 1 << 20
-STORE_BYTES_PER_PROGRAM = 512 << 10  # expand_direct's store programs: one per this much of a job
+SIZED_STORE_PAGE = 1024  # the smallest entry whose stores `direct_programs` sizes by their jobs
+STORE_BYTES_PER_PROGRAM = 512 << 10  # then one program per this much of a job
 MIN_STORE_PROGRAMS = 2
 DEFAULT_SM_PENALTY = 2.0  # the cost model's; an engine that raises it asks auto to spare the SMs
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
@@ -164,14 +168,14 @@ class BlockCopier:
         return EXPAND_STAGED
 
     def direct_programs(self, job: CompactJob) -> int:
-        """Programs of an ``expand_direct`` launch: for stores, one per `STORE_BYTES_PER_PROGRAM`
-        of its average job, from `MIN_STORE_PROGRAMS` up to the backend's (small jobs are bound
-        by the host, and each program holds an SM while its bytes cross the link); for loads,
-        and where programs were set (`max_programs`, ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the
-        backend's."""
+        """Programs of an ``expand_direct`` launch: for stores of pages of `SIZED_STORE_PAGE`
+        and more, one per `STORE_BYTES_PER_PROGRAM` of its average job, from
+        `MIN_STORE_PROGRAMS` up to the backend's (small jobs are bound by the host, and each
+        program holds an SM while its bytes cross the link); otherwise, and where programs were
+        set (`max_programs`, ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the backend's."""
         b = self.backend
         most = b.sm_programs[job.direction]
-        if job.direction is Direction.LOAD or b.programs_given:
+        if job.direction is Direction.LOAD or b.programs_given or job.layout.largest < SIZED_STORE_PAGE:
             return most
         per_job = -(-job.nbytes // max(1, job.jobs))
         return max(MIN_STORE_PROGRAMS, min(most, -(-per_job // STORE_BYTES_PER_PROGRAM)))
