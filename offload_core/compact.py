@@ -55,8 +55,8 @@ class CompactJob:
         items: copies the job expands to (blocks times their group's entries).
         simple: one group, one block per chunk, block ``i`` in chunk ``i``: `dev_ids` and
             `host_ids` say everything, and `blocks` is built only when asked for.
-        jobs: how many submitted jobs this one joins (`concat`), for a backend that sizes its
-            launch by the jobs' size (1 for a job as submitted).
+        jobs: how many submitted jobs that move blocks this one joins (`concat`), for a
+            backend that sizes its launch by their average size (1 for a job as submitted).
     """
 
     __slots__ = ("layout", "direction", "dev_ids", "host_ids", "groups", "nbytes", "items", "_blocks", "jobs")
@@ -150,7 +150,11 @@ class CompactJob:
         if len(jobs) == 1:
             return jobs[0]
         first = jobs[0]
-        nbytes, items, count = sum(j.nbytes for j in jobs), sum(j.items for j in jobs), sum(j.jobs for j in jobs)
+        nbytes, items, count = (
+            sum(j.nbytes for j in jobs),
+            sum(j.items for j in jobs),
+            sum(j.jobs for j in jobs if len(j)),
+        )
         simple = [j._blocks is None for j in jobs]
         empty = [not (len(j) or j.host_ids.size) for j in jobs]  # never simple, and they add nothing
         if any(simple) and all(s or e for s, e in zip(simple, empty)):

@@ -487,6 +487,7 @@ def test_simple_jobs_join_as_their_ids_and_copy_what_each_would(compiled, direct
         whole.destinations(), whole.host_ids if direction is Direction.STORE else whole.dev_ids
     )
     assert (whole.nbytes, whole.items) == (sum(j.nbytes for j in jobs), sum(j.items for j in jobs))
+    assert whole.jobs == 3  # the empty job moves nothing: a backend's average leaves it out
     general = CompactJob.concat([layout._job_general(direction, DeviceBlocks(d), HostBlocks(h)) for d, h in specs])
     np.testing.assert_array_equal(whole.blocks, general.blocks)  # the table it stands for
     want = [np.concatenate(parts) for parts in zip(*(layout.descriptors(j) for j in jobs))]
@@ -542,6 +543,9 @@ def test_host_blocks_handed_out_backwards_stage_as_one_copy(compiled):
     ordered = job.in_host_order()
     assert ordered.host_ids.tolist() == [20, 21, 22, 23, 24, 25] and ordered.dev_ids.tolist() == [11, 17, 30, 2, 9, 5]
     assert layout.segments(ordered)[2].tolist() == [6 * layout.row_bytes]
+    after = layout.job(Direction.STORE, DeviceBlocks([40, 41]), HostBlocks([27, 26]))
+    launch = CompactJob.concat([job, after]).in_host_order()  # as the queue sends a launch
+    assert launch.host_ids.tolist() == [20, 21, 22, 23, 24, 25, 26, 27] and launch.jobs == 2
     already = layout.job(Direction.STORE, DeviceBlocks([1, 2]), HostBlocks([7, 8]))
     scattered = layout.job(Direction.STORE, DeviceBlocks([1, 2, 3]), HostBlocks([9, 3, 30]))
     assert already.in_host_order() is already and scattered.in_host_order() is scattered  # nothing to join

@@ -1107,6 +1107,10 @@ def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
     for direction in (Direction.STORE, Direction.LOAD):
         TABLE["expand_direct"].enqueue_job(copier, Job(direction), prepared, None, None, [], [])
     assert expanded == [(0, 2, 8, None), (0, 2, 32, None)]
+    small = Job(Direction.STORE)
+    small.nbytes, small.layout = 2 << 20, SimpleNamespace(largest=1024)  # 1 MiB jobs of 1 KiB pages
+    TABLE["expand_direct"].enqueue_job(copier, small, prepared, None, None, [], [])
+    assert expanded[-1] == (0, 2, 2, None)
 
 
 @pytest.mark.parametrize(

@@ -74,9 +74,10 @@ class CudaBackend(TorchDeviceBackend):
             worker then plans descriptors on the host) or one of ``expand_staged``,
             ``expand_direct`` (a worker's jobs; other batches as auto); default
             ``$OFFLOAD_CORE_CUDA_MECHANISM`` or ``"auto"``.
-        max_programs: cap on the programs of the kernels that copy across the link (the SMs
-            they may occupy), both directions; default ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS``, or
-            8 for stores and 32 for loads.
+        max_programs: the programs of the kernels that copy across the link (the SMs they
+            may occupy), both directions, every launch; default ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS``.
+            Unset: at most 8 for stores (``expand_direct`` stores of pages from 1 KiB take one
+            per 512 KiB of their jobs' average, at least 2) and 32 for loads.
         staging_bytes: the largest piece of a staged job; the compact path keeps two buffers of
             this per copy stream (so 4x per worker), ``staged`` two of 1.25 times this;
             default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 24 MiB.
@@ -86,7 +87,9 @@ class CudaBackend(TorchDeviceBackend):
             one is saved, else H200 defaults. ``$OFFLOAD_CORE_CUDA_SM_PENALTY`` replaces its
             `sm_penalty`, also in a model passed here (an operator's setting wins over the
             engine's): how many times auto counts the time copies hold SMs (default 2;
-            higher protects the model's compute, lower favours the copies' speed).
+            higher protects the model's compute, lower favours the copies' speed). Above 2,
+            auto also stops sending stores of small jobs (1 MiB on average) to
+            ``expand_direct`` unweighed.
         driver: the CUDA driver's entry points; default the system's libcuda (`Driver.load`).
         runtime: ``torch.cuda``'s surface (`torch_device.Runtime`, plus ``get_device_name``,
             ``get_device_properties``, ``ExternalStream`` and ``device``); default the real one.

@@ -13,7 +13,8 @@ and enqueues one expansion kernel and at most one batch of copies per piece:
 * ``expand_direct``: the kernel reads or writes the host rows themselves through their unified
   addresses; no staging, no copy engines, but it holds SMs while the bytes cross the link. For
   jobs whose segments are too small for the copy engines (a single tensor's pages in
-  scattered host blocks).
+  scattered host blocks), and for stores of small jobs, which the host's time per job bounds
+  (on few programs: `BlockCopier.direct_programs`).
 
 Staging takes ``2 * half_bytes`` of device memory per queue stream, allocated on first use
 (`staging.StagingHalves`). A job larger than a half is cut into pieces of whole host rows.
@@ -32,6 +33,7 @@ import numpy as np
 from offload_core.backend import Direction
 from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
+from offload_core.backends.cuda.select import CostModel
 from offload_core.backends.cuda.staging import PerStream, StagingHalves
 from offload_core.compact import CompactJob, CompactLayout
 
@@ -51,7 +53,7 @@ HOST_BOUND_STORE_BYTES = 1 << 20
 SIZED_STORE_PAGE = 1024  # the smallest entry whose stores `direct_programs` sizes by their jobs
 STORE_BYTES_PER_PROGRAM = 512 << 10  # then one program per this much of a job
 MIN_STORE_PROGRAMS = 2
-DEFAULT_SM_PENALTY = 2.0  # the cost model's; an engine that raises it asks auto to spare the SMs
+DEFAULT_SM_PENALTY = CostModel.__dataclass_fields__["sm_penalty"].default  # raised: spare the SMs
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
 
 
@@ -146,7 +148,7 @@ class BlockCopier:
         cost, d = self.backend.cost, job.direction.value
         if (
             job.direction is Direction.STORE
-            and job.nbytes <= HOST_BOUND_STORE_BYTES * job.jobs
+            and job.nbytes <= HOST_BOUND_STORE_BYTES * max(1, job.jobs)
             and cost.sm_penalty <= DEFAULT_SM_PENALTY
             and self.direct_ok(prepared)
         ):
