@@ -14,7 +14,7 @@ forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
     python benchmarks/engine_bench.py [--backend cuda] [--pages 256,1024,4096,32768]
         [--blocks-per-job 1,16,128 | --job-mib 256] [--layers 32 | --tensors 1] [--jobs 32] [--json FILE]
         [--host-runs] [--no-host-order]
-        [--interference]
+        [--interference [--directions store,load]]
 """
 
 from __future__ import annotations
@@ -125,10 +125,13 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
     return out
 
 
-def interference(backend, page: int, per_job: int, layers: int, jobs: int, seed: int = 0) -> dict:
-    """How much store jobs in flight slow a bf16 matmul loop on the compute stream, as an engine's
-    next step runs while the last step's blocks are offloaded: median of 5 rounds, each the
-    loop alone and then behind `jobs` stores submitted just before it."""
+def interference(
+    backend, page: int, per_job: int, layers: int, jobs: int, seed: int = 0, direction: str = "store"
+) -> dict:
+    """How much jobs in flight slow a bf16 matmul loop on the compute stream, as an engine's next
+    step runs while the last step's blocks are offloaded (stores) or other requests' blocks are
+    brought back (loads): median of 5 rounds, each the loop alone and then behind `jobs` jobs of
+    `direction` submitted just before it."""
     device = backend.device
     blocks = max(2 * per_job * jobs // 4, 64)
     tensors = [
@@ -153,11 +156,12 @@ def interference(backend, page: int, per_job: int, layers: int, jobs: int, seed:
         for _ in range(6):
             alone.append(matmuls_ms())
             for _ in range(jobs):
-                worker.submit_store(
-                    ids,
-                    DeviceBlocks(rng.choice(blocks, per_job, replace=False)),
-                    HostBlocks(rng.choice(blocks, per_job, replace=False)),
-                )
+                dev = DeviceBlocks(rng.choice(blocks, per_job, replace=False))
+                host = HostBlocks(rng.choice(blocks, per_job, replace=False))
+                if direction == "store":
+                    worker.submit_store(ids, dev, host)
+                else:
+                    worker.submit_load(ids, host, dev)
                 ids += 1
             busy.append(matmuls_ms())
             worker.wait(range(ids))
@@ -167,6 +171,7 @@ def interference(backend, page: int, per_job: int, layers: int, jobs: int, seed:
         "page": page,
         "blocks_per_job": per_job,
         "jobs": jobs,
+        "direction": direction,
         "matmul_ms": alone_ms,
         "matmul_busy_ms": busy_ms,
         "slowdown": busy_ms / alone_ms - 1,
@@ -204,7 +209,12 @@ def main() -> None:
     parser.add_argument(
         "--interference",
         action="store_true",
-        help="cuda: instead, the slowdown of a matmul loop while store jobs run, per shape and mechanism",
+        help="cuda: instead, the slowdown of a matmul loop while jobs run, per shape and mechanism",
+    )
+    parser.add_argument(
+        "--directions",
+        default="store",
+        help="with --interference: comma-separated directions of the jobs beside the matmul (default: %(default)s)",
     )
     args = parser.parse_args()
     if args.no_host_order:
@@ -214,17 +224,24 @@ def main() -> None:
     rows = []
     mechanisms = args.mechanisms.split(",") if args.mechanisms else None
     if args.interference:
+        directions = args.directions.split(",")
+        if not set(directions) <= {"store", "load"}:
+            parser.error(f"--directions takes store and load, got {args.directions!r}")
         for name, backend in _backends(args.backend, mechanisms):
             for page in map(int, args.pages.split(",")):
                 for per_job in map(int, args.blocks_per_job.split(",")):
-                    row = {"mechanism": name, **interference(backend, page, per_job, args.layers, args.jobs)}
-                    rows.append(row)
-                    print(
-                        f"{name:13} page {page:>6} B x {per_job:>3} blocks: matmul {row['matmul_ms']:.2f} ms alone, "
-                        f"{row['matmul_busy_ms']:.2f} ms behind {args.jobs} stores ({row['slowdown']:+.1%}; "
-                        f"{','.join(row['mechanisms'])})",
-                        flush=True,
-                    )
+                    for direction in directions:
+                        row = {
+                            "mechanism": name,
+                            **interference(backend, page, per_job, args.layers, args.jobs, direction=direction),
+                        }
+                        rows.append(row)
+                        print(
+                            f"{name:13} page {page:>6} B x {per_job:>3} blocks: matmul {row['matmul_ms']:.2f} ms "
+                            f"alone, {row['matmul_busy_ms']:.2f} ms behind {args.jobs} {direction}s "
+                            f"({row['slowdown']:+.1%}; {','.join(row['mechanisms'])})",
+                            flush=True,
+                        )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"machine": platform.node(), "torch": torch.__version__, "interference": rows}, f, indent=1)
