@@ -817,10 +817,12 @@ def _copier(penalty=2.0, given=None):
     return copier
 
 
-def _launch(direction, job_bytes, jobs, row_bytes=65536):
-    # a launch of `jobs` jobs of `job_bytes`, pages of 1/64 of a row over 64 tensors (1 KiB by default)
+def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None):
+    # a launch of `jobs` jobs of `job_bytes`, pages of 1/64 of a row over 64 tensors (1 KiB by
+    # default), its host rows apart or merged into `runs` segments
     rows = job_bytes * jobs // row_bytes
-    layout = SimpleNamespace(row_bytes=row_bytes, largest=row_bytes // 64, segment_summary=lambda job, limit: (rows, 0))
+    segments = (runs or rows, 0)
+    layout = SimpleNamespace(row_bytes=row_bytes, largest=row_bytes // 64, segment_summary=lambda job, limit: segments)
     job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=job_bytes * jobs, jobs=jobs, layout=layout)
     return job, SimpleNamespace(layout=layout)
 
@@ -842,6 +844,9 @@ def test_small_stores_go_straight_to_host_rows_larger_ones_by_the_cost_model(job
 
 def test_small_stores_stay_staged_where_the_engine_spares_the_sms_or_the_kernel_cannot_reach_the_rows():
     assert _copier(penalty=3.0).choose(*_launch(Direction.STORE, 1 << 20, 14)).name == "expand_staged"
+    # host rows in runs (a free list's blocks, in host order): a copy per run, no SMs
+    assert _copier().choose(*_launch(Direction.STORE, 1 << 20, 14, runs=14)).name == "expand_staged"
+    assert _copier().choose(*_launch(Direction.STORE, 1 << 20, 14, runs=14 * 16 - 1)).name == "expand_staged"
     copier = _copier()
     copier.direct_ok = lambda prepared: False
     assert copier.choose(*_launch(Direction.STORE, 1 << 20, 14)).name == "expand_staged"

@@ -50,6 +50,10 @@ SEGMENT_BYTES = 16384
 # slower per program (on two, 1 MiB jobs of 256 B pages reached 0.34-0.38 of the link against
 # 0.57-0.58 on eight), so they keep the backend's programs.
 HOST_BOUND_STORE_BYTES = 1 << 20
+# ... and only where their host rows stay apart: rows that merge into runs (host blocks handed
+# out in runs, launched in host order) cost staging a copy per run, and leave the SMs alone.
+# 64 KiB: the rows of 1 KiB pages over 64 tensors, measured.
+HOST_BOUND_SEGMENT_BYTES = 64 << 10
 SIZED_STORE_PAGE = 1024  # the smallest entry whose stores `direct_programs` sizes by their jobs
 STORE_BYTES_PER_PROGRAM = 512 << 10  # then one program per this much of a job
 MIN_STORE_PROGRAMS = 2
@@ -138,21 +142,15 @@ class BlockCopier:
 
     def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
         """``expand_direct`` for stores of small jobs (`HOST_BOUND_STORE_BYTES` on average)
-        where the host rows are addressable and the cost model's SM penalty is not raised above
-        its default. Otherwise what the cost model (`select.CostModel.estimate_job`) finds
-        cheaper: ``expand_staged``, or ``expand_direct`` where the host rows are addressable
-        and the segments too small for the copy engines, or, on loads, mostly small enough
-        that the batch call moves them through the CPU (ties go to staging, which leaves the
-        SMs alone). Where a host row does not fit a staging half: ``expand_direct`` if it is
-        addressable and cheaper, else ``ce_batch`` (host-expanded)."""
+        whose host rows stay apart (segments of `HOST_BOUND_SEGMENT_BYTES` on average), where
+        the rows are addressable and the cost model's SM penalty is not raised above its
+        default. Otherwise what the cost model (`select.CostModel.estimate_job`) finds cheaper:
+        ``expand_staged``, or ``expand_direct`` where the host rows are addressable and the
+        segments too small for the copy engines, or, on loads, mostly small enough that the
+        batch call moves them through the CPU (ties go to staging, which leaves the SMs alone).
+        Where a host row does not fit a staging half: ``expand_direct`` if it is addressable and
+        cheaper, else ``ce_batch`` (host-expanded)."""
         cost, d = self.backend.cost, job.direction.value
-        if (
-            job.direction is Direction.STORE
-            and job.nbytes <= HOST_BOUND_STORE_BYTES * max(1, job.jobs)
-            and cost.sm_penalty <= DEFAULT_SM_PENALTY
-            and self.direct_ok(prepared)
-        ):
-            return EXPAND_DIRECT
         if prepared.layout.row_bytes > self.half_bytes:  # staging cannot hold a row
             if self.direct_ok(prepared) and (
                 cost.estimate_job("expand_direct", d, job.items, job.nbytes, 0)
@@ -163,6 +161,14 @@ class BlockCopier:
         # loads: bytes in segments small enough for the batch call to move them through the CPU
         limit = cost.inline_h2d_bytes if job.direction is Direction.LOAD else 0
         count, small = prepared.layout.segment_summary(job, limit)
+        if (
+            job.direction is Direction.STORE
+            and job.nbytes <= HOST_BOUND_STORE_BYTES * max(1, job.jobs)
+            and job.nbytes <= HOST_BOUND_SEGMENT_BYTES * count
+            and cost.sm_penalty <= DEFAULT_SM_PENALTY
+            and self.direct_ok(prepared)
+        ):
+            return EXPAND_DIRECT
         if count and (job.nbytes <= 2 * SEGMENT_BYTES * count or 2 * small >= job.nbytes) and self.direct_ok(prepared):
             staged = cost.estimate_job("expand_staged", d, job.items, job.nbytes, count, small)
             if cost.estimate_job("expand_direct", d, job.items, job.nbytes, count) < 0.98 * staged:
