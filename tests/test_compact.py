@@ -343,18 +343,21 @@ def test_the_compiled_check_finds_every_pair_of_equal_ids_among_few(n):
             assert not module.single_check(ids, other, 3 * n, 3 * n, True), (i, j)
 
 
-@pytest.mark.parametrize("at", [0, 1023, 1024, 2047, 2048, 3000])
-@pytest.mark.parametrize("bad", [3001, -1, -(2**63)])
-def test_the_compiled_check_finds_an_id_out_of_range_wherever_it_lies(at, bad):
+@pytest.mark.parametrize("n", [1023, 1024, 1025, 2048, 3001])
+@pytest.mark.parametrize("bad", [4000, -1, -(2**63)])
+def test_the_compiled_check_finds_an_id_out_of_range_wherever_it_lies(n, bad):
     """The range check goes through blocks of 1024 ids: an id out of range at either end of
-    one, or in the last, short one, is found on either side."""
+    one, or in the last, short one, is found on either side; one just past the ids is not read."""
     module = compiled_or_skip(True)
-    good = np.arange(3001, dtype=np.int64)
-    ids = good.copy()
-    ids[at] = bad
-    assert module.single_check(good, good, 3001, 3001, True)
-    assert not module.single_check(ids, good, 3001, 3001, True)
-    assert not module.single_check(good, ids, 3001, 3001, False)
+    buf = np.arange(n + 1, dtype=np.int64)
+    buf[n] = bad  # past the end of the view below
+    good = buf[:n]
+    assert module.single_check(good, good, n, n, True) and module.single_check(good, good, n, n, False)
+    for at in sorted({0, 1023, 1024, n // 2, n - 1} & set(range(n))):
+        ids = good.copy()
+        ids[at] = bad
+        assert not module.single_check(ids, good, n, n, True), at
+        assert not module.single_check(good, ids, n, n, False), at
 
 
 def test_the_compiled_check_takes_any_limit():

@@ -823,7 +823,9 @@ def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None):
     rows = job_bytes * jobs // row_bytes
     segments = (runs or rows, 0)
     layout = SimpleNamespace(row_bytes=row_bytes, largest=row_bytes // 64, segment_summary=lambda job, limit: segments)
-    job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=job_bytes * jobs, jobs=jobs, layout=layout)
+    job = SimpleNamespace(
+        direction=direction, items=rows * 64, nbytes=job_bytes * jobs, jobs=jobs, layout=layout, host_ids=np.empty(rows)
+    )
     return job, SimpleNamespace(layout=layout)
 
 
@@ -846,7 +848,10 @@ def test_small_stores_stay_staged_where_the_engine_spares_the_sms_or_the_kernel_
     assert _copier(penalty=3.0).choose(*_launch(Direction.STORE, 1 << 20, 14)).name == "expand_staged"
     # host rows in runs (a free list's blocks, in host order): a copy per run, no SMs
     assert _copier().choose(*_launch(Direction.STORE, 1 << 20, 14, runs=14)).name == "expand_staged"
-    assert _copier().choose(*_launch(Direction.STORE, 1 << 20, 14, runs=14 * 16 - 1)).name == "expand_staged"
+    assert _copier().choose(*_launch(Direction.STORE, 1 << 20, 14, runs=14 * 8 - 1)).name == "expand_staged"
+    # random host blocks have a few neighbours, merged in host order: still apart
+    assert _copier().choose(*_launch(Direction.STORE, 1 << 20, 14, runs=14 * 16 - 6)).name == "expand_direct"
+    assert _copier().choose(*_launch(Direction.STORE, 1 << 20, 14, runs=14 * 8)).name == "expand_direct"
     copier = _copier()
     copier.direct_ok = lambda prepared: False
     assert copier.choose(*_launch(Direction.STORE, 1 << 20, 14)).name == "expand_staged"

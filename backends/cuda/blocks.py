@@ -50,10 +50,9 @@ SEGMENT_BYTES = 16384
 # slower per program (on two, 1 MiB jobs of 256 B pages reached 0.34-0.38 of the link against
 # 0.57-0.58 on eight), so they keep the backend's programs.
 HOST_BOUND_STORE_BYTES = 1 << 20
-# ... and only where their host rows stay apart: rows that merge into runs (host blocks handed
-# out in runs, launched in host order) cost staging a copy per run, and leave the SMs alone.
-# 64 KiB: the rows of 1 KiB pages over 64 tensors, measured.
-HOST_BOUND_SEGMENT_BYTES = 64 << 10
+# ... and only where their host rows stay mostly apart (segments at least half the rows): rows
+# that merge into runs (host blocks handed out in runs, launched in host order) cost staging a
+# copy per run, and leave the SMs alone. Random host blocks have a few neighbours: those stay.
 SIZED_STORE_PAGE = 1024  # the smallest entry whose stores `direct_programs` sizes by their jobs
 STORE_BYTES_PER_PROGRAM = 512 << 10  # then one program per this much of a job
 MIN_STORE_PROGRAMS = 2
@@ -142,7 +141,7 @@ class BlockCopier:
 
     def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
         """``expand_direct`` for stores of small jobs (`HOST_BOUND_STORE_BYTES` on average)
-        whose host rows stay apart (segments of `HOST_BOUND_SEGMENT_BYTES` on average), where
+        whose host rows stay mostly apart (segments at least half the rows), where
         the rows are addressable and the cost model's SM penalty is not raised above its
         default. Otherwise what the cost model (`select.CostModel.estimate_job`) finds cheaper:
         ``expand_staged``, or ``expand_direct`` where the host rows are addressable and the
@@ -164,7 +163,7 @@ class BlockCopier:
         if (
             job.direction is Direction.STORE
             and job.nbytes <= HOST_BOUND_STORE_BYTES * max(1, job.jobs)
-            and job.nbytes <= HOST_BOUND_SEGMENT_BYTES * count
+            and 2 * count >= job.host_ids.size
             and cost.sm_penalty <= DEFAULT_SM_PENALTY
             and self.direct_ok(prepared)
         ):
