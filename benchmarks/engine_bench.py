@@ -224,7 +224,7 @@ def main() -> None:
     rows = []
     mechanisms = args.mechanisms.split(",") if args.mechanisms else None
     if args.interference:
-        directions = args.directions.split(",")
+        directions = [d.strip() for d in args.directions.split(",")]
         if not set(directions) <= {"store", "load"}:
             parser.error(f"--directions takes store and load, got {args.directions!r}")
         for name, backend in _backends(args.backend, mechanisms):
