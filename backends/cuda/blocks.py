@@ -44,15 +44,15 @@ from offload_core.compact import CompactJob, CompactLayout
 SEGMENT_BYTES = 16384
 # Stores whose jobs average at most this are bound by the host's time per job (on the H200's
 # host about 30 us or more against the link's 19 us for 1 MiB), which `expand_direct` keeps
-# least: no batched copy per host row, no staging pieces. Such stores go there, and where their
-# pages are large enough, on few programs (`direct_programs`): two programs move about 36 GB/s
-# of 1 KiB pages, enough for that host, and hold 2 of the H200's 132 SMs. Smaller pages move
-# slower per program (on two, 1 MiB jobs of 256 B pages reached 0.34-0.38 of the link against
-# 0.57-0.58 on eight), so they keep the backend's programs.
+# least: no batched copy per host row, no staging pieces. Such stores go there where their host
+# rows stay mostly apart (segments at least half the rows: rows merged into runs, as host blocks
+# handed out in runs are in host order, cost staging a copy per run and leave the SMs alone;
+# random host blocks have a few neighbours, which do not count). Where their pages are large
+# enough, they run on few programs (`direct_programs`): two move about 36 GB/s of 1 KiB pages,
+# enough for that host, and hold 2 of the H200's 132 SMs. Smaller pages move slower per program
+# (on two, 1 MiB jobs of 256 B pages reached 0.34-0.38 of the link against 0.57-0.58 on eight),
+# so they keep the backend's programs.
 HOST_BOUND_STORE_BYTES = 1 << 20
-# ... and only where their host rows stay mostly apart (segments at least half the rows): rows
-# that merge into runs (host blocks handed out in runs, launched in host order) cost staging a
-# copy per run, and leave the SMs alone. Random host blocks have a few neighbours: those stay.
 SIZED_STORE_PAGE = 1024  # the smallest entry whose stores `direct_programs` sizes by their jobs
 STORE_BYTES_PER_PROGRAM = 512 << 10  # then one program per this much of a job
 MIN_STORE_PROGRAMS = 2
