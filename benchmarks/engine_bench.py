@@ -150,7 +150,7 @@ def interference(
         end.synchronize()
         return start.elapsed_time(end)
 
-    alone, busy, ids = [], [], 0
+    alone, busy, ids, failed = [], [], 0, 0
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         matmuls_ms(3)
         for _ in range(6):
@@ -165,7 +165,9 @@ def interference(
                 ids += 1
             busy.append(matmuls_ms())
             worker.wait(range(ids))
-            mechanisms = sorted({r.mechanism for r in worker.get_finished()})
+            results = worker.get_finished()
+            mechanisms = sorted({r.mechanism for r in results})
+            failed += sum(not r.success for r in results)
     alone_ms, busy_ms = float(np.median(alone[1:])), float(np.median(busy[1:]))
     return {
         "page": page,
@@ -176,6 +178,7 @@ def interference(
         "matmul_busy_ms": busy_ms,
         "slowdown": busy_ms / alone_ms - 1,
         "mechanisms": mechanisms,
+        "failed_jobs": failed,
     }
 
 
@@ -239,7 +242,7 @@ def main() -> None:
                         print(
                             f"{name:13} page {page:>6} B x {per_job:>3} blocks: matmul {row['matmul_ms']:.2f} ms "
                             f"alone, {row['matmul_busy_ms']:.2f} ms behind {args.jobs} {direction}s "
-                            f"({row['slowdown']:+.1%}; {','.join(row['mechanisms'])})",
+                            f"({row['slowdown']:+.1%}; {','.join(row['mechanisms'])}; {row['failed_jobs']} failed)",
                             flush=True,
                         )
         if args.json:
@@ -271,7 +274,8 @@ def main() -> None:
                     f"{row['store_jobs_per_launch']:.1f} / {row['load_jobs_per_launch']:.1f} (launch "
                     f"{row['store_launch_us_per_job']:.0f} / {row['load_launch_us_per_job']:.0f} us per job); "
                     f"stream busy {row['store_device_busy']:.2f} / {row['load_device_busy']:.2f}; "
-                    f"{'+'.join(row['store_mechanisms'])} / {'+'.join(row['load_mechanisms'])}; verified {row['verified']}",
+                    f"{'+'.join(row['store_mechanisms'])} / {'+'.join(row['load_mechanisms'])}; verified {row['verified']}; "
+                    f"every job succeeded {row['store_ok'] and row['load_ok']}",
                     flush=True,
                 )
     if args.json:

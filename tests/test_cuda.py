@@ -234,6 +234,41 @@ def test_memory_allocated_and_registered_on_a_fresh_thread_is_device_addressable
     assert out["registered"]
 
 
+def test_jobs_launched_on_threads_that_made_no_cuda_call_yet_move_their_bytes(forced):
+    """A store and a load submitted from a new thread, which enqueues them itself, then loads
+    coalesced behind a busy compute stream, which the queue's launcher thread enqueues while
+    this thread sleeps: neither thread has made a runtime call before its first enqueue."""
+    import threading
+    import time
+
+    import torch
+
+    kv = small_kv(pages=(1024,) * 8, blocks=16, device=forced.device)
+    before = [t.tensor.clone() for t in kv.tensors]
+    with OffloadWorker(kv, 16, backend=forced) as worker:
+
+        def round_trip():
+            assert worker.submit_store(1, DeviceBlocks([3, 7, 1]), HostBlocks([9, 2, 12]))
+            worker.wait([1])
+            assert worker.submit_load(2, HostBlocks([9, 2, 12]), DeviceBlocks([10, 11, 15]))
+            worker.wait([2])
+
+        thread = threading.Thread(target=round_trip)
+        thread.start()
+        thread.join()
+        torch.cuda._sleep(20_000_000)  # the next loads wait for the compute stream: they coalesce
+        for j in range(4):
+            assert worker.submit_load(10 + j, HostBlocks([9 - j]), DeviceBlocks([4 + j]))
+        time.sleep(0.2)  # the launcher thread enqueues what waits
+        assert not worker._queues[Direction.LOAD].waiting_for_launch()  # it did, before `wait` could
+        worker.wait(range(10, 14))
+        results = worker.get_finished()
+        assert [r.success for r in results] == [True] * 6, results
+        for t, b in zip(kv.tensors, before):
+            assert torch.equal(t.tensor[[10, 11, 15]], b[[3, 7, 1]])
+            assert torch.equal(t.tensor[[4]], b[[3]])  # host block 9 came back into device block 4
+
+
 # ---- compact jobs: the device expansion against the reference --------------------------------
 
 

@@ -67,6 +67,8 @@ class FakeLib:
             s = np.ctypeslib.as_array(ctypes.cast(srcs, ctypes.POINTER(ctypes.c_int64)), (count,)).copy()
             n = np.ctypeslib.as_array(ctypes.cast(sizes, ctypes.POINTER(ctypes.c_int64)), (count,)).copy()
             self.calls.append(("batch", d, s, n, attrs.contents.srcAccessOrder, attr_idxs[0], num_attrs, stream))
+            if not self.contexts:  # the H200's driver: INVALID_VALUE, on a thread with no context current
+                return 1
             if self.fail_at is not None and self.fail_at < count:
                 fail_idx[0] = self.fail_at
                 return 1  # CUDA_ERROR_INVALID_VALUE
@@ -74,7 +76,7 @@ class FakeLib:
 
         def memcpy(dst, src, size, stream):
             self.calls.append(("memcpy", dst, src, size, stream))
-            return 0
+            return 0 if self.contexts else 201  # CUDA_ERROR_INVALID_CONTEXT
 
         def stream_create(handle, flags):
             self.calls.append(("stream_create", flags))
@@ -158,6 +160,12 @@ class FakeLib:
 
         self.cuGetProcAddress_v2 = drv.GET_PROC_ADDRESS(get_proc)
         self.cuGetErrorName = drv.GET_ERROR_NAME(error_name)
+
+    def runtime_call(self) -> None:
+        """What a call of the CUDA runtime does first on a thread: make the device's primary
+        context current there, if none is."""
+        if not self.contexts:
+            self.contexts.append(GPU_CONTEXT)
 
 
 def arrays(n):
@@ -584,7 +592,16 @@ class Weigh:
 
 class FakeCudaRuntime:
     """``torch.cuda`` as `CudaBackend` uses it, without a GPU: one device whose memory is the
-    CPU's, streams known by their handles, the current one 0x5."""
+    CPU's, streams known by their handles, the current one 0x5. Given the stand-in libcuda, its
+    calls make the GPU's context current on the calling thread, as the runtime's do."""
+
+    def __init__(self, lib: FakeLib | None = None):
+        self._lib = lib
+
+    def _call(self) -> bool:
+        if self._lib is not None:
+            self._lib.runtime_call()
+        return True
 
     def torch_device(self, index):
         import torch
@@ -604,7 +621,7 @@ class FakeCudaRuntime:
         return contextlib.nullcontext()
 
     def current_stream(self, index):
-        return SimpleNamespace(cuda_stream=0x5, query=lambda: True)
+        return SimpleNamespace(cuda_stream=0x5, query=self._call)
 
     def ExternalStream(self, handle, device=None):  # noqa: N802  (torch's name)
         return SimpleNamespace(cuda_stream=handle)
@@ -621,7 +638,7 @@ def host_only_backend(monkeypatch, lib, triton=True, mechanism="auto", cost=None
 
     monkeypatch.setattr(kernels, "why_unavailable", (lambda: None) if triton else (lambda: "triton is not importable"))
     return CudaBackend(
-        mechanism=mechanism, cost_model=cost or CostModel(), driver=drv.Driver(lib), runtime=FakeCudaRuntime()
+        mechanism=mechanism, cost_model=cost or CostModel(), driver=drv.Driver(lib), runtime=FakeCudaRuntime(lib)
     )
 
 
@@ -1463,3 +1480,34 @@ def test_staging_halves_hand_over_through_driver_markers(monkeypatch, direction)
         ],
     }[direction]
     assert steps == piece("free0") + piece("free1") + piece("free0")
+
+
+@pytest.mark.parametrize("mechanism", ["ce_batch", "ce_loop"])
+def test_a_thread_that_made_no_cuda_call_yet_enqueues_in_the_gpus_context(monkeypatch, mechanism):
+    """A queue's launcher thread, or any new thread of the engine's, has no context current until
+    it makes a runtime call: its first enqueue must make the GPU's current, or the driver fails
+    its copies (the batch call with INVALID_VALUE, as staged loads from a launcher thread did on
+    the H200). Once per thread: the runtime is asked again only on a new one."""
+    lib = FakeLib()
+    backend = host_only_backend(monkeypatch, lib)
+    dst, src, sizes = arrays(3)
+    asked = []
+    query = backend.runtime._call
+    monkeypatch.setattr(backend.runtime, "_call", lambda: asked.append(threading.get_ident()) or query())
+    done, alive = [], threading.Barrier(2)  # both alive to the end: the stand-in tells threads by their idents
+
+    def enqueue():
+        fresh = not lib.contexts
+        for _ in range(2):
+            backend.enqueue_with(mechanism, src, dst, sizes, Direction.LOAD, SimpleNamespace(cuda_stream=9))
+        done.append((fresh, lib.contexts[-1]))
+        alive.wait(10)
+
+    threads = [threading.Thread(target=enqueue) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert done == [(True, GPU_CONTEXT)] * 2
+    assert len(copies(lib)) == (2 if mechanism == "ce_batch" else 6) * 2
+    assert len(asked) == 2 and asked[0] != threading.get_ident()  # once a thread

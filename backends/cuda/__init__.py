@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import math
 import os
+import threading
 import weakref
 from collections import deque
 from contextlib import contextmanager, nullcontext
@@ -158,6 +159,7 @@ class CudaBackend(TorchDeviceBackend):
                 raise ConfigError(f"cuda mechanism {self.mechanism!r} cannot be used: {reason}")
         self._host_ranges: dict[int, tuple[int, int]] = {}  # device-addressable host memory
         self._keepalive: deque = deque()  # (event, objects) the driver may still read
+        self._threads = threading.local()  # `in_context`: the GPU's context was made current on this thread
         self._spare_events: list = []
         self._staged_buffers = PerStream(lambda stream: StagedPair(self, stream))
         self._ring = DescriptorRing(self._torch, self._device, self._table_copy)
@@ -287,7 +289,7 @@ class CudaBackend(TorchDeviceBackend):
         while self._keepalive and self._keepalive[0][0].query():
             self._spare_events.append(self._keepalive.popleft()[0])
         held: list = []
-        with self._on_device():
+        with self._context():
             try:
                 yield held
             finally:  # also after a failed call: copies enqueued before it may still read
@@ -404,9 +406,14 @@ class CudaBackend(TorchDeviceBackend):
     @contextmanager
     def _context(self):
         """This GPU's context, current in the calling thread for driver calls: a thread that has
-        made no runtime call yet has none, and the driver then fails (invalid context)."""
+        made no runtime call yet has none (a queue's launcher thread, a new thread of the
+        engine's), and the driver then fails its calls: the batch call with INVALID_VALUE. Made
+        current by a runtime call, once a thread: a context stays current on its thread until
+        that thread replaces it."""
         with self._on_device():
-            self.runtime.current_stream(self.device_index).query()  # a runtime call makes it current
+            if not getattr(self._threads, "in_context", False):
+                self.runtime.current_stream(self.device_index).query()  # a runtime call makes it current
+                self._threads.in_context = True
             yield
 
     def _on_device(self):
