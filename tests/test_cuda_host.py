@@ -855,37 +855,46 @@ def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None):
         (4 << 20, 14, "expand_staged"),
     ],
 )
-def test_small_stores_go_straight_to_host_rows_larger_ones_by_the_cost_model(job_bytes, jobs, expected):
-    copier = _copier()
-    assert copier.choose(*_launch(Direction.STORE, job_bytes, jobs)).name == expected
-    assert copier.choose(*_launch(Direction.LOAD, job_bytes, jobs)).name == "expand_staged"  # loads: the cost model's
+@pytest.mark.parametrize("direction", list(Direction))
+def test_small_jobs_go_straight_to_host_rows_larger_ones_by_the_cost_model(job_bytes, jobs, expected, direction):
+    assert _copier().choose(*_launch(direction, job_bytes, jobs)).name == expected
 
 
-def test_small_stores_stay_staged_where_the_engine_spares_the_sms_or_the_kernel_cannot_reach_the_rows():
-    assert _copier(penalty=3.0).choose(*_launch(Direction.STORE, 1 << 20, 14)).name == "expand_staged"
+@pytest.mark.parametrize("direction", list(Direction))
+def test_small_jobs_stay_staged_where_the_engine_spares_the_sms_or_the_kernel_cannot_reach_the_rows(direction):
+    assert _copier(penalty=3.0).choose(*_launch(direction, 1 << 20, 14)).name == "expand_staged"
     # host rows in runs (a free list's blocks, in host order): a copy per run, no SMs
-    assert _copier().choose(*_launch(Direction.STORE, 1 << 20, 14, runs=14)).name == "expand_staged"
-    assert _copier().choose(*_launch(Direction.STORE, 1 << 20, 14, runs=14 * 8 - 1)).name == "expand_staged"
+    assert _copier().choose(*_launch(direction, 1 << 20, 14, runs=14)).name == "expand_staged"
+    assert _copier().choose(*_launch(direction, 1 << 20, 14, runs=14 * 8 - 1)).name == "expand_staged"
     # random host blocks have a few neighbours, merged in host order: still apart
-    assert _copier().choose(*_launch(Direction.STORE, 1 << 20, 14, runs=14 * 16 - 6)).name == "expand_direct"
-    assert _copier().choose(*_launch(Direction.STORE, 1 << 20, 14, runs=14 * 8)).name == "expand_direct"
+    assert _copier().choose(*_launch(direction, 1 << 20, 14, runs=14 * 16 - 6)).name == "expand_direct"
+    assert _copier().choose(*_launch(direction, 1 << 20, 14, runs=14 * 8)).name == "expand_direct"
     copier = _copier()
     copier.direct_ok = lambda prepared: False
-    assert copier.choose(*_launch(Direction.STORE, 1 << 20, 14)).name == "expand_staged"
+    assert copier.choose(*_launch(direction, 1 << 20, 14)).name == "expand_staged"
 
 
 @pytest.mark.parametrize(
-    "job_bytes, jobs, store_programs",
-    [(1 << 20, 14, 2), (256 << 10, 1, 2), ((1 << 20) + 1, 3, 3), (2 << 20, 8, 4), (4 << 20, 14, 8), (256 << 20, 1, 8)],
+    "job_bytes, jobs, store_programs, load_programs",
+    [
+        (1 << 20, 14, 2, 8),
+        (256 << 10, 1, 2, 8),
+        ((1 << 20) + 1, 3, 3, 32),
+        (2 << 20, 8, 4, 32),
+        (4 << 20, 14, 8, 32),
+        (256 << 20, 1, 8, 32),
+    ],
 )
-def test_direct_stores_take_programs_by_their_jobs_size_and_loads_the_backends(job_bytes, jobs, store_programs):
+def test_direct_jobs_take_programs_by_their_jobs_size(job_bytes, jobs, store_programs, load_programs):
     copier = _copier()
     assert copier.direct_programs(_launch(Direction.STORE, job_bytes, jobs)[0]) == store_programs
-    assert copier.direct_programs(_launch(Direction.LOAD, job_bytes, jobs)[0]) == 32
+    assert copier.direct_programs(_launch(Direction.LOAD, job_bytes, jobs)[0]) == load_programs
     given = _copier(given=12)  # set by the engine: taken as it is
-    assert given.direct_programs(_launch(Direction.STORE, job_bytes, jobs)[0]) == 12
-    small_pages = _launch(Direction.STORE, job_bytes, jobs, row_bytes=64 * 512)[0]  # slower per program
-    assert copier.direct_programs(small_pages) == 8
+    for direction in Direction:
+        assert given.direct_programs(_launch(direction, job_bytes, jobs)[0]) == 12
+    for direction in Direction:  # smaller pages move slower per program
+        small_pages = _launch(direction, job_bytes, jobs, row_bytes=64 * 512)[0]
+        assert copier.direct_programs(small_pages) == copier.backend.sm_programs[direction]
 
 
 @pytest.fixture(params=[True, False], ids=["compiled", "ctypes"])

@@ -89,8 +89,8 @@ class CudaBackend(TorchDeviceBackend):
             `sm_penalty`, also in a model passed here (an operator's setting wins over the
             engine's): how many times auto counts the time copies hold SMs (default 2;
             higher protects the model's compute, lower favours the copies' speed). Above 2,
-            auto also stops sending stores of small jobs (1 MiB on average, host rows apart)
-            to ``expand_direct`` unweighed.
+            auto also stops sending small jobs (1 MiB on average, host rows apart) to
+            ``expand_direct`` unweighed.
         driver: the CUDA driver's entry points; default the system's libcuda (`Driver.load`).
         runtime: ``torch.cuda``'s surface (`torch_device.Runtime`, plus ``get_device_name``,
             ``get_device_properties``, ``ExternalStream`` and ``device``); default the real one.

@@ -13,8 +13,8 @@ and enqueues one expansion kernel and at most one batch of copies per piece:
 * ``expand_direct``: the kernel reads or writes the host rows themselves through their unified
   addresses; no staging, no copy engines, but it holds SMs while the bytes cross the link. For
   jobs whose segments are too small for the copy engines (a single tensor's pages in
-  scattered host blocks), and for stores of small jobs, which the host's time per job bounds
-  (on few programs: `BlockCopier.direct_programs`).
+  scattered host blocks), and for small jobs, which the host's time per job bounds (on few
+  programs: `BlockCopier.direct_programs`).
 
 Staging takes ``2 * half_bytes`` of device memory per queue stream, allocated on first use
 (`staging.StagingHalves`). A job larger than a half is cut into pieces of whole host rows.
@@ -42,20 +42,23 @@ from offload_core.compact import CompactJob, CompactLayout
 # hides behind the link (16 KiB on the H200), so staging always wins. Twice: rows of exactly
 # this size, a few of them neighbours (merged into one segment), must not flip the choice.
 SEGMENT_BYTES = 16384
-# Stores whose jobs average at most this are bound by the host's time per job (on the H200's
-# host about 30 us or more against the link's 19 us for 1 MiB), which `expand_direct` keeps
-# least: no batched copy per host row, no staging pieces. Such stores go there where their host
-# rows stay mostly apart (segments at least half the rows: rows merged into runs, as host blocks
-# handed out in runs are in host order, cost staging a copy per run and leave the SMs alone;
-# random host blocks have a few neighbours, which do not count). Where their pages are large
-# enough, they run on few programs (`direct_programs`): two move about 36 GB/s of 1 KiB pages,
-# enough for that host, and hold 2 of the H200's 132 SMs. Smaller pages move slower per program
-# (on two, 1 MiB jobs of 256 B pages reached 0.34-0.38 of the link against 0.57-0.58 on eight),
-# so they keep the backend's programs.
-HOST_BOUND_STORE_BYTES = 1 << 20
-SIZED_STORE_PAGE = 1024  # the smallest entry whose stores `direct_programs` sizes by their jobs
-STORE_BYTES_PER_PROGRAM = 512 << 10  # then one program per this much of a job
+# Jobs that average at most this are bound by the host's time per job (on the H200's host about
+# 30 us or more against the link's 19 us for 1 MiB), which `expand_direct` keeps least: no batched
+# copy per host row, no staging pieces. Such jobs go there where their host rows stay mostly
+# apart (segments at least half the rows: rows merged into runs, as host blocks handed out in
+# runs are in host order, cost staging a copy per run and leave the SMs alone; random host
+# blocks have a few neighbours, which do not count), on few programs (`direct_programs`): each
+# holds an SM while its bytes cross the link. Stores of pages large enough are sized by their
+# jobs: two programs move about 36 GB/s of 1 KiB pages, enough for that host, and hold 2 of the
+# H200's 132 SMs. Loads read across the link, which takes more requests in flight: eight
+# programs moved 1 MiB jobs of 1 KiB pages at 0.51-0.56 of the link against 0.42-0.43 staged.
+# Smaller pages move slower per program (on two, 1 MiB store jobs of 256 B pages reached
+# 0.34-0.38 of the link against 0.57-0.58 on eight), so they keep the backend's programs.
+HOST_BOUND_BYTES = 1 << 20
+SIZED_PAGE = 1024  # the smallest entry whose jobs `direct_programs` sizes
+STORE_BYTES_PER_PROGRAM = 512 << 10  # then a store takes one program per this much of a job
 MIN_STORE_PROGRAMS = 2
+SMALL_LOAD_PROGRAMS = 8  # and a small load these
 DEFAULT_SM_PENALTY = CostModel.__dataclass_fields__["sm_penalty"].default  # raised: spare the SMs
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
 
@@ -140,15 +143,14 @@ class BlockCopier:
         return prepared.direct_ok
 
     def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
-        """``expand_direct`` for stores of small jobs (`HOST_BOUND_STORE_BYTES` on average)
-        whose host rows stay mostly apart (segments at least half the rows), where
-        the rows are addressable and the cost model's SM penalty is not raised above its
-        default. Otherwise what the cost model (`select.CostModel.estimate_job`) finds cheaper:
-        ``expand_staged``, or ``expand_direct`` where the host rows are addressable and the
-        segments too small for the copy engines, or, on loads, mostly small enough that the
-        batch call moves them through the CPU (ties go to staging, which leaves the SMs alone).
-        Where a host row does not fit a staging half: ``expand_direct`` if it is addressable and
-        cheaper, else ``ce_batch`` (host-expanded)."""
+        """``expand_direct`` for small jobs (`HOST_BOUND_BYTES` on average) whose host rows stay
+        mostly apart (segments at least half the rows), where the rows are addressable and the
+        cost model's SM penalty is not raised above its default. Otherwise what the cost model
+        (`select.CostModel.estimate_job`) finds cheaper: ``expand_staged``, or ``expand_direct``
+        where the host rows are addressable and the segments too small for the copy engines, or,
+        on loads, mostly small enough that the batch call moves them through the CPU (ties go to
+        staging, which leaves the SMs alone). Where a host row does not fit a staging half:
+        ``expand_direct`` if it is addressable and cheaper, else ``ce_batch`` (host-expanded)."""
         cost, d = self.backend.cost, job.direction.value
         if prepared.layout.row_bytes > self.half_bytes:  # staging cannot hold a row
             if self.direct_ok(prepared) and (
@@ -160,13 +162,7 @@ class BlockCopier:
         # loads: bytes in segments small enough for the batch call to move them through the CPU
         limit = cost.inline_h2d_bytes if job.direction is Direction.LOAD else 0
         count, small = prepared.layout.segment_summary(job, limit)
-        if (
-            job.direction is Direction.STORE
-            and job.nbytes <= HOST_BOUND_STORE_BYTES * max(1, job.jobs)
-            and 2 * count >= job.host_ids.size
-            and cost.sm_penalty <= DEFAULT_SM_PENALTY
-            and self.direct_ok(prepared)
-        ):
+        if self._host_bound(job, count) and self.direct_ok(prepared):
             return EXPAND_DIRECT
         if count and (job.nbytes <= 2 * SEGMENT_BYTES * count or 2 * small >= job.nbytes) and self.direct_ok(prepared):
             staged = cost.estimate_job("expand_staged", d, job.items, job.nbytes, count, small)
@@ -174,17 +170,29 @@ class BlockCopier:
                 return EXPAND_DIRECT
         return EXPAND_STAGED
 
+    def _host_bound(self, job: CompactJob, segments: int) -> bool:
+        """Whether `job`'s jobs are small enough that the host's time per job binds them, its host
+        rows mostly apart, and the SMs not spared (`HOST_BOUND_BYTES`)."""
+        return (
+            job.nbytes <= HOST_BOUND_BYTES * max(1, job.jobs)
+            and 2 * segments >= job.host_ids.size
+            and self.backend.cost.sm_penalty <= DEFAULT_SM_PENALTY
+        )
+
     def direct_programs(self, job: CompactJob) -> int:
-        """Programs of an ``expand_direct`` launch: for stores of pages of `SIZED_STORE_PAGE`
-        and more, one per `STORE_BYTES_PER_PROGRAM` of its average job, from
-        `MIN_STORE_PROGRAMS` up to the backend's (small jobs are bound by the host, and each
-        program holds an SM while its bytes cross the link); otherwise, and where programs were
-        set (`max_programs`, ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the backend's."""
+        """Programs of an ``expand_direct`` launch, at most the backend's. Where its pages are
+        of `SIZED_PAGE` and more: for stores, one per `STORE_BYTES_PER_PROGRAM` of its average
+        job, from `MIN_STORE_PROGRAMS`; for loads of jobs averaging at most `HOST_BOUND_BYTES`,
+        `SMALL_LOAD_PROGRAMS` (small jobs are bound by the host, and each program holds an SM
+        while its bytes cross the link). Otherwise, and where programs were set
+        (`max_programs`, ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the backend's."""
         b = self.backend
         most = b.sm_programs[job.direction]
-        if job.direction is Direction.LOAD or b.programs_given or job.layout.largest < SIZED_STORE_PAGE:
+        if b.programs_given or job.layout.largest < SIZED_PAGE:
             return most
         per_job = -(-job.nbytes // max(1, job.jobs))
+        if job.direction is Direction.LOAD:
+            return min(most, SMALL_LOAD_PROGRAMS) if per_job <= HOST_BOUND_BYTES else most
         return max(MIN_STORE_PROGRAMS, min(most, -(-per_job // STORE_BYTES_PER_PROGRAM)))
 
     def copy(
