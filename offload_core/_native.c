@@ -4,7 +4,8 @@
  * joined for one launch), `first_clash` what `queue._first_clash` does (which waiting jobs may
  * share a launch, offload_core/queue.py), `row_runs` what `compact._row_runs` does (a job's
  * host-contiguous runs, for the cuda backend's choice of mechanism), `frozen` what a large
- * array's `tobytes` does (`layout._frozen`, a spec's private copy of its ids). `context_call` calls a
+ * array's `tobytes` does (`layout._frozen`, a spec's private copy of its ids); `submit_simple`
+ * (_submit.c) what a simple compact job's whole submit does. `context_call` calls a
  * driver entry point without ctypes, in a given context (the cuda backend's events, stream
  * waits and descriptor-table uploads); `Poster` (_posting.c) issues driver calls on a thread of its own.
  * Built where a C compiler is found (setup.py); offload_core works the same without it.
@@ -118,6 +119,20 @@ static int as_limit(PyObject *obj, int64_t *out) {
     return 0;
 }
 
+/* `single_check`'s rule over n ids a side, for _submit.c too: 1 fit, 0 not, -1 with an exception. */
+int offload_single_ids_ok(const int64_t *dev, const int64_t *host, Py_ssize_t n, int64_t dev_limit,
+                          int64_t host_limit, int unique_dev) {
+    if (any_outside(dev, n, dev_limit) || any_outside(host, n, host_limit)) return 0;
+    int dup = unique_dev ? has_duplicates(dev, n, dev_limit) : has_duplicates(host, n, host_limit);
+    return dup < 0 ? -1 : !dup;
+}
+
+int offload_int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name) {
+    return int64_buffer(obj, view, writable, name);
+}
+
+int offload_as_limit(PyObject *obj, int64_t *out) { return as_limit(obj, out); }
+
 PyDoc_STRVAR(single_check_doc,
              "single_check(dev_ids, host_ids, dev_limit, host_limit, unique_dev) -> bool\n\n"
              "Whether a one-group job may go as it is: False where the counts differ or are zero,\n"
@@ -137,11 +152,10 @@ static PyObject *single_check(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     Py_ssize_t n = dev.len / 8;
-    const int64_t *d = dev.buf, *h = host.buf;
     PyObject *result = Py_False;
-    if (n > 0 && host.len == dev.len && !any_outside(d, n, dev_limit) && !any_outside(h, n, host_limit)) {
-        int dup = unique_dev ? has_duplicates(d, n, dev_limit) : has_duplicates(h, n, host_limit);
-        result = dup < 0 ? NULL : dup ? Py_False : Py_True;
+    if (n > 0 && host.len == dev.len) {
+        int ok = offload_single_ids_ok(dev.buf, host.buf, n, dev_limit, host_limit, unique_dev);
+        result = ok < 0 ? NULL : ok ? Py_True : Py_False;
     }
     PyBuffer_Release(&dev);
     PyBuffer_Release(&host);
@@ -442,9 +456,10 @@ static struct PyModuleDef module = {
 };
 
 int add_poster(PyObject *module); /* _posting.c */
+int add_submit(PyObject *module); /* _submit.c */
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && add_poster(m) < 0) Py_CLEAR(m);
+    if (m != NULL && (add_poster(m) < 0 || add_submit(m) < 0)) Py_CLEAR(m);
     return m;
 }

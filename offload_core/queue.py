@@ -422,6 +422,11 @@ class TransferQueue:
         # may not get the GIL for a while) would only leave the device idle, so this thread
         # launches. The job is queued from here on: whatever happens to the launch, its result
         # says so.
+        self.launch_taken(batch)
+
+    def launch_taken(self, batch: list[_Pending]) -> None:
+        """Launch `batch`, which a submit took to launch itself (`_take`); its failures are left
+        to the jobs' results (and the log)."""
         try:
             self._run_quietly(batch)
         finally:

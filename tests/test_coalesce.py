@@ -23,6 +23,18 @@ from offload_core.testing.expanding import ExpandingCpuBackend
 pytestmark = pytest.mark.cpu
 
 
+@pytest.fixture(autouse=True, params=["compiled submit", "python submit"])
+def submit_path(request, monkeypatch):
+    """Every test on both paths of a simple job's submit: the compiled one (`_native.submit_simple`,
+    skipped where it was not built) and its twin in Python."""
+    from offload_core import worker
+
+    if request.param == "compiled submit":
+        compiled_or_skip(True)
+    else:
+        monkeypatch.setattr(worker, "_compiled_submit", lambda layout: None)
+
+
 def store(worker, job_id, dev, host):
     assert worker.submit_store(job_id, DeviceBlocks(dev), HostBlocks(host))
 
