@@ -198,7 +198,7 @@ class OffloadWorker:
             queue = self._expedited if expedited else self._queues[direction]
             try:
                 batch = compiled(self, queue, job_id, device, host)
-            except Exception:  # the job is queued: its result will say what became of it
+            except Exception:  # as on the Python path: the job queued or not as there
                 log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
                 return False
             if batch is not NotImplemented:
@@ -354,7 +354,7 @@ def _compiled_submit(layout: CompactLayout | None):
     if compiled is None or not hasattr(compiled, "submit_simple"):
         return None
     clocks = (time.perf_counter, time.monotonic)
-    compiled.submit_setup(DeviceBlocks, HostBlocks, CompactJob, _Pending, Direction.STORE, *clocks)
+    compiled.submit_setup(DeviceBlocks, HostBlocks, CompactJob, _Pending, TransferQueue, Direction.STORE, *clocks)
     return compiled.submit_simple
 
 

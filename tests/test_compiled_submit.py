@@ -273,3 +273,59 @@ def test_shutdown_racing_compiled_submits_loses_no_accepted_job(compiled):
             t.join()
         reported = [r.job_id for r in worker.get_finished()]
         assert sorted(reported) == sorted(accepted), f"trial {trial}"
+
+
+@pytest.mark.parametrize("path", [True, False], ids=["compiled", "python"])
+def test_a_launch_bookkeeping_failure_after_the_job_is_queued_reports_it_as_the_python_path(compiled, path):
+    """`_take` failing once: the submit logs it and returns False, yet the job is queued and its
+    result comes (the Python path's behaviour, which the compiled one keeps); no submit stays
+    counted as under way, so shutdown returns."""
+    worker = make_worker(path)
+    queue = worker._queues[Direction.STORE]
+    assert worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))  # starts the launcher
+    worker.wait([0])
+    take = queue._take
+    calls = []
+
+    def fail_once(*args):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("bookkeeping")
+        return take(*args)
+
+    queue._take = fail_once
+    assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1])) is False
+    queue._take = take
+    worker.wait([1])
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(0, True), (1, True)]
+    assert worker._submitting == 0
+    worker.shutdown()
+
+
+def test_state_of_another_kind_takes_the_python_path(compiled):
+    with make_worker(True) as worker:
+        worker._queues[Direction.STORE].burst_bytes = float("inf")
+        for j in range(3):
+            assert worker.submit_store(j, DeviceBlocks([j]), HostBlocks([j]))
+        worker.wait(range(3))
+        assert [r.success for r in worker.get_finished()] == [True] * 3
+
+
+@pytest.mark.parametrize("position", range(5))
+def test_the_compiled_submit_refuses_what_it_cannot_work_with(compiled, position):
+    """`submit_setup` checks what it is given, and keeps what it had when it refuses."""
+    import time
+
+    from offload_core import native
+    from offload_core.compact import CompactJob
+    from offload_core.queue import TransferQueue, _Pending
+
+    good = [DeviceBlocks, HostBlocks, CompactJob, _Pending, TransferQueue, Direction.STORE, time.perf_counter]
+    wrong = [object(), 1, type("Job", (), {"__slots__": ("layout",)}), list, None]
+    args = [*good, time.monotonic]
+    args[position] = wrong[position]
+    with pytest.raises(TypeError, match="submit_setup"):
+        native.load().submit_setup(*args)
+    with make_worker(True) as worker:  # still set up as before
+        assert worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))
+        worker.wait([0])
