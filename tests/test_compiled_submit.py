@@ -46,8 +46,8 @@ valid = st.integers(1, 4).flatmap(
     lambda n: st.tuples(*[st.lists(st.integers(0, BLOCKS - 1), min_size=n, max_size=n, unique=True)] * 2)
 )
 spec = st.one_of(valid, valid, valid, st.tuples(ids, ids))
-# a submit takes the next job id, or (`again`) the one before: in flight if it was accepted, as
-# nothing polled in between (whether a poll has returned a job depends on timing)
+# a submit takes the next job id and, `twice`, submits it again at once: refused if the first
+# was accepted (whether a poll between them would have returned it depends on timing)
 operation = st.one_of(
     st.tuples(st.just("submit"), st.sampled_from([False, False, True]), spec, st.booleans()),
     st.tuples(st.just("wait"), st.integers(0, 6)),
@@ -55,28 +55,31 @@ operation = st.one_of(
 )
 
 
+def submit(worker: OffloadWorker, kind: str, job_id, dev, host):
+    """The submit's answer, or its error's type and message."""
+    try:
+        if kind == "store":
+            return worker.submit_store(job_id, DeviceBlocks(dev), HostBlocks(host))
+        return worker.submit_load(job_id, HostBlocks(host), DeviceBlocks(dev))
+    except InvalidSpecError as exc:
+        return type(exc).__name__, str(exc)
+
+
 def play(worker: OffloadWorker, kind: str, operations, first_id: int = 0) -> tuple[list, list]:
-    """What each operation answered (a value, or an error's type and message), and the results
-    polls returned, in their order. Submits are all of one `kind` (the lanes are not ordered
-    against each other), their job ids from `first_id` on."""
+    """What each submit answered, and the results polls returned, in their order. Submits are
+    all of one `kind` (the lanes are not ordered against each other), their job ids from
+    `first_id` on."""
     answers, results, job_id = [], [], first_id - 1
     for op in operations:
-        try:
-            if op[0] == "wait":
-                worker.wait([op[1]])
-                answers.append(None)
-            elif op[0] == "poll":
-                results += [(r.job_id, r.success, r.transfer_size) for r in worker.get_finished()]
-            else:
-                _, again, (dev, host), numpy_id = op
-                job_id = job_id if again and job_id >= first_id else job_id + 1
-                given = np.int64(job_id) if numpy_id else job_id
-                if kind == "store":
-                    answers.append(worker.submit_store(given, DeviceBlocks(dev), HostBlocks(host)))
-                else:
-                    answers.append(worker.submit_load(given, HostBlocks(host), DeviceBlocks(dev)))
-        except InvalidSpecError as exc:
-            answers.append((type(exc).__name__, str(exc)))
+        if op[0] == "wait":
+            worker.wait([op[1]])
+        elif op[0] == "poll":
+            results += [(r.job_id, r.success, r.transfer_size) for r in worker.get_finished()]
+        else:
+            _, twice, (dev, host), numpy_id = op
+            job_id += 1
+            for _ in range(1 + twice):
+                answers.append(submit(worker, kind, np.int64(job_id) if numpy_id else job_id, dev, host))
     return answers, results
 
 
@@ -187,7 +190,10 @@ def test_a_ready_event_that_cannot_be_recorded_queues_nothing(compiled, monkeypa
     (Ctrl-C) is raised. Either way the job id is free again."""
     backend = ExpandingCpuBackend()
     with make_worker(True, backend) as worker:
-        queue = worker._queues[next(iter(worker._queues))]
+        assert worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))  # the lane's launcher starts
+        worker.wait([0])
+        worker.get_finished()
+        queue = worker._queues[Direction.STORE]
         made = backend.new_event
         monkeypatch.setattr(queue, "_free_events", [])
         monkeypatch.setattr(backend, "new_event", lambda: FailingEvent(made(), error))
@@ -294,6 +300,7 @@ def test_a_launch_bookkeeping_failure_after_the_job_is_queued_reports_it_as_the_
         return take(*args)
 
     queue._take = fail_once
+    queue._launch_s = 0.0  # no burst: the submit launches itself, the device being idle
     assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1])) is False
     queue._take = take
     worker.wait([1])
