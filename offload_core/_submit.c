@@ -221,26 +221,27 @@ static int ids_fit(PyObject *dev_ids, PyObject *host_ids, PyObject *layout, int 
     return fit;
 }
 
+/* obj.name[0] as a C long long; -1 with an exception. */
+static long long first_of(PyObject *obj, PyObject *name) {
+    PyObject *seq = PyObject_GetAttr(obj, name);
+    if (seq == NULL) return -1;
+    PyObject *first = PySequence_GetItem(seq, 0);
+    Py_DECREF(seq);
+    if (first == NULL) return -1;
+    long long out = PyLong_AsLongLong(first);
+    Py_DECREF(first);
+    return out;
+}
+
 /* Bytes and copies of a simple job of n blocks; 0 where a store elects writers (the Python path's). */
 static int job_size(PyObject *layout, int store, Py_ssize_t n, long long *nbytes, long long *items) {
     if (store) {
-        PyObject *periods = PyObject_GetAttr(layout, s__periods);
-        if (periods == NULL) return -1;
-        PyObject *first = PySequence_GetItem(periods, 0);
-        Py_DECREF(periods);
-        if (first == NULL) return -1;
-        long long period = PyLong_AsLongLong(first);
-        Py_DECREF(first);
+        long long period = first_of(layout, s__periods);
         if (period == -1 && PyErr_Occurred()) return -1;
         if (period > 1) return 0;
     }
-    PyObject *entry = PyObject_GetAttr(layout, s__entry_bytes);
-    if (entry == NULL) return -1;
-    PyObject *first = PySequence_GetItem(entry, 0);
-    Py_DECREF(entry);
-    if (first == NULL) return -1;
-    long long per_block = PyLong_AsLongLong(first);
-    Py_DECREF(first);
+    long long per_block = first_of(layout, s__entry_bytes);
+    if (per_block == -1 && PyErr_Occurred()) return -1;
     long long copies = long_attr(layout, s__single_entries);
     if (PyErr_Occurred()) return -1;
     *nbytes = per_block * (long long)n;

@@ -233,29 +233,6 @@ def test_back_pressure_takes_the_python_path_and_counts(compiled):
         assert worker.stats()["store"].backpressure_waits == 1
 
 
-def test_one_job_id_from_two_threads_is_accepted_once(compiled):
-    with make_worker(True) as worker:
-        for trial in range(100):
-            barrier, outcomes = threading.Barrier(2), []
-
-            def submit(block):
-                barrier.wait()
-                try:
-                    outcomes.append(worker.submit_store(trial, DeviceBlocks([block]), HostBlocks([block])))
-                except InvalidSpecError as exc:
-                    assert "still in flight" in str(exc)
-                    outcomes.append(None)
-
-            threads = [threading.Thread(target=submit, args=(b,)) for b in (1, 2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            assert sorted(outcomes, key=str) == [None, True], f"trial {trial}: {outcomes}"
-            worker.wait([trial])
-            assert [r.job_id for r in worker.get_finished()] == [trial]
-
-
 def test_shutdown_racing_compiled_submits_loses_no_accepted_job(compiled):
     for trial in range(20):
         worker = make_worker(True)

@@ -110,9 +110,13 @@ def test_submit_wait_and_poll_from_several_threads(backend):
 
 
 @pytest.mark.cpu
-def test_one_job_id_from_two_threads_is_accepted_once():
+@pytest.mark.parametrize("expanding", [False, True], ids=["planned", "compact"])
+def test_one_job_id_from_two_threads_is_accepted_once(expanding):
+    """Also for compact jobs, whose submit is one compiled call where the extension was built."""
+    from offload_core.testing.expanding import ExpandingCpuBackend
+
     kv = small_kv(blocks=16)
-    with OffloadWorker(kv, 16, backend="cpu") as worker:
+    with OffloadWorker(kv, 16, backend=ExpandingCpuBackend() if expanding else "cpu") as worker:
         for trial in range(200):
             barrier = threading.Barrier(2)
             outcomes = []
