@@ -119,19 +119,33 @@ static int as_limit(PyObject *obj, int64_t *out) {
     return 0;
 }
 
-/* `single_check`'s rule over n ids a side, for _submit.c too: 1 fit, 0 not, -1 with an exception. */
-int offload_single_ids_ok(const int64_t *dev, const int64_t *host, Py_ssize_t n, int64_t dev_limit,
-                          int64_t host_limit, int unique_dev) {
-    if (any_outside(dev, n, dev_limit) || any_outside(host, n, host_limit)) return 0;
-    int dup = unique_dev ? has_duplicates(dev, n, dev_limit) : has_duplicates(host, n, host_limit);
-    return dup < 0 ? -1 : !dup;
-}
-
-int offload_int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name) {
-    return int64_buffer(obj, view, writable, name);
+/* `single_check`'s rule, for _submit.c too: 1 where a one-group job of these ids may go as it is,
+ * 0 where not, -1 with an exception. */
+int offload_single_fit(PyObject *dev_ids, PyObject *host_ids, int64_t dev_limit, int64_t host_limit,
+                       int unique_dev) {
+    Py_buffer dev, host;
+    if (int64_buffer(dev_ids, &dev, 0, "dev_ids") < 0) return -1;
+    if (int64_buffer(host_ids, &host, 0, "host_ids") < 0) {
+        PyBuffer_Release(&dev);
+        return -1;
+    }
+    const int64_t *d = dev.buf, *h = host.buf;
+    Py_ssize_t n = dev.len / 8;
+    int fit = 0;
+    if (n > 0 && host.len == dev.len && !any_outside(d, n, dev_limit) && !any_outside(h, n, host_limit)) {
+        int dup = unique_dev ? has_duplicates(d, n, dev_limit) : has_duplicates(h, n, host_limit);
+        fit = dup < 0 ? -1 : !dup;
+    }
+    PyBuffer_Release(&dev);
+    PyBuffer_Release(&host);
+    return fit;
 }
 
 int offload_as_limit(PyObject *obj, int64_t *out) { return as_limit(obj, out); }
+
+int offload_arity(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most) {
+    return arity(name, nargs, least, most);
+}
 
 PyDoc_STRVAR(single_check_doc,
              "single_check(dev_ids, host_ids, dev_limit, host_limit, unique_dev) -> bool\n\n"
@@ -145,22 +159,9 @@ static PyObject *single_check(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (as_limit(args[2], &dev_limit) < 0 || as_limit(args[3], &host_limit) < 0) return NULL;
     int unique_dev = PyObject_IsTrue(args[4]);
     if (unique_dev < 0) return NULL;
-    Py_buffer dev, host;
-    if (int64_buffer(args[0], &dev, 0, "dev_ids") < 0) return NULL;
-    if (int64_buffer(args[1], &host, 0, "host_ids") < 0) {
-        PyBuffer_Release(&dev);
-        return NULL;
-    }
-    Py_ssize_t n = dev.len / 8;
-    PyObject *result = Py_False;
-    if (n > 0 && host.len == dev.len) {
-        int ok = offload_single_ids_ok(dev.buf, host.buf, n, dev_limit, host_limit, unique_dev);
-        result = ok < 0 ? NULL : ok ? Py_True : Py_False;
-    }
-    PyBuffer_Release(&dev);
-    PyBuffer_Release(&host);
-    Py_XINCREF(result);
-    return result;
+    int fit = offload_single_fit(args[0], args[1], dev_limit, host_limit, unique_dev);
+    if (fit < 0) return NULL;
+    return PyBool_FromLong(fit);
 }
 
 PyDoc_STRVAR(first_clash_doc,

@@ -12,8 +12,8 @@
  * nothing changed, after it (the launch's bookkeeping) with the job queued. It holds the worker's
  * and then the queue's lock while it queues the job, in the order the worker takes them, so
  * that to other threads it is the Python path. It does not call the queue's `_event`,
- * `_burst_full` or `_ensure_launcher`, nor the layout's `job`: a test that patches them turns
- * the compiled submit off (`offload_core.worker._compiled_submit`).
+ * `_burst_full` or `_ensure_launcher`, nor the layout's `job`: a test that replaces them turns
+ * the compiled steps off (`OFFLOAD_CORE_NATIVE=0`).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,10 +27,10 @@
 #endif
 
 /* _native.c's, shared */
-int offload_single_ids_ok(const int64_t *dev, const int64_t *host, Py_ssize_t n, int64_t dev_limit,
-                          int64_t host_limit, int unique_dev); /* 1, 0, or -1 with an exception */
-int offload_int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name);
+int offload_single_fit(PyObject *dev_ids, PyObject *host_ids, int64_t dev_limit, int64_t host_limit,
+                       int unique_dev); /* 1, 0, or -1 with an exception */
 int offload_as_limit(PyObject *obj, int64_t *out);
+int offload_arity(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most);
 
 /* What `submit_setup` was given. */
 enum { DEVICE_BLOCKS, HOST_BLOCKS, COMPACT_JOB, PENDING, QUEUE, STORE, PERF_COUNTER, MONOTONIC, GIVEN };
@@ -83,10 +83,7 @@ static int slots_are(PyObject *type) {
 }
 
 static PyObject *submit_setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != GIVEN) {
-        PyErr_Format(PyExc_TypeError, "submit_setup takes %d arguments (%zd given)", GIVEN, nargs);
-        return NULL;
-    }
+    if (!offload_arity("submit_setup", nargs, GIVEN, GIVEN)) return NULL;
     for (int i = DEVICE_BLOCKS; i <= QUEUE; i++)
         if (!PyType_Check(args[i])) return PyErr_Format(PyExc_TypeError, "submit_setup: argument %d must be a type", i);
     if (!PyType_IsSubtype((PyTypeObject *)args[PENDING], &PyTuple_Type))
@@ -196,28 +193,18 @@ static PyObject *compact_job(PyObject *layout, PyObject *direction, PyObject *de
 
 /* The ids' checks of `_job_single`: 1 fit, 0 not (the Python path names the rule), -1 error. */
 static int ids_fit(PyObject *dev_ids, PyObject *host_ids, PyObject *layout, int store, Py_ssize_t *n) {
-    Py_buffer dev, host;
-    if (offload_int64_buffer(dev_ids, &dev, 0, "dev_ids") < 0) return -1;
-    if (offload_int64_buffer(host_ids, &host, 0, "host_ids") < 0) {
-        PyBuffer_Release(&dev);
-        return -1;
-    }
+    if ((*n = PyObject_Length(dev_ids)) < 0) return -1;
+    int64_t dev_limit, host_limit;
+    PyObject *a = PyObject_GetAttr(layout, s__single_limit), *b = PyObject_GetAttr(layout, s_host_blocks);
     int fit = 0;
-    *n = dev.len / 8;
-    if (*n > 0 && host.len == dev.len) {
-        int64_t dev_limit, host_limit;
-        PyObject *a = PyObject_GetAttr(layout, s__single_limit), *b = PyObject_GetAttr(layout, s_host_blocks);
-        if (a == NULL || b == NULL)
-            fit = -1;
-        else if (a != Py_None && offload_as_limit(a, &dev_limit) == 0 && offload_as_limit(b, &host_limit) == 0)
-            fit = offload_single_ids_ok(dev.buf, host.buf, *n, dev_limit, host_limit, !store);
-        else if (PyErr_Occurred())
-            fit = -1;
-        Py_XDECREF(a);
-        Py_XDECREF(b);
-    }
-    PyBuffer_Release(&dev);
-    PyBuffer_Release(&host);
+    if (a == NULL || b == NULL)
+        fit = -1;
+    else if (a != Py_None && offload_as_limit(a, &dev_limit) == 0 && offload_as_limit(b, &host_limit) == 0)
+        fit = offload_single_fit(dev_ids, host_ids, dev_limit, host_limit, !store);
+    else if (PyErr_Occurred())
+        fit = -1;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
     return fit;
 }
 
@@ -316,10 +303,7 @@ PyDoc_STRVAR(submit_simple_doc,
              "Python path must take it (see the file's comment).");
 
 static PyObject *submit_simple(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "submit_simple takes 5 arguments (%zd given)", nargs);
-        return NULL;
-    }
+    if (!offload_arity("submit_simple", nargs, 5, 5)) return NULL;
     PyObject *worker = args[0], *queue = args[1], *job_id = args[2], *device = args[3], *host = args[4];
     if (given[0] == NULL || !PyLong_CheckExact(job_id) || (PyObject *)Py_TYPE(device) != given[DEVICE_BLOCKS] ||
         (PyObject *)Py_TYPE(host) != given[HOST_BLOCKS] || (PyObject *)Py_TYPE(queue) != given[QUEUE])

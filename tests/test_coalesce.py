@@ -6,33 +6,28 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from helpers import compiled_or_skip, small_kv
-from hypothesis import given
-from hypothesis import strategies as st
 
 from offload_core import DeviceBlocks, HostBlocks, OffloadWorker
 from offload_core.backends.cpu import CpuEvent
-from offload_core.queue import _first_clash, enqueue_lock
+from offload_core.queue import enqueue_lock
 from offload_core.testing.expanding import ExpandingCpuBackend
 
 pytestmark = pytest.mark.cpu
 
 
-@pytest.fixture(autouse=True, params=["compiled submit", "python submit"])
-def submit_path(request, monkeypatch):
-    """Every test on both paths of a simple job's submit: the compiled one (`_native.submit_simple`,
-    skipped where it was not built) and its twin in Python."""
-    from offload_core import worker
-
-    if request.param == "compiled submit":
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def core_steps(request, monkeypatch):
+    """Every test on both paths of the core: the compiled steps (the whole submit of a simple job
+    among them, `_native.submit_simple`; skipped where they were not built) and their twins,
+    numpy's and Python's (``OFFLOAD_CORE_NATIVE=0``)."""
+    if request.param == "compiled":
         compiled_or_skip(True)
     else:
-        monkeypatch.setattr(worker, "_compiled_submit", lambda layout: None)
+        monkeypatch.setenv("OFFLOAD_CORE_NATIVE", "0")
 
 
 def store(worker, job_id, dev, host):
@@ -491,56 +486,6 @@ def test_a_burst_of_burst_bytes_is_launched_by_the_submit():
         worker.wait([0])
         store(worker, 1, [1], [1])  # part of a burst, on an idle device, yet launched here
         assert backend.by == [threading.current_thread()] * 2
-
-
-class _Keys:
-    """What `_first_clash` reads of a job: its destination keys, their bound, and whether its
-    layout takes the compiled steps."""
-
-    def __init__(self, keys, limit, compiled):
-        self._keys, self.destination_limit = np.array(keys, dtype=np.int64), limit
-        self.layout = SimpleNamespace(native=compiled)
-
-    def destinations(self):
-        return self._keys
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
-@given(
-    jobs=st.lists(st.lists(st.integers(0, 63), max_size=12), min_size=1, max_size=8),
-    limit_extra=st.sampled_from([0, 100000]),  # a bound near the keys (bitmap) or far above them (sort)
-)
-def test_a_launch_ends_before_the_first_job_that_writes_what_an_earlier_one_writes(compiled, jobs, limit_extra):
-    module = compiled_or_skip(compiled)
-    want = len(jobs)
-    for i in range(1, len(jobs)):
-        if set(jobs[i]) & set().union(*jobs[:i]):
-            want = i
-            break
-    assert _first_clash([_Keys(k, 64 + limit_extra, module) for k in jobs]) == want
-
-
-def test_the_compiled_clash_check_counts_every_key_and_lets_go_of_every_buffer():
-    from array import array
-
-    module = compiled_or_skip(True)
-    many = [np.arange(i * 1000, i * 1000 + 1000, dtype=np.int64) for i in range(40)]
-    assert module.first_clash(many) == 40
-    many[33] = many[33].copy()
-    many[33][-1] = 5  # job 0's key, in the last place of job 33
-    assert module.first_clash(many) == 33
-    assert module.first_clash([np.array([7, 7, 7], dtype=np.int64), np.array([8], dtype=np.int64)]) == 2
-    assert module.first_clash([]) == 0
-    assert module.first_clash([np.array([3], dtype=np.int64)]) == 1
-    assert module.first_clash([np.array([-1], dtype=np.int64), np.array([-1], dtype=np.int64)]) == 1
-    # 8 and 16 both hash to the last of the 8 slots that 3 keys get: 16 wraps to slot 0
-    assert module.first_clash([np.array([8, 16], dtype=np.int64), np.array([16], dtype=np.int64)]) == 1
-    keys = [array("q", [1, 2]), array("q", [3, 2]), array("q", [9])]
-    assert module.first_clash(keys) == 1
-    for a in keys:
-        a.append(0)
-    with pytest.raises(TypeError, match="keys must be a C-contiguous int64 array"):
-        module.first_clash([np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int64)])
 
 
 def test_a_launch_whose_bookkeeping_fails_reports_each_job_once():

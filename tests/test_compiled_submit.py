@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, InvalidSpecError, OffloadError, OffloadWorker
-from offload_core import worker as worker_module
 from offload_core.compact import CompactLayout
 from offload_core.queue import enqueue_lock
 from offload_core.testing.expanding import ExpandingCpuBackend
@@ -27,9 +26,9 @@ BLOCKS = 8  # device and host blocks: small, so that ids collide and go out of r
 
 def make_worker(compiled: bool, backend=None, **kwargs) -> OffloadWorker:
     kv = small_kv(pages=(64, 32), blocks=BLOCKS)
-    if not compiled:
+    if not compiled:  # the twin: numpy's and Python's steps
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(worker_module, "_compiled_submit", lambda layout: None)
+            mp.setenv("OFFLOAD_CORE_NATIVE", "0")
             return OffloadWorker(kv, BLOCKS, backend=backend or ExpandingCpuBackend(), **kwargs)
     worker = OffloadWorker(kv, BLOCKS, backend=backend or ExpandingCpuBackend(), **kwargs)
     assert worker._submit_simple is not None
