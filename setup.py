@@ -11,7 +11,7 @@ setup(
     ext_modules=[
         Extension(
             "offload_core._native",
-            ["offload_core/_native.c", "offload_core/_posting.c", "offload_core/_submit.c"],
+            ["offload_core/_native.c", "offload_core/_posting.c", "offload_core/_submit.c", "offload_core/_frozen.c"],
             extra_compile_args=threads,
             extra_link_args=threads,
             optional=True,

@@ -3,8 +3,8 @@
  * offload_core/compact.py), `concat` what `CompactJob.concat` does (jobs
  * joined for one launch), `first_clash` what `queue._first_clash` does (which waiting jobs may
  * share a launch, offload_core/queue.py), `row_runs` what `compact._row_runs` does (a job's
- * host-contiguous runs, for the cuda backend's choice of mechanism), `frozen` what a large
- * array's `tobytes` does (`layout._frozen`, a spec's private copy of its ids); `submit_simple`
+ * host-contiguous runs, for the cuda backend's choice of mechanism), `frozen` (_frozen.c) what a
+ * large array's `tobytes` does (`layout._frozen`, a spec's private copy of its ids); `submit_simple`
  * (_submit.c) what a simple compact job's whole submit does. `context_call` calls a
  * driver entry point without ctypes, in a given context (the cuda backend's events, stream
  * waits and descriptor-table uploads); `Poster` (_posting.c) issues driver calls on a thread of its own.
@@ -17,9 +17,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 /* Up to this many ids, pairwise comparison finds duplicates faster than a bitmap or a hash set. */
 #define FEW 64
@@ -110,6 +107,42 @@ static int has_duplicates(const int64_t *ids, Py_ssize_t n, int64_t limit) {
     return dup;
 }
 
+static uint64_t popcount(uint64_t x) {
+#if defined(__GNUC__) || defined(__clang__)
+    return (uint64_t)__builtin_popcountll(x);
+#else
+    x -= (x >> 1) & 0x5555555555555555ull;
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    return (((x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full) * 0x0101010101010101ull) >> 56;
+#endif
+}
+
+/* Whether an id lies outside [0, limit) or occurs twice, in one pass: a bit per possible id,
+ * set without a branch (an id outside sets bit 0 of word 0 and is counted as bad), and the
+ * bits counted at the end (as many as ids where none repeats). For many ids among few possible
+ * ones: a million ids read once instead of twice (`any_outside`, then `has_duplicates`), about
+ * 0.7 of 3 ms less on the CI-class CPU. -1 with an exception on no memory. */
+static int outside_or_repeated(const int64_t *ids, Py_ssize_t n, int64_t limit) {
+    if (limit <= 0) return n > 0;
+    const uint64_t top = (uint64_t)limit;
+    uint64_t *seen = calloc((size_t)(top / 64) + 1, sizeof(uint64_t));
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t id = (uint64_t)ids[i], in = id < top;
+        bad += 1 - in;
+        id *= in;
+        seen[id >> 6] |= in << (id & 63);
+    }
+    uint64_t bits = 0;
+    for (size_t w = 0; w <= top / 64; w++) bits += popcount(seen[w]);
+    free(seen);
+    return bad != 0 || bits != (uint64_t)n;
+}
+
 /* An int argument as int64: one above every int64 saturates (no id reaches it). */
 static int as_limit(PyObject *obj, int64_t *out) {
     int overflow = 0;
@@ -132,9 +165,15 @@ int offload_single_fit(PyObject *dev_ids, PyObject *host_ids, int64_t dev_limit,
     const int64_t *d = dev.buf, *h = host.buf;
     Py_ssize_t n = dev.len / 8;
     int fit = 0;
-    if (n > 0 && host.len == dev.len && !any_outside(d, n, dev_limit) && !any_outside(h, n, host_limit)) {
-        int dup = unique_dev ? has_duplicates(d, n, dev_limit) : has_duplicates(h, n, host_limit);
-        fit = dup < 0 ? -1 : !dup;
+    const int64_t *unique = unique_dev ? d : h, *other = unique_dev ? h : d;
+    int64_t unique_limit = unique_dev ? dev_limit : host_limit, other_limit = unique_dev ? host_limit : dev_limit;
+    if (n > 0 && host.len == dev.len && !any_outside(other, n, other_limit)) {
+        int bad;
+        if (n > FEW && (uint64_t)n * 64 >= (uint64_t)unique_limit)
+            bad = outside_or_repeated(unique, n, unique_limit);
+        else
+            bad = any_outside(unique, n, unique_limit) ? 1 : has_duplicates(unique, n, unique_limit);
+        fit = bad < 0 ? -1 : !bad;
     }
     PyBuffer_Release(&dev);
     PyBuffer_Release(&host);
@@ -416,37 +455,14 @@ static PyObject *row_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("nn", runs, in_short);
 }
 
-PyDoc_STRVAR(frozen_doc,
-             "frozen(buffer) -> bytes\n\n"
-             "The bytes of a C-contiguous buffer, copied into a new bytes object (what its `tobytes`\n"
-             "gives); from 4 MiB on, the copy's pages are asked to be huge first (Linux), which halves\n"
-             "the time of the page faults a fresh copy of that size takes.");
-
-static PyObject *frozen(PyObject *self, PyObject *arg) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, view.len);
-    if (out != NULL) {
-        char *dst = PyBytes_AS_STRING(out);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-        const uintptr_t huge = (uintptr_t)2 << 20;
-        if (view.len >= (Py_ssize_t)(4 << 20)) { /* only the 2 MiB pages wholly inside the copy */
-            uintptr_t start = ((uintptr_t)dst + huge - 1) & ~(huge - 1);
-            uintptr_t end = ((uintptr_t)dst + (uintptr_t)view.len) & ~(huge - 1);
-            if (end > start) (void)madvise((void *)start, end - start, MADV_HUGEPAGE); /* advice: may be ignored */
-        }
-#endif
-        memcpy(dst, view.buf, (size_t)view.len);
-    }
-    PyBuffer_Release(&view);
-    return out;
-}
+PyObject *offload_frozen(PyObject *self, PyObject *arg); /* _frozen.c */
+extern const char offload_frozen_doc[];
 
 static PyMethodDef methods[] = {
     {"concat", (PyCFunction)(void (*)(void))concat, METH_FASTCALL, concat_doc},
     {"context_call", (PyCFunction)(void (*)(void))context_call, METH_FASTCALL, context_call_doc},
     {"first_clash", first_clash, METH_O, first_clash_doc},
-    {"frozen", frozen, METH_O, frozen_doc},
+    {"frozen", offload_frozen, METH_O, offload_frozen_doc},
     {"row_runs", (PyCFunction)(void (*)(void))row_runs, METH_FASTCALL, row_runs_doc},
     {"single_check", (PyCFunction)(void (*)(void))single_check, METH_FASTCALL, single_check_doc},
     {NULL, NULL, 0, NULL},
@@ -458,9 +474,10 @@ static struct PyModuleDef module = {
 
 int add_poster(PyObject *module); /* _posting.c */
 int add_submit(PyObject *module); /* _submit.c */
+int add_frozen(PyObject *module); /* _frozen.c */
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (add_poster(m) < 0 || add_submit(m) < 0)) Py_CLEAR(m);
+    if (m != NULL && (add_poster(m) < 0 || add_submit(m) < 0 || add_frozen(m) < 0)) Py_CLEAR(m);
     return m;
 }

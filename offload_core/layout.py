@@ -314,10 +314,11 @@ class DeviceBlocks:
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:
-    """A copy of `array` over an immutable bytes object: numpy refuses to make it writeable
-    (a read-only copy that owns its memory can be made writeable again, and a compact job
-    reads its ids when it launches, after they were checked). Large ones through the compiled
-    copy, which takes half the time (`_native.frozen`)."""
+    """A copy of `array` over an immutable buffer: numpy refuses to make it writeable (a
+    read-only copy that owns its memory can be made writeable again, and a compact job reads
+    its ids when it launches, after they were checked). Large ones through the compiled copy
+    (`_native.frozen`), whose memory is reused from earlier copies: a fresh one's page faults
+    cost several times the copy."""
     if array.nbytes >= _FROZEN_NATIVE_BYTES and array.flags.c_contiguous:
         try:
             compiled = native.load()
@@ -328,7 +329,7 @@ def _frozen(array: np.ndarray) -> np.ndarray:
     return np.frombuffer(array.tobytes(), array.dtype)  # dtype by position: numpy parses keywords slower
 
 
-_FROZEN_NATIVE_BYTES = 4 << 20  # half a million ids: below, tobytes' page faults are few
+_FROZEN_NATIVE_BYTES = 4 << 20  # half a million ids: below, malloc reuses memory and tobytes' page faults are few
 
 
 _ZEROS = [_frozen(np.zeros(n, dtype=np.int64)) for n in range(17)]  # shared block_indices of few groups

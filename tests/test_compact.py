@@ -588,12 +588,39 @@ def test_only_simple_jobs_of_a_bounded_size_are_put_in_host_order():
 @pytest.mark.parametrize("n", [0, 1, 17, (4 << 20) // 8 - 1, (4 << 20) // 8, (4 << 20) // 8 + 12345])
 def test_the_compiled_frozen_copy_is_tobytes(n):
     """`_native.frozen` (large specs' private copy of their ids) gives what `tobytes` gives, at
-    sizes around the 4 MiB from which it asks for huge pages, from an offset view too."""
+    sizes around 4 MiB (from there specs take it), from an offset view too, read-only."""
     compiled = compiled_or_skip(True)
     ids = np.random.default_rng(n).integers(-(1 << 62), 1 << 62, n + 3)
     for array in (ids[:n], ids[3:]):
         got = compiled.frozen(array)
-        assert type(got) is bytes and got == array.tobytes()
+        assert bytes(memoryview(got)) == array.tobytes() and memoryview(got).readonly
+        with pytest.raises(ValueError, match="WRITEABLE"):  # no array over it can write
+            np.frombuffer(got, np.uint8).setflags(write=True)
+        with pytest.raises(TypeError, match="not writable"):  # nor anything else
+            (ctypes.c_char * 1).from_buffer(got)
+
+
+def test_frozen_copies_reuse_the_memory_of_dead_ones_and_never_share_a_live_ones():
+    """The pool behind `_native.frozen`: a copy made after another died may take its memory
+    (and then holds the new bytes, not the old); copies alive together never share memory,
+    whatever the sizes (below, within and above the pool's, and more copies than its slots)."""
+    compiled = compiled_or_skip(True)
+    rng = np.random.default_rng(5)
+    sizes = [1 << 19, (1 << 19) + 5, 1 << 20, 3 << 20, 1 << 21, 9 << 20, 1 << 19]
+    for _ in range(3):
+        arrays = [rng.integers(0, 1 << 40, n) for n in sizes]
+        copies = [compiled.frozen(a) for a in arrays]
+        views = [np.frombuffer(c, np.int64) for c in copies]
+        spans = sorted((v.ctypes.data, v.ctypes.data + v.nbytes) for v in views)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        for a, v in zip(arrays, views):
+            assert np.array_equal(a, v) and not v.flags.writeable
+        del copies, views, v
+    dead = compiled.frozen(np.arange(1 << 20))
+    address = np.frombuffer(dead, np.int64).ctypes.data
+    del dead
+    again = np.frombuffer(compiled.frozen(np.arange(1 << 20)[::-1].copy()), np.int64)
+    assert again.ctypes.data == address and again[0] == (1 << 20) - 1
 
 
 def test_large_specs_keep_an_immutable_copy_of_their_ids():
