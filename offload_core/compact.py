@@ -199,6 +199,8 @@ class CompactLayout:
             where they were not built or are switched off: numpy then.
         simple_jobs: every job of this layout that moves blocks is simple (`CompactJob.simple`):
             one group, one block per chunk.
+        id_limit: where `simple_jobs`, one above any id (device or host) that such a job may
+            hold, as its submit checked; else None.
     """
 
     def __init__(self, planner: Planner, compiled: bool = True):
@@ -251,6 +253,7 @@ class CompactLayout:
         self._single_entries = int(self.group_entries[1, 0]) if self.group_entries.size else 0  # copies per block
         self.native = native.load() if compiled else None  # the compiled steps its jobs take, or None
         self.simple_jobs = self._single_limit is not None  # every job that moves blocks is simple
+        self.id_limit = max(self._single_limit, self.host_blocks) if self.simple_jobs else None
         self.device_limit = planner.device_limit  # above every device block id
 
     @property

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from offload_core.backend import Direction
 from offload_core.backends.cuda import MECHANISMS, kernels, staging
+from offload_core.backends.cuda import blocks as cuda_blocks
 from offload_core.backends.cuda import driver as drv
 from offload_core.backends.cuda.events import DriverEvent, RawStream
 from offload_core.backends.cuda.select import CostModel, piece_bounds, profile_path
@@ -417,37 +418,44 @@ class RingDevice:
         self.copies.append((dst, nbytes, stream))
 
 
-def _read(address, count):
-    return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_int64)), (count,)).copy()
+def _read(address, count, kind=ctypes.c_int64):
+    return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(kind)), (count,)).copy()
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     jobs=st.lists(
-        st.tuples(st.integers(1, 300), st.integers(1, 3), st.integers(0, 300), st.booleans()), min_size=1, max_size=40
+        st.tuples(st.integers(1, 300), st.integers(1, 3), st.integers(0, 300), st.booleans(), st.booleans()),
+        min_size=1,
+        max_size=40,
     )
 )
 def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
+    """Tables of int64 and of int32 (`narrow`, an odd count of them taking half an entry) side
+    by side: each reads back as it went up while its job is pending."""
     from offload_core.backends.cuda.ring import DescriptorRing
 
     fake = RingDevice()
     ring = DescriptorRing(fake.torch, None, fake.memcpy, entries=512)
     stream = SimpleNamespace(cuda_stream=7)
-    pending = []  # (event, [(device address, expected values)])
-    for j, (n, k, split, finish_oldest) in enumerate(jobs):
+    pending = []  # (event, [(device address, expected values, width)])
+    for j, (n, k, split, narrow, finish_oldest) in enumerate(jobs):
         columns = [np.arange(n, dtype=np.int64) + 1000 * (j * 4 + c) for c in range(k)]
-        tables, keep = ring.upload(columns, stream, split)
+        tables, keep = ring.upload(columns, stream, split, narrow=narrow)
         parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
         assert len(tables) == len(parts)
+        width = 4 if narrow else 8
         expect = [
-            (tables[p] + 8 * c * (b - a), col[a:b]) for p, (a, b) in enumerate(parts) for c, col in enumerate(columns)
+            (tables[p] + width * c * (b - a), col[a:b], width)
+            for p, (a, b) in enumerate(parts)
+            for c, col in enumerate(columns)
         ]
         event = FakeEvent()
         ring.retire(event)
         pending.append((event, expect, keep))
         for _, exp, _ in pending:  # every pending job's tables still hold its descriptors
-            for address, values in exp:
-                assert (_read(address, len(values)) == values).all()
+            for address, values, w in exp:
+                assert (_read(address, len(values), ctypes.c_int32 if w == 4 else ctypes.c_int64) == values).all()
         if finish_oldest:
             pending.pop(0)[0].done = True
     assert all(stream == 7 for _, _, stream in fake.copies)
@@ -1187,7 +1195,14 @@ def host_prepared(layout):
         entry_count=layout.entries.shape[1],
         group_count=layout.group_entries.shape[1],
         per_block=layout.max_entries,
+        narrow=cuda_blocks.narrow_ids(layout),
     )
+
+
+def _as_uploaded(cols, narrow: bool) -> np.ndarray:
+    """A table's columns as `DescriptorRing.upload` writes them (int32 where `narrow`), read
+    back as the kernel's loads widen them: an id that int32 cannot hold comes back wrong."""
+    return np.concatenate(cols).astype(np.int32 if narrow else np.int64).astype(np.int64)
 
 
 def kernel_reading(table: np.ndarray, n: int, rows, layout, store: bool):
@@ -1246,10 +1261,12 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
     uploaded, launched = [], []
 
     class Ring:
-        def upload(self, cols, stream):
-            uploaded.append(np.concatenate(cols))
+        def upload(self, cols, stream, narrow=False):
+            uploaded.append(_as_uploaded(cols, narrow))
+            widths.append(narrow)
             return [0], []
 
+    widths = []
     monkeypatch.setattr(cuda_blocks.kernels, "expand", lambda *args: launched.append(args))
     copier = cuda_blocks.BlockCopier.__new__(cuda_blocks.BlockCopier)
     copier.backend = SimpleNamespace(_ring=Ring(), _poster=None)
@@ -1257,6 +1274,7 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
     copier.expand(job, prepared, 0, len(job), None, [], 4, stage)
     (args,) = launched
     assert args[1] == len(job) and args[7] == (direction is Direction.STORE)
+    assert widths == [job.simple] and args[13] == job.simple  # the kernel reads the table as it went up
     got = kernel_reading(uploaded[0], len(job), args[11], layout, direction is Direction.STORE)
     want = layout.descriptors(job, stage)
     for g, w in zip(got, want):
@@ -1291,7 +1309,9 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
     backend = host_only_backend(monkeypatch, FakeLib())
     # the ring's device memory, where every job's table lies, at an address of either kind (the
     # warm-up once passed another table, a CPU heap's in this test: on the H200 it fitted 32 bits)
-    backend._ring = SimpleNamespace(upload=lambda cols, stream, split=0: ([ring], []), device_address=lambda: ring)
+    backend._ring = SimpleNamespace(
+        upload=lambda cols, stream, split=0, narrow=False: ([ring], []), device_address=lambda: ring
+    )
     for simple in (True, False):
         model = Model([16], [[(0, 16)]], 1 if simple else 2, 64, 64)
         planner = Planner(model.geometry)
@@ -1339,15 +1359,30 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
                 assert any(lo <= a and a + n <= hi for lo, hi in regions), f"a copy of {n} bytes at {a:#x}"
             ctypes.memmove(d, s, n)
 
-    def upload(cols, stream, split=0):
-        tables[len(tables)] = np.concatenate(cols)
+    def upload(cols, stream, split=0, narrow=False):
+        tables[len(tables)] = (_as_uploaded(cols, narrow), narrow)
         return [len(tables) - 1], []
 
     def expand(
-        table, n, entries, num_entries, groups, num_groups, per_block, is_store, largest, stream, programs, rows, poster
+        table,
+        n,
+        entries,
+        num_entries,
+        groups,
+        num_groups,
+        per_block,
+        is_store,
+        largest,
+        stream,
+        programs,
+        rows,
+        poster,
+        narrow,
     ):
         pieces.append(n)
-        dev, side, sizes = kernel_reading(tables[table], n, rows, layout, is_store)
+        table, uploaded_narrow = tables[table]
+        assert narrow == uploaded_narrow, "the kernel reads its table at another width than it went up"
+        dev, side, sizes = kernel_reading(table, n, rows, layout, is_store)
         half = st.halves[st.next ^ 1]  # the half this piece took
         assert ((side >= half) & (side + sizes <= half + half_bytes)).all(), "the kernel left its half"
         move(side, dev, sizes) if is_store else move(dev, side, sizes)
@@ -1454,7 +1489,9 @@ def test_staging_halves_hand_over_through_driver_markers(monkeypatch, direction)
     backend._blocks.half_bytes = 3 * layout.row_bytes  # three pieces of three rows, the last of two
     ring = 1 << 40
     backend._ring = SimpleNamespace(
-        device_address=lambda: ring, upload=lambda cols, stream, split=0: ([ring], []), retire=lambda event: None
+        device_address=lambda: ring,
+        upload=lambda cols, stream, split=0, narrow=False: ([ring], []),
+        retire=lambda event: None,
     )
     prepared = backend._blocks.prepare(layout)
     stream = backend.new_stream()

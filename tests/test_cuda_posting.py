@@ -119,11 +119,12 @@ class RingLike:
     def device_address(self):
         return self.base
 
-    def upload(self, cols, stream, split=0):
-        table = np.concatenate(cols)
-        self.host[self.at : self.at + table.size] = table
+    def upload(self, cols, stream, split=0, narrow=False):
+        table = np.concatenate(cols).astype(np.int32 if narrow else np.int64)
+        entries = -(-table.nbytes // 8)
+        self.host[self.at : self.at + entries].view(np.uint8)[: table.nbytes] = table.view(np.uint8)
         dev, host = self.base + 8 * self.at, self.host.ctypes.data + 8 * self.at
-        self.at += table.size
+        self.at += entries
         self.backend._table_copy(dev, host, table.nbytes, stream.cuda_stream)
         return [dev], []
 

@@ -1,7 +1,7 @@
 """Compact jobs on the GPU: the block ids go up, the device expands them (`offload_core.compact`).
 
-Per job the host uploads one small table (two int64 per block for simple jobs, five for others,
-through the descriptor ring)
+Per job the host uploads one small table (for simple jobs two ids per block, int32 where they
+fit; five int64 for others, through the descriptor ring)
 and enqueues one expansion kernel and at most one batch of copies per piece:
 
 * ``expand_staged``: the kernel gathers every entry of every block into a staging buffer that
@@ -74,6 +74,13 @@ class Prepared:
         self.group_count = layout.group_entries.shape[1]
         self.per_block = max(1, layout.max_entries)
         self.direct_ok: bool | None = None  # the host rows are device-addressable; known at the first job
+        self.narrow = narrow_ids(layout)
+
+
+def narrow_ids(layout: CompactLayout) -> bool:
+    """Whether `layout`'s jobs are simple and their ids go up as int32: half the bytes to copy,
+    upload and hold (a million-block job's table then fits the ring beside the one before)."""
+    return layout.id_limit is not None and layout.id_limit <= 1 << 31
 
 
 class BlockCopier:
@@ -130,6 +137,7 @@ class BlockCopier:
                         stream,
                         1,
                         rows,
+                        narrow=prepared.narrow,
                     )
         return prepared
 
@@ -222,7 +230,8 @@ class BlockCopier:
             else:
                 addresses = stage + chunks * layout.row_bytes
             cols, rows = (blocks[0, b0:b1], addresses, blocks[2, b0:b1], blocks[3, b0:b1], blocks[4, b0:b1]), None
-        (table,), keep = b._ring.upload(cols, stream)
+        narrow = job.simple and prepared.narrow
+        (table,), keep = b._ring.upload(cols, stream, narrow=narrow)
         held.append(keep)
         kernels.expand(
             table,
@@ -238,6 +247,7 @@ class BlockCopier:
             programs,
             rows,
             b._poster,
+            narrow,
         )
 
     @property

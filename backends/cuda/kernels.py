@@ -148,24 +148,26 @@ def _compile():
         STORE: tl.constexpr,
         SIMPLE: tl.constexpr,
         BY_HOST: tl.constexpr,
+        NARROW: tl.constexpr,
         D: tl.constexpr,
         W: tl.constexpr,
     ):
         # Item t is entry slot t % per_block of block t // per_block (offload_core.compact has the
         # formulas); each program moves a tile of D items at once (`copy_tile`). The block table
         # has five columns, the host row's address in place of the chunk; or, SIMPLE, two: device
-        # and host block ids, the row at row_base + row_step * (host id if BY_HOST else block).
+        # and host block ids (int32 where NARROW), the row at row_base + row_step * (host id if
+        # BY_HOST else block).
         rows = tl.arange(0, D)
-        blk = blocks.to(tl.pointer_type(tl.int64))
+        blk = blocks.to(tl.pointer_type(tl.int32 if NARROW else tl.int64))
         ent = entries.to(tl.pointer_type(tl.int64))
         grp = groups.to(tl.pointer_type(tl.int64))
         for first in range(tl.program_id(0) * D, n * per_block, tl.num_programs(0) * D):
             t = first + rows
             b = t // per_block
             ok = b < n
-            dev_id = tl.load(blk + b, mask=ok, other=0)
+            dev_id = tl.load(blk + b, mask=ok, other=0).to(tl.int64)
             if SIMPLE:
-                page = tl.load(blk + n + b, mask=ok, other=0)
+                page = tl.load(blk + n + b, mask=ok, other=0).to(tl.int64)
                 row = row_base + row_step * (page if BY_HOST else b.to(tl.int64))
                 sub = tl.zeros_like(page)
                 g = tl.zeros_like(page)
@@ -396,6 +398,7 @@ def expand(
     max_programs: int,
     rows: tuple[int, int, bool] | None = None,
     poster=None,
+    narrow: bool = False,
 ) -> None:
     """Enqueue the expansion of `n` blocks on `stream` (posted where `poster` adopted it): the
     device addresses of the block table, the entry table (``ENTRY_COLUMNS``, `num_entries`
@@ -404,11 +407,19 @@ def expand(
 
     The block table is `offload_core.compact.BLOCK_COLUMNS` with the host row's address in place
     of the chunk where `rows` is None; else it is a simple job's two columns, device and host
-    block ids, and `rows` is ``(base, step, by_host)``: block i's host row lies at
-    ``base + step * (its host block if by_host else i)``."""
+    block ids (int32 where `narrow`), and `rows` is ``(base, step, by_host)``: block i's host
+    row lies at ``base + step * (its host block if by_host else i)``."""
     tile, width = expand_tile(largest)
     programs = max(1, min(max_programs, -(-(n * per_block) // tile)))
     base, step, by_host = (0, 0, False) if rows is None else rows
     args = [blocks, n, entries, num_entries, groups, num_groups, per_block, base, step]
-    constexprs = {"STORE": store, "SIMPLE": rows is not None, "BY_HOST": by_host, "D": tile, "W": width}
+    simple = rows is not None
+    constexprs = {
+        "STORE": store,
+        "SIMPLE": simple,
+        "BY_HOST": by_host,
+        "NARROW": simple and narrow,
+        "D": tile,
+        "W": width,
+    }
     _launch(_compile()[2], programs, args, constexprs, stream, poster)

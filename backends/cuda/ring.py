@@ -35,21 +35,25 @@ class DescriptorRing:
         self._head = 0
         self._regions: deque = deque()  # [start, end, event or None while its job is enqueued]
 
-    def upload(self, columns, stream, split: int = 0) -> tuple[list, list]:
+    def upload(self, columns, stream, split: int = 0, narrow: bool = False) -> tuple[list, list]:
         """Copy int64 `columns` (equal lengths n) to the device on `stream`, as one or two parts
-        (``[:split]`` and ``[split:]``, in that order, where ``0 < split < n``).
+        (``[:split]`` and ``[split:]``, in that order, where ``0 < split < n``); as int32 where
+        `narrow` (the caller knows every value fits: block ids checked against their counts),
+        which halves the bytes copied, uploaded and held.
 
         Returns:
             ``(tables, keep)``: per part, the device address of its first column (column j of
-            part p is ``tables[p] + 8 * j * len(p)``), and what must outlive the copies (empty
-            unless the ring was full and one-off memory was used).
+            part p is ``tables[p] + width * j * len(p)``, width 4 where `narrow`, else 8), and
+            what must outlive the copies (empty unless the ring was full and one-off memory was
+            used).
         """
         n, k = len(columns[0]), len(columns)
+        width = 4 if narrow else 8
         parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
-        start = self._reserve(k * n)
+        start = self._reserve(-(-k * n * width // 8))
         if start is None:  # the ring is full of pending jobs: one-off memory, as large as needed
-            host = self._torch.empty(k * n, dtype=self._torch.int64, pin_memory=True)
-            dev = self._torch.empty(k * n, dtype=self._torch.int64, device=self._device)
+            host = self._torch.empty(k * n * width // 8 + 1, dtype=self._torch.int64, pin_memory=True)
+            dev = self._torch.empty(k * n * width // 8 + 1, dtype=self._torch.int64, device=self._device)
             flat, host_ptr, dev_ptr, keep = host.numpy(), host.data_ptr(), dev.data_ptr(), [host, dev]
         else:
             flat, host_ptr, dev_ptr, keep = (
@@ -58,13 +62,15 @@ class DescriptorRing:
                 self._dev_ptr + 8 * start,
                 [],
             )
+        if narrow:
+            flat = flat.view(np.int32)
         handle, tables = stream.cuda_stream, []
         for a, b in parts:
             rows = flat[k * a : k * b].reshape(k, b - a)
             for row, column in zip(rows, columns):
                 row[:] = column[a:b]
-            self._memcpy(dev_ptr + 8 * k * a, host_ptr + 8 * k * a, 8 * k * (b - a), handle)
-            tables.append(dev_ptr + 8 * k * a)
+            self._memcpy(dev_ptr + width * k * a, host_ptr + width * k * a, width * k * (b - a), handle)
+            tables.append(dev_ptr + width * k * a)
         return tables, keep
 
     def device_address(self) -> int:
