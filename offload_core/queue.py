@@ -54,11 +54,7 @@ log = logging.getLogger(__name__)
 _POOLED = 16  # descriptor buffers a queue keeps for reuse
 MAX_PENDING = 1024  # compact jobs waiting for a launch before submit waits (back-pressure)
 MAX_LAUNCH = 256  # compact jobs in one launch at most
-# Jobs of a burst that wait for the launcher before a submit launches them itself. A launch's host
-# time is mostly its own, not its jobs' (on the H200, 1 MiB jobs: 26-30 us a job in launches of
-# 14, 15-24 in launches of 26), so larger launches cost less a job; the cost is the wait of a
-# burst's first jobs, which `wait` cuts short.
-BURST_JOBS = 32
+BURST_JOBS = 16  # jobs of a burst that wait for the launcher before a submit launches them itself
 BURST_BYTES = 128 << 20  # or bytes: about 2.4 ms of a PCIe 5 link, several launches' host time
 MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
 IDLE_POLL_S = 0.1  # how often an idle launcher looks whether its queue was dropped or the interpreter exits
