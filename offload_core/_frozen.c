@@ -39,7 +39,8 @@ static struct {
 static size_t pooled_bytes;
 
 /* A buffer of at least `len` bytes: the smallest pooled one that is not more than twice what
- * is asked, else a new one in whole huge pages (Linux is asked to back it with them). */
+ * is asked, else a new one, in whole huge pages from one on (Linux is asked to back it with
+ * them). */
 static char *take(size_t len, size_t *cap) {
     int best = -1;
     for (int i = 0; i < POOL_SLOTS; i++)
@@ -53,6 +54,10 @@ static char *take(size_t len, size_t *cap) {
         pool[best].data = NULL;
         return data;
     }
+    if (len < HUGE_PAGE) { /* not what specs send here (from 4 MiB on), nor pooled */
+        *cap = len;
+        return malloc(len);
+    }
     *cap = (len + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
     void *data = NULL;
     if (posix_memalign(&data, HUGE_PAGE, *cap) != 0) return NULL;
@@ -65,7 +70,7 @@ static char *take(size_t len, size_t *cap) {
 /* Into the pool; where that would pass POOL_BYTES, pooled buffers are freed first (lowest slots
  * first), and where every slot is full, the first one's buffer makes room. */
 static void give_back(char *data, size_t cap) {
-    if (cap > POOL_BYTES) {
+    if (cap < HUGE_PAGE || cap > POOL_BYTES) {
         free(data);
         return;
     }
