@@ -54,7 +54,7 @@ static char *take(size_t len, size_t *cap) {
         pool[best].data = NULL;
         return data;
     }
-    if (len < HUGE_PAGE) { /* not what specs send here (from 4 MiB on), nor pooled */
+    if (len < HUGE_PAGE) { /* specs send 4 MiB and more; smaller buffers are not pooled */
         *cap = len;
         return malloc(len);
     }
@@ -67,30 +67,34 @@ static char *take(size_t len, size_t *cap) {
     return data;
 }
 
-/* Into the pool; where that would pass POOL_BYTES, pooled buffers are freed first (lowest slots
- * first), and where every slot is full, the first one's buffer makes room. */
+/* The largest pooled buffer's slot, or -1 where the pool is empty. */
+static int largest(void) {
+    int k = -1;
+    for (int i = 0; i < POOL_SLOTS; i++)
+        if (pool[i].data != NULL && (k < 0 || pool[i].cap > pool[k].cap)) k = i;
+    return k;
+}
+
+/* Into the pool, the largest pooled buffers freed while it would pass POOL_BYTES or has no
+ * free slot. */
 static void give_back(char *data, size_t cap) {
     if (cap < HUGE_PAGE || cap > POOL_BYTES) {
         free(data);
         return;
     }
-    for (int i = 0; i < POOL_SLOTS && pooled_bytes + cap > POOL_BYTES; i++)
-        if (pool[i].data != NULL) {
-            free(pool[i].data);
-            pooled_bytes -= pool[i].cap;
-            pool[i].data = NULL;
-        }
-    for (int i = 0; i < POOL_SLOTS; i++)
-        if (pool[i].data == NULL) {
-            pool[i].data = data;
-            pool[i].cap = cap;
-            pooled_bytes += cap;
-            return;
-        }
-    free(pool[0].data); /* every slot full: the first makes room */
-    pooled_bytes += cap - pool[0].cap;
-    pool[0].data = data;
-    pool[0].cap = cap;
+    int slot = -1;
+    for (int i = 0; i < POOL_SLOTS && slot < 0; i++)
+        if (pool[i].data == NULL) slot = i;
+    while (pooled_bytes + cap > POOL_BYTES || slot < 0) {
+        int k = largest();
+        free(pool[k].data);
+        pooled_bytes -= pool[k].cap;
+        pool[k].data = NULL;
+        if (slot < 0) slot = k;
+    }
+    pool[slot].data = data;
+    pool[slot].cap = cap;
+    pooled_bytes += cap;
 }
 
 static void frozen_dealloc(Frozen *self) {
@@ -98,12 +102,8 @@ static void frozen_dealloc(Frozen *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Read-only: PyBuffer_FillInfo refuses a request for a writable buffer. */
 static int frozen_getbuffer(Frozen *self, Py_buffer *view, int flags) {
-    if (flags & PyBUF_WRITABLE) {
-        PyErr_SetString(PyExc_BufferError, "a spec's ids are read-only");
-        view->obj = NULL;
-        return -1;
-    }
     return PyBuffer_FillInfo(view, (PyObject *)self, self->data, self->len, 1, flags);
 }
 
@@ -118,11 +118,10 @@ static PyTypeObject FrozenType = {
     .tp_doc = "The read-only bytes of a `frozen` copy (buffer protocol only).",
 };
 
-const char offload_frozen_doc[] = (
-             "frozen(buffer) -> Frozen\n\n"
-             "The bytes of a C-contiguous buffer, copied into a read-only buffer object whose memory\n"
-             "comes from a small pool of earlier copies' (already mapped: no page faults) where one\n"
-             "fits, else from new huge-page-aligned memory.");
+const char offload_frozen_doc[] = "frozen(buffer) -> Frozen\n\n"
+                                  "The bytes of a C-contiguous buffer, copied into a read-only buffer object whose\n"
+                                  "memory comes from a small pool of earlier copies' (already mapped: no page faults)\n"
+                                  "where one fits, else from new memory (huge-page-aligned from 2 MiB).";
 
 PyObject *offload_frozen(PyObject *self, PyObject *arg) {
     Py_buffer view;

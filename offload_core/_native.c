@@ -118,7 +118,7 @@ static uint64_t popcount(uint64_t x) {
 }
 
 /* Whether an id lies outside [0, limit) or occurs twice, in one pass: a bit per possible id,
- * set without a branch (an id outside sets bit 0 of word 0 and is counted as bad), and the
+ * set without a branch (an id outside sets no bit, it ORs in 0, and is counted as bad), and the
  * bits counted at the end (as many as ids where none repeats). For many ids among few possible
  * ones: a million ids read once instead of twice (`any_outside`, then `has_duplicates`), about
  * 0.7 of 3 ms less on the CI-class CPU. -1 with an exception on no memory. */
@@ -126,10 +126,8 @@ static int outside_or_repeated(const int64_t *ids, Py_ssize_t n, int64_t limit) 
     if (limit <= 0) return n > 0;
     const uint64_t top = (uint64_t)limit;
     uint64_t *seen = calloc((size_t)(top / 64) + 1, sizeof(uint64_t));
-    if (seen == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    if (seen == NULL) /* an id outside is still named as such, not as no memory */
+        return any_outside(ids, n, limit) ? 1 : has_duplicates(ids, n, limit);
     uint64_t bad = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t id = (uint64_t)ids[i], in = id < top;

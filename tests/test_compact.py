@@ -606,7 +606,7 @@ def test_frozen_copies_reuse_the_memory_of_dead_ones_and_never_share_a_live_ones
     whatever the sizes (below, within and above the pool's, and more copies than its slots)."""
     compiled = compiled_or_skip(True)
     rng = np.random.default_rng(5)
-    sizes = [1 << 19, (1 << 19) + 5, 1 << 20, 3 << 20, 1 << 21, 9 << 20, 1 << 19]
+    sizes = [1 << 19, (1 << 19) + 5, 1 << 20, 3 << 20, 1 << 21, 9 << 20, 1 << 19] + [1 << 18] * 5  # > 8 slots
     for _ in range(3):
         arrays = [rng.integers(0, 1 << 40, n) for n in sizes]
         copies = [compiled.frozen(a) for a in arrays]
@@ -621,6 +621,33 @@ def test_frozen_copies_reuse_the_memory_of_dead_ones_and_never_share_a_live_ones
     del dead
     again = np.frombuffer(compiled.frozen(np.arange(1 << 20)[::-1].copy()), np.int64)
     assert again.ctypes.data == address and again[0] == (1 << 20) - 1
+
+
+def test_frozen_copies_made_and_dropped_on_several_threads_keep_their_own_bytes():
+    """The pool behind `_native.frozen` under threads: copies made while others die on other
+    threads hold their own bytes for as long as they live."""
+    import threading
+
+    compiled = compiled_or_skip(True)
+    errors = []
+
+    def churn(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        alive = []
+        for _ in range(12):
+            ids = rng.integers(0, 1 << 40, int(rng.integers(1 << 19, 1 << 20)))
+            alive.append((ids, np.frombuffer(compiled.frozen(ids), np.int64)))
+            if len(alive) > 2:
+                alive.pop(int(rng.integers(0, len(alive))))
+            if not all(np.array_equal(a, v) for a, v in alive):
+                errors.append(seed)
+
+    threads = [threading.Thread(target=churn, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
 
 
 def test_large_specs_keep_an_immutable_copy_of_their_ids():

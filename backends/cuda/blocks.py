@@ -79,7 +79,10 @@ class Prepared:
 
 def narrow_ids(layout: CompactLayout) -> bool:
     """Whether `layout`'s jobs are simple and their ids go up as int32: half the bytes to copy,
-    upload and hold (a million-block job's table then fits the ring beside the one before)."""
+    upload and hold (a million-block job's table then fits the ring beside the one before).
+    Sound because a simple job's ids reach a launch only through the submit's checks against
+    `CompactLayout.id_limit` (joining and reordering jobs keep them); the upload casts without
+    a check of its own."""
     return layout.id_limit is not None and layout.id_limit <= 1 << 31
 
 

@@ -50,10 +50,11 @@ class DescriptorRing:
         n, k = len(columns[0]), len(columns)
         width = 4 if narrow else 8
         parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
-        start = self._reserve(-(-k * n * width // 8))
+        entries = -(-k * n * width // 8)
+        start = self._reserve(entries)
         if start is None:  # the ring is full of pending jobs: one-off memory, as large as needed
-            host = self._torch.empty(k * n * width // 8 + 1, dtype=self._torch.int64, pin_memory=True)
-            dev = self._torch.empty(k * n * width // 8 + 1, dtype=self._torch.int64, device=self._device)
+            host = self._torch.empty(entries, dtype=self._torch.int64, pin_memory=True)
+            dev = self._torch.empty(entries, dtype=self._torch.int64, device=self._device)
             flat, host_ptr, dev_ptr, keep = host.numpy(), host.data_ptr(), dev.data_ptr(), [host, dev]
         else:
             flat, host_ptr, dev_ptr, keep = (
