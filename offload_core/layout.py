@@ -239,7 +239,11 @@ def positive_int(value: Any, what: str) -> int:
 
 def _ids(values: Any, what: str) -> np.ndarray:
     """`values` as a 1-D int64 array; raises InvalidSpecError for any other dtype or shape."""
-    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:  # the usual: one copy
+    # The usual, an engine's int64 array, in as few steps as possible: one copy. (numpy's int64
+    # dtype is one object; one of another identity takes the general path, to the same end.)
+    if type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1:
+        if values.nbytes < _FROZEN_NATIVE_BYTES:
+            return np.frombuffer(values.tobytes(), _INT64)
         return _frozen(values)
     try:
         arr = np.asarray(values)
@@ -288,9 +292,8 @@ class DeviceBlocks:
     def __init__(self, block_ids: Any, group_sizes: Any = None, block_indices: Any = None):
         ids = _ids(block_ids, "DeviceBlocks.block_ids")
         if group_sizes is None and block_indices is None:  # one group from index 0: nothing to check
-            object.__setattr__(self, "block_ids", ids)
-            object.__setattr__(self, "group_sizes", _one_group(ids.size))
-            object.__setattr__(self, "block_indices", _ZEROS[1])
+            # the fields at once (a frozen dataclass's own way, object.__setattr__, takes a call each)
+            self.__dict__.update(block_ids=ids, group_sizes=_one_group(ids.size), block_indices=_ZEROS[1])
             return
         if group_sizes is None:
             sizes = _frozen(np.array([ids.size], dtype=np.int64))
@@ -329,6 +332,7 @@ def _frozen(array: np.ndarray) -> np.ndarray:
     return np.frombuffer(array.tobytes(), array.dtype)  # dtype by position: numpy parses keywords slower
 
 
+_INT64 = np.dtype(np.int64)
 _FROZEN_NATIVE_BYTES = 4 << 20  # half a million ids: below, malloc reuses memory and tobytes' page faults are few
 
 
