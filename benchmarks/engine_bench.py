@@ -13,8 +13,13 @@ forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
 
     python benchmarks/engine_bench.py [--backend cuda] [--pages 256,1024,4096,32768]
         [--blocks-per-job 1,16,128 | --job-mib 256] [--layers 32 | --tensors 1] [--jobs 32] [--json FILE]
-        [--host-runs] [--no-host-order]
+        [--host-runs] [--no-host-order] [--bursts 16:128,32:32] [--repeat 2]
         [--interference [--directions store,load]]
+
+`--bursts JOBS:MIB,...` runs every shape once per setting of the queue's burst (a burst's
+jobs launch together once JOBS of them or MIB MiB wait; the default is the queue's own), and
+`--repeat N` N times, the settings' order reversed every other time: the settings then compare
+within seconds of each other, where a VM's host drifts over minutes.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker, get_backend
 from offload_core.bench import _limit_gbps
+from offload_core.queue import TransferQueue
 
 
 def _backends(name: str | None, mechanisms: list[str] | None):
@@ -39,6 +45,15 @@ def _backends(name: str | None, mechanisms: list[str] | None):
     from offload_core.backends.cuda import CudaBackend
 
     return [(m, CudaBackend(mechanism=m)) for m in mechanisms or ["auto", *base.available_mechanisms]]
+
+
+def _runs(sizes, bursts: list, repeat: int):
+    """(job size, burst setting, repeat index) in run order: per job size, every setting once
+    per repeat, in reverse order every other repeat (no setting always runs first)."""
+    for per_job in sizes:
+        for r in range(repeat):
+            for burst in bursts if r % 2 == 0 else bursts[::-1]:
+                yield per_job, burst, r
 
 
 def _allocated(backend) -> int:
@@ -208,6 +223,8 @@ def main() -> None:
         help="each job's host blocks one run of consecutive blocks, backwards (a free list's order), not random",
     )
     parser.add_argument("--jobs", type=int, default=32, help="jobs back to back per direction (default: %(default)s)")
+    parser.add_argument("--bursts", help="comma-separated JOBS:MIB burst settings, each shape run under each")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each shape and setting (default: %(default)s)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument(
         "--interference",
@@ -249,6 +266,13 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"machine": platform.node(), "torch": torch.__version__, "interference": rows}, f, indent=1)
         return
+    defaults = (TransferQueue.burst_jobs, TransferQueue.burst_bytes / 2**20)
+    bursts = [defaults]
+    if args.bursts:
+        try:
+            bursts = [(int(j), float(m)) for j, m in (b.split(":") for b in args.bursts.split(","))]
+        except ValueError:
+            parser.error(f"--bursts takes JOBS:MIB pairs, got {args.bursts!r}")
     for name, backend in _backends(args.backend, mechanisms):
         for page in map(int, args.pages.split(",")):
             count = args.tensors or 2 * args.layers
@@ -257,15 +281,20 @@ def main() -> None:
                 if args.job_mib
                 else map(int, args.blocks_per_job.split(","))
             )
-            for per_job in sizes:
+            for per_job, (jobs_, mib), repeat in _runs(sizes, bursts, args.repeat):
+                TransferQueue.burst_jobs, TransferQueue.burst_bytes = jobs_, int(mib * 2**20)
                 row = {
                     "backend": backend.name,
                     "mechanism": name,
+                    "burst_jobs": jobs_,
+                    "burst_mib": mib,
+                    "repeat": repeat,
                     **run_shape(backend, page, per_job, count, args.jobs, host_runs=args.host_runs),
                 }
                 rows.append(row)
+                burst = f" burst {jobs_}:{mib:g}" if args.bursts else ""
                 print(
-                    f"{backend.name:5} {name:9} page {page:>6} B x {per_job:>3} blocks ({row['job_bytes'] / 2**20:7.2f} MiB): "
+                    f"{backend.name:5} {name:9}{burst} page {page:>6} B x {per_job:>3} blocks ({row['job_bytes'] / 2**20:7.2f} MiB): "
                     f"store {row['store_ratio']:5.2f} load {row['load_ratio']:5.2f} of the link; submit median "
                     f"{row['store_submit_us_median']:6.0f} / {row['load_submit_us_median']:6.0f} us, p99 "
                     f"{row['store_submit_us_p99']:6.0f} / {row['load_submit_us_p99']:6.0f} us; host cpu "
