@@ -150,6 +150,18 @@ class CompactJob:
         if len(jobs) == 1:
             return jobs[0]
         first = jobs[0]
+        # The usual launch: simple jobs only (never empty), gathered in one pass.
+        devs, hosts, nbytes, items, count = [], [], 0, 0, 0
+        for j in jobs:
+            if j._blocks is not None:
+                break
+            devs.append(j.dev_ids)
+            hosts.append(j.host_ids)
+            nbytes, items, count = nbytes + j.nbytes, items + j.items, count + j.jobs
+        else:
+            dev_ids, host_ids = np.concatenate(devs), np.concatenate(hosts)
+            groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
+            return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
         nbytes, items, count = (
             sum(j.nbytes for j in jobs),
             sum(j.items for j in jobs),
