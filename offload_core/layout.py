@@ -295,6 +295,12 @@ class DeviceBlocks:
             # the fields at once (a frozen dataclass's own way, object.__setattr__, takes a call each)
             self.__dict__.update(block_ids=ids, group_sizes=_one_group(ids.size), block_indices=_ZEROS[1])
             return
+        # One group spelled out, as vLLM's specs always do: as cheap as the above
+        size, index = _single(group_sizes), 0 if block_indices is None else _single(block_indices)
+        if size == ids.size and index is not None and index >= 0:
+            indices = _ZEROS[1] if index == 0 else _one_index(index)
+            self.__dict__.update(block_ids=ids, group_sizes=_one_group(ids.size), block_indices=indices)
+            return
         if group_sizes is None:
             sizes = _frozen(np.array([ids.size], dtype=np.int64))
         else:
@@ -347,6 +353,29 @@ def _one_group(n: int) -> np.ndarray:
         if n < 4096:  # the sizes an engine's jobs have; larger ones are not worth keeping
             _ONE_GROUP[n] = sizes
     return sizes
+
+
+def _single(values: Any) -> int | None:
+    """The one value of a one-element list, tuple or int64 array of plain ints, else None (the
+    general path then checks `values`, and names what is wrong with it)."""
+    if type(values) in (list, tuple):
+        if len(values) == 1 and type(values[0]) is int:
+            return values[0]
+    elif type(values) is np.ndarray and values.dtype is _INT64 and values.shape == (1,):
+        return int(values[0])
+    return None
+
+
+_ONE_INDEX: dict[int, np.ndarray] = {}  # shared block_indices ``[i]`` of one-group specs
+
+
+def _one_index(i: int) -> np.ndarray:
+    indices = _ONE_INDEX.get(i)
+    if indices is None:
+        indices = _frozen(np.array([i], dtype=np.int64))
+        if i < 4096:  # the block indices within a request that matter; others are not worth keeping
+            _ONE_INDEX[i] = indices
+    return indices
 
 
 @dataclass(frozen=True, init=False)

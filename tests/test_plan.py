@@ -237,6 +237,53 @@ def test_malformed_device_blocks(kwargs, message):
 
 
 @pytest.mark.parametrize(
+    "sizes, indices",
+    [
+        ([3], [0]),
+        ((3,), (2,)),
+        (np.array([3]), np.array([5])),
+        ([3], None),
+        (np.array([3], dtype=np.int32), [1]),  # not int64: the general path, to the same end
+        ([1, 2], [0, 4]),
+        ([0, 3], [0, 0]),
+    ],
+    ids=["list", "tuple", "array", "no indices", "int32 sizes", "two groups", "an empty group"],
+)
+def test_group_sizes_and_indices_spelled_out_give_the_same_spec_however_written(sizes, indices):
+    """One group written out, as vLLM's specs do, takes a short path: the spec it gives must be
+    the one the general path gives (values, dtype, read-only), and the caller's lists or arrays
+    may change afterwards."""
+    device = DeviceBlocks(np.array([7, 3, 5]), sizes, indices)
+    want_sizes = [int(v) for v in sizes]
+    want_indices = [0] * len(want_sizes) if indices is None else [int(v) for v in indices]
+    if isinstance(sizes, np.ndarray):
+        sizes[:] = 99
+    if isinstance(indices, (list, np.ndarray)):
+        indices[:] = [99] * len(indices)
+    assert device.group_sizes.tolist() == want_sizes and device.block_indices.tolist() == want_indices
+    for arr in (device.group_sizes, device.block_indices):
+        assert arr.dtype == np.int64 and not arr.flags.writeable
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            arr.setflags(write=True)
+
+
+@pytest.mark.parametrize(
+    "sizes, indices, rule",
+    [
+        ([2], [0], "add up to 2"),
+        ([3], [-1], "non-negative"),
+        ([True], [0], "must be integers"),
+        ([3.0], [0], "must be an integer"),
+        ([3], [0, 0], "1 group sizes but 2 block indices"),
+        ([3], [True], "must be integers"),
+    ],
+)
+def test_one_group_spelled_out_is_checked_as_any_other(sizes, indices, rule):
+    with pytest.raises(InvalidSpecError, match=rule):
+        DeviceBlocks([7, 3, 5], sizes, indices)
+
+
+@pytest.mark.parametrize(
     "make",
     [
         lambda: np.array([7, 3, 5]),
