@@ -239,12 +239,15 @@ def positive_int(value: Any, what: str) -> int:
 
 def _ids(values: Any, what: str) -> np.ndarray:
     """`values` as a 1-D int64 array; raises InvalidSpecError for any other dtype or shape."""
-    # The usual, an engine's int64 array, in as few steps as possible: one copy. (numpy's int64
-    # dtype is one object; one of another identity takes the general path, to the same end.)
-    if type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1:
-        if values.nbytes < _FROZEN_NATIVE_BYTES:
-            return np.frombuffer(values.tobytes(), _INT64)
-        return _frozen(values)
+    # The usual, an engine's int64 or int32 array, in as few steps as possible. (numpy's dtypes
+    # of these are one object each; one of another identity takes the general path, to the same end.)
+    if type(values) is np.ndarray and values.ndim == 1:
+        if values.dtype is _INT32:  # vLLM's specs hold int32 ids
+            values = values.astype(_INT64)
+        if values.dtype is _INT64:
+            if values.nbytes < _FROZEN_NATIVE_BYTES:
+                return np.frombuffer(values.tobytes(), _INT64)
+            return _frozen(values)
     try:
         arr = np.asarray(values)
     except Exception as exc:  # e.g. a device tensor: ids must live on the host
@@ -338,7 +341,7 @@ def _frozen(array: np.ndarray) -> np.ndarray:
     return np.frombuffer(array.tobytes(), array.dtype)  # dtype by position: numpy parses keywords slower
 
 
-_INT64 = np.dtype(np.int64)
+_INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
 _FROZEN_NATIVE_BYTES = 4 << 20  # half a million ids: below, malloc reuses memory and tobytes' page faults are few
 
 
