@@ -85,7 +85,7 @@ def enqueue_lock(backend: Backend) -> threading.Lock:
         return lock
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TransferResult:
     """One finished job.
 
@@ -104,6 +104,19 @@ class TransferResult:
     transfer_time: float
     direction: str
     mechanism: str = ""
+
+    def __init__(
+        self, job_id: int, success: bool, transfer_size: int, transfer_time: float, direction: str, mechanism: str = ""
+    ):
+        # one per job: the fields at once (the generated __init__ sets each through a call)
+        self.__dict__.update(
+            job_id=job_id,
+            success=success,
+            transfer_size=transfer_size,
+            transfer_time=transfer_time,
+            direction=direction,
+            mechanism=mechanism,
+        )
 
 
 @dataclass
