@@ -294,14 +294,14 @@ class DeviceBlocks:
 
     def __init__(self, block_ids: Any, group_sizes: Any = None, block_indices: Any = None):
         ids = _ids(block_ids, "DeviceBlocks.block_ids")
-        if group_sizes is None and block_indices is None:  # one group from index 0: nothing to check
-            # the fields at once (a frozen dataclass's own way, object.__setattr__, takes a call each)
-            self.__dict__.update(block_ids=ids, group_sizes=_one_group(ids.size), block_indices=_ZEROS[1])
-            return
-        # One group spelled out, as vLLM's specs always do: as cheap as the above
-        size, index = _single(group_sizes), 0 if block_indices is None else _single(block_indices)
+        # One group, left implicit or spelled out (as vLLM's specs always do): nothing more to check
+        if group_sizes is None and block_indices is None:
+            size, index = ids.size, 0
+        else:
+            size, index = _single(group_sizes), 0 if block_indices is None else _single(block_indices)
         if size == ids.size and index is not None and index >= 0:
             indices = _ZEROS[1] if index == 0 else _one_index(index)
+            # the fields at once (a frozen dataclass's own way, object.__setattr__, takes a call each)
             self.__dict__.update(block_ids=ids, group_sizes=_one_group(ids.size), block_indices=indices)
             return
         if group_sizes is None:
