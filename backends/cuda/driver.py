@@ -150,16 +150,18 @@ class Driver:
         # the context could not be made current): an event's record and query (once or twice a
         # job), a stream's wait and an elapsed time (a few a launch), a descriptor table's
         # upload (one a launch). Compiled where offload_core's extension is built (no ctypes
-        # marshalling), else through `in_context`. The record and query keep the GIL: letting
-        # go of it hands it to the queue's launcher thread and back, 15-20 us of a job on the
-        # H200's host; the others release it as ctypes does (they may wait for the device).
-        self.record_in = self._context_call(self.event_record, keep_gil=True)
-        self.query_in = self._context_call(self.event_query, keep_gil=True)
+        # marshalling), else through `in_context`. Compiled, they keep the GIL: each is
+        # asynchronous or asks about work already done, and letting go of the GIL hands it to
+        # the queue's launcher thread (or the submitting one) and back, 15-20 us of a job on
+        # the H200's host. One waits for the device only where a stream's command queue is
+        # full; other Python threads then wait for as long.
+        self.record_in = self._context_call(self.event_record)
+        self.query_in = self._context_call(self.event_query)
         self.wait_in = self._context_call(self.stream_wait_event)
         self.elapsed_in = self._context_call(self.event_elapsed_time)
         self.memcpy_in = self._context_call(self.memcpy)
 
-    def _context_call(self, fn: Callable | None, keep_gil: bool = False) -> Callable[..., int] | None:
+    def _context_call(self, fn: Callable | None) -> Callable[..., int] | None:
         if fn is None or not self.has_events:
             return None
         from offload_core import native
@@ -170,7 +172,7 @@ class Driver:
         address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
         return functools.partial(
             compiled.context_call,
-            keep_gil,
+            True,  # keep the GIL
             address(self.ctx_get_current),
             address(self.ctx_push_current),
             address(self.ctx_pop_current),
