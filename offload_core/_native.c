@@ -7,7 +7,8 @@
  * large array's `tobytes` does (`layout._frozen`, a spec's private copy of its ids); `submit_simple`
  * (_submit.c) what a simple compact job's whole submit does. `context_call` calls a
  * driver entry point without ctypes, in a given context (the cuda backend's events, stream
- * waits and descriptor-table uploads); `Poster` (_posting.c) issues driver calls on a thread of its own.
+ * waits and descriptor-table uploads), `table_launch` a kernel's launch with its table's upload
+ * (the cuda backend's expansion kernel); `Poster` (_posting.c) issues driver calls on a thread of its own.
  * Built where a C compiler is found (setup.py); offload_core works the same without it.
  *
  * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
@@ -368,6 +369,21 @@ typedef int (*call4_fn)(void *, void *, void *, void *);
 _Static_assert(sizeof(size_t) == sizeof(void *) && sizeof(unsigned long long) == sizeof(void *),
                "context_call passes integers as pointers");
 
+/* Make `context` current in the calling thread through `get` and `push` unless it is: returns
+ * whether it was pushed (then `leave_context` pops it), with the push's CUresult in `code`. */
+static int enter_context(void *get, void *push, void *context, int *code) {
+    void *current = NULL;
+    if (((get_ctx_fn)get)(&current) != 0) current = NULL;
+    if (current == context) return 0;
+    *code = ((push_ctx_fn)push)(context);
+    return *code == 0;
+}
+
+static void leave_context(void *pop) {
+    void *popped = NULL;
+    ((get_ctx_fn)pop)(&popped);
+}
+
 PyDoc_STRVAR(context_call_doc,
              "context_call(keep_gil, get, push, pop, fn, context, a[, b[, c[, d]]]) -> int\n\n"
              "Call the C function at address `fn` with the arguments `a` to `d` (ints, passed as\n"
@@ -406,10 +422,7 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
      * jobs on the H200 (docs/dev/cuda-tuning-log.md). Such a call can still wait for the device
      * where a stream's command queue is full; other threads then wait too, for as long. */
     PyThreadState *saved = keep_gil ? NULL : PyEval_SaveThread();
-    void *current = NULL;
-    if (((get_ctx_fn)v[0])(&current) != 0) current = NULL;
-    int pushed = current != v[4];
-    if (pushed) code = ((push_ctx_fn)v[1])(v[4]);
+    int pushed = enter_context(v[0], v[1], v[4], &code);
     if (code == 0) {
         switch (nargs) {
         case 6: result = ((call1_fn)v[3])(v[5]); break;
@@ -417,13 +430,127 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
         case 8: result = ((call3_fn)v[3])(v[5], v[6], v[7]); break;
         default: result = ((call4_fn)v[3])(v[5], v[6], v[7], v[8]); break;
         }
-        if (pushed) {
-            void *popped = NULL;
-            ((get_ctx_fn)v[2])(&popped);
-        }
+        if (pushed) leave_context(v[2]);
     }
     if (saved != NULL) PyEval_RestoreThread(saved);
     return PyLong_FromLong(code != 0 ? -(long)code : (long)result);
+}
+
+typedef int (*memcpy_fn)(uint64_t, uint64_t, size_t, void *);
+typedef int (*launch_kernel_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                                void **, void **);
+#define TABLE_COLUMNS 8
+#define TABLE_PARAMS 24
+
+PyDoc_STRVAR(table_launch_doc,
+             "table_launch(get, push, pop, memcpy, launch, context, host, device, room, columns, narrow, stream,\n"
+             "             function, grid, threads, shared, params) -> None or (what, code)\n"
+             "\n"
+             "A kernel's launch with the upload of its table, in one call that keeps the GIL: the\n"
+             "equal-length C-contiguous int64 arrays `columns` (at most 8) are written one after another\n"
+             "at `host` (pinned memory of `room` bytes; as int32 where `narrow`), copied to `device` by\n"
+             "cuMemcpyAsync (at `memcpy`) on `stream`, and `function` is launched by cuLaunchKernel (at\n"
+             "`launch`) on `stream` with `grid` programs of `threads` threads, `shared` bytes of dynamic\n"
+             "shared memory and the 64-bit parameter values `params` (at most 24; a 32-bit parameter reads\n"
+             "the low half). `context` is made current as `context_call` makes it. Returns None, or the\n"
+             "name of the call that failed and its CUresult (after a failed copy nothing is launched).\n"
+             "Raises TypeError or ValueError, having called nothing, for arguments outside these rules.");
+
+static PyObject *table_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!arity("table_launch", nargs, 17, 17)) return NULL;
+    void *fn[5];
+    for (int i = 0; i < 5; i++) {
+        unsigned long long address = PyLong_AsUnsignedLongLong(args[i]);
+        if (address == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+        if (address == 0 || address > UINTPTR_MAX) {
+            PyErr_SetString(PyExc_ValueError, "table_launch: a driver entry point's address is 0 or out of range");
+            return NULL;
+        }
+        fn[i] = (void *)(uintptr_t)address;
+    }
+    void *context = args[5] == Py_None ? NULL : PyLong_AsVoidPtr(args[5]);
+    unsigned long long host_at = PyLong_AsUnsignedLongLong(args[6]), device = PyLong_AsUnsignedLongLong(args[7]);
+    Py_ssize_t room = PyLong_AsSsize_t(args[8]);
+    int narrow = PyObject_IsTrue(args[10]);
+    void *stream = args[11] == Py_None ? NULL : PyLong_AsVoidPtr(args[11]);
+    unsigned long long function_at = PyLong_AsUnsignedLongLong(args[12]);
+    long grid = PyLong_AsLong(args[13]), threads = PyLong_AsLong(args[14]), shared = PyLong_AsLong(args[15]);
+    if (PyErr_Occurred()) return NULL;
+    void *host = (void *)(uintptr_t)host_at, *function = (void *)(uintptr_t)function_at;
+    if (host_at > UINTPTR_MAX || function_at > UINTPTR_MAX) host = function = NULL;
+    if (host == NULL || device == 0 || function == NULL || room < 0 || grid < 1 || grid > INT32_MAX || threads < 1 ||
+        threads > 1024 || shared < 0 || shared > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError,
+                     "table_launch: host, device and function must be non-null, room >= 0, 1 <= grid < 2**31, "
+                     "1 <= threads <= 1024 and 0 <= shared < 2**31 (got room %zd, grid %ld, threads %ld, shared %ld)",
+                     room, grid, threads, shared);
+        return NULL;
+    }
+    PyObject *cols = PySequence_Fast(args[9], "table_launch: columns must be a sequence of int64 arrays");
+    if (cols == NULL) return NULL;
+    PyObject *params = PySequence_Fast(args[16], "table_launch: params must be a sequence of ints");
+    if (params == NULL) {
+        Py_DECREF(cols);
+        return NULL;
+    }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(cols), np_ = PySequence_Fast_GET_SIZE(params), got = 0, n = 0;
+    Py_buffer views[TABLE_COLUMNS];
+    uint64_t values[TABLE_PARAMS];
+    PyObject *result = NULL;
+    if (k < 1 || k > TABLE_COLUMNS || np_ > TABLE_PARAMS) {
+        PyErr_Format(PyExc_ValueError, "table_launch: 1 to %d columns and at most %d params (got %zd and %zd)",
+                     TABLE_COLUMNS, TABLE_PARAMS, k, np_);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < np_; i++) { /* negative values as two's complement, as the kernel reads them */
+        values[i] = PyLong_AsUnsignedLongLongMask(PySequence_Fast_GET_ITEM(params, i));
+        if (values[i] == (uint64_t)-1 && PyErr_Occurred()) goto done;
+    }
+    for (; got < k; got++) {
+        if (int64_buffer(PySequence_Fast_GET_ITEM(cols, got), &views[got], 0, "table_launch: a column") < 0) goto done;
+        Py_ssize_t len = views[got].len / 8;
+        if (got == 0) n = len;
+        if (len != n) {
+            PyErr_Format(PyExc_ValueError, "table_launch: columns must have equal lengths (%zd and %zd)", n, len);
+            PyBuffer_Release(&views[got]);
+            goto done;
+        }
+    }
+    size_t width = narrow ? 4 : 8, nbytes = (size_t)k * (size_t)n * width;
+    if (nbytes > (size_t)room) {
+        PyErr_Format(PyExc_ValueError, "table_launch: a table of %zu bytes does not fit the %zd reserved for it", nbytes,
+                     room);
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        const int64_t *col = views[j].buf;
+        if (narrow) { /* the caller knows every value fits: block ids checked against their counts */
+            int32_t *out = (int32_t *)host + j * n;
+            for (Py_ssize_t i = 0; i < n; i++) out[i] = (int32_t)col[i];
+        } else {
+            memcpy((int64_t *)host + j * n, col, (size_t)n * 8);
+        }
+    }
+    int code = 0, pushed = enter_context(fn[0], fn[1], context, &code);
+    const char *what = "cuCtxPushCurrent";
+    if (code == 0) {
+        what = "cuMemcpyAsync";
+        code = ((memcpy_fn)fn[3])(device, (uint64_t)(uintptr_t)host, nbytes, stream);
+        if (code == 0) {
+            void *slots[TABLE_PARAMS];
+            for (Py_ssize_t i = 0; i < np_; i++) slots[i] = &values[i]; /* an i32 is the low half: little-endian */
+            what = "cuLaunchKernel";
+            code = ((launch_kernel_fn)fn[4])(function, (unsigned)grid, 1, 1, (unsigned)threads, 1, 1, (unsigned)shared,
+                                             stream, slots, NULL);
+        }
+        if (pushed) leave_context(fn[2]);
+    }
+    result = code == 0 ? Py_NewRef(Py_None) : Py_BuildValue("(si)", what, code);
+done:
+    for (Py_ssize_t j = 0; j < got; j++) PyBuffer_Release(&views[j]);
+    Py_DECREF(cols);
+    Py_DECREF(params);
+    return result;
 }
 
 PyDoc_STRVAR(row_runs_doc,
@@ -463,6 +590,7 @@ static PyMethodDef methods[] = {
     {"frozen", offload_frozen, METH_O, offload_frozen_doc},
     {"row_runs", (PyCFunction)(void (*)(void))row_runs, METH_FASTCALL, row_runs_doc},
     {"single_check", (PyCFunction)(void (*)(void))single_check, METH_FASTCALL, single_check_doc},
+    {"table_launch", (PyCFunction)(void (*)(void))table_launch, METH_FASTCALL, table_launch_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -77,7 +77,7 @@ class FakeLib:
 
         def memcpy(dst, src, size, stream):
             self.calls.append(("memcpy", dst, src, size, stream))
-            return 0 if self.contexts else 201  # CUDA_ERROR_INVALID_CONTEXT
+            return returns("memcpy") if self.contexts else 201  # CUDA_ERROR_INVALID_CONTEXT
 
         def stream_create(handle, flags):
             self.calls.append(("stream_create", flags))
@@ -167,6 +167,33 @@ class FakeLib:
         context current there, if none is."""
         if not self.contexts:
             self.contexts.append(GPU_CONTEXT)
+
+
+NAMES = ("blocks", "n", "entries", "num_entries", "groups", "num_groups", "per_block", "row_base", "row_step")
+WIDE = ("i64",) * len(NAMES)  # every parameter 64 bits
+
+
+class LaunchingLib(FakeLib):
+    """`FakeLib` with ``cuLaunchKernel``: a launch is logged as ``("launch", grid, threads,
+    shared, stream, *params)``, each parameter read as the kernel would (`types`)."""
+
+    def __init__(self, types=WIDE, hidden=2, **kwargs):
+        super().__init__(**kwargs)
+        self.types, self.hidden = list(types), hidden
+        self.codes.setdefault("launch", [])
+
+        def launch(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            kinds = self.types + ["*i8"] * self.hidden
+            values = [
+                (ctypes.c_int32 if k == "i32" else ctypes.c_uint64).from_address(slots[i]).value
+                for i, k in enumerate(kinds)
+            ]
+            self.calls.append(("launch", gx, bx, shared, stream, *values))
+            queued = self.codes.get("launch")
+            return queued.pop(0) if queued else 0
+
+        self._keep["cuLaunchKernel"] = drv.LAUNCH_KERNEL(launch)
 
 
 def arrays(n):
@@ -1043,6 +1070,92 @@ def test_the_compiled_context_call_takes_none_for_a_null_context_or_handle():
     assert driver.record_in is not None
 
 
+def _table_launch(lib=None, types=("i64", "i32", "i64"), hidden=1):
+    """A `LaunchingLib`, and the compiled table launch of its driver in the GPU's context."""
+    from helpers import compiled_or_skip
+
+    compiled_or_skip(True)
+    lib = lib or LaunchingLib(types=types, hidden=hidden)
+    return lib, drv.Driver(lib).table_launch_in(GPU_CONTEXT)
+
+
+@pytest.mark.parametrize("narrow", [False, True], ids=["int64", "int32"])
+def test_the_compiled_table_launch_uploads_then_launches_in_the_gpus_context(narrow):
+    lib, launch = _table_launch()
+    lib.contexts[:] = []  # a launcher thread that made no CUDA call
+    host = np.full(8, -1, dtype=np.int64)
+    cols = (np.array([5, 70000, 3]), np.array([7, 8, 1 << 20]))
+    device, stream, nbytes = 1 << 40, 0x77, 6 * (4 if narrow else 8)
+    params = (device, -5, 2**40 + 3, 0)  # the last a null scratch pointer
+    launch(host.ctypes.data, device, host.nbytes, cols, narrow, stream, 0xF00, 9, 128, 512, params)
+    assert lib.calls == [
+        ("push", GPU_CONTEXT),
+        ("memcpy", device, host.ctypes.data, nbytes, stream),
+        ("launch", 9, 128, 512, stream, device, -5, 2**40 + 3, 0),  # -5 read as the kernel's i32
+        ("pop",),
+    ]
+    written = host.view(np.int32)[:6] if narrow else host[:6]
+    assert written.tolist() == [5, 70000, 3, 7, 8, 1 << 20]
+    assert (host.view(np.uint8)[nbytes:] == 0xFF).all(), "nothing written past the table"
+    assert lib.contexts == []
+
+
+def test_the_compiled_table_launch_names_the_call_that_failed():
+    lib, launch = _table_launch()
+    host = np.zeros(4, dtype=np.int64)
+    cols, params = (np.arange(2), np.arange(2)), (1 << 40, 1, 2, 0)
+    args = (host.ctypes.data, 1 << 40, 32, cols, False, 0x77, 0xF00, 1, 128, 0, params)
+    lib.codes["memcpy"] = [700]
+    with pytest.raises(drv.CudaDriverError, match="cuMemcpyAsync failed") as failed:
+        launch(*args)
+    assert failed.value.code == 700
+    assert not [c for c in lib.calls if c[0] == "launch"], "no launch after a failed upload"
+    lib.codes["launch"] = [719]
+    with pytest.raises(drv.CudaDriverError, match="cuLaunchKernel failed") as failed:
+        launch(*args)
+    assert failed.value.code == 719
+    lib.contexts[:] = []
+    lib._keep["cuCtxPushCurrent"] = drv.CTX_IN(lambda ctx: 201)
+    lib, launch = _table_launch(lib)  # resolves the failing push
+    del lib.calls[:]
+    with pytest.raises(drv.CudaDriverError, match="cuCtxPushCurrent failed"):
+        launch(*args)
+    assert lib.calls == [], "neither the copy nor the launch ran"
+
+
+def test_the_compiled_table_launch_refuses_what_would_overrun_having_called_nothing():
+    lib, launch = _table_launch()
+    host = np.zeros(4, dtype=np.int64)
+    two = (np.arange(2), np.arange(2))
+
+    def call(room=32, cols=two, narrow=False, grid=1, params=(1 << 40, 1, 2, 0)):
+        launch(host.ctypes.data, 1 << 40, room, cols, narrow, 0x77, 0xF00, grid, 128, 0, params)
+
+    del lib.calls[:]
+    refusals = [
+        (ValueError, "does not fit the 24", dict(room=24)),
+        (ValueError, "equal lengths", dict(cols=(np.arange(2), np.arange(3)))),
+        (TypeError, "int64", dict(cols=(np.arange(2, dtype=np.int32),))),
+        (ValueError, "C-contiguous", dict(cols=(np.arange(4)[::2],))),
+        (ValueError, "1 to 8 columns", dict(cols=(np.arange(1),) * 9)),
+        (ValueError, "1 to 8 columns", dict(cols=())),
+        (ValueError, "at most 24 params", dict(params=(0,) * 25)),
+        (ValueError, "1 <= grid", dict(grid=0)),
+        (TypeError, "sequence", dict(cols=5)),
+    ]
+    for error, message, kwargs in refusals:
+        with pytest.raises(error, match=message):
+            call(**kwargs)
+    call(room=16, narrow=True)  # int32: 16 bytes fit
+    assert [c[0] for c in lib.calls] == ["memcpy", "launch"], "only the last call was made"
+    from offload_core import _native
+
+    with pytest.raises(TypeError, match="17 arguments"):
+        _native.table_launch(1, 2, 3)
+    with pytest.raises(ValueError, match="address is 0"):
+        _native.table_launch(0, *[1] * 16)
+
+
 def test_a_torch_stream_waits_for_a_raw_streams_position_and_back():
     lib = FakeLib()
     driver = drv.Driver(lib)
@@ -1258,24 +1371,23 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
     layout = CompactLayout(Planner(model.geometry), compiled=False)
     job = layout.job(direction, device, host)
     assert job.simple == shape.startswith("simple")
-    uploaded, launched = [], []
+    launched = []
 
-    class Ring:
-        def upload(self, cols, stream, narrow=False):
-            uploaded.append(_as_uploaded(cols, narrow))
-            widths.append(narrow)
-            return [0], []
+    def expand(*args):  # `kernels.expand`: the table as it goes up (int32 where narrow)
+        launched.append(args)
+        return []
 
-    widths = []
-    monkeypatch.setattr(cuda_blocks.kernels, "expand", lambda *args: launched.append(args))
+    monkeypatch.setattr(cuda_blocks.kernels, "expand", expand)
     copier = cuda_blocks.BlockCopier.__new__(cuda_blocks.BlockCopier)
-    copier.backend = SimpleNamespace(_ring=Ring(), _poster=None)
+    ring = object()
+    copier.backend = SimpleNamespace(_ring=ring, _poster=None)
     prepared = host_prepared(layout)
     copier.expand(job, prepared, 0, len(job), None, [], 4, stage)
     (args,) = launched
-    assert args[1] == len(job) and args[7] == (direction is Direction.STORE)
-    assert widths == [job.simple] and args[13] == job.simple  # the kernel reads the table as it went up
-    got = kernel_reading(uploaded[0], len(job), args[11], layout, direction is Direction.STORE)
+    uploaded = [_as_uploaded(a[1], a[14]) for a in launched]
+    assert args[0] is ring and args[2] == len(job) and args[8] == (direction is Direction.STORE)
+    assert args[14] == job.simple  # simple jobs' ids go up as int32 (this layout's counts allow it)
+    got = kernel_reading(uploaded[0], len(job), args[12], layout, direction is Direction.STORE)
     want = layout.descriptors(job, stage)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
@@ -1283,7 +1395,8 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
     if stage is not None and shape in ("simple", "chunks of two"):  # a piece: blocks 2..4, chunk 2 (1) at stage
         chunk = 2 // bpc
         copier.expand(job, prepared, 2, 5, None, [], 4, stage - chunk * layout.row_bytes)
-        got = kernel_reading(uploaded[1], 3, launched[1][11], layout, direction is Direction.STORE)
+        second = launched[1]
+        got = kernel_reading(_as_uploaded(second[1], second[14]), 3, second[12], layout, direction is Direction.STORE)
         per = int(layout.group_entries[1, 0])
         for g, w in zip(got, layout.descriptors(job, stage - chunk * layout.row_bytes)):
             np.testing.assert_array_equal(g, w[2 * per : 5 * per])
@@ -1301,8 +1414,9 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
 
     launched = []
 
-    def launch(kernel, programs, args, constexprs, stream, poster=None):
-        launched.append((tuple(constexprs.items()), tuple(-(1 << 31) <= a < (1 << 31) for a in args)))
+    def launch(kernel, programs, args, constexprs, stream, poster=None, key_args=None):
+        key_args = args if key_args is None else key_args  # what the build is found by
+        launched.append((tuple(constexprs.items()), tuple(-(1 << 31) <= a < (1 << 31) for a in key_args)))
 
     monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
     monkeypatch.setattr(kernels, "_launch", launch)
@@ -1310,7 +1424,7 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
     # the ring's device memory, where every job's table lies, at an address of either kind (the
     # warm-up once passed another table, a CPU heap's in this test: on the H200 it fitted 32 bits)
     backend._ring = SimpleNamespace(
-        upload=lambda cols, stream, split=0, narrow=False: ([ring], []), device_address=lambda: ring
+        upload=lambda cols, stream, split=0, narrow=False: ([ring], []), device_address=lambda: ring, launches=False
     )
     for simple in (True, False):
         model = Model([16], [[(0, 16)]], 1 if simple else 2, 64, 64)
@@ -1349,7 +1463,7 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
     store = direction is Direction.STORE
     half_bytes = 3 * row
     staging = np.full(2 * half_bytes, 0xA5, dtype=np.uint8)
-    tables, pieces = {}, []
+    pieces = []
 
     regions = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in (staging, model.host, *model.backing)]
 
@@ -1359,12 +1473,9 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
                 assert any(lo <= a and a + n <= hi for lo, hi in regions), f"a copy of {n} bytes at {a:#x}"
             ctypes.memmove(d, s, n)
 
-    def upload(cols, stream, split=0, narrow=False):
-        tables[len(tables)] = (_as_uploaded(cols, narrow), narrow)
-        return [len(tables) - 1], []
-
     def expand(
-        table,
+        ring,
+        cols,
         n,
         entries,
         num_entries,
@@ -1380,12 +1491,11 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
         narrow,
     ):
         pieces.append(n)
-        table, uploaded_narrow = tables[table]
-        assert narrow == uploaded_narrow, "the kernel reads its table at another width than it went up"
-        dev, side, sizes = kernel_reading(table, n, rows, layout, is_store)
+        dev, side, sizes = kernel_reading(_as_uploaded(cols, narrow), n, rows, layout, is_store)
         half = st.halves[st.next ^ 1]  # the half this piece took
         assert ((side >= half) & (side + sizes <= half + half_bytes)).all(), "the kernel left its half"
         move(side, dev, sizes) if is_store else move(dev, side, sizes)
+        return []
 
     class Event:
         def record(self, stream):
@@ -1405,7 +1515,7 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
     copier.staging = SimpleNamespace(for_stream=lambda s: st)
     copier.backend = SimpleNamespace(
         _poster=None,
-        _ring=SimpleNamespace(upload=upload),
+        _ring=None,
         gather_programs=4,
         driver=SimpleNamespace(memcpy_batch_async=lambda dst, src, sizes, order, handle: move(dst, src, sizes) or ()),
     )

@@ -8,7 +8,6 @@ which a C thread may call (ctypes takes the GIL for them)."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import sys
 import threading
@@ -17,7 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_cuda_host import FakeCudaRuntime, FakeLib, host_only_backend
+from test_cuda_host import NAMES, WIDE, FakeCudaRuntime, LaunchingLib, host_only_backend
 
 from offload_core import native
 from offload_core.backend import Direction
@@ -28,32 +27,7 @@ pytestmark = pytest.mark.skipif(
     native.load() is None or not hasattr(native.load(), "Poster"), reason="needs the compiled extension's Poster"
 )
 
-NAMES = ("blocks", "n", "entries", "num_entries", "groups", "num_groups", "per_block", "row_base", "row_step")
 CONSTEXPRS = ("STORE", "SIMPLE", "BY_HOST", "D", "W")
-WIDE = ("i64",) * len(NAMES)  # every parameter 64 bits
-
-
-class LaunchingLib(FakeLib):
-    """`FakeLib` with ``cuLaunchKernel``: a launch is logged as ``("launch", grid, threads,
-    shared, stream, *params)``, each parameter read as the kernel would (`types`)."""
-
-    def __init__(self, types=WIDE, hidden=2, **kwargs):
-        super().__init__(**kwargs)
-        self.types, self.hidden = list(types), hidden
-        self.codes.setdefault("launch", [])
-
-        def launch(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-            slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
-            kinds = self.types + ["*i8"] * self.hidden
-            values = [
-                (ctypes.c_int32 if k == "i32" else ctypes.c_uint64).from_address(slots[i]).value
-                for i, k in enumerate(kinds)
-            ]
-            self.calls.append(("launch", gx, bx, shared, stream, *values))
-            queued = self.codes.get("launch")
-            return queued.pop(0) if queued else 0
-
-        self._keep["cuLaunchKernel"] = drv.LAUNCH_KERNEL(launch)
 
 
 class TritonLike:
@@ -99,8 +73,7 @@ def posted_backend(monkeypatch, lib, posted: bool):
     monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
     backend = host_only_backend(monkeypatch, lib)
     assert (backend._poster is not None) == posted
-    ring = RingLike(backend)
-    backend._ring = ring
+    backend._ring = RingLike(backend, backend.driver.table_launch_in(backend._ctx))
     return backend
 
 
@@ -109,9 +82,15 @@ class RingLike:
     table copy (posted on an adopted stream) from memory of its own; `reset` starts over, so
     that a launch made twice uploads from the same addresses."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, launch=None):
         self.backend, self.host, self.at = backend, np.zeros(1 << 16, dtype=np.int64), 0
         self.base = 1 << 40
+        self.launch = launch  # `upload_launch`'s compiled call, or None
+        self.launched = []  # each `upload_launch`'s table, read back from host memory
+
+    @property
+    def launches(self):
+        return self.launch is not None
 
     def reset(self):
         self.at = 0
@@ -127,6 +106,17 @@ class RingLike:
         self.at += entries
         self.backend._table_copy(dev, host, table.nbytes, stream.cuda_stream)
         return [dev], []
+
+    def upload_launch(self, cols, stream, narrow, function, grid, threads, shared, params):
+        entries = -(-len(cols) * len(cols[0]) * (4 if narrow else 8) // 8)
+        dev, host = self.base + 8 * self.at, self.host.ctypes.data + 8 * self.at
+        self.launch(
+            host, dev, 8 * entries, cols, narrow, stream.cuda_stream, function, grid, threads, shared, (dev, *params)
+        )
+        words = self.host[self.at : self.at + entries]
+        self.launched.append(words.view(np.int32)[: len(cols) * len(cols[0])] if narrow else words.copy())
+        self.at += entries
+        return []
 
     def retire(self, event):
         pass
@@ -203,16 +193,22 @@ def test_posted_calls_are_the_calls_the_python_thread_would_make_in_its_order(
     monkeypatch, direction, mechanism, half_rows
 ):
     """Staged jobs cut into pieces (three rows a half) and whole, direct jobs: the same driver
-    calls with the same arguments in the same order, kernel launches included."""
+    calls with the same arguments in the same order, kernel launches included. Unposted, each
+    table's upload and its kernel's launch are one compiled call (`_native.table_launch`)."""
     launch = CompactLaunch(monkeypatch, LaunchingLib(), direction, mechanism, half_rows)
     launch.run()  # the first makes the staging
     before = launch.poster.state()["posted"]
+    ring = launch.backend._ring
     used, posted = launch.run(posted=True)
+    uploaded = ring.host[: ring.at].copy()
     state = launch.poster.state()
     assert launch.backend.posting_stats() == state
+    ring.launched.clear()
     used_direct, direct = launch.run(posted=False)
     assert used == used_direct == mechanism
     assert posted == direct
+    assert len(ring.launched) == sum(c[0] == "launch" for c in direct), "every table went up with its launch"
+    assert (ring.host[: ring.at] == uploaded).all(), "the compiled call wrote the tables the posted uploads did"
     kinds = {c[0] for c in direct}
     assert {"launch", "memcpy", "record", "wait"} <= kinds and ("batch" in kinds) == (mechanism == "expand_staged")
     assert state["posted"] - before == len(direct) and state["issued"] == state["posted"]

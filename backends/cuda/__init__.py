@@ -162,20 +162,22 @@ class CudaBackend(TorchDeviceBackend):
         self._threads = threading.local()  # `in_context`: the GPU's context was made current on this thread
         self._spare_events: list = []
         self._staged_buffers = PerStream(lambda stream: StagedPair(self, stream))
-        self._ring = DescriptorRing(self._torch, self._device, self._table_copy)
         self._blocks = BlockCopier(self, self.staging_bytes)
         sms = runtime.get_device_properties(self._device).multi_processor_count
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
         # the hot path's events and compute stream through the driver, where it has them all
         self._driver_events = self.driver.has_events
         self._poster = None
+        table_launch = None
         if self._driver_events:
             with self._context():
                 self._ctx = self.driver.current_context()  # this GPU's primary context
+            table_launch = self.driver.table_launch_in(self._ctx)
             # compact launches' driver calls, made by a thread of their own (`posting`); a driver
             # another backend posts through stays unposted here: events ask their driver's poster
             if self.driver.poster is None:
                 self._poster = self.driver.poster = posting.make(self.driver, self._ctx)
+        self._ring = DescriptorRing(self._torch, self._device, self._table_copy, launch=table_launch)
         # what Triton reads too; only torch's own runtime has it
         self._raw_stream = (
             getattr(self._torch._C, "_cuda_getCurrentRawStream", None) if isinstance(runtime, TorchRuntime) else None

@@ -124,11 +124,11 @@ class BlockCopier:
             row = layout.row_bytes
             staged_base = prepared.entries.data_ptr()
             variants = ((layout.host_base, row, True), (staged_base, row, False)) if layout.simple_jobs else (None,)
-            table = b._ring.device_address()
             for store in (True, False):
                 for rows in variants:
                     kernels.expand(
-                        table,
+                        b._ring,
+                        None,
                         0,
                         prepared.entries.data_ptr(),
                         prepared.entry_count,
@@ -233,11 +233,9 @@ class BlockCopier:
             else:
                 addresses = stage + chunks * layout.row_bytes
             cols, rows = (blocks[0, b0:b1], addresses, blocks[2, b0:b1], blocks[3, b0:b1], blocks[4, b0:b1]), None
-        narrow = job.simple and prepared.narrow
-        (table,), keep = b._ring.upload(cols, stream, narrow=narrow)
-        held.append(keep)
-        kernels.expand(
-            table,
+        keep = kernels.expand(
+            b._ring,
+            cols,
             b1 - b0,
             prepared.entries.data_ptr(),
             prepared.entry_count,
@@ -250,8 +248,9 @@ class BlockCopier:
             programs,
             rows,
             b._poster,
-            narrow,
+            job.simple and prepared.narrow,
         )
+        held.append(keep)
 
     @property
     def device_bytes(self) -> int:

@@ -179,6 +179,30 @@ class Driver:
             address(fn),
         )
 
+    def table_launch_in(self, context: int) -> Callable[..., None] | None:
+        """A descriptor table's upload and a kernel's launch in one compiled call in `context`
+        (`DescriptorRing.upload_launch`'s `launch`), or None where the extension or an entry
+        point is missing.
+
+        The callable raises `CudaDriverError` naming the call that failed.
+        """
+        from offload_core import native
+
+        compiled = native.load()
+        if compiled is None or self.launch_kernel is None or not self.has_events:
+            return None
+        entry = [self.address(f) for f in (self.ctx_get_current, self.ctx_push_current, self.ctx_pop_current)]
+        bound = functools.partial(
+            compiled.table_launch, *entry, self.address(self.memcpy), self.address(self.launch_kernel), context
+        )
+
+        def launch(*args) -> None:
+            failed = bound(*args)
+            if failed is not None:
+                self.fail(failed[1], failed[0])
+
+        return launch
+
     def call_in(self, call: Callable[..., int], what: str, context: int, *args) -> None:
         """``call(context, *args)`` for one of the short calls above (`record_in` ...).
 

@@ -222,24 +222,23 @@ MAX_SHARED = 49152  # above it, Triton's own loader sets the kernel up for dynam
 RAW_TYPES = ("i32", "u32", "i64", "u64")  # what a 64-bit parameter slot passes as it is
 
 
-def _launch(kernel, programs: int, args: list, constexprs: dict, stream, poster=None) -> None:
+def _launch(kernel, programs: int, args: list, constexprs: dict, stream, poster=None, key_args=None) -> None:
     """Launch `kernel` on `stream`; from the second launch of a specialization on, through the
     compiled kernel's launcher with the stream handle, which skips Triton's dispatch and
     torch's stream context (two thirds of a launch's host time). On a stream `poster` adopted,
     the launch is posted as a plain ``cuLaunchKernel`` where the compiled kernel allows
     (`_raw_launch`), else it waits until everything posted was issued.
 
-    The arguments are all ints, so the key here covers everything Triton specializes on.
+    The arguments are all ints, so the key here covers everything Triton specializes on; it is
+    made from `key_args` where given (values a kernel's build does not tell from `args`').
     """
     global _fast
-    key = (kernel, *constexprs.values(), *map(_spec, args))
+    key = (kernel, *constexprs.values(), *map(_spec, args if key_args is None else key_args))
     compiled = _compiled.get(key)
     handle = stream.cuda_stream
     posted = poster is not None and poster.owns(handle)
     if posted and compiled is not None and poster.launch_fn is not None:
-        raw = _raw.get(key, False)
-        if raw is False:
-            raw = _raw[key] = _raw_launch(compiled)
+        raw = _raw_for(key, compiled)
         if raw is not None:
             function, threads, shared, kept, hidden = raw
             values = [*args, *constexprs.values()]
@@ -257,6 +256,14 @@ def _launch(kernel, programs: int, args: list, constexprs: dict, stream, poster=
 
     with torch.cuda.stream(stream):
         _compiled[key] = kernel[(programs,)](*args, **constexprs)
+
+
+def _raw_for(key: tuple, compiled) -> tuple | None:
+    """`_raw_launch` of the compiled kernel of `key`, found once."""
+    raw = _raw.get(key, False)
+    if raw is False:
+        raw = _raw[key] = _raw_launch(compiled)
+    return raw
 
 
 def _raw_launch(compiled) -> tuple | None:
@@ -385,7 +392,8 @@ def expand_tile(largest: int) -> tuple[int, int]:
 
 
 def expand(
-    blocks: int,
+    ring,
+    columns,
     n: int,
     entries: int,
     num_entries: int,
@@ -399,27 +407,52 @@ def expand(
     rows: tuple[int, int, bool] | None = None,
     poster=None,
     narrow: bool = False,
-) -> None:
-    """Enqueue the expansion of `n` blocks on `stream` (posted where `poster` adopted it): the
-    device addresses of the block table, the entry table (``ENTRY_COLUMNS``, `num_entries`
-    wide) and the group table (first entry, count; `num_groups` wide); `per_block` is the most
-    entries of any group.
+) -> list:
+    """Upload the block table of `n` blocks, `columns` (int64 arrays), through `ring` and enqueue
+    its expansion on `stream` (posted where `poster` adopted it); `entries` and `groups` are the
+    device addresses of the entry table (``ENTRY_COLUMNS``, `num_entries` wide) and of the group
+    table (first entry, count; `num_groups` wide); `per_block` is the most entries of any group.
+    `columns` None launches with no table (`n` is 0: a build's warm-up). Returns what must
+    outlive the kernel (see `DescriptorRing.upload`).
 
     The block table is `offload_core.compact.BLOCK_COLUMNS` with the host row's address in place
     of the chunk where `rows` is None; else it is a simple job's two columns, device and host
-    block ids (int32 where `narrow`), and `rows` is ``(base, step, by_host)``: block i's host
-    row lies at ``base + step * (its host block if by_host else i)``."""
+    block ids (uploaded as int32 where `narrow`), and `rows` is ``(base, step, by_host)``: block
+    i's host row lies at ``base + step * (its host block if by_host else i)``.
+
+    Where the ring `launches` and the compiled kernel allows a plain ``cuLaunchKernel``, the
+    upload and the launch are one compiled call that keeps the GIL (`_native.table_launch`).
+
+    Raises:
+        CudaDriverError: the upload or the launch failed.
+    """
     tile, width = expand_tile(largest)
     programs = max(1, min(max_programs, -(-(n * per_block) // tile)))
     base, step, by_host = (0, 0, False) if rows is None else rows
-    args = [blocks, n, entries, num_entries, groups, num_groups, per_block, base, step]
+    # The table's address is the ring's for the builds' key: the kernel does not specialize on
+    # it, so one build serves every table, and a 64-bit parameter takes any address.
+    ring_address = ring.device_address()
+    args = [ring_address, n, entries, num_entries, groups, num_groups, per_block, base, step]
     simple = rows is not None
-    constexprs = {
-        "STORE": store,
-        "SIMPLE": simple,
-        "BY_HOST": by_host,
-        "NARROW": simple and narrow,
-        "D": tile,
-        "W": width,
-    }
-    _launch(_compile()[2], programs, args, constexprs, stream, poster)
+    narrow = simple and narrow
+    constexprs = {"STORE": store, "SIMPLE": simple, "BY_HOST": by_host, "NARROW": narrow, "D": tile, "W": width}
+    kernel = _compile()[2]
+    if columns is not None:
+        posted = poster is not None and poster.owns(stream.cuda_stream)
+        if ring.launches and not posted and ring_address >= 1 << 31:
+            key = (kernel, *constexprs.values(), *map(_spec, args))
+            compiled = _compiled.get(key)
+            raw = None if compiled is None else _raw_for(key, compiled)
+            if raw is not None and raw[3][:1] == (0,):
+                function, threads, shared, kept, hidden = raw
+                values = [*args, *constexprs.values()]
+                params = [values[i] for i in kept[1:]] + [0] * hidden
+                return ring.upload_launch(columns, stream, narrow, function, programs, threads, shared, params)
+        (table,), keep = ring.upload(columns, stream, narrow=narrow)
+        same_build = (table < 1 << 31) == (ring_address < 1 << 31)  # else one of 32 bits and one of 64
+        key_args = args.copy() if same_build else None
+        args[0] = table
+        _launch(kernel, programs, args, constexprs, stream, poster, key_args)
+        return keep
+    _launch(kernel, programs, args, constexprs, stream, poster)
+    return []

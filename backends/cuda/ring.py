@@ -25,10 +25,14 @@ class DescriptorRing:
         device: the torch device of the mirror.
         memcpy: ``(dst, src, nbytes, stream_handle) -> None``, an asynchronous host-to-device copy.
         entries: capacity; the memory is allocated on first use (an upload, or `device_address`).
+        launch: ``(host, device, room, columns, narrow, stream_handle, function, grid, threads,
+            shared, params) -> None``, the table's upload and a kernel's launch in one call
+            (`upload_launch`), or None where there is none.
     """
 
-    def __init__(self, torch, device, memcpy, entries: int = 1 << 21):
+    def __init__(self, torch, device, memcpy, entries: int = 1 << 21, launch=None):
         self._torch, self._device, self._memcpy = torch, device, memcpy
+        self._launch = launch
         self.entries = entries
         self._host = self._dev = None
         self._allocating = threading.Lock()
@@ -50,19 +54,7 @@ class DescriptorRing:
         n, k = len(columns[0]), len(columns)
         width = 4 if narrow else 8
         parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
-        entries = -(-k * n * width // 8)
-        start = self._reserve(entries)
-        if start is None:  # the ring is full of pending jobs: one-off memory, as large as needed
-            host = self._torch.empty(entries, dtype=self._torch.int64, pin_memory=True)
-            dev = self._torch.empty(entries, dtype=self._torch.int64, device=self._device)
-            flat, host_ptr, dev_ptr, keep = host.numpy(), host.data_ptr(), dev.data_ptr(), [host, dev]
-        else:
-            flat, host_ptr, dev_ptr, keep = (
-                self._flat[start:],
-                self._host_ptr + 8 * start,
-                self._dev_ptr + 8 * start,
-                [],
-            )
+        flat, host_ptr, dev_ptr, keep = self._region(-(-k * n * width // 8))
         if narrow:
             flat = flat.view(np.int32)
         handle, tables = stream.cuda_stream, []
@@ -73,6 +65,47 @@ class DescriptorRing:
             self._memcpy(dev_ptr + width * k * a, host_ptr + width * k * a, width * k * (b - a), handle)
             tables.append(dev_ptr + width * k * a)
         return tables, keep
+
+    @property
+    def launches(self) -> bool:
+        """Whether `upload_launch` can be called."""
+        return self._launch is not None
+
+    def upload_launch(self, columns, stream, narrow: bool, function: int, grid: int, threads: int, shared: int, params):
+        """`upload` of `columns` as one part, and the launch on `stream` of the kernel `function`
+        whose parameters are the table's device address followed by `params` (64-bit values), in
+        one call that keeps the GIL (see `launches`). Returns what must outlive the copies, as
+        `upload` does.
+
+        Raises:
+            CudaDriverError: the upload or the launch failed (nothing is launched after a failed upload).
+        """
+        entries = -(-len(columns) * len(columns[0]) * (4 if narrow else 8) // 8)
+        _, host_ptr, dev_ptr, keep = self._region(entries)
+        self._launch(
+            host_ptr,
+            dev_ptr,
+            8 * entries,
+            columns,
+            narrow,
+            stream.cuda_stream,
+            function,
+            grid,
+            threads,
+            shared,
+            (dev_ptr, *params),
+        )
+        return keep
+
+    def _region(self, entries: int) -> tuple:
+        """``(flat, host, device, keep)`` for `entries` int64 entries: a numpy view of the host
+        memory from their start, its address and its mirror's, and what must outlive the copies."""
+        start = self._reserve(entries)
+        if start is None:  # the ring is full of pending jobs: one-off memory, as large as needed
+            host = self._torch.empty(entries, dtype=self._torch.int64, pin_memory=True)
+            dev = self._torch.empty(entries, dtype=self._torch.int64, device=self._device)
+            return host.numpy(), host.data_ptr(), dev.data_ptr(), [host, dev]
+        return self._flat[start:], self._host_ptr + 8 * start, self._dev_ptr + 8 * start, []
 
     def device_address(self) -> int:
         """Where the ring's tables lie on the device (allocated now if they were not): what a

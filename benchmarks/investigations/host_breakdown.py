@@ -78,6 +78,7 @@ def instrument(backend_name: str) -> None:
         timed(compact.CompactLayout, "segments", "launch: copy_blocks: segments")
         timed(compact.CompactLayout, "segment_summary", "launch: copy_blocks: choose: segment_summary")
         timed(ring.DescriptorRing, "upload", "launch: copy_blocks: ring upload")
+        timed(ring.DescriptorRing, "upload_launch", "launch: copy_blocks: upload and launch, compiled")
         reserve = ring.DescriptorRing._reserve
 
         def counted_reserve(self, count):  # None: the ring is full, the upload takes one-off pinned memory
