@@ -2,7 +2,8 @@
  * and the fallback: `single_check` does what `CompactLayout._job_single` does (a submit's checks,
  * offload_core/compact.py), `concat` what `CompactJob.concat` does (jobs
  * joined for one launch), `first_clash` what `queue._first_clash` does (which waiting jobs may
- * share a launch, offload_core/queue.py), `row_runs` what `compact._row_runs` does (a job's
+ * share a launch, offload_core/queue.py), `host_order` what `CompactJob.in_host_order` does (a
+ * launch's blocks in host order), `row_runs` what `compact._row_runs` does (a job's
  * host-contiguous runs, for the cuda backend's choice of mechanism), `frozen` (_frozen.c) what a
  * large array's `tobytes` does (`layout._frozen`, a spec's private copy of its ids); `submit_simple`
  * (_submit.c) what a simple compact job's whole submit does. `context_call` calls a
@@ -553,6 +554,89 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(host_order_doc,
+             "host_order(hosts, devs, out_hosts, out_devs) -> bool\n"
+             "\n"
+             "Whether putting the equal-length int64 `hosts` in ascending order (stable; `devs` moved with\n"
+             "them) makes fewer runs of consecutive values (as `row_runs` counts them); if so, the sorted\n"
+             "pairs are in the writable int64 arrays `out_hosts` and `out_devs` of the same length.\n"
+             "Values are compared as unsigned (block ids are never negative).");
+
+/* Runs of consecutive values: a run continues where a value is the one before plus 1. */
+static Py_ssize_t runs_of(const uint64_t *h, Py_ssize_t n) {
+    Py_ssize_t runs = n > 0;
+    for (Py_ssize_t i = 1; i < n; i++) runs += h[i] - h[i - 1] != 1;
+    return runs;
+}
+
+/* Digits of 8 bits (256 buckets) for up to SMALL_SORT ids, else of 11: the buckets' pass costs
+ * about as much as the ids' there. Two passes for ids below 64K or 4M. */
+#define DIGIT_BITS 11
+#define SMALL_SORT 1024
+
+static PyObject *host_order(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!arity("host_order", nargs, 4, 4)) return NULL;
+    Py_buffer v[4];
+    static const char *const names[] = {"hosts", "devs", "out_hosts", "out_devs"};
+    int got = 0;
+    PyObject *result = NULL;
+    uint64_t *tmp = NULL;
+    for (; got < 4; got++)
+        if (int64_buffer(args[got], &v[got], got >= 2, names[got]) < 0) goto done;
+    Py_ssize_t n = v[0].len / 8;
+    if (v[1].len != v[0].len || v[2].len != v[0].len || v[3].len != v[0].len) {
+        PyErr_SetString(PyExc_ValueError, "host_order: hosts, devs and both outputs must have equal lengths");
+        goto done;
+    }
+    const uint64_t *hosts = v[0].buf, *devs = v[1].buf;
+    Py_ssize_t before = runs_of(hosts, n);
+    if (n < 2 || before == 1) {
+        result = Py_NewRef(Py_False);
+        goto done;
+    }
+    tmp = malloc(2 * (size_t)n * sizeof(uint64_t));
+    if (tmp == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) top |= hosts[i];
+    /* LSD radix sort of (host, dev) pairs, ping-ponging between the outputs and `tmp`; stable. */
+    uint64_t *kh = v[2].buf, *kd = v[3].buf, *th = tmp, *td = tmp + n;
+    memcpy(kh, hosts, (size_t)n * 8);
+    memcpy(kd, devs, (size_t)n * 8);
+    const int bits = n <= SMALL_SORT ? 8 : DIGIT_BITS;
+    const uint64_t mask = (1u << bits) - 1;
+    for (int shift = 0; shift < 64 && (top >> shift) != 0; shift += bits) {
+        Py_ssize_t count[1 << DIGIT_BITS];
+        memset(count, 0, sizeof(Py_ssize_t) << bits);
+        for (Py_ssize_t i = 0; i < n; i++) count[(kh[i] >> shift) & mask]++;
+        Py_ssize_t at = 0;
+        for (int b = 0; b < (1 << bits); b++) {
+            Py_ssize_t c = count[b];
+            count[b] = at;
+            at += c;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t to = count[(kh[i] >> shift) & mask]++;
+            th[to] = kh[i];
+            td[to] = kd[i];
+        }
+        uint64_t *swap = kh;
+        kh = th, th = swap;
+        swap = kd, kd = td, td = swap;
+    }
+    if (kh != v[2].buf) { /* an odd number of passes: the sorted pairs are in `tmp` */
+        memcpy(v[2].buf, kh, (size_t)n * 8);
+        memcpy(v[3].buf, kd, (size_t)n * 8);
+    }
+    result = PyBool_FromLong(runs_of(v[2].buf, n) < before);
+done:
+    free(tmp);
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
 PyDoc_STRVAR(row_runs_doc,
              "row_runs(hosts, short) -> (runs, rows_in_short_runs)\n\n"
              "Runs of consecutive values in `hosts` (int64: a run continues where a value is the one\n"
@@ -588,6 +672,7 @@ static PyMethodDef methods[] = {
     {"context_call", (PyCFunction)(void (*)(void))context_call, METH_FASTCALL, context_call_doc},
     {"first_clash", first_clash, METH_O, first_clash_doc},
     {"frozen", offload_frozen, METH_O, offload_frozen_doc},
+    {"host_order", (PyCFunction)(void (*)(void))host_order, METH_FASTCALL, host_order_doc},
     {"row_runs", (PyCFunction)(void (*)(void))row_runs, METH_FASTCALL, row_runs_doc},
     {"single_check", (PyCFunction)(void (*)(void))single_check, METH_FASTCALL, single_check_doc},
     {"table_launch", (PyCFunction)(void (*)(void))table_launch, METH_FASTCALL, table_launch_doc},

@@ -127,20 +127,18 @@ class CompactJob:
         if self._blocks is not None or not 2 <= n <= SORTED_BLOCKS:
             return self
         hosts, compiled = self.host_ids, self.layout.native
-        order = np.argsort(hosts, kind="stable")
-        ordered = hosts[order]
-        if _runs(ordered, compiled) >= _runs(hosts, compiled):
-            return self
+        if compiled is not None:
+            ordered, devs = np.empty_like(hosts), np.empty_like(self.dev_ids)
+            if not compiled.host_order(hosts, self.dev_ids, ordered, devs):
+                return self
+        else:
+            order = np.argsort(hosts, kind="stable")
+            ordered = hosts[order]
+            if _runs(ordered) >= _runs(hosts):
+                return self
+            devs = self.dev_ids[order]
         return CompactJob(
-            self.layout,
-            self.direction,
-            None,
-            ordered,
-            self.groups,
-            self.nbytes,
-            self.items,
-            self.dev_ids[order],
-            self.jobs,
+            self.layout, self.direction, None, ordered, self.groups, self.nbytes, self.items, devs, self.jobs
         )
 
     @staticmethod
@@ -506,10 +504,8 @@ class CompactLayout:
         return found
 
 
-def _runs(hosts: np.ndarray, compiled=None) -> int:
+def _runs(hosts: np.ndarray) -> int:
     """How many runs of consecutive values (each one more than the one before) `hosts` holds."""
-    if compiled is not None:
-        return compiled.row_runs(hosts, 0)[0]
     return 1 + int(np.count_nonzero(np.diff(hosts) != 1)) if hosts.size else 0
 
 

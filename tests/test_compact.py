@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 from helpers import compact_layout, compiled_or_skip
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_plan import Model, plan_refs, transfers
 
@@ -547,6 +547,50 @@ def test_a_job_in_host_order_makes_the_same_copies_in_no_more_runs(hosts, direct
     if ordered is not job:
         assert (np.diff(ordered.host_ids) > 0).all()
         assert layout.segments(ordered)[2].size < layout.segments(job)[2].size
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    hosts=st.lists(st.integers(0, 1 << 40), min_size=0, max_size=300)
+    | st.lists(st.integers(0, 300), min_size=0, max_size=300),
+    runs=st.integers(0, 40),
+)
+def test_the_compiled_host_order_is_the_numpy_one(hosts, runs):
+    """`_native.host_order` (a radix sort of one to four passes) against numpy's stable argsort:
+    the same order, device ids moved with their host ids, and the same verdict on whether the
+    sorted ids make fewer runs. Repeated ids (loads of one host block) keep their order."""
+    compiled = compiled_or_skip(True)
+    hosts = np.array(hosts + list(range(1000, 1000 + runs))[::-1], dtype=np.int64)  # and a run backwards
+    devs = np.arange(hosts.size, dtype=np.int64) * 7 + 3
+    out_hosts, out_devs = np.full_like(hosts, -1), np.full_like(devs, -1)
+    fewer = compiled.host_order(hosts, devs, out_hosts, out_devs)
+    order = np.argsort(hosts, kind="stable")
+
+    def runs_of(h):
+        return 1 + int(np.count_nonzero(np.diff(h) != 1)) if h.size else 0
+
+    assert fewer == (runs_of(hosts[order]) < runs_of(hosts))
+    if fewer:
+        assert out_hosts.tolist() == hosts[order].tolist() and out_devs.tolist() == devs[order].tolist()
+    with pytest.raises(ValueError, match="equal lengths"):
+        compiled.host_order(hosts, devs[:-1] if devs.size else np.zeros(1, np.int64), out_hosts, out_devs)
+    with pytest.raises(TypeError, match="int64"):
+        compiled.host_order(hosts.astype(np.int32), devs, out_hosts, out_devs)
+
+
+@pytest.mark.parametrize("n, top", [(1500, 1 << 33), (2048, 4096), (1025, 1 << 11)])
+def test_the_compiled_host_order_sorts_large_launches_as_numpy_does(n, top):
+    """Above 1024 ids the radix sort takes 11-bit digits: three passes (ending in its scratch
+    memory), two, and one."""
+    compiled = compiled_or_skip(True)
+    rng = np.random.default_rng(n)
+    hosts = rng.integers(0, top, n, dtype=np.int64)
+    hosts[: n // 2] = np.arange(n // 2)[::-1]  # a run backwards, which sorting joins
+    devs = rng.integers(0, 1 << 40, n, dtype=np.int64)
+    out_hosts, out_devs = np.empty_like(hosts), np.empty_like(devs)
+    assert compiled.host_order(hosts, devs, out_hosts, out_devs)
+    order = np.argsort(hosts, kind="stable")
+    assert (out_hosts == hosts[order]).all() and (out_devs == devs[order]).all()
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])

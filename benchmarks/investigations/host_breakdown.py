@@ -67,6 +67,9 @@ def instrument(backend_name: str) -> None:
     timed(queue.TransferQueue, "_run", "launch")
     timed(queue.TransferQueue, "_take", "launch: _take (clash check)")
     timed(compact.CompactJob, "concat", "launch: CompactJob.concat")
+    timed(compact.CompactJob, "in_host_order", "launch: CompactJob.in_host_order")
+    timed(queue.TransferQueue, "_event", "launch: the queue's events")
+    timed(queue, "_after", "launch: _after (the events waited for)")
     timed(worker.OffloadWorker, "get_finished", "get_finished")
     if backend_name == "cuda":
         from offload_core.backends.cuda import CudaBackend, blocks, events, kernels, ring
@@ -94,6 +97,9 @@ def instrument(backend_name: str) -> None:
 
         ring.DescriptorRing._reserve = counted_reserve
         timed(kernels, "_launch", "launch: copy_blocks: kernel launch")
+        timed(kernels, "expand", "launch: copy_blocks: kernels.expand")
+        timed(blocks.BlockCopier, "direct_programs", "launch: copy_blocks: direct_programs")
+        timed(blocks.BlockCopier, "copy", "launch: copy_blocks: BlockCopier.copy")
         timed(drv.Driver, "memcpy_batch_async", "launch: copy_blocks: cuMemcpyBatchAsync")
         timed(blocks.ExpandStaged, "enqueue_job", "launch: copy_blocks: expand_staged pieces")
         timed(blocks.BlockCopier, "expand", "launch: copy_blocks: table upload and kernel")
