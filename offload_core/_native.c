@@ -469,13 +469,26 @@ static PyObject *table_launch(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
         fn[i] = (void *)(uintptr_t)address;
     }
+    /* each conversion checked before the next: a failed one leaves an exception set */
     void *context = args[5] == Py_None ? NULL : PyLong_AsVoidPtr(args[5]);
-    unsigned long long host_at = PyLong_AsUnsignedLongLong(args[6]), device = PyLong_AsUnsignedLongLong(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    unsigned long long host_at = PyLong_AsUnsignedLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    unsigned long long device = PyLong_AsUnsignedLongLong(args[7]);
+    if (PyErr_Occurred()) return NULL;
     Py_ssize_t room = PyLong_AsSsize_t(args[8]);
+    if (PyErr_Occurred()) return NULL;
     int narrow = PyObject_IsTrue(args[10]);
+    if (narrow < 0) return NULL;
     void *stream = args[11] == Py_None ? NULL : PyLong_AsVoidPtr(args[11]);
+    if (PyErr_Occurred()) return NULL;
     unsigned long long function_at = PyLong_AsUnsignedLongLong(args[12]);
-    long grid = PyLong_AsLong(args[13]), threads = PyLong_AsLong(args[14]), shared = PyLong_AsLong(args[15]);
+    if (PyErr_Occurred()) return NULL;
+    long grid = PyLong_AsLong(args[13]);
+    if (PyErr_Occurred()) return NULL;
+    long threads = PyLong_AsLong(args[14]);
+    if (PyErr_Occurred()) return NULL;
+    long shared = PyLong_AsLong(args[15]);
     if (PyErr_Occurred()) return NULL;
     void *host = (void *)(uintptr_t)host_at, *function = (void *)(uintptr_t)function_at;
     if (host_at > UINTPTR_MAX || function_at > UINTPTR_MAX) host = function = NULL;
@@ -487,14 +500,19 @@ static PyObject *table_launch(PyObject *self, PyObject *const *args, Py_ssize_t 
                      room, grid, threads, shared);
         return NULL;
     }
-    PyObject *cols = PySequence_Fast(args[9], "table_launch: columns must be a sequence of int64 arrays");
-    if (cols == NULL) return NULL;
-    PyObject *params = PySequence_Fast(args[16], "table_launch: params must be a sequence of ints");
+    /* tuples: a conversion below runs Python code (`__index__`), which cannot shrink them */
+    PyObject *cols = PySequence_Check(args[9]) ? PySequence_Tuple(args[9]) : NULL;
+    if (cols == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "table_launch: columns must be a sequence of int64 arrays");
+        return NULL;
+    }
+    PyObject *params = PySequence_Check(args[16]) ? PySequence_Tuple(args[16]) : NULL;
     if (params == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "table_launch: params must be a sequence of ints");
         Py_DECREF(cols);
         return NULL;
     }
-    Py_ssize_t k = PySequence_Fast_GET_SIZE(cols), np_ = PySequence_Fast_GET_SIZE(params), got = 0, n = 0;
+    Py_ssize_t k = PyTuple_GET_SIZE(cols), np_ = PyTuple_GET_SIZE(params), got = 0, n = 0;
     Py_buffer views[TABLE_COLUMNS];
     uint64_t values[TABLE_PARAMS];
     PyObject *result = NULL;
@@ -504,11 +522,11 @@ static PyObject *table_launch(PyObject *self, PyObject *const *args, Py_ssize_t 
         goto done;
     }
     for (Py_ssize_t i = 0; i < np_; i++) { /* negative values as two's complement, as the kernel reads them */
-        values[i] = PyLong_AsUnsignedLongLongMask(PySequence_Fast_GET_ITEM(params, i));
+        values[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(params, i));
         if (values[i] == (uint64_t)-1 && PyErr_Occurred()) goto done;
     }
     for (; got < k; got++) {
-        if (int64_buffer(PySequence_Fast_GET_ITEM(cols, got), &views[got], 0, "table_launch: a column") < 0) goto done;
+        if (int64_buffer(PyTuple_GET_ITEM(cols, got), &views[got], 0, "table_launch: a column") < 0) goto done;
         Py_ssize_t len = views[got].len / 8;
         if (got == 0) n = len;
         if (len != n) {
@@ -588,6 +606,14 @@ static PyObject *host_order(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "host_order: hosts, devs and both outputs must have equal lengths");
         goto done;
     }
+    for (int i = 0; i < 4; i++) /* each output apart from the other three buffers */
+        for (int j = 2; j < 4; j++) {
+            const char *a = v[i].buf, *b = v[j].buf;
+            if (i != j && a < b + v[j].len && b < a + v[i].len && n > 0) {
+                PyErr_SetString(PyExc_ValueError, "host_order: an output overlaps another array");
+                goto done;
+            }
+        }
     const uint64_t *hosts = v[0].buf, *devs = v[1].buf;
     Py_ssize_t before = runs_of(hosts, n);
     if (n < 2 || before == 1) {

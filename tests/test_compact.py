@@ -576,6 +576,11 @@ def test_the_compiled_host_order_is_the_numpy_one(hosts, runs):
         compiled.host_order(hosts, devs[:-1] if devs.size else np.zeros(1, np.int64), out_hosts, out_devs)
     with pytest.raises(TypeError, match="int64"):
         compiled.host_order(hosts.astype(np.int32), devs, out_hosts, out_devs)
+    if hosts.size:
+        with pytest.raises(ValueError, match="overlaps"):
+            compiled.host_order(hosts, devs, out_hosts, out_hosts)
+        with pytest.raises(ValueError, match="overlaps"):
+            compiled.host_order(hosts, devs, devs, out_devs)  # an output over an input
 
 
 @pytest.mark.parametrize("n, top", [(1500, 1 << 33), (2048, 4096), (1025, 1 << 11)])

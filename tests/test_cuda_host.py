@@ -568,6 +568,8 @@ def test_kernels_launch_through_the_compiled_kernel_once_a_specialization_was_se
     kernels._launch(kernel, 7, [1, 40, (1 << 40) + 16], consts, stream)  # 40 is not a multiple of 16
     kernels._launch(kernel, 7, [1, 48, (1 << 40) + 8], consts, stream)
     assert len(kernel.calls) == 4 and len(compiled.calls) == 1
+    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 16], consts, stream, device=1)  # another GPU: its own build
+    assert len(kernel.calls) == 5 and len(compiled.calls) == 1
 
 
 def test_kernels_launch_falls_back_to_triton_dispatch_when_its_launcher_differs(launch_cache):
@@ -1156,6 +1158,75 @@ def test_the_compiled_table_launch_refuses_what_would_overrun_having_called_noth
         _native.table_launch(0, *[1] * 16)
 
 
+def test_the_compiled_table_launch_takes_its_arguments_as_they_were_given():
+    """A column list or a parameter that changes the lists while they are read (an `__index__`
+    that empties them) cannot make the call read past them: it reads copies."""
+    lib, launch = _table_launch()
+    host = np.zeros(4, dtype=np.int64)
+    cols, params = [np.arange(2), np.arange(2)], [1 << 40, 1, 2, 0]
+
+    class Emptying:
+        def __index__(self):
+            cols.clear()
+            params.clear()
+            return 1
+
+    params[1] = Emptying()
+    launch(host.ctypes.data, 1 << 40, 32, cols, False, 0x77, 0xF00, 1, 128, 0, params)
+    assert [c[0] for c in lib.calls] == ["memcpy", "launch"] and lib.calls[-1][5:] == (1 << 40, 1, 2, 0)
+    with pytest.raises(OverflowError):  # the first failed conversion is the one reported
+        launch(-1, 1 << 40, 32, (np.arange(2),), SimpleNamespace(), 0x77, 0xF00, 1, 128, 0, ())
+
+
+@pytest.mark.parametrize("compiled_launch", [True, False], ids=["compiled", "triton's launcher"])
+def test_one_off_table_memory_is_held_when_the_launch_fails(monkeypatch, compiled_launch):
+    """A ring full of pending tables gives a table one-off memory; a launch that fails after its
+    upload was enqueued still leaves that memory to `held`, which outlives the copies."""
+    from test_cuda_posting import EveryKey, TritonLike
+
+    from offload_core.backends.cuda.ring import DescriptorRing
+
+    fake = RingDevice()
+
+    def failing_launch(*args):
+        raise drv.CudaDriverError("cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED", 719)
+
+    ring = DescriptorRing(fake.torch, None, fake.memcpy, entries=4, launch=failing_launch if compiled_launch else None)
+    monkeypatch.setattr(ring, "device_address", lambda: 1 << 40)
+    monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
+    monkeypatch.setattr(kernels, "_compiled", {})
+
+    def launch(*args, **kwargs):
+        raise drv.CudaDriverError("cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED", 719)
+
+    monkeypatch.setattr(kernels, "_launch", launch)
+    if compiled_launch:  # a build found: the compiled call is taken
+        monkeypatch.setattr(kernels, "_compiled", EveryKey(TritonLike(LaunchingLib())))
+        monkeypatch.setattr(kernels, "_raw", {})
+    held: list = []
+    cols = (np.arange(8), np.arange(8))  # 16 entries: more than the ring holds
+    with pytest.raises(drv.CudaDriverError, match="cuLaunchKernel failed"):
+        kernels.expand(
+            ring,
+            cols,
+            8,
+            1 << 41,
+            8,
+            1 << 42,
+            1,
+            8,
+            True,
+            1024,
+            SimpleNamespace(cuda_stream=7),
+            4,
+            (1 << 43, 64, True),
+            None,
+            False,
+            held,
+        )
+    assert len(held) == 1 and len(held[0]) == 2, "the one-off host and device memory stay held"
+
+
 def test_a_torch_stream_waits_for_a_raw_streams_position_and_back():
     lib = FakeLib()
     driver = drv.Driver(lib)
@@ -1375,12 +1446,11 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
 
     def expand(*args):  # `kernels.expand`: the table as it goes up (int32 where narrow)
         launched.append(args)
-        return []
 
     monkeypatch.setattr(cuda_blocks.kernels, "expand", expand)
     copier = cuda_blocks.BlockCopier.__new__(cuda_blocks.BlockCopier)
     ring = object()
-    copier.backend = SimpleNamespace(_ring=ring, _poster=None)
+    copier.backend = SimpleNamespace(_ring=ring, _poster=None, device_index=0)
     prepared = host_prepared(layout)
     copier.expand(job, prepared, 0, len(job), None, [], 4, stage)
     (args,) = launched
@@ -1414,7 +1484,7 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
 
     launched = []
 
-    def launch(kernel, programs, args, constexprs, stream, poster=None, key_args=None):
+    def launch(kernel, programs, args, constexprs, stream, poster=None, key_args=None, device=0):
         key_args = args if key_args is None else key_args  # what the build is found by
         launched.append((tuple(constexprs.items()), tuple(-(1 << 31) <= a < (1 << 31) for a in key_args)))
 
@@ -1489,13 +1559,14 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
         rows,
         poster,
         narrow,
+        held,
+        device,
     ):
         pieces.append(n)
         dev, side, sizes = kernel_reading(_as_uploaded(cols, narrow), n, rows, layout, is_store)
         half = st.halves[st.next ^ 1]  # the half this piece took
         assert ((side >= half) & (side + sizes <= half + half_bytes)).all(), "the kernel left its half"
         move(side, dev, sizes) if is_store else move(dev, side, sizes)
-        return []
 
     class Event:
         def record(self, stream):
@@ -1516,6 +1587,7 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
     copier.backend = SimpleNamespace(
         _poster=None,
         _ring=None,
+        device_index=0,
         gather_programs=4,
         driver=SimpleNamespace(memcpy_batch_async=lambda dst, src, sizes, order, handle: move(dst, src, sizes) or ()),
     )

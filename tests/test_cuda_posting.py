@@ -107,7 +107,7 @@ class RingLike:
         self.backend._table_copy(dev, host, table.nbytes, stream.cuda_stream)
         return [dev], []
 
-    def upload_launch(self, cols, stream, narrow, function, grid, threads, shared, params):
+    def upload_launch(self, cols, stream, narrow, function, grid, threads, shared, params, held):
         entries = -(-len(cols) * len(cols[0]) * (4 if narrow else 8) // 8)
         dev, host = self.base + 8 * self.at, self.host.ctypes.data + 8 * self.at
         self.launch(
@@ -116,7 +116,6 @@ class RingLike:
         words = self.host[self.at : self.at + entries]
         self.launched.append(words.view(np.int32)[: len(cols) * len(cols[0])] if narrow else words.copy())
         self.at += entries
-        return []
 
     def retire(self, event):
         pass

@@ -141,6 +141,7 @@ class BlockCopier:
                         1,
                         rows,
                         narrow=prepared.narrow,
+                        device=b.device_index,
                     )
         return prepared
 
@@ -233,7 +234,7 @@ class BlockCopier:
             else:
                 addresses = stage + chunks * layout.row_bytes
             cols, rows = (blocks[0, b0:b1], addresses, blocks[2, b0:b1], blocks[3, b0:b1], blocks[4, b0:b1]), None
-        keep = kernels.expand(
+        kernels.expand(
             b._ring,
             cols,
             b1 - b0,
@@ -249,8 +250,9 @@ class BlockCopier:
             rows,
             b._poster,
             job.simple and prepared.narrow,
+            held,
+            b.device_index,
         )
-        held.append(keep)
 
     @property
     def device_bytes(self) -> int:

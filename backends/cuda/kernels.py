@@ -222,7 +222,9 @@ MAX_SHARED = 49152  # above it, Triton's own loader sets the kernel up for dynam
 RAW_TYPES = ("i32", "u32", "i64", "u64")  # what a 64-bit parameter slot passes as it is
 
 
-def _launch(kernel, programs: int, args: list, constexprs: dict, stream, poster=None, key_args=None) -> None:
+def _launch(
+    kernel, programs: int, args: list, constexprs: dict, stream, poster=None, key_args=None, device: int = 0
+) -> None:
     """Launch `kernel` on `stream`; from the second launch of a specialization on, through the
     compiled kernel's launcher with the stream handle, which skips Triton's dispatch and
     torch's stream context (two thirds of a launch's host time). On a stream `poster` adopted,
@@ -230,10 +232,11 @@ def _launch(kernel, programs: int, args: list, constexprs: dict, stream, poster=
     (`_raw_launch`), else it waits until everything posted was issued.
 
     The arguments are all ints, so the key here covers everything Triton specializes on; it is
-    made from `key_args` where given (values a kernel's build does not tell from `args`').
+    made from `key_args` where given (values a kernel's build does not tell from `args`'), and
+    names the GPU (`device`, its index): a build is loaded into one GPU's context.
     """
     global _fast
-    key = (kernel, *constexprs.values(), *map(_spec, args if key_args is None else key_args))
+    key = (kernel, device, *constexprs.values(), *map(_spec, args if key_args is None else key_args))
     compiled = _compiled.get(key)
     handle = stream.cuda_stream
     posted = poster is not None and poster.owns(handle)
@@ -333,13 +336,13 @@ def _hooked(compiled) -> bool:
     return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
 
 
-def run(src, dst, size, n: int, largest: int, stream, max_programs: int) -> None:
+def run(src, dst, size, n: int, largest: int, stream, max_programs: int, device: int = 0) -> None:
     """Enqueue the copy kernel on `stream` for `n` copies: copy i moves ``size[i]`` bytes from
     ``src[i]`` to ``dst[i]``, each address one the device can dereference.
 
     Each of `src`, `dst` and `size` is the device address (an int) of `n` int64 values, or a
     pair ``(base, step)`` standing for ``base + i * step`` (for `size`, a step of 0): a
-    column that costs no upload. `largest` is the largest size.
+    column that costs no upload. `largest` is the largest size; `device` the GPU's index.
     """
     copy_kernel, copy_small_kernel, _ = _compile()
     args, arrays = [], {}
@@ -351,11 +354,12 @@ def run(src, dst, size, n: int, largest: int, stream, max_programs: int) -> None
         width = 32 if largest <= 256 else 128  # words per copy per step: little masked waste
         rows = TILE_WORDS // width
         programs = max(1, min(max_programs, -(-n // rows)))
-        _launch(copy_small_kernel, programs, args + [n], {**arrays, "D": rows, "W": width}, stream)
+        _launch(copy_small_kernel, programs, args + [n], {**arrays, "D": rows, "W": width}, stream, device=device)
     else:
         pieces = -(-largest // PIECE_BYTES)
         programs = max(1, min(max_programs, n * pieces))
-        _launch(copy_kernel, programs, args + [n, pieces], {**arrays, "PIECE": PIECE_BYTES, "BLOCK": BLOCK}, stream)
+        constexprs = {**arrays, "PIECE": PIECE_BYTES, "BLOCK": BLOCK}
+        _launch(copy_kernel, programs, args + [n, pieces], constexprs, stream, device=device)
 
 
 def launch(
@@ -365,19 +369,22 @@ def launch(
     stream,
     max_programs: int,
     ring,
+    held: list,
     largest: int | None = None,
     uniform: bool | None = None,
-) -> list:
+    device: int = 0,
+) -> None:
     """Upload the descriptors through `ring` (the sizes only if they differ) and enqueue the
     copy kernel on `stream`; `largest` and `uniform` (all sizes equal) where already known.
-    Returns what must outlive the kernel (see `DescriptorRing.upload`)."""
+    What must outlive the kernel (see `DescriptorRing.upload`) goes to `held` before the
+    launch, which may fail with the upload enqueued."""
     n = len(sizes)
     if largest is None:
         largest = int(sizes.max())
         uniform = int(sizes.min()) == largest
     (table,), keep = ring.upload((src, dst) if uniform else (src, dst, sizes), stream)
-    run(table, table + 8 * n, (largest, 0) if uniform else table + 16 * n, n, largest, stream, max_programs)
-    return keep
+    held.append(keep)
+    run(table, table + 8 * n, (largest, 0) if uniform else table + 16 * n, n, largest, stream, max_programs, device)
 
 
 def expand_tile(largest: int) -> tuple[int, int]:
@@ -407,13 +414,16 @@ def expand(
     rows: tuple[int, int, bool] | None = None,
     poster=None,
     narrow: bool = False,
-) -> list:
+    held: list | None = None,
+    device: int = 0,
+) -> None:
     """Upload the block table of `n` blocks, `columns` (int64 arrays), through `ring` and enqueue
     its expansion on `stream` (posted where `poster` adopted it); `entries` and `groups` are the
     device addresses of the entry table (``ENTRY_COLUMNS``, `num_entries` wide) and of the group
     table (first entry, count; `num_groups` wide); `per_block` is the most entries of any group.
-    `columns` None launches with no table (`n` is 0: a build's warm-up). Returns what must
-    outlive the kernel (see `DescriptorRing.upload`).
+    `columns` None launches with no table (`n` is 0: a build's warm-up). What must outlive the
+    kernel (see `DescriptorRing.upload`) goes to `held` before the launch, which may fail with
+    the upload enqueued; `device` is the GPU's index.
 
     The block table is `offload_core.compact.BLOCK_COLUMNS` with the host row's address in place
     of the chunk where `rows` is None; else it is a simple job's two columns, device and host
@@ -440,19 +450,20 @@ def expand(
     if columns is not None:
         posted = poster is not None and poster.owns(stream.cuda_stream)
         if ring.launches and not posted and ring_address >= 1 << 31:
-            key = (kernel, *constexprs.values(), *map(_spec, args))
+            key = (kernel, device, *constexprs.values(), *map(_spec, args))
             compiled = _compiled.get(key)
             raw = None if compiled is None else _raw_for(key, compiled)
             if raw is not None and raw[3][:1] == (0,):
                 function, threads, shared, kept, hidden = raw
                 values = [*args, *constexprs.values()]
                 params = [values[i] for i in kept[1:]] + [0] * hidden
-                return ring.upload_launch(columns, stream, narrow, function, programs, threads, shared, params)
+                ring.upload_launch(columns, stream, narrow, function, programs, threads, shared, params, held)
+                return
         (table,), keep = ring.upload(columns, stream, narrow=narrow)
+        held.append(keep)
         same_build = (table < 1 << 31) == (ring_address < 1 << 31)  # else one of 32 bits and one of 64
         key_args = args.copy() if same_build else None
         args[0] = table
-        _launch(kernel, programs, args, constexprs, stream, poster, key_args)
-        return keep
-    _launch(kernel, programs, args, constexprs, stream, poster)
-    return []
+        _launch(kernel, programs, args, constexprs, stream, poster, key_args, device)
+        return
+    _launch(kernel, programs, args, constexprs, stream, poster, device=device)

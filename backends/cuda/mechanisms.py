@@ -114,7 +114,8 @@ class SmGather(Mechanism):
 
     def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
         programs = backend.sm_programs[direction]
-        held.append(kernels.launch(src, dst, sizes, stream, programs, backend._ring, *(summary or ())[:2]))
+        largest, uniform = (summary or (None, None))[:2]
+        kernels.launch(src, dst, sizes, stream, programs, backend._ring, held, largest, uniform, backend.device_index)
 
 
 class Staged(Mechanism):
@@ -192,7 +193,9 @@ class Staged(Mechanism):
                 if store:
                     if free[k % 2] is not None:
                         kernel_stream.wait_event(free[k % 2])
-                    kernels.run(*kernel, size_col, b - a, largest, kernel_stream, backend.gather_programs)
+                    kernels.run(
+                        *kernel, size_col, b - a, largest, kernel_stream, backend.gather_programs, backend.device_index
+                    )
                     stream.wait_event(_recorded(torch, kernel_stream))
                     _copy_runs(backend, run_host, run_stage, run_bytes, stream, held)
                     free[k % 2] = _recorded(torch, stream)
@@ -201,7 +204,9 @@ class Staged(Mechanism):
                         stream.wait_event(free[k % 2])
                     _copy_runs(backend, run_stage, run_host, run_bytes, stream, held)
                     kernel_stream.wait_event(_recorded(torch, stream))
-                    kernels.run(*kernel, size_col, b - a, largest, kernel_stream, backend.gather_programs)
+                    kernels.run(
+                        *kernel, size_col, b - a, largest, kernel_stream, backend.gather_programs, backend.device_index
+                    )
                     free[k % 2] = _recorded(torch, kernel_stream)
         finally:  # the job ends when the kernel stream's work has (a load's last scatter, the uploads)
             stream.wait_stream(kernel_stream)

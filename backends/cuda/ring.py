@@ -71,17 +71,20 @@ class DescriptorRing:
         """Whether `upload_launch` can be called."""
         return self._launch is not None
 
-    def upload_launch(self, columns, stream, narrow: bool, function: int, grid: int, threads: int, shared: int, params):
+    def upload_launch(
+        self, columns, stream, narrow: bool, function: int, grid: int, threads: int, shared: int, params, held: list
+    ) -> None:
         """`upload` of `columns` as one part, and the launch on `stream` of the kernel `function`
         whose parameters are the table's device address followed by `params` (64-bit values), in
-        one call that keeps the GIL (see `launches`). Returns what must outlive the copies, as
-        `upload` does.
+        one call that keeps the GIL (see `launches`). What must outlive the copies (as `upload`
+        returns it) goes to `held` first: the launch may fail with the upload enqueued.
 
         Raises:
             CudaDriverError: the upload or the launch failed (nothing is launched after a failed upload).
         """
         entries = -(-len(columns) * len(columns[0]) * (4 if narrow else 8) // 8)
         _, host_ptr, dev_ptr, keep = self._region(entries)
+        held.append(keep)
         self._launch(
             host_ptr,
             dev_ptr,
@@ -95,7 +98,6 @@ class DescriptorRing:
             shared,
             (dev_ptr, *params),
         )
-        return keep
 
     def _region(self, entries: int) -> tuple:
         """``(flat, host, device, keep)`` for `entries` int64 entries: a numpy view of the host
