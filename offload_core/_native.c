@@ -380,6 +380,19 @@ static int enter_context(void *get, void *push, void *context, int *code) {
     return *code == 0;
 }
 
+/* A driver entry point's address: an int, neither 0 nor beyond a pointer; -1 with a ValueError
+ * naming `who` (or the conversion's error) otherwise. */
+static int entry_point(PyObject *obj, const char *who, void **out) {
+    unsigned long long address = PyLong_AsUnsignedLongLong(obj);
+    if (address == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    if (address == 0 || address > UINTPTR_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: a driver entry point's address is 0 or out of range", who);
+        return -1;
+    }
+    *out = (void *)(uintptr_t)address;
+    return 0;
+}
+
 static void leave_context(void *pop) {
     void *popped = NULL;
     ((get_ctx_fn)pop)(&popped);
@@ -402,14 +415,8 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
     args++, nargs--;
     void *v[9];
     for (Py_ssize_t i = 0; i < nargs; i++) {
-        if (i < 4) { /* entry points: a non-negative, non-zero address */
-            unsigned long long address = PyLong_AsUnsignedLongLong(args[i]);
-            if (address == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-            if (address == 0 || address > UINTPTR_MAX) {
-                PyErr_SetString(PyExc_ValueError, "context_call: a driver entry point's address is 0 or out of range");
-                return NULL;
-            }
-            v[i] = (void *)(uintptr_t)address;
+        if (i < 4) {
+            if (entry_point(args[i], "context_call", &v[i]) < 0) return NULL;
         } else if (args[i] == Py_None) { /* a null context or handle, as ctypes passes None */
             v[i] = NULL;
         } else {
@@ -460,15 +467,8 @@ PyDoc_STRVAR(table_launch_doc,
 static PyObject *table_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!arity("table_launch", nargs, 17, 17)) return NULL;
     void *fn[5];
-    for (int i = 0; i < 5; i++) {
-        unsigned long long address = PyLong_AsUnsignedLongLong(args[i]);
-        if (address == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-        if (address == 0 || address > UINTPTR_MAX) {
-            PyErr_SetString(PyExc_ValueError, "table_launch: a driver entry point's address is 0 or out of range");
-            return NULL;
-        }
-        fn[i] = (void *)(uintptr_t)address;
-    }
+    for (int i = 0; i < 5; i++)
+        if (entry_point(args[i], "table_launch", &fn[i]) < 0) return NULL;
     /* each conversion checked before the next: a failed one leaves an exception set */
     void *context = args[5] == Py_None ? NULL : PyLong_AsVoidPtr(args[5]);
     if (PyErr_Occurred()) return NULL;

@@ -236,7 +236,7 @@ def _launch(
     names the GPU (`device`, its index): a build is loaded into one GPU's context.
     """
     global _fast
-    key = (kernel, device, *constexprs.values(), *map(_spec, args if key_args is None else key_args))
+    key = _key(kernel, device, constexprs, args if key_args is None else key_args)
     compiled = _compiled.get(key)
     handle = stream.cuda_stream
     posted = poster is not None and poster.owns(handle)
@@ -259,6 +259,11 @@ def _launch(
 
     with torch.cuda.stream(stream):
         _compiled[key] = kernel[(programs,)](*args, **constexprs)
+
+
+def _key(kernel, device: int, constexprs: dict, args) -> tuple:
+    """What finds a compiled build: the kernel, the GPU, its constexprs and Triton's view of each int."""
+    return (kernel, device, *constexprs.values(), *map(_spec, args))
 
 
 def _raw_for(key: tuple, compiled) -> tuple | None:
@@ -450,7 +455,7 @@ def expand(
     if columns is not None:
         posted = poster is not None and poster.owns(stream.cuda_stream)
         if ring.launches and not posted and ring_address >= 1 << 31:
-            key = (kernel, device, *constexprs.values(), *map(_spec, args))
+            key = _key(kernel, device, constexprs, args)
             compiled = _compiled.get(key)
             raw = None if compiled is None else _raw_for(key, compiled)
             if raw is not None and raw[3][:1] == (0,):
