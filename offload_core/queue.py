@@ -21,7 +21,10 @@ where it waits until `burst_jobs` jobs or `burst_bytes` wait, or for the launche
 no submit has come for a launch's host time (at most `MAX_QUIET_S`), whichever comes first.
 The launcher holds the GIL like any Python thread: while the caller runs Python code without
 releasing it, it may start up to `sys.getswitchinterval()` (5 ms) later; waiting, device work
-and most torch calls release it.
+and most torch calls release it. The other way round, a backend's compiled steps may keep the
+GIL through a whole launch (the cuda backend's do, for speed), so the launcher lets it go for
+`GIL_YIELD_S` before and after each enqueue: a thread waiting for it (the engine's, launching
+its next compute) then waits for part of a launch at most, not for a switch interval.
 
 Threads: every method may be called from any thread. A queue's bookkeeping is guarded by
 its own lock, held only for list and set operations and non-blocking event queries; the
@@ -59,6 +62,10 @@ BURST_BYTES = 128 << 20  # or bytes: about 2.4 ms of a PCIe 5 link, several laun
 MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
 IDLE_POLL_S = 0.1  # how often an idle launcher looks whether its queue was dropped or the interpreter exits
 SETTLE_POLL_S = 0.001  # how often a drain asks an event whose wait failed whether the work has passed
+# The launcher's hand-over of the GIL: a sleep this short lets it go for about the kernel's timer
+# slack (50 us on Linux), long enough for a thread woken by the release to take it (a shorter
+# release, as time.sleep(0) makes, is usually won back by the launcher before the waiter runs).
+GIL_YIELD_S = 20e-6
 
 _enqueue_locks: weakref.WeakKeyDictionary[Backend, threading.Lock] = weakref.WeakKeyDictionary()
 _enqueue_locks_guard = threading.Lock()
@@ -473,11 +480,11 @@ class TransferQueue:
         except Exception:
             log.exception("launching %s jobs %s failed", self.direction.value, [p.job_id for p in batch])
 
-    def _run(self, batch: list[_Pending]) -> None:
+    def _run(self, batch: list[_Pending], background: bool = False) -> None:
         """`_launch`, and if even that fails or is interrupted (Ctrl-C), the jobs fail rather
         than leave waiters hanging."""
         try:
-            self._launch(batch)
+            self._launch(batch, background)
         except BaseException:
             with self._lock:
                 if self._launching:  # not yet recorded by `_launch`
@@ -520,8 +527,9 @@ class TransferQueue:
         self._launching = {p.job_id for p in batch}
         return batch
 
-    def _launch(self, batch: list[_Pending]) -> None:
-        """Enqueue `batch` as one job on the device; its jobs' results share the launch's events."""
+    def _launch(self, batch: list[_Pending], background: bool = False) -> None:
+        """Enqueue `batch` as one job on the device; its jobs' results share the launch's events.
+        `background`: on the launcher thread, which lets the GIL go around the enqueue."""
         t0 = time.perf_counter()
         with self._lock:
             start, end = self._event(), self._event()
@@ -530,6 +538,8 @@ class TransferQueue:
         stream = self._stream
         after = _after(batch)
         failed = None
+        if background:
+            time.sleep(GIL_YIELD_S)
         with self._enqueue:
             t_locked = time.perf_counter()  # waiting for another lane's enqueue is not the host's cost
             try:
@@ -578,6 +588,8 @@ class TransferQueue:
                 now = time.perf_counter()
                 self.stats.launch_s += now - t0
                 self._launch_s += 0.25 * (now - t_locked - self._launch_s)
+        if background:
+            time.sleep(GIL_YIELD_S)
 
 
 def _launch_loop(queue_ref: weakref.ref[TransferQueue]) -> None:
@@ -622,7 +634,7 @@ def _launch_until_done(queue_ref: weakref.ref[TransferQueue]) -> None:
                 continue
             batch = queue._take()
         try:
-            queue._run(batch)
+            queue._run(batch, background=True)
         except BaseException:
             log.exception("the %s launcher failed", queue.direction.value)
         del queue, batch

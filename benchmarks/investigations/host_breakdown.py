@@ -2,18 +2,22 @@
 a run of small jobs back to back (each wrapped in a perf_counter timer, about 0.2 us a call).
 
     python benchmarks/investigations/host_breakdown.py [--page 256] [--blocks-per-job 64] [--tensors 64]
-        [--jobs 128] [--rounds 5] [--backend cuda]
+        [--jobs 128] [--rounds 5] [--backend cuda] [--profile 40]
 
 Prints, per step, calls per job and microseconds per job (a step's time includes the steps it
 calls; "launch" also the GIL hand-overs inside it), and the whole run's wall time per job.
 Runs on cuda, or on the cpu with `offload_core.testing.expanding` (--backend expanding).
+With --profile N, the timers give way to cProfile on the main thread (where a burst's submits
+launch it), and the N functions of most own time are printed, per job.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import gc
+import pstats
 import threading
 import time
 from collections import defaultdict
@@ -122,6 +126,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--blocks", type=int, help="device blocks per tensor (default: 1024, or twice a job)")
+    parser.add_argument("--profile", type=int, help="cProfile the main thread; print this many functions")
     args = parser.parse_args()
     if args.backend == "expanding":
         from offload_core.testing.expanding import ExpandingCpuBackend
@@ -129,7 +134,9 @@ def main() -> None:
         backend = ExpandingCpuBackend()
     else:
         backend = get_backend(args.backend)
-    instrument("cuda" if backend.name == "cuda" else "expanding")
+    if not args.profile:
+        instrument("cuda" if backend.name == "cuda" else "expanding")
+    profile = cProfile.Profile()
     blocks = args.blocks or max(1024, 2 * args.blocks_per_job)
     tensors = [
         KVCacheTensor(torch.zeros(blocks, args.page, dtype=torch.int8, device=backend.device), args.page)
@@ -153,6 +160,8 @@ def main() -> None:
                 TIMES.clear()
                 CALLS.clear()
                 gc.collect()  # the setup's garbage collected now, not by a pause inside a measured round
+                if args.profile:
+                    profile.enable()
             first = r * args.jobs * 2
             t0 = time.perf_counter()
             for j, (d, h) in enumerate(ids):
@@ -166,6 +175,7 @@ def main() -> None:
             w.get_finished()
             if r:
                 walls.append(((t1 - t0) / args.jobs, (t2 - t1) / args.jobs))
+    profile.disable()
     jobs = 2 * args.jobs * args.rounds
     store, load = np.median(walls, axis=0) * 1e6
     print(
@@ -173,6 +183,14 @@ def main() -> None:
         f"({args.tensors * n * args.page / 2**20:.2f} MiB a job), {args.jobs} jobs back to back, {args.rounds} rounds: "
         f"wall per job {store:.1f} us (store) / {load:.1f} us (load)"
     )
+    if args.profile:
+        stats = pstats.Stats(profile)
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[: args.profile]
+        print(f"{'function':70} {'calls/job':>9} {'own us/job':>10} {'cum us/job':>10}")
+        for (path, line, name), (_, calls, own, cum, _) in rows:
+            where = f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line} {name}"
+            print(f"{where[:70]:70} {calls / jobs:9.2f} {own / jobs * 1e6:10.2f} {cum / jobs * 1e6:10.2f}")
+        return
     print(f"{'step':58} {'thread':9} {'calls/job':>9} {'us/call':>8} {'us/job':>7}")
     for (label, main_thread), seconds in sorted(TIMES.items()):
         calls = CALLS[(label, main_thread)]
