@@ -157,27 +157,25 @@ def interference(
     rng = np.random.default_rng(seed)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    # Host time to enqueue each busy loop, and to its first matmul: the device waits for the
-    # host between the start event and the first matmul, and between matmuls once it gets ahead
-    enqueue_ms, first_ms = [], []
-
-    def matmuls_ms(count=12) -> float:
+    def matmuls(count=12) -> tuple[float, float, float]:
+        """The loop's device ms, and the host ms to enqueue it and to its first matmul (the device
+        waits for the host between the start event and the first matmul, so a late one counts)."""
         t0 = time.perf_counter()
         start.record()
-        for i in range(count):
+        torch.mm(a, a)
+        first = time.perf_counter()
+        for _ in range(count - 1):
             torch.mm(a, a)
-            if i == 0:
-                first_ms.append((time.perf_counter() - t0) * 1e3)
         end.record()
-        enqueue_ms.append((time.perf_counter() - t0) * 1e3)
+        enqueued = time.perf_counter()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end), (enqueued - t0) * 1e3, (first - t0) * 1e3
 
-    alone, busy, busy_enqueue, ids, failed = [], [], [], 0, 0
+    alone, busy, ids, failed = [], [], 0, 0
     with OffloadWorker(kv, blocks, backend=backend) as worker:
-        matmuls_ms(3)
+        matmuls(3)
         for _ in range(6):
-            alone.append(matmuls_ms())
+            alone.append(matmuls()[0])
             for _ in range(jobs):
                 dev = DeviceBlocks(rng.choice(blocks, per_job, replace=False))
                 host = HostBlocks(rng.choice(blocks, per_job, replace=False))
@@ -186,14 +184,12 @@ def interference(
                 else:
                     worker.submit_load(ids, host, dev)
                 ids += 1
-            enqueue_ms.clear(), first_ms.clear()
-            busy.append(matmuls_ms())
-            busy_enqueue.append((enqueue_ms[0], first_ms[0]))
+            busy.append(matmuls())
             worker.wait(range(ids))
             results = worker.get_finished()
             mechanisms = sorted({r.mechanism for r in results})
             failed += sum(not r.success for r in results)
-    alone_ms, busy_ms = float(np.median(alone[1:])), float(np.median(busy[1:]))
+    alone_ms, busy_ms = float(np.median(alone[1:])), float(np.median([b[0] for b in busy[1:]]))
     return {
         "page": page,
         "blocks_per_job": per_job,
@@ -202,8 +198,8 @@ def interference(
         "matmul_ms": alone_ms,
         "matmul_busy_ms": busy_ms,
         "slowdown": busy_ms / alone_ms - 1,
-        "matmul_enqueue_ms": float(np.median([e for e, _ in busy_enqueue[1:]])),
-        "matmul_first_ms": float(np.max([f for _, f in busy_enqueue[1:]])),  # the worst of the rounds
+        "matmul_enqueue_ms": float(np.median([b[1] for b in busy[1:]])),
+        "matmul_first_ms": float(max(b[2] for b in busy[1:])),  # the worst of the rounds
         "mechanisms": mechanisms,
         "failed_jobs": failed,
     }
