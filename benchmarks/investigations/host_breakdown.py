@@ -8,7 +8,7 @@ Prints, per step, calls per job and microseconds per job (a step's time includes
 calls; "launch" also the GIL hand-overs inside it), and the whole run's wall time per job.
 Runs on cuda, or on the cpu with `offload_core.testing.expanding` (--backend expanding).
 With --profile N, the timers give way to cProfile on the main thread (where a burst's submits
-launch it), and the N functions of most own time are printed, per job.
+launch it), and the N functions of most own time, then of most cumulative time, are printed, per job.
 """
 
 from __future__ import annotations
@@ -185,11 +185,13 @@ def main() -> None:
     )
     if args.profile:
         stats = pstats.Stats(profile)
-        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[: args.profile]
-        print(f"{'function':70} {'calls/job':>9} {'own us/job':>10} {'cum us/job':>10}")
-        for (path, line, name), (_, calls, own, cum, _) in rows:
-            where = f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line} {name}"
-            print(f"{where[:70]:70} {calls / jobs:9.2f} {own / jobs * 1e6:10.2f} {cum / jobs * 1e6:10.2f}")
+        for order, column in (("own", 2), ("cumulative", 3)):
+            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][column])[: args.profile]
+            print(f"by {order} time:")
+            print(f"{'function':70} {'calls/job':>9} {'own us/job':>10} {'cum us/job':>10}")
+            for (path, line, name), (_, calls, own, cum, _) in rows:
+                where = f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line} {name}"
+                print(f"{where[:70]:70} {calls / jobs:9.2f} {own / jobs * 1e6:10.2f} {cum / jobs * 1e6:10.2f}")
         return
     print(f"{'step':58} {'thread':9} {'calls/job':>9} {'us/call':>8} {'us/job':>7}")
     for (label, main_thread), seconds in sorted(TIMES.items()):
