@@ -9,7 +9,8 @@
  * (_submit.c) what a simple compact job's whole submit does. `context_call` calls a
  * driver entry point without ctypes, in a given context (the cuda backend's events, stream
  * waits and descriptor-table uploads), `table_launch` a kernel's launch with its table's upload
- * (the cuda backend's expansion kernel); `Poster` (_posting.c) issues driver calls on a thread of its own.
+ * (the cuda backend's expansion kernel), `join_launch` the same for simple jobs joined and put in
+ * host order on the way (what `CompactJob.concat` and `in_host_order` do); `Poster` (_posting.c) issues driver calls on a thread of its own.
  * Built where a C compiler is found (setup.py); offload_core works the same without it.
  *
  * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
@@ -450,6 +451,37 @@ typedef int (*launch_kernel_fn)(void *, unsigned, unsigned, unsigned, unsigned, 
 #define TABLE_COLUMNS 8
 #define TABLE_PARAMS 24
 
+/* What a table's upload and its kernel's launch take, as `table_launch` and `join_launch` get it. */
+typedef struct {
+    void *fn[5]; /* cuCtxGetCurrent, cuCtxPushCurrent, cuCtxPopCurrent, cuMemcpyAsync, cuLaunchKernel */
+    void *context, *host, *stream, *function;
+    uint64_t device;
+    Py_ssize_t room;
+    int narrow;
+    long grid, threads, shared;
+} Launch;
+
+/* The upload of `nbytes` at `l->host` to `l->device` and the launch of `l->function` on
+ * `l->stream`, in `l->context`: None, or (the call that failed, its CUresult). */
+static PyObject *upload_and_launch(const Launch *l, size_t nbytes, uint64_t *values, Py_ssize_t np_) {
+    void *const *fn = l->fn;
+    int code = 0, pushed = enter_context(fn[0], fn[1], l->context, &code);
+    const char *what = "cuCtxPushCurrent";
+    if (code == 0) {
+        what = "cuMemcpyAsync";
+        code = ((memcpy_fn)fn[3])(l->device, (uint64_t)(uintptr_t)l->host, nbytes, l->stream);
+        if (code == 0) {
+            void *slots[TABLE_PARAMS];
+            for (Py_ssize_t i = 0; i < np_; i++) slots[i] = &values[i]; /* an i32 is the low half: little-endian */
+            what = "cuLaunchKernel";
+            code = ((launch_kernel_fn)fn[4])(l->function, (unsigned)l->grid, 1, 1, (unsigned)l->threads, 1, 1,
+                                             (unsigned)l->shared, l->stream, slots, NULL);
+        }
+        if (pushed) leave_context(fn[2]);
+    }
+    return code == 0 ? Py_NewRef(Py_None) : Py_BuildValue("(si)", what, code);
+}
+
 PyDoc_STRVAR(table_launch_doc,
              "table_launch(get, push, pop, memcpy, launch, context, host, device, room, columns, narrow, stream,\n"
              "             function, grid, threads, shared, params) -> None or (what, code)\n"
@@ -464,51 +496,87 @@ PyDoc_STRVAR(table_launch_doc,
              "name of the call that failed and its CUresult (after a failed copy nothing is launched).\n"
              "Raises TypeError or ValueError, having called nothing, for arguments outside these rules.");
 
+/* `args` 0-8 and 10-15 of `table_launch` into `l`; -1 with an exception, naming `who`, otherwise. */
+static int parse_launch(const char *who, PyObject *const *args, Launch *l) {
+    for (int i = 0; i < 5; i++)
+        if (entry_point(args[i], who, &l->fn[i]) < 0) return -1;
+    /* each conversion checked before the next: a failed one leaves an exception set */
+    l->context = args[5] == Py_None ? NULL : PyLong_AsVoidPtr(args[5]);
+    if (PyErr_Occurred()) return -1;
+    unsigned long long host_at = PyLong_AsUnsignedLongLong(args[6]);
+    if (PyErr_Occurred()) return -1;
+    l->device = PyLong_AsUnsignedLongLong(args[7]);
+    if (PyErr_Occurred()) return -1;
+    l->room = PyLong_AsSsize_t(args[8]);
+    if (PyErr_Occurred()) return -1;
+    l->narrow = PyObject_IsTrue(args[10]);
+    if (l->narrow < 0) return -1;
+    l->stream = args[11] == Py_None ? NULL : PyLong_AsVoidPtr(args[11]);
+    if (PyErr_Occurred()) return -1;
+    unsigned long long function_at = PyLong_AsUnsignedLongLong(args[12]);
+    if (PyErr_Occurred()) return -1;
+    l->grid = PyLong_AsLong(args[13]);
+    if (PyErr_Occurred()) return -1;
+    l->threads = PyLong_AsLong(args[14]);
+    if (PyErr_Occurred()) return -1;
+    l->shared = PyLong_AsLong(args[15]);
+    if (PyErr_Occurred()) return -1;
+    l->host = (void *)(uintptr_t)host_at, l->function = (void *)(uintptr_t)function_at;
+    if (host_at > UINTPTR_MAX || function_at > UINTPTR_MAX) l->host = l->function = NULL;
+    if (l->host == NULL || l->device == 0 || l->function == NULL || l->room < 0 || l->grid < 1 || l->grid > INT32_MAX ||
+        l->threads < 1 || l->threads > 1024 || l->shared < 0 || l->shared > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: host, device and function must be non-null, room >= 0, 1 <= grid < 2**31, "
+                     "1 <= threads <= 1024 and 0 <= shared < 2**31 (got room %zd, grid %ld, threads %ld, shared %ld)",
+                     who, l->room, l->grid, l->threads, l->shared);
+        return -1;
+    }
+    return 0;
+}
+
+/* `obj` as a tuple (a conversion runs Python code, `__index__`, which cannot shrink a tuple), or
+ * NULL with a TypeError naming `who` and `what` it should hold. */
+static PyObject *as_tuple(PyObject *obj, const char *who, const char *what) {
+    PyObject *t = PySequence_Check(obj) ? PySequence_Tuple(obj) : NULL;
+    if (t == NULL && !PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: %s", who, what);
+    return t;
+}
+
+/* The kernel's parameters: at most TABLE_PARAMS ints, negative ones as two's complement, as the
+ * kernel reads them. -1 with an exception otherwise. */
+static int parse_params(const char *who, PyObject *params, uint64_t *values, Py_ssize_t *count) {
+    Py_ssize_t n = PyTuple_GET_SIZE(params);
+    if (n > TABLE_PARAMS) {
+        PyErr_Format(PyExc_ValueError, "%s: at most %d params (got %zd)", who, TABLE_PARAMS, n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        values[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(params, i));
+        if (values[i] == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    }
+    *count = n;
+    return 0;
+}
+
+/* `n` int64 values at column `j` of the table at `host`: as int32 where `narrow` (the caller
+ * knows every value fits: block ids checked against their counts). */
+static void write_column(void *host, int narrow, Py_ssize_t j, Py_ssize_t n, const int64_t *col) {
+    if (narrow) {
+        int32_t *out = (int32_t *)host + j * n;
+        for (Py_ssize_t i = 0; i < n; i++) out[i] = (int32_t)col[i];
+    } else {
+        memcpy((int64_t *)host + j * n, col, (size_t)n * 8);
+    }
+}
+
 static PyObject *table_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!arity("table_launch", nargs, 17, 17)) return NULL;
-    void *fn[5];
-    for (int i = 0; i < 5; i++)
-        if (entry_point(args[i], "table_launch", &fn[i]) < 0) return NULL;
-    /* each conversion checked before the next: a failed one leaves an exception set */
-    void *context = args[5] == Py_None ? NULL : PyLong_AsVoidPtr(args[5]);
-    if (PyErr_Occurred()) return NULL;
-    unsigned long long host_at = PyLong_AsUnsignedLongLong(args[6]);
-    if (PyErr_Occurred()) return NULL;
-    unsigned long long device = PyLong_AsUnsignedLongLong(args[7]);
-    if (PyErr_Occurred()) return NULL;
-    Py_ssize_t room = PyLong_AsSsize_t(args[8]);
-    if (PyErr_Occurred()) return NULL;
-    int narrow = PyObject_IsTrue(args[10]);
-    if (narrow < 0) return NULL;
-    void *stream = args[11] == Py_None ? NULL : PyLong_AsVoidPtr(args[11]);
-    if (PyErr_Occurred()) return NULL;
-    unsigned long long function_at = PyLong_AsUnsignedLongLong(args[12]);
-    if (PyErr_Occurred()) return NULL;
-    long grid = PyLong_AsLong(args[13]);
-    if (PyErr_Occurred()) return NULL;
-    long threads = PyLong_AsLong(args[14]);
-    if (PyErr_Occurred()) return NULL;
-    long shared = PyLong_AsLong(args[15]);
-    if (PyErr_Occurred()) return NULL;
-    void *host = (void *)(uintptr_t)host_at, *function = (void *)(uintptr_t)function_at;
-    if (host_at > UINTPTR_MAX || function_at > UINTPTR_MAX) host = function = NULL;
-    if (host == NULL || device == 0 || function == NULL || room < 0 || grid < 1 || grid > INT32_MAX || threads < 1 ||
-        threads > 1024 || shared < 0 || shared > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError,
-                     "table_launch: host, device and function must be non-null, room >= 0, 1 <= grid < 2**31, "
-                     "1 <= threads <= 1024 and 0 <= shared < 2**31 (got room %zd, grid %ld, threads %ld, shared %ld)",
-                     room, grid, threads, shared);
-        return NULL;
-    }
-    /* tuples: a conversion below runs Python code (`__index__`), which cannot shrink them */
-    PyObject *cols = PySequence_Check(args[9]) ? PySequence_Tuple(args[9]) : NULL;
-    if (cols == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "table_launch: columns must be a sequence of int64 arrays");
-        return NULL;
-    }
-    PyObject *params = PySequence_Check(args[16]) ? PySequence_Tuple(args[16]) : NULL;
+    Launch l;
+    if (parse_launch("table_launch", args, &l) < 0) return NULL;
+    PyObject *cols = as_tuple(args[9], "table_launch", "columns must be a sequence of int64 arrays");
+    if (cols == NULL) return NULL;
+    PyObject *params = as_tuple(args[16], "table_launch", "params must be a sequence of ints");
     if (params == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "table_launch: params must be a sequence of ints");
         Py_DECREF(cols);
         return NULL;
     }
@@ -521,10 +589,7 @@ static PyObject *table_launch(PyObject *self, PyObject *const *args, Py_ssize_t 
                      TABLE_COLUMNS, TABLE_PARAMS, k, np_);
         goto done;
     }
-    for (Py_ssize_t i = 0; i < np_; i++) { /* negative values as two's complement, as the kernel reads them */
-        values[i] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(params, i));
-        if (values[i] == (uint64_t)-1 && PyErr_Occurred()) goto done;
-    }
+    if (parse_params("table_launch", params, values, &np_) < 0) goto done;
     for (; got < k; got++) {
         if (int64_buffer(PyTuple_GET_ITEM(cols, got), &views[got], 0, "table_launch: a column") < 0) goto done;
         Py_ssize_t len = views[got].len / 8;
@@ -535,36 +600,14 @@ static PyObject *table_launch(PyObject *self, PyObject *const *args, Py_ssize_t 
             goto done;
         }
     }
-    size_t width = narrow ? 4 : 8, nbytes = (size_t)k * (size_t)n * width;
-    if (nbytes > (size_t)room) {
+    size_t nbytes = (size_t)k * (size_t)n * (l.narrow ? 4 : 8);
+    if (nbytes > (size_t)l.room) {
         PyErr_Format(PyExc_ValueError, "table_launch: a table of %zu bytes does not fit the %zd reserved for it", nbytes,
-                     room);
+                     l.room);
         goto done;
     }
-    for (Py_ssize_t j = 0; j < k; j++) {
-        const int64_t *col = views[j].buf;
-        if (narrow) { /* the caller knows every value fits: block ids checked against their counts */
-            int32_t *out = (int32_t *)host + j * n;
-            for (Py_ssize_t i = 0; i < n; i++) out[i] = (int32_t)col[i];
-        } else {
-            memcpy((int64_t *)host + j * n, col, (size_t)n * 8);
-        }
-    }
-    int code = 0, pushed = enter_context(fn[0], fn[1], context, &code);
-    const char *what = "cuCtxPushCurrent";
-    if (code == 0) {
-        what = "cuMemcpyAsync";
-        code = ((memcpy_fn)fn[3])(device, (uint64_t)(uintptr_t)host, nbytes, stream);
-        if (code == 0) {
-            void *slots[TABLE_PARAMS];
-            for (Py_ssize_t i = 0; i < np_; i++) slots[i] = &values[i]; /* an i32 is the low half: little-endian */
-            what = "cuLaunchKernel";
-            code = ((launch_kernel_fn)fn[4])(function, (unsigned)grid, 1, 1, (unsigned)threads, 1, 1, (unsigned)shared,
-                                             stream, slots, NULL);
-        }
-        if (pushed) leave_context(fn[2]);
-    }
-    result = code == 0 ? Py_NewRef(Py_None) : Py_BuildValue("(si)", what, code);
+    for (Py_ssize_t j = 0; j < k; j++) write_column(l.host, l.narrow, j, n, views[j].buf);
+    result = upload_and_launch(&l, nbytes, values, np_);
 done:
     for (Py_ssize_t j = 0; j < got; j++) PyBuffer_Release(&views[j]);
     Py_DECREF(cols);
@@ -591,6 +634,39 @@ static Py_ssize_t runs_of(const uint64_t *h, Py_ssize_t n) {
  * about as much as the ids' there. Two passes for ids below 64K or 4M. */
 #define DIGIT_BITS 11
 #define SMALL_SORT 1024
+
+/* Sort the pairs (kh[i], kd[i]) by kh in place, stably (an LSD radix sort ping-ponging with the
+ * scratch th, td of n values each). */
+static void sort_pairs(uint64_t *kh, uint64_t *kd, uint64_t *th, uint64_t *td, Py_ssize_t n) {
+    uint64_t *const out_h = kh, *const out_d = kd;
+    uint64_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) top |= kh[i];
+    const int bits = n <= SMALL_SORT ? 8 : DIGIT_BITS;
+    const uint64_t mask = (1u << bits) - 1;
+    for (int shift = 0; shift < 64 && (top >> shift) != 0; shift += bits) {
+        Py_ssize_t count[1 << DIGIT_BITS];
+        memset(count, 0, sizeof(Py_ssize_t) << bits);
+        for (Py_ssize_t i = 0; i < n; i++) count[(kh[i] >> shift) & mask]++;
+        Py_ssize_t at = 0;
+        for (int b = 0; b < (1 << bits); b++) {
+            Py_ssize_t c = count[b];
+            count[b] = at;
+            at += c;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t to = count[(kh[i] >> shift) & mask]++;
+            th[to] = kh[i];
+            td[to] = kd[i];
+        }
+        uint64_t *swap = kh;
+        kh = th, th = swap;
+        swap = kd, kd = td, td = swap;
+    }
+    if (kh != out_h) { /* an odd number of passes: the sorted pairs are in the scratch */
+        memcpy(out_h, kh, (size_t)n * 8);
+        memcpy(out_d, kd, (size_t)n * 8);
+    }
+}
 
 static PyObject *host_order(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!arity("host_order", nargs, 4, 4)) return NULL;
@@ -625,41 +701,116 @@ static PyObject *host_order(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_NoMemory();
         goto done;
     }
-    uint64_t top = 0;
-    for (Py_ssize_t i = 0; i < n; i++) top |= hosts[i];
-    /* LSD radix sort of (host, dev) pairs, ping-ponging between the outputs and `tmp`; stable. */
-    uint64_t *kh = v[2].buf, *kd = v[3].buf, *th = tmp, *td = tmp + n;
-    memcpy(kh, hosts, (size_t)n * 8);
-    memcpy(kd, devs, (size_t)n * 8);
-    const int bits = n <= SMALL_SORT ? 8 : DIGIT_BITS;
-    const uint64_t mask = (1u << bits) - 1;
-    for (int shift = 0; shift < 64 && (top >> shift) != 0; shift += bits) {
-        Py_ssize_t count[1 << DIGIT_BITS];
-        memset(count, 0, sizeof(Py_ssize_t) << bits);
-        for (Py_ssize_t i = 0; i < n; i++) count[(kh[i] >> shift) & mask]++;
-        Py_ssize_t at = 0;
-        for (int b = 0; b < (1 << bits); b++) {
-            Py_ssize_t c = count[b];
-            count[b] = at;
-            at += c;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            Py_ssize_t to = count[(kh[i] >> shift) & mask]++;
-            th[to] = kh[i];
-            td[to] = kd[i];
-        }
-        uint64_t *swap = kh;
-        kh = th, th = swap;
-        swap = kd, kd = td, td = swap;
-    }
-    if (kh != v[2].buf) { /* an odd number of passes: the sorted pairs are in `tmp` */
-        memcpy(v[2].buf, kh, (size_t)n * 8);
-        memcpy(v[3].buf, kd, (size_t)n * 8);
-    }
+    memcpy(v[2].buf, hosts, (size_t)n * 8);
+    memcpy(v[3].buf, devs, (size_t)n * 8);
+    sort_pairs(v[2].buf, v[3].buf, tmp, tmp + n, n);
     result = PyBool_FromLong(runs_of(v[2].buf, n) < before);
 done:
     free(tmp);
     for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
+PyDoc_STRVAR(join_launch_doc,
+             "join_launch(get, push, pop, memcpy, launch, context, host, device, room, parts, narrow, stream,\n"
+             "            function, grid, threads, shared, params, order, least_runs) -> None, False or (what, code)\n"
+             "\n"
+             "`table_launch` of jobs joined into one table, as `CompactJob.concat` and `in_host_order`\n"
+             "join and order them: `parts` is (devs, hosts), two sequences of as many C-contiguous int64\n"
+             "arrays, the i-th of each of one length; the table is the devs joined, then the hosts joined,\n"
+             "the pairs put in ascending (stable) host order where `order` and that makes fewer runs of\n"
+             "consecutive hosts (as `host_order` does). Where the hosts then make fewer than `least_runs`\n"
+             "runs, returns False having written and called nothing; otherwise as `table_launch`.\n"
+             "Raises TypeError, ValueError or MemoryError, having called nothing, for arguments outside\n"
+             "these rules.");
+
+static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    static const char who[] = "join_launch";
+    if (!arity(who, nargs, 19, 19)) return NULL;
+    Launch l;
+    if (parse_launch(who, args, &l) < 0) return NULL;
+    int order = PyObject_IsTrue(args[17]);
+    if (order < 0) return NULL;
+    Py_ssize_t least = PyLong_AsSsize_t(args[18]);
+    if (least == -1 && PyErr_Occurred()) return NULL;
+    PyObject *parts = NULL, *devs = NULL, *hosts = NULL, *params = NULL, *result = NULL;
+    Py_buffer *views = NULL;
+    uint64_t *joined = NULL;
+    Py_ssize_t m = 0, got = 0, n = 0, np_ = 0;
+    uint64_t values[TABLE_PARAMS];
+    if ((parts = as_tuple(args[9], who, "parts must be (devs, hosts), two sequences of int64 arrays")) == NULL) goto done;
+    if (PyTuple_GET_SIZE(parts) != 2) {
+        PyErr_Format(PyExc_ValueError, "%s: parts must be (devs, hosts), got %zd sequences", who, PyTuple_GET_SIZE(parts));
+        goto done;
+    }
+    if ((devs = as_tuple(PyTuple_GET_ITEM(parts, 0), who, "devs must be a sequence of int64 arrays")) == NULL ||
+        (hosts = as_tuple(PyTuple_GET_ITEM(parts, 1), who, "hosts must be a sequence of int64 arrays")) == NULL ||
+        (params = as_tuple(args[16], who, "params must be a sequence of ints")) == NULL)
+        goto done;
+    m = PyTuple_GET_SIZE(devs);
+    if (m < 1 || PyTuple_GET_SIZE(hosts) != m) {
+        PyErr_Format(PyExc_ValueError, "%s: devs and hosts must hold as many arrays, at least one (got %zd and %zd)", who,
+                     m, PyTuple_GET_SIZE(hosts));
+        goto done;
+    }
+    if (parse_params(who, params, values, &np_) < 0) goto done;
+    if ((views = PyMem_Malloc(2 * (size_t)m * sizeof(Py_buffer))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < 2 * m; got++) { /* devs in views[0, m), hosts in views[m, 2m) */
+        PyObject *part = PyTuple_GET_ITEM(got < m ? devs : hosts, got % m);
+        if (int64_buffer(part, &views[got], 0, got < m ? "join_launch: a devs array" : "join_launch: a hosts array") < 0)
+            goto done;
+        if (got >= m && views[got].len != views[got - m].len) {
+            PyErr_Format(PyExc_ValueError, "%s: the devs and hosts of part %zd differ in length (%zd and %zd)", who,
+                         got - m, views[got - m].len / 8, views[got].len / 8);
+            PyBuffer_Release(&views[got]);
+            goto done;
+        }
+        if (got < m) n += views[got].len / 8;
+    }
+    size_t nbytes = 2 * (size_t)n * (l.narrow ? 4 : 8);
+    if (nbytes > (size_t)l.room) {
+        PyErr_Format(PyExc_ValueError, "%s: a table of %zu bytes does not fit the %zd reserved for it", who, nbytes,
+                     l.room);
+        goto done;
+    }
+    /* joined hosts, joined devs; where ordered, their sorted copies and the sort's scratch after them */
+    int sorting = order && n >= 2;
+    if ((joined = malloc((sorting ? 6 : 2) * (size_t)(n > 0 ? n : 1) * 8)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *jh = joined, *jd = joined + n;
+    for (Py_ssize_t i = 0, at = 0; i < m; at += views[i].len / 8, i++) {
+        memcpy(jd + at, views[i].buf, (size_t)views[i].len);
+        memcpy(jh + at, views[m + i].buf, (size_t)views[m + i].len);
+    }
+    Py_ssize_t runs = runs_of(jh, n);
+    if (sorting && runs > 1) {
+        uint64_t *sh = jd + n, *sd = sh + n;
+        memcpy(sh, jh, (size_t)n * 8);
+        memcpy(sd, jd, (size_t)n * 8);
+        sort_pairs(sh, sd, sd + n, sd + 2 * n, n);
+        Py_ssize_t sorted_runs = runs_of(sh, n);
+        if (sorted_runs < runs) jh = sh, jd = sd, runs = sorted_runs;
+    }
+    if (runs < least) {
+        result = Py_NewRef(Py_False);
+        goto done;
+    }
+    write_column(l.host, l.narrow, 0, n, (const int64_t *)jd);
+    write_column(l.host, l.narrow, 1, n, (const int64_t *)jh);
+    result = upload_and_launch(&l, nbytes, values, np_);
+done:
+    free(joined);
+    for (Py_ssize_t j = 0; j < got; j++) PyBuffer_Release(&views[j]);
+    PyMem_Free(views);
+    Py_XDECREF(parts);
+    Py_XDECREF(devs);
+    Py_XDECREF(hosts);
+    Py_XDECREF(params);
     return result;
 }
 
@@ -699,6 +850,7 @@ static PyMethodDef methods[] = {
     {"first_clash", first_clash, METH_O, first_clash_doc},
     {"frozen", offload_frozen, METH_O, offload_frozen_doc},
     {"host_order", (PyCFunction)(void (*)(void))host_order, METH_FASTCALL, host_order_doc},
+    {"join_launch", (PyCFunction)(void (*)(void))join_launch, METH_FASTCALL, join_launch_doc},
     {"row_runs", (PyCFunction)(void (*)(void))row_runs, METH_FASTCALL, row_runs_doc},
     {"single_check", (PyCFunction)(void (*)(void))single_check, METH_FASTCALL, single_check_doc},
     {"table_launch", (PyCFunction)(void (*)(void))table_launch, METH_FASTCALL, table_launch_doc},

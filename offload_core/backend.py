@@ -180,6 +180,22 @@ class Backend(abc.ABC):
         """
         raise NotImplementedError(f"backend {self.name!r} does not expand compact jobs")
 
+    def copy_jobs(self, jobs: list[CompactJob], prepared: Any, stream: Stream, after: list[Event]) -> str | None:
+        """Enqueue consecutive compact jobs of one launch as `copy_blocks` of them joined
+        (``CompactJob.concat(jobs).in_host_order()``) would, without the queue joining them: for a
+        backend that joins them faster itself. The default, and a backend that declines these
+        jobs, returns None having enqueued nothing; the queue then joins them and calls
+        `copy_blocks`.
+
+        Returns:
+            The mechanism's name, or None: declined.
+
+        Raises:
+            Exception: anything that stops the copies from being enqueued (after which some of
+                them may have been).
+        """
+        return None
+
     def calibrate(self, save: bool = True) -> dict:
         """Measure this device's copy costs, use them from now on, and save them as its
         profile unless `save` is False (`offload-core calibrate`).

@@ -476,6 +476,18 @@ class CompactLayout:
         sizes = self.segments(job)[2]
         return sizes.size, int(sizes[sizes <= small_limit].sum())
 
+    def whole_rows(self, direction: Direction) -> bool:
+        """Whether each block of a simple job covers its whole host row in `direction` (one group
+        whose row template is the whole row, the same for every host block): its `segments` are
+        then the runs of consecutive host blocks, and `segment_summary` counts those."""
+        if not self.simple_jobs or not self.group_entries.size:
+            return False
+        store = direction is Direction.STORE
+        if store and self._periods[0] != 1:
+            return False
+        starts, lengths = self._template(0, 0, 0, 0, store)
+        return starts.size == 1 and int(lengths[0]) == self.row_bytes
+
     def _template(self, group: int, s0: int, s1: int, residue: int, store: bool) -> tuple[np.ndarray, np.ndarray]:
         """The ranges of a host row that a chunk of `group` touches through sub-pages s0..s1,
         where its first page's id is `residue` modulo the group's election period: sorted,

@@ -533,8 +533,8 @@ class TransferQueue:
         t0 = time.perf_counter()
         with self._lock:
             start, end = self._event(), self._event()
-        # in host-block order where that joins host rows: copies within a launch run in any order
-        job = CompactJob.concat([p.job for p in batch]).in_host_order()
+        jobs = [p.job for p in batch]
+        nbytes, items = sum(j.nbytes for j in jobs), sum(j.items for j in jobs)
         stream = self._stream
         after = _after(batch)
         failed = None
@@ -546,7 +546,12 @@ class TransferQueue:
                 for ready in after:
                     stream.wait_event(ready)
                 start.record(stream)
-                mechanism = self.backend.copy_blocks(job, batch[0].prepared, stream, after) if len(job) else None
+                prepared = batch[0].prepared
+                mechanism = self.backend.copy_jobs(jobs, prepared, stream, after)
+                if mechanism is None:
+                    # in host-block order where that joins host rows: copies within a launch run in any order
+                    job = CompactJob.concat(jobs).in_host_order()
+                    mechanism = self.backend.copy_blocks(job, prepared, stream, after) if len(job) else None
                 end.record(stream)
             except Exception as exc:
                 failed = exc
@@ -562,7 +567,7 @@ class TransferQueue:
                 except Exception:
                     end = None  # the device is lost
             with self._lock:
-                total = max(1, job.nbytes)
+                total = max(1, nbytes)
                 if failed is None:
                     last = len(batch) - 1
                     mechanism = mechanism or ""
@@ -582,8 +587,8 @@ class TransferQueue:
                     self._last_end = end
                     self.stats.launches += 1
                     self.stats.jobs += len(batch)
-                    self.stats.bytes += job.nbytes
-                    self.stats.descriptors += job.items
+                    self.stats.bytes += nbytes
+                    self.stats.descriptors += items
                     self.stats.mechanisms[mechanism] += len(batch)
                 now = time.perf_counter()
                 self.stats.launch_s += now - t0

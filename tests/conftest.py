@@ -47,7 +47,8 @@ def _listed(var: str) -> set[str] | None:
 
 # The cpu backend once more per path of the core that only expanding backends take (compact
 # jobs, offload_core/testing/expanding.py): expanded into staging, or straight into host rows.
-_EXPANDING = {"cpu-expand-staged": True, "cpu-expand-direct": False}
+# the cpu backend on the compact path: staged, or direct with launches of simple jobs joined by the backend
+_EXPANDING = {"cpu-expand-staged": {"staged": True}, "cpu-expand-direct": {"staged": False, "joins": True}}
 
 
 def _backend_params():
@@ -67,7 +68,7 @@ def backend(request):
     if name in _EXPANDING:
         from offload_core.testing.expanding import ExpandingCpuBackend
 
-        return ExpandingCpuBackend(staged=_EXPANDING[name])
+        return ExpandingCpuBackend(**_EXPANDING[name])
     reason = registry.availability()[name]
     if reason is not None:
         if name in (_listed("OFFLOAD_CORE_REQUIRE_BACKENDS") or ()):

@@ -62,11 +62,12 @@ def one_then_eight(worker, lock):
     worker.wait(range(9))
 
 
-@pytest.fixture
-def held():
+@pytest.fixture(params=[False, True], ids=["queue-joins", "backend-joins"])
+def held(request):
     """A backend whose enqueue lock the test holds: the first launch blocks on it, so later jobs
-    wait, and go together."""
-    backend = ExpandingCpuBackend()
+    wait, and go together. Launches of simple jobs joined by the queue (`copy_blocks`), or by
+    the backend (`copy_jobs`, as the cuda backend joins small ones)."""
+    backend = ExpandingCpuBackend(joins=request.param)
     lock = enqueue_lock(backend)
     lock.acquire()
     yield backend, lock
@@ -84,7 +85,9 @@ def test_jobs_waiting_for_a_launch_go_as_one_with_results_per_job(held):
         assert [r.transfer_size for r in results] == [96] + [192] * 8
         assert all(r.success for r in results)
         stats = worker.stats()["store"]
-        assert (stats.jobs, stats.launches) == (9, 2)
+        assert (stats.jobs, stats.launches, backend.jobs) == (9, 2, 2)
+        assert stats.descriptors == 17 * len(kv.tensors) and stats.bytes == 96 * 17
+        assert {r.mechanism for r in results} == {"expand_direct" if backend.joins else "expand_staged"}
         for t, h in zip(kv.tensors, worker.host_tensors):
             ids = [0] + list(range(2, 18))
             assert torch.equal(h[ids], t.tensor[ids])

@@ -90,7 +90,7 @@ def cpu_backend(request):
         return get_backend("cpu")
     from offload_core.testing.expanding import ExpandingCpuBackend
 
-    return ExpandingCpuBackend(staged=request.param == "expand-staged")
+    return ExpandingCpuBackend(staged=request.param == "expand-staged", joins=request.param == "expand-direct")
 
 
 @pytest.mark.cpu

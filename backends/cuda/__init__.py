@@ -36,7 +36,7 @@ import numpy as np
 
 from offload_core.backend import Direction
 from offload_core.backends.cuda import calibration, kernels, posting, select
-from offload_core.backends.cuda.blocks import BlockCopier
+from offload_core.backends.cuda.blocks import EXPAND_DIRECT, BlockCopier
 from offload_core.backends.cuda.driver import (
     ERROR_HOST_MEMORY_ALREADY_REGISTERED,
     HOST_REGISTER_PORTABLE_DEVICEMAP,
@@ -168,16 +168,17 @@ class CudaBackend(TorchDeviceBackend):
         # the hot path's events and compute stream through the driver, where it has them all
         self._driver_events = self.driver.has_events
         self._poster = None
-        table_launch = None
+        table_launch = join_launch = None
         if self._driver_events:
             with self._context():
                 self._ctx = self.driver.current_context()  # this GPU's primary context
             table_launch = self.driver.table_launch_in(self._ctx)
+            join_launch = self.driver.join_launch_in(self._ctx)
             # compact launches' driver calls, made by a thread of their own (`posting`); a driver
             # another backend posts through stays unposted here: events ask their driver's poster
             if self.driver.poster is None:
                 self._poster = self.driver.poster = posting.make(self.driver, self._ctx)
-        self._ring = DescriptorRing(self._torch, self._device, self._table_copy, launch=table_launch)
+        self._ring = DescriptorRing(self._torch, self._device, self._table_copy, launch=table_launch, join=join_launch)
         # what Triton reads too; only torch's own runtime has it
         self._raw_stream = (
             getattr(self._torch._C, "_cuda_getCurrentRawStream", None) if isinstance(runtime, TorchRuntime) else None
@@ -283,6 +284,19 @@ class CudaBackend(TorchDeviceBackend):
             self._poster.adopt(stream)
         with self._enqueued(stream) as held:
             return self._blocks.copy(job, prepared, stream, after, held, forced)
+
+    def copy_jobs(self, jobs, prepared, stream, after) -> str | None:
+        # Only where copy_blocks would choose for itself, its calls unposted: small simple jobs
+        # then go to expand_direct joined by one compiled call (`BlockCopier.join_plan`).
+        forced = TABLE.get(self.mechanism)
+        if (forced is not None and not forced.takes_batches) or self._poster is not None or prepared is None:
+            return None
+        plan = self._blocks.join_plan(jobs, prepared)
+        if plan is None:
+            return None
+        with self._enqueued(stream):  # a launch it declines leaves a ring region to retire: rare
+            launched = self._ring.join_launch(plan[0], stream, *plan[1:])
+        return EXPAND_DIRECT.name if launched else None
 
     @contextmanager
     def _enqueued(self, stream):

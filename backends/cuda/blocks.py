@@ -35,7 +35,7 @@ from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 from offload_core.backends.cuda.select import CostModel
 from offload_core.backends.cuda.staging import PerStream, StagingHalves
-from offload_core.compact import CompactJob, CompactLayout
+from offload_core.compact import SORTED_BLOCKS, CompactJob, CompactLayout
 
 # Only where segments average at most twice this does the cost model weigh expand_direct: above
 # it the copy engines move a segment at link speed, and the batch call's host time per segment
@@ -75,6 +75,7 @@ class Prepared:
         self.per_block = max(1, layout.max_entries)
         self.direct_ok: bool | None = None  # the host rows are device-addressable; known at the first job
         self.narrow = narrow_ids(layout)
+        self.whole_rows = {d: layout.whole_rows(d) for d in Direction}  # `BlockCopier.copy_joined` may take its jobs
 
 
 def narrow_ids(layout: CompactLayout) -> bool:
@@ -198,12 +199,15 @@ class BlockCopier:
         `SMALL_LOAD_PROGRAMS` (small jobs are bound by the host, and each program holds an SM
         while its bytes cross the link). Otherwise, and where programs were set
         (`max_programs`, ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the backend's."""
+        return self._programs(job.direction, job.layout.largest, job.nbytes, job.jobs)
+
+    def _programs(self, direction: Direction, largest: int, nbytes: int, jobs: int) -> int:
         b = self.backend
-        most = b.sm_programs[job.direction]
-        if b.programs_given or job.layout.largest < SIZED_PAGE:
+        most = b.sm_programs[direction]
+        if b.programs_given or largest < SIZED_PAGE:
             return most
-        per_job = -(-job.nbytes // max(1, job.jobs))
-        if job.direction is Direction.LOAD:
+        per_job = -(-nbytes // max(1, jobs))
+        if direction is Direction.LOAD:
             return min(most, SMALL_LOAD_PROGRAMS) if per_job <= HOST_BOUND_BYTES else most
         return max(MIN_STORE_PROGRAMS, min(most, -(-per_job // STORE_BYTES_PER_PROGRAM)))
 
@@ -216,6 +220,49 @@ class BlockCopier:
         segments = prepared.layout.segments(job) if mechanism.needs_segments else None
         mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
         return mechanism.name
+
+    def join_plan(self, jobs: list[CompactJob], prepared: Prepared | None) -> tuple | None:
+        """How to enqueue consecutive simple jobs as `copy` would enqueue them joined, in host
+        order (`CompactJob.concat`, `in_host_order`), where `choose` sends them to
+        ``expand_direct`` for being small (`_host_bound`): joined, ordered, counted and launched
+        by one compiled call, without building the joined job. Returns the arguments of
+        `DescriptorRing.join_launch` after the stream (its `least_runs` is `_host_bound`'s rule
+        on the ordered hosts' runs), or None where that is not so or the call cannot be made (no
+        compiled step, the build not launchable by hand yet): then `copy` of the joined job does
+        it. Enqueues nothing."""
+        b = self.backend
+        if prepared is None or not b._ring.joins or b.cost.sm_penalty > DEFAULT_SM_PENALTY:
+            return None
+        direction = jobs[0].direction
+        layout = prepared.layout
+        if not prepared.whole_rows[direction] or layout.row_bytes > self.half_bytes:
+            return None
+        n = nbytes = count = 0
+        for job in jobs:
+            if not job.simple:
+                return None
+            n, nbytes, count = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs
+        if nbytes > HOST_BOUND_BYTES * count or not self.direct_ok(prepared):
+            return None
+        raw = kernels.raw_expansion(
+            b._ring,
+            n,
+            prepared.entries.data_ptr(),
+            prepared.entry_count,
+            prepared.groups.data_ptr(),
+            prepared.group_count,
+            prepared.per_block,
+            direction is Direction.STORE,
+            layout.largest,
+            self._programs(direction, layout.largest, nbytes, count),
+            (layout.host_base, layout.row_bytes, True),
+            prepared.narrow,
+            b.device_index,
+        )
+        if raw is None:
+            return None
+        parts = ([job.dev_ids for job in jobs], [job.host_ids for job in jobs])
+        return (parts, prepared.narrow, 2 <= n <= SORTED_BLOCKS, -(-n // 2), *raw)
 
     def expand(self, job, prepared, b0, b1, stream, held, programs: int, stage: int | None = None) -> None:
         """Upload the table of blocks b0..b1 and enqueue the kernel on `stream` with at most

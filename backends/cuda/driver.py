@@ -179,13 +179,22 @@ class Driver:
             address(fn),
         )
 
-    def table_launch_in(self, context: int) -> Callable[..., None] | None:
+    def table_launch_in(self, context: int) -> Callable[..., bool] | None:
         """A descriptor table's upload and a kernel's launch in one compiled call in `context`
         (`DescriptorRing.upload_launch`'s `launch`), or None where the extension or an entry
         point is missing.
 
         The callable raises `CudaDriverError` naming the call that failed.
         """
+        return self._compiled_launch(context, lambda compiled: compiled.table_launch)
+
+    def join_launch_in(self, context: int) -> Callable[..., bool] | None:
+        """`table_launch_in`'s call for simple jobs joined on the way (`DescriptorRing.join_launch`'s
+        `join`: `_native.join_launch`), or None where it cannot be made. The callable returns
+        whether it launched (False: it declined, having called nothing)."""
+        return self._compiled_launch(context, lambda compiled: compiled.join_launch)
+
+    def _compiled_launch(self, context: int, pick: Callable) -> Callable | None:
         from offload_core import native
 
         compiled = native.load()
@@ -193,13 +202,14 @@ class Driver:
             return None
         entry = [self.address(f) for f in (self.ctx_get_current, self.ctx_push_current, self.ctx_pop_current)]
         bound = functools.partial(
-            compiled.table_launch, *entry, self.address(self.memcpy), self.address(self.launch_kernel), context
+            pick(compiled), *entry, self.address(self.memcpy), self.address(self.launch_kernel), context
         )
 
-        def launch(*args) -> None:
-            failed = bound(*args)
-            if failed is not None:
-                self.fail(failed[1], failed[0])
+        def launch(*args):
+            result = bound(*args)
+            if isinstance(result, tuple):
+                self.fail(result[1], result[0])
+            return result is None
 
         return launch
 

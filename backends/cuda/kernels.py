@@ -441,34 +441,84 @@ def expand(
     Raises:
         CudaDriverError: the upload or the launch failed.
     """
-    tile, width = expand_tile(largest)
-    programs = max(1, min(max_programs, -(-(n * per_block) // tile)))
-    base, step, by_host = (0, 0, False) if rows is None else rows
-    # The table's address is the ring's for the builds' key: the kernel does not specialize on
-    # it, so one build serves every table, and a 64-bit parameter takes any address.
-    ring_address = ring.device_address()
-    args = [ring_address, n, entries, num_entries, groups, num_groups, per_block, base, step]
-    simple = rows is not None
-    narrow = simple and narrow
-    constexprs = {"STORE": store, "SIMPLE": simple, "BY_HOST": by_host, "NARROW": narrow, "D": tile, "W": width}
+    programs, args, constexprs = _expansion(
+        ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow
+    )
     kernel = _compile()[2]
     if columns is not None:
         posted = poster is not None and poster.owns(stream.cuda_stream)
-        if ring.launches and not posted and ring_address >= 1 << 31:
-            key = _key(kernel, device, constexprs, args)
-            compiled = _compiled.get(key)
-            raw = None if compiled is None else _raw_for(key, compiled)
-            if raw is not None and raw[3][:1] == (0,):
-                function, threads, shared, kept, hidden = raw
-                values = [*args, *constexprs.values()]
-                params = [values[i] for i in kept[1:]] + [0] * hidden
-                ring.upload_launch(columns, stream, narrow, function, programs, threads, shared, params, held)
+        if ring.launches and not posted:
+            raw = _raw_expansion(programs, args, constexprs, device)
+            if raw is not None:
+                ring.upload_launch(columns, stream, constexprs["NARROW"], *raw, held)
                 return
-        (table,), keep = ring.upload(columns, stream, narrow=narrow)
+        (table,), keep = ring.upload(columns, stream, narrow=constexprs["NARROW"])
         held.append(keep)
-        same_build = (table < 1 << 31) == (ring_address < 1 << 31)  # else one of 32 bits and one of 64
+        same_build = (table < 1 << 31) == (args[0] < 1 << 31)  # else one of 32 bits and one of 64
         key_args = args.copy() if same_build else None
         args[0] = table
         _launch(kernel, programs, args, constexprs, stream, poster, key_args, device)
         return
     _launch(kernel, programs, args, constexprs, stream, poster, device=device)
+
+
+def _expansion(
+    ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow
+):
+    """`expand`'s programs, arguments and constexprs (the table's argument the ring's address)."""
+    tile, width = expand_tile(largest)
+    programs = max(1, min(max_programs, -(-(n * per_block) // tile)))
+    base, step, by_host = (0, 0, False) if rows is None else rows
+    # The table's address is the ring's for the builds' key: the kernel does not specialize on
+    # it, so one build serves every table, and a 64-bit parameter takes any address.
+    args = [ring.device_address(), n, entries, num_entries, groups, num_groups, per_block, base, step]
+    simple = rows is not None
+    constexprs = {
+        "STORE": store,
+        "SIMPLE": simple,
+        "BY_HOST": by_host,
+        "NARROW": simple and narrow,
+        "D": tile,
+        "W": width,
+    }
+    return programs, args, constexprs
+
+
+def _raw_expansion(programs: int, args: list, constexprs: dict, device: int) -> tuple | None:
+    """``(function, grid, threads, shared, params)`` for a plain ``cuLaunchKernel`` of the
+    expansion's build of these arguments (`params` all but the table's address, which comes
+    first), or None where there is none yet (the first launch of a build goes through Triton)
+    or it cannot be launched so (`_raw_launch`; a ring below 2**31, whose builds take 32 bits)."""
+    if args[0] < 1 << 31:
+        return None
+    key = _key(_compile()[2], device, constexprs, args)
+    compiled = _compiled.get(key)
+    raw = None if compiled is None else _raw_for(key, compiled)
+    if raw is None or raw[3][:1] != (0,):
+        return None
+    function, threads, shared, kept, hidden = raw
+    values = [*args, *constexprs.values()]
+    return function, programs, threads, shared, [values[i] for i in kept[1:]] + [0] * hidden
+
+
+def raw_expansion(
+    ring,
+    n: int,
+    entries: int,
+    num_entries: int,
+    groups: int,
+    num_groups: int,
+    per_block: int,
+    store: bool,
+    largest: int,
+    max_programs: int,
+    rows: tuple[int, int, bool],
+    narrow: bool,
+    device: int = 0,
+) -> tuple | None:
+    """What `expand` of a simple job's `n` blocks would launch by hand, as `_raw_expansion`
+    returns it: for `DescriptorRing.join_launch`, which writes the table itself."""
+    programs, args, constexprs = _expansion(
+        ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow
+    )
+    return _raw_expansion(programs, args, constexprs, device)

@@ -26,13 +26,15 @@ class DescriptorRing:
         memcpy: ``(dst, src, nbytes, stream_handle) -> None``, an asynchronous host-to-device copy.
         entries: capacity; the memory is allocated on first use (an upload, or `device_address`).
         launch: ``(host, device, room, columns, narrow, stream_handle, function, grid, threads,
-            shared, params) -> None``, the table's upload and a kernel's launch in one call
+            shared, params) -> bool``, the table's upload and a kernel's launch in one call
             (`upload_launch`), or None where there is none.
+        join: the same for simple jobs' columns joined on the way (`join_launch`), taking
+            ``(devs, hosts)`` for the columns and ``order, least_runs`` after the params, or None.
     """
 
-    def __init__(self, torch, device, memcpy, entries: int = 1 << 21, launch=None):
+    def __init__(self, torch, device, memcpy, entries: int = 1 << 21, launch=None, join=None):
         self._torch, self._device, self._memcpy = torch, device, memcpy
-        self._launch = launch
+        self._launch, self._join = launch, join
         self.entries = entries
         self._host = self._dev = None
         self._allocating = threading.Lock()
@@ -97,6 +99,55 @@ class DescriptorRing:
             threads,
             shared,
             (dev_ptr, *params),
+        )
+
+    @property
+    def joins(self) -> bool:
+        """Whether `join_launch` can be called."""
+        return self._join is not None
+
+    def join_launch(
+        self,
+        parts,
+        stream,
+        narrow: bool,
+        order: bool,
+        least_runs: int,
+        function: int,
+        grid: int,
+        threads: int,
+        shared: int,
+        params,
+    ) -> bool:
+        """`upload_launch` of a table of two columns joined from `parts`, ``(devs, hosts)``: lists
+        of int64 arrays, the i-th of each of one length (simple jobs' ids), the pairs in host
+        order on the way where `order` makes fewer runs of consecutive hosts. Declines, returning
+        False with nothing enqueued, where the hosts then make fewer than `least_runs` runs, or
+        where the ring has no room (the caller then takes its general path).
+
+        Raises:
+            CudaDriverError: the upload or the launch failed (nothing is launched after a failed upload).
+        """
+        n = sum(part.size for part in parts[0])
+        entries = -(-2 * n * (4 if narrow else 8) // 8)
+        start = self._reserve(entries)
+        if start is None:
+            return False
+        dev_ptr = self._dev_ptr + 8 * start
+        return self._join(
+            self._host_ptr + 8 * start,
+            dev_ptr,
+            8 * entries,
+            parts,
+            narrow,
+            stream.cuda_stream,
+            function,
+            grid,
+            threads,
+            shared,
+            (dev_ptr, *params),
+            order,
+            least_runs,
         )
 
     def _region(self, entries: int) -> tuple:

@@ -25,15 +25,19 @@ class ExpandingCpuBackend(CpuBackend):
         staged: expand through a staging buffer and copy segments (True), or expand straight
             into the host rows (False).
         refuse: `prepare_layout` returns None, as a backend that cannot expand a layout does.
+        joins: take a launch of simple jobs in `copy_jobs` (each job's descriptors, one batch:
+            joined another way than the queue joins them), as the cuda backend takes small
+            ones; other launches are declined, and go to `copy_blocks`.
     """
 
     expands_blocks = True
 
-    def __init__(self, device_index: int = 0, *, staged: bool = True, refuse: bool = False):
+    def __init__(self, device_index: int = 0, *, staged: bool = True, refuse: bool = False, joins: bool = False):
         super().__init__(device_index)
         self.staged = staged
         self.refuse = refuse
-        self.jobs = 0  # compact jobs enqueued
+        self.joins = joins
+        self.jobs = 0  # compact jobs enqueued (a launch taken by `copy_jobs` counts once)
 
     def prepare_layout(self, layout: CompactLayout):
         return None if self.refuse else layout
@@ -50,6 +54,18 @@ class ExpandingCpuBackend(CpuBackend):
             self.copy_batch(src, dst, sizes, job.direction, stream)
         stream.launch(lambda: staging)  # holds the staging buffer until the stream is past it
         return "expand_staged" if self.staged else "expand_direct"
+
+    def copy_jobs(self, jobs: list[CompactJob], prepared, stream: CpuStream, after) -> str | None:
+        if not self.joins or not all(job.simple for job in jobs):
+            return None
+        assert all(prepared is job.layout for job in jobs), "copy_jobs got another layout's tables"
+        self.jobs += 1
+        for event in after:
+            stream.wait_event(event)
+        dev, host, sizes = (np.concatenate(c) for c in zip(*(job.layout.descriptors(job) for job in jobs)))
+        store = jobs[0].direction is Direction.STORE
+        self.copy_batch(*((dev, host) if store else (host, dev)), sizes, jobs[0].direction, stream)
+        return "expand_direct"
 
 
 def steps(job: CompactJob, staging: int | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -1,0 +1,174 @@
+"""The cuda backend's joined launch of small simple jobs (`CudaBackend.copy_jobs`, through
+`_native.join_launch`) against what the queue does without it, `copy_blocks` of the jobs joined
+and put in host order: the same choice, the same driver calls with the same arguments, the same
+table bytes; and where the joined launch declines, nothing enqueued. Without a GPU: the
+stand-in libcuda of `test_cuda_host`, Triton's compiled kernel as `test_cuda_posting` stands it
+in, the real descriptor ring over numpy memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import compiled_or_skip
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cuda_host import FakeCudaRuntime, LaunchingLib
+from test_cuda_posting import Stream, comparable, posted_backend
+from test_plan import Model
+
+from offload_core import DeviceBlocks, HostBlocks, Planner
+from offload_core.backend import Direction
+from offload_core.backends.cuda.ring import DescriptorRing
+from offload_core.compact import CompactJob, CompactLayout
+
+DEVICE_BLOCKS, HOST_BLOCKS = 64, 48
+RING = 1 << 40  # the ring's device address: 64-bit, as the hand launch needs
+
+
+def numpy_ring(backend, entries: int = 1 << 12) -> DescriptorRing:
+    """The backend's descriptor ring with host memory from numpy (no pinned torch memory here)."""
+    ring = DescriptorRing(
+        None,
+        None,
+        backend._table_copy,
+        entries,
+        launch=backend.driver.table_launch_in(backend._ctx),
+        join=backend.driver.join_launch_in(backend._ctx),
+    )
+    host = np.zeros(entries, dtype=np.int64)
+    ring._flat, ring._host_ptr, ring._dev_ptr, ring._host = host, host.ctypes.data, RING, host
+    return ring
+
+
+class Launches:
+    """A backend over the stand-in libcuda, a simple layout (one group: 16 and 8 byte pages of
+    one block per host row), and both ways of launching jobs of it."""
+
+    def __init__(self, monkeypatch):
+        compiled_or_skip(True)
+        handles = iter(range(0x100, 0x400))
+        monkeypatch.setattr(FakeCudaRuntime, "ExternalStream", lambda self, handle, device=None: Stream(next(handles)))
+        self.lib = LaunchingLib()
+        self.backend = b = posted_backend(monkeypatch, self.lib, False)
+        b._ring = numpy_ring(b)
+        model = Model([16, 8], [[(0, 16), (1, 8)]], 1, DEVICE_BLOCKS, HOST_BLOCKS)
+        planner = Planner(model.geometry)
+        planner.host_base = 0x7F00_0000_0000
+        self.layout = CompactLayout(planner)
+        assert self.layout.simple_jobs
+        b._blocks.direct_ok = lambda prepared: True
+        self.prepared = b._blocks.prepare(self.layout)
+        self.stream = b.new_stream()
+        self.compute = b.new_event()
+
+    def jobs(self, direction, specs) -> list[CompactJob]:
+        return [self.layout.job(direction, DeviceBlocks(d), HostBlocks(h)) for d, h in specs]
+
+    def run(self, launch):
+        """`launch(stream, after)` from an empty ring; returns its mechanism, the driver's
+        enqueueing calls, and the ring's host memory afterwards."""
+        ring, lib = self.backend._ring, self.lib
+        ring._regions.clear()
+        ring._head = 0
+        ring._flat[:] = -1
+        self.compute.record(self.backend.current_stream())
+        lib.calls.clear()
+        used = launch(self.stream, [self.compute])
+        return used, comparable(lib.calls), ring._flat.copy()
+
+    def joined(self, jobs):
+        return self.run(lambda stream, after: self.backend.copy_jobs(jobs, self.prepared, stream, after))
+
+    def queued(self, jobs):
+        job = CompactJob.concat(jobs).in_host_order()
+        return self.run(lambda stream, after: self.backend.copy_blocks(job, self.prepared, stream, after))
+
+
+def job_specs(draw, count: int, runs: bool):
+    """`count` jobs of distinct device and host blocks; host blocks in runs where `runs`."""
+    n = draw(st.integers(1, 6))
+    devs = draw(st.permutations(range(DEVICE_BLOCKS)))[: n * count]
+    if runs:
+        first = draw(st.integers(0, HOST_BLOCKS - n * count))
+        hosts = list(range(first, first + n * count))[::-1]
+    else:
+        hosts = draw(st.permutations(range(HOST_BLOCKS)))[: n * count]
+    return [(devs[i * n : (i + 1) * n], hosts[i * n : (i + 1) * n]) for i in range(count)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), direction=st.sampled_from(list(Direction)), narrow=st.booleans())
+def test_a_joined_launch_makes_the_calls_and_table_of_the_queues_joined_job(data, direction, narrow):
+    """Any launch of 1-8 jobs: where `copy_jobs` takes them, it chose, called and wrote what
+    `copy_blocks` of their joined job does; where it declines (host blocks in runs, say), it
+    enqueued nothing."""
+    with pytest.MonkeyPatch.context() as mp:
+        launches = Launches(mp)
+        launches.prepared.narrow = narrow
+        count = data.draw(st.integers(1, 8))
+        jobs = launches.jobs(direction, job_specs(data.draw, count, data.draw(st.booleans())))
+        used, calls, table = launches.joined(jobs)
+        reference = launches.queued(jobs)
+        if used is not None:
+            assert (used, calls) == reference[:2]
+            assert (table == reference[2]).all(), "the same table bytes"
+        else:  # then the queue joins them: `copy_blocks` chooses (staged, or direct by the cost model)
+            assert [c[0] for c in calls] in ([], ["record"]), "declined: nothing but a keepalive marker"
+
+
+def test_small_jobs_in_scattered_host_blocks_take_the_joined_launch(monkeypatch):
+    """Not vacuous: scattered host blocks go joined, in host order (the table's host column sorted)."""
+    launches = Launches(monkeypatch)
+    specs = [([5, 9, 2], [31, 3, 17]), ([40, 1], [30, 4])]  # five runs as given, three in host order
+    for direction in Direction:
+        used, calls, table = launches.joined(launches.jobs(direction, specs))
+        assert used == "expand_direct"
+        assert [c[0] for c in calls] == ["memcpy", "launch", "record"]
+        assert table.view(np.int32)[:10].tolist() == [9, 1, 2, 40, 5, 3, 4, 17, 30, 31]
+
+
+def test_a_forced_or_posted_backend_leaves_its_jobs_to_copy_blocks(monkeypatch):
+    launches = Launches(monkeypatch)
+    jobs = launches.jobs(Direction.STORE, [([5, 9], [30, 3])])
+    b = launches.backend
+    b.mechanism = "expand_staged"
+    assert launches.joined(jobs)[:2] == (None, [])
+    b.mechanism = "auto"
+    b.cost.sm_penalty = 3.0  # the SMs spared: small jobs are not sent to expand_direct
+    assert launches.joined(jobs)[:2] == (None, [])
+
+
+def test_the_compiled_join_declines_or_refuses_having_called_nothing(monkeypatch):
+    launches = Launches(monkeypatch)
+    b, lib = launches.backend, launches.lib
+    join = b.driver.join_launch_in(b._ctx)
+    host = np.full(16, -1, dtype=np.int64)
+
+    def call(parts, room=128, order=True, least=0, params=(RING, *range(1, 9), 0, 0)):  # as LaunchingLib reads them
+        return join(host.ctypes.data, RING, room, parts, True, 0x77, 0xF00, 1, 128, 0, params, order, least)
+
+    one = ([np.array([4, 5, 6])], [np.array([9, 7, 8])])
+    lib.calls.clear()
+    assert call(one, least=3) is False  # two runs in host order (7 8 9): fewer than 3
+    assert lib.calls == [] and (host == -1).all()
+    refusals = [
+        (ValueError, "differ in length", dict(parts=([np.arange(2)], [np.arange(3)]))),
+        (ValueError, "as many arrays", dict(parts=([np.arange(2)], [np.arange(2)] * 2))),
+        (ValueError, "as many arrays", dict(parts=([], []))),
+        (ValueError, r"must be \(devs, hosts\), got 1", dict(parts=(one[0],))),
+        (TypeError, "int64", dict(parts=([np.arange(2, dtype=np.int32)], [np.arange(2)]))),
+        (ValueError, "does not fit the 20", dict(parts=one, room=20)),
+        (ValueError, "at most 24 params", dict(parts=one, params=(0,) * 25)),
+        (TypeError, "sequence", dict(parts=5)),
+    ]
+    for error, message, kwargs in refusals:
+        with pytest.raises(error, match=message):
+            call(**kwargs)
+    assert lib.calls == [] and (host == -1).all()
+    assert call(one, least=2, order=False) is True  # as given: 4 5 6 / 9 7 8 make two runs
+    assert host.view(np.int32)[:6].tolist() == [4, 5, 6, 9, 7, 8]
+    assert [c[0] for c in lib.calls] == ["memcpy", "launch"]
+    from offload_core import _native
+
+    with pytest.raises(TypeError, match="19 arguments"):
+        _native.join_launch(1, 2, 3)
