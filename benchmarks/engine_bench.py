@@ -155,27 +155,30 @@ def interference(
     kv = KVCaches(tensors, [[KVCacheRef(i, page) for i in range(len(tensors))]])
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     rng = np.random.default_rng(seed)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(2 * 12)]
 
-    def matmuls(count=12) -> tuple[float, float, float]:
-        """The loop's device ms, and the host ms to enqueue it and to its first matmul (the device
-        waits for the host between the start event and the first matmul, so a late one counts)."""
+    def matmuls(count=12) -> tuple[float, float, float, float]:
+        """The loop's device ms from its start to its end, the sum of its matmuls' own device ms
+        (without the gaps where the device waited for the host), and the host ms to enqueue it
+        and to its first matmul (the device waits for the host between the loop's start and its
+        first matmul, so a late one counts in the first figure, not in the second)."""
         t0 = time.perf_counter()
-        start.record()
-        torch.mm(a, a)
-        first = time.perf_counter()
-        for _ in range(count - 1):
+        for i in range(count):
+            marks[2 * i].record()
             torch.mm(a, a)
-        end.record()
+            marks[2 * i + 1].record()
+            if i == 0:
+                first = time.perf_counter()
         enqueued = time.perf_counter()
-        end.synchronize()
-        return start.elapsed_time(end), (enqueued - t0) * 1e3, (first - t0) * 1e3
+        marks[2 * count - 1].synchronize()
+        own = sum(marks[2 * i].elapsed_time(marks[2 * i + 1]) for i in range(count))
+        return marks[0].elapsed_time(marks[2 * count - 1]), own, (enqueued - t0) * 1e3, (first - t0) * 1e3
 
     alone, busy, ids, failed = [], [], 0, 0
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         matmuls(3)
         for _ in range(6):
-            alone.append(matmuls()[0])
+            alone.append(matmuls())
             for _ in range(jobs):
                 dev = DeviceBlocks(rng.choice(blocks, per_job, replace=False))
                 host = HostBlocks(rng.choice(blocks, per_job, replace=False))
@@ -189,7 +192,8 @@ def interference(
             results = worker.get_finished()
             mechanisms = sorted({r.mechanism for r in results})
             failed += sum(not r.success for r in results)
-    alone_ms, busy_ms = float(np.median(alone[1:])), float(np.median([b[0] for b in busy[1:]]))
+    alone_ms, busy_ms = float(np.median([b[0] for b in alone[1:]])), float(np.median([b[0] for b in busy[1:]]))
+    alone_own, busy_own = float(np.median([b[1] for b in alone[1:]])), float(np.median([b[1] for b in busy[1:]]))
     return {
         "page": page,
         "blocks_per_job": per_job,
@@ -198,8 +202,11 @@ def interference(
         "matmul_ms": alone_ms,
         "matmul_busy_ms": busy_ms,
         "slowdown": busy_ms / alone_ms - 1,
-        "matmul_enqueue_ms": float(np.median([b[1] for b in busy[1:]])),
-        "matmul_first_ms": float(max(b[2] for b in busy[1:])),  # the worst of the rounds
+        # the matmuls' own device time: what the copies' use of the device costs them, the host's delays aside
+        "device_slowdown": busy_own / alone_own - 1,
+        "matmul_enqueue_ms": float(np.median([b[2] for b in busy[1:]])),
+        "matmul_first_ms": float(max(b[3] for b in busy[1:])),  # the worst of the rounds
+        "matmul_first_alone_ms": float(max(b[3] for b in alone[1:])),
         "mechanisms": mechanisms,
         "failed_jobs": failed,
     }
@@ -267,8 +274,10 @@ def main() -> None:
                         print(
                             f"{name:13} page {page:>6} B x {per_job:>3} blocks: matmul {row['matmul_ms']:.2f} ms "
                             f"alone, {row['matmul_busy_ms']:.2f} ms behind {args.jobs} {direction}s "
-                            f"({row['slowdown']:+.1%}; {','.join(row['mechanisms'])}; {row['failed_jobs']} failed; "
-                            f"its host enqueue {row['matmul_enqueue_ms']:.2f} ms, to the first {row['matmul_first_ms']:.2f})",
+                            f"({row['slowdown']:+.1%}, on the device {row['device_slowdown']:+.1%}; "
+                            f"{','.join(row['mechanisms'])}; {row['failed_jobs']} failed; its host enqueue "
+                            f"{row['matmul_enqueue_ms']:.2f} ms, to the first {row['matmul_first_ms']:.2f}, "
+                            f"alone {row['matmul_first_alone_ms']:.2f})",
                             flush=True,
                         )
         if args.json:

@@ -2,7 +2,7 @@
 a run of small jobs back to back (each wrapped in a perf_counter timer, about 0.2 us a call).
 
     python benchmarks/investigations/host_breakdown.py [--page 256] [--blocks-per-job 64] [--tensors 64]
-        [--jobs 128] [--rounds 5] [--backend cuda] [--profile 40]
+        [--jobs 128] [--rounds 5] [--backend cuda] [--profile 40] [--alternate-join]
 
 Prints, per step, calls per job and microseconds per job (a step's time includes the steps it
 calls; "launch" also the GIL hand-overs inside it), and the whole run's wall time per job.
@@ -127,6 +127,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--blocks", type=int, help="device blocks per tensor (default: 1024, or twice a job)")
     parser.add_argument("--profile", type=int, help="cProfile the main thread; print this many functions")
+    parser.add_argument(
+        "--alternate-join",
+        action="store_true",
+        help="every other round with the backend's joined launch declined (`copy_jobs`): both walls, one process",
+    )
     args = parser.parse_args()
     if args.backend == "expanding":
         from offload_core.testing.expanding import ExpandingCpuBackend
@@ -153,7 +158,7 @@ def main() -> None:
         )
         for j in range(args.jobs)
     ]
-    walls = []
+    walls, unjoined = [], []  # per round, store and load wall per job (`unjoined`: --alternate-join's other rounds)
     with OffloadWorker(kv, blocks, backend=backend) as w:
         for r in range(args.rounds + 1):
             if r == 1:  # the first round compiles and allocates
@@ -163,6 +168,11 @@ def main() -> None:
                 if args.profile:
                     profile.enable()
             first = r * args.jobs * 2
+            joins = not (args.alternate_join and r % 2 == 0)
+            if args.alternate_join:  # an instance attribute over the class's method
+                vars(backend).pop("copy_jobs", None)
+                if not joins:
+                    backend.copy_jobs = lambda *a: None
             t0 = time.perf_counter()
             for j, (d, h) in enumerate(ids):
                 w.submit_store(first + j, DeviceBlocks(d), HostBlocks(h))
@@ -174,7 +184,7 @@ def main() -> None:
             t2 = time.perf_counter()
             w.get_finished()
             if r:
-                walls.append(((t1 - t0) / args.jobs, (t2 - t1) / args.jobs))
+                (walls if joins else unjoined).append(((t1 - t0) / args.jobs, (t2 - t1) / args.jobs))
     profile.disable()
     jobs = 2 * args.jobs * args.rounds
     store, load = np.median(walls, axis=0) * 1e6
@@ -183,6 +193,9 @@ def main() -> None:
         f"({args.tensors * n * args.page / 2**20:.2f} MiB a job), {args.jobs} jobs back to back, {args.rounds} rounds: "
         f"wall per job {store:.1f} us (store) / {load:.1f} us (load)"
     )
+    if unjoined:
+        store, load = np.median(unjoined, axis=0) * 1e6
+        print(f"  the rounds between them, copy_jobs declined: wall per job {store:.1f} us (store) / {load:.1f} us (load)")
     if args.profile:
         stats = pstats.Stats(profile)
         for order, column in (("own", 2), ("cumulative", 3)):
