@@ -713,26 +713,30 @@ done:
 
 PyDoc_STRVAR(join_launch_doc,
              "join_launch(get, push, pop, memcpy, launch, context, host, device, room, parts, narrow, stream,\n"
-             "            function, grid, threads, shared, params, order, least_runs) -> None, False or (what, code)\n"
+             "            function, grid, threads, shared, params, order, least_runs, short)\n"
+             "    -> None, (runs, rows_in_short_runs) or (what, code)\n"
              "\n"
              "`table_launch` of jobs joined into one table, as `CompactJob.concat` and `in_host_order`\n"
              "join and order them: `parts` is (devs, hosts), two sequences of as many C-contiguous int64\n"
              "arrays, the i-th of each of one length; the table is the devs joined, then the hosts joined,\n"
              "the pairs put in ascending (stable) host order where `order` and that makes fewer runs of\n"
              "consecutive hosts (as `host_order` does). Where the hosts then make fewer than `least_runs`\n"
-             "runs, returns False having written and called nothing; otherwise as `table_launch`.\n"
+             "runs, returns how many, and how many hosts the runs of at most `short` hosts hold (as\n"
+             "`row_runs` counts them), having written and called nothing; otherwise as `table_launch`.\n"
              "Raises TypeError, ValueError or MemoryError, having called nothing, for arguments outside\n"
              "these rules.");
 
 static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     static const char who[] = "join_launch";
-    if (!arity(who, nargs, 19, 19)) return NULL;
+    if (!arity(who, nargs, 20, 20)) return NULL;
     Launch l;
     if (parse_launch(who, args, &l) < 0) return NULL;
     int order = PyObject_IsTrue(args[17]);
     if (order < 0) return NULL;
     Py_ssize_t least = PyLong_AsSsize_t(args[18]);
     if (least == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t shortest = PyLong_AsSsize_t(args[19]);
+    if (shortest == -1 && PyErr_Occurred()) return NULL;
     PyObject *parts = NULL, *devs = NULL, *hosts = NULL, *params = NULL, *result = NULL;
     Py_buffer *views = NULL;
     uint64_t *joined = NULL;
@@ -797,7 +801,13 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (sorted_runs < runs) jh = sh, jd = sd, runs = sorted_runs;
     }
     if (runs < least) {
-        result = Py_NewRef(Py_False);
+        Py_ssize_t in_short = 0;
+        for (Py_ssize_t i = 1, start = 0; i <= n; i++)
+            if (i == n || jh[i] - jh[i - 1] != 1) {
+                if (i - start <= shortest) in_short += i - start;
+                start = i;
+            }
+        result = Py_BuildValue("nn", runs, in_short);
         goto done;
     }
     write_column(l.host, l.narrow, 0, n, (const int64_t *)jd);

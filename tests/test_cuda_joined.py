@@ -18,6 +18,7 @@ from test_plan import Model
 
 from offload_core import DeviceBlocks, HostBlocks, Planner
 from offload_core.backend import Direction
+from offload_core.backends.cuda import blocks
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.compact import CompactJob, CompactLayout
 
@@ -96,15 +97,27 @@ def job_specs(draw, count: int, runs: bool):
     return [(devs[i * n : (i + 1) * n], hosts[i * n : (i + 1) * n]) for i in range(count)]
 
 
-@settings(max_examples=60, deadline=None)
-@given(data=st.data(), direction=st.sampled_from(list(Direction)), narrow=st.booleans())
-def test_a_joined_launch_makes_the_calls_and_table_of_the_queues_joined_job(data, direction, narrow):
-    """Any launch of 1-8 jobs: where `copy_jobs` takes them, it chose, called and wrote what
-    `copy_blocks` of their joined job does; where it declines (host blocks in runs, say), it
-    enqueued nothing."""
+@settings(max_examples=80, deadline=None)
+@given(
+    data=st.data(),
+    direction=st.sampled_from(list(Direction)),
+    narrow=st.booleans(),
+    host_bound=st.sampled_from([1 << 20, 64]),  # bytes a job averages at most to be small: all, or few
+    penalty=st.sampled_from([None, 3.0, 1e4]),  # SMs spared: only the cost model sends jobs to expand_direct, or none
+)
+def test_a_joined_launch_makes_the_calls_and_table_of_the_queues_joined_job(
+    data, direction, narrow, host_bound, penalty
+):
+    """Any launch of 1-8 jobs, small or not, under either rule of `choose`: where `copy_jobs`
+    takes them, it chose, called and wrote what `copy_blocks` of their joined job does; where it
+    declines (host blocks in runs, say), it enqueued nothing."""
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blocks, "HOST_BOUND_BYTES", host_bound)
         launches = Launches(mp)
         launches.prepared.narrow = narrow
+        if penalty:
+            launches.backend.cost.sm_penalty = penalty
+        mp.setattr(blocks, "JOIN_BACKOFF", 0)  # every launch offered
         count = data.draw(st.integers(1, 8))
         jobs = launches.jobs(direction, job_specs(data.draw, count, data.draw(st.booleans())))
         used, calls, table = launches.joined(jobs)
@@ -134,7 +147,7 @@ def test_a_forced_or_posted_backend_leaves_its_jobs_to_copy_blocks(monkeypatch):
     b.mechanism = "expand_staged"
     assert launches.joined(jobs)[:2] == (None, [])
     b.mechanism = "auto"
-    b.cost.sm_penalty = 3.0  # the SMs spared: small jobs are not sent to expand_direct
+    b._poster = object()  # stands for a poster: its calls are posted, not made by the compiled call
     assert launches.joined(jobs)[:2] == (None, [])
 
 
@@ -144,12 +157,13 @@ def test_the_compiled_join_declines_or_refuses_having_called_nothing(monkeypatch
     join = b.driver.join_launch_in(b._ctx)
     host = np.full(16, -1, dtype=np.int64)
 
-    def call(parts, room=128, order=True, least=0, params=(RING, *range(1, 9), 0, 0)):  # as LaunchingLib reads them
-        return join(host.ctypes.data, RING, room, parts, True, 0x77, 0xF00, 1, 128, 0, params, order, least)
+    def call(parts, room=128, order=True, least=0, params=(RING, *range(1, 9), 0, 0), short=1):  # as LaunchingLib reads
+        return join(host.ctypes.data, RING, room, parts, True, 0x77, 0xF00, 1, 128, 0, params, order, least, short)
 
     one = ([np.array([4, 5, 6])], [np.array([9, 7, 8])])
     lib.calls.clear()
-    assert call(one, least=3) is False  # two runs in host order (7 8 9): fewer than 3
+    assert call(one, least=3) == (1, 0)  # one run in host order (7 8 9): fewer than 3; none of at most 1 host
+    assert call(one, least=3, order=False) == (2, 1)  # as given (9 / 7 8): two runs, one of them of one host
     assert lib.calls == [] and (host == -1).all()
     refusals = [
         (ValueError, "differ in length", dict(parts=([np.arange(2)], [np.arange(3)]))),
@@ -165,10 +179,27 @@ def test_the_compiled_join_declines_or_refuses_having_called_nothing(monkeypatch
         with pytest.raises(error, match=message):
             call(**kwargs)
     assert lib.calls == [] and (host == -1).all()
-    assert call(one, least=2, order=False) is True  # as given: 4 5 6 / 9 7 8 make two runs
+    assert call(one, least=1, order=False) is None  # as given: 4 5 6 / 9 7 8
     assert host.view(np.int32)[:6].tolist() == [4, 5, 6, 9, 7, 8]
     assert [c[0] for c in lib.calls] == ["memcpy", "launch"]
     from offload_core import _native
 
-    with pytest.raises(TypeError, match="19 arguments"):
+    with pytest.raises(TypeError, match="20 arguments"):
         _native.join_launch(1, 2, 3)
+
+
+def test_declined_offers_back_off_and_a_taken_one_resets(monkeypatch):
+    """A launch the joined path declines (the cost model stages it) costs a join and an event for
+    nothing: the next offers are skipped, 1, 2, 4... launches after each decline; one taken
+    offers every launch again."""
+    launches = Launches(monkeypatch)
+    jobs = launches.jobs(Direction.STORE, [([5, 9], [30, 3])])
+    launches.backend.cost.sm_penalty = 1e4  # expand_direct never cheaper: staged
+    offered = []
+    for _ in range(10):
+        offered.append(launches.joined(jobs)[1] != [])  # an offer made records the keepalive marker
+    assert offered == [True, False, True, False, False, True, False, False, False, False]
+    launches.backend.cost.sm_penalty = 2.0
+    for _ in range(3):
+        launches.joined(jobs)  # the skips run out; then taken
+    assert [launches.joined(jobs)[0] for _ in range(3)] == ["expand_direct"] * 3

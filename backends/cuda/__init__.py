@@ -294,8 +294,9 @@ class CudaBackend(TorchDeviceBackend):
         plan = self._blocks.join_plan(jobs, prepared)
         if plan is None:
             return None
-        with self._enqueued(stream):  # a launch it declines leaves a ring region to retire: rare
+        with self._enqueued(stream):  # a launch it declines leaves a ring region to retire
             launched = self._ring.join_launch(plan[0], stream, *plan[1:])
+        self._blocks.joined(prepared, jobs[0].direction, launched)
         return EXPAND_DIRECT.name if launched else None
 
     @contextmanager

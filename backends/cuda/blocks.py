@@ -61,6 +61,7 @@ MIN_STORE_PROGRAMS = 2
 SMALL_LOAD_PROGRAMS = 8  # and a small load these
 DEFAULT_SM_PENALTY = CostModel.__dataclass_fields__["sm_penalty"].default  # raised: spare the SMs
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
+JOIN_BACKOFF = 64  # launches that go to `BlockCopier.copy` at most after a declined joined launch
 
 
 class Prepared:
@@ -75,7 +76,9 @@ class Prepared:
         self.per_block = max(1, layout.max_entries)
         self.direct_ok: bool | None = None  # the host rows are device-addressable; known at the first job
         self.narrow = narrow_ids(layout)
-        self.whole_rows = {d: layout.whole_rows(d) for d in Direction}  # `BlockCopier.copy_joined` may take its jobs
+        self.whole_rows = {d: layout.whole_rows(d) for d in Direction}  # `BlockCopier.join_plan` may take its jobs
+        # per direction, [launches not to offer `join_plan`, how many the next decline skips]
+        self.join_backoff = {d: [0, 0] for d in Direction}
 
 
 def narrow_ids(layout: CompactLayout) -> bool:
@@ -172,16 +175,27 @@ class BlockCopier:
             ):
                 return EXPAND_DIRECT
             return HOST_EXPANDED
-        # loads: bytes in segments small enough for the batch call to move them through the CPU
-        limit = cost.inline_h2d_bytes if job.direction is Direction.LOAD else 0
-        count, small = prepared.layout.segment_summary(job, limit)
+        count, small = prepared.layout.segment_summary(job, self._small_limit(job.direction))
         if self._host_bound(job, count) and self.direct_ok(prepared):
             return EXPAND_DIRECT
-        if count and (job.nbytes <= 2 * SEGMENT_BYTES * count or 2 * small >= job.nbytes) and self.direct_ok(prepared):
-            staged = cost.estimate_job("expand_staged", d, job.items, job.nbytes, count, small)
-            if cost.estimate_job("expand_direct", d, job.items, job.nbytes, count) < 0.98 * staged:
-                return EXPAND_DIRECT
+        if self._direct_by_cost(job.direction, job.items, job.nbytes, count, small) and self.direct_ok(prepared):
+            return EXPAND_DIRECT
         return EXPAND_STAGED
+
+    def _small_limit(self, direction: Direction) -> int:
+        """Loads: segments this small the batch call moves through the CPU (their bytes weigh in
+        the cost model); stores: none."""
+        return self.backend.cost.inline_h2d_bytes if direction is Direction.LOAD else 0
+
+    def _direct_by_cost(self, direction: Direction, items: int, nbytes: int, count: int, small: int) -> bool:
+        """`choose`'s second rule, on a job's `count` segments, `small` bytes of them small
+        (`_small_limit`): ``expand_direct`` where the segments are too small for the copy engines,
+        or on loads mostly small enough for the CPU, and the cost model finds it cheaper."""
+        if not count or (nbytes > 2 * SEGMENT_BYTES * count and 2 * small < nbytes):
+            return False
+        cost, d = self.backend.cost, direction.value
+        staged = cost.estimate_job("expand_staged", d, items, nbytes, count, small)
+        return cost.estimate_job("expand_direct", d, items, nbytes, count) < 0.98 * staged
 
     def _host_bound(self, job: CompactJob, segments: int) -> bool:
         """Whether `job`'s jobs are small enough that the host's time per job binds them, its host
@@ -224,25 +238,34 @@ class BlockCopier:
     def join_plan(self, jobs: list[CompactJob], prepared: Prepared | None) -> tuple | None:
         """How to enqueue consecutive simple jobs as `copy` would enqueue them joined, in host
         order (`CompactJob.concat`, `in_host_order`), where `choose` sends them to
-        ``expand_direct`` for being small (`_host_bound`): joined, ordered, counted and launched
-        by one compiled call, without building the joined job. Returns the arguments of
-        `DescriptorRing.join_launch` after the stream (its `least_runs` is `_host_bound`'s rule
-        on the ordered hosts' runs), or None where that is not so or the call cannot be made (no
-        compiled step, the build not launchable by hand yet): then `copy` of the joined job does
-        it. Enqueues nothing."""
+        ``expand_direct`` (whole host rows that fit a staging half): joined, ordered, counted and
+        launched by one compiled call, without building the joined job. Returns the arguments of
+        `DescriptorRing.join_launch` after the stream: its `least_runs` is `_host_bound`'s rule,
+        its `decide` `_direct_by_cost` on the runs counted; or None where that cannot be so, or
+        the call cannot be made (no compiled step, the build not launchable by hand yet, the
+        last offers declined: `joined`). Enqueues nothing."""
         b = self.backend
-        if prepared is None or not b._ring.joins or b.cost.sm_penalty > DEFAULT_SM_PENALTY:
+        if prepared is None or not b._ring.joins:
             return None
         direction = jobs[0].direction
         layout = prepared.layout
         if not prepared.whole_rows[direction] or layout.row_bytes > self.half_bytes:
             return None
-        n = nbytes = count = 0
+        backoff = prepared.join_backoff[direction]
+        if backoff[0]:  # the last offers were declined (`joined`): the next few go to `copy` at once
+            backoff[0] -= 1
+            return None
+        n = nbytes = count = items = 0
         for job in jobs:
             if not job.simple:
                 return None
-            n, nbytes, count = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs
-        if nbytes > HOST_BOUND_BYTES * count or not self.direct_ok(prepared):
+            n, nbytes, count, items = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs, items + job.items
+        row = layout.row_bytes
+        short = int(self._small_limit(direction)) // row  # rows in a segment small enough to count
+        host_bound = nbytes <= HOST_BOUND_BYTES * count and b.cost.sm_penalty <= DEFAULT_SM_PENALTY
+        if not host_bound and nbytes > 2 * SEGMENT_BYTES * n and not short:  # staged, whatever the runs
+            return None
+        if not self.direct_ok(prepared):
             return None
         raw = kernels.raw_expansion(
             b._ring,
@@ -255,14 +278,29 @@ class BlockCopier:
             direction is Direction.STORE,
             layout.largest,
             self._programs(direction, layout.largest, nbytes, count),
-            (layout.host_base, layout.row_bytes, True),
+            (layout.host_base, row, True),
             prepared.narrow,
             b.device_index,
         )
         if raw is None:
             return None
+
+        def decide(runs: int, short_rows: int) -> bool:
+            return self._direct_by_cost(direction, items, nbytes, runs, short_rows * row)
+
         parts = ([job.dev_ids for job in jobs], [job.host_ids for job in jobs])
-        return (parts, prepared.narrow, 2 <= n <= SORTED_BLOCKS, -(-n // 2), *raw)
+        least = -(-n // 2) if host_bound else n + 1  # runs: segments at least half the rows; n + 1: never
+        return (parts, prepared.narrow, 2 <= n <= SORTED_BLOCKS, least, short, decide, *raw)
+
+    @staticmethod
+    def joined(prepared: Prepared, direction: Direction, launched: bool) -> None:
+        """What became of a `join_plan` offer. A declined one (host blocks in runs: the jobs go
+        staged) cost a join, a sort and an event for nothing, and an engine's next launches are
+        likely alike: the next offers are skipped, twice as many after each decline, up to
+        `JOIN_BACKOFF`; a taken one offers every launch again."""
+        backoff = prepared.join_backoff[direction]
+        backoff[1] = 0 if launched else min(JOIN_BACKOFF, 2 * backoff[1] or 1)
+        backoff[0] = backoff[1]
 
     def expand(self, job, prepared, b0, b1, stream, held, programs: int, stage: int | None = None) -> None:
         """Upload the table of blocks b0..b1 and enqueue the kernel on `stream` with at most

@@ -179,7 +179,7 @@ class Driver:
             address(fn),
         )
 
-    def table_launch_in(self, context: int) -> Callable[..., bool] | None:
+    def table_launch_in(self, context: int) -> Callable[..., None] | None:
         """A descriptor table's upload and a kernel's launch in one compiled call in `context`
         (`DescriptorRing.upload_launch`'s `launch`), or None where the extension or an entry
         point is missing.
@@ -188,10 +188,10 @@ class Driver:
         """
         return self._compiled_launch(context, lambda compiled: compiled.table_launch)
 
-    def join_launch_in(self, context: int) -> Callable[..., bool] | None:
+    def join_launch_in(self, context: int) -> Callable[..., tuple[int, int] | None] | None:
         """`table_launch_in`'s call for simple jobs joined on the way (`DescriptorRing.join_launch`'s
         `join`: `_native.join_launch`), or None where it cannot be made. The callable returns
-        whether it launched (False: it declined, having called nothing)."""
+        None where it launched, else the runs it counted (it declined, having called nothing)."""
         return self._compiled_launch(context, lambda compiled: compiled.join_launch)
 
     def _compiled_launch(self, context: int, pick: Callable) -> Callable | None:
@@ -207,9 +207,9 @@ class Driver:
 
         def launch(*args):
             result = bound(*args)
-            if isinstance(result, tuple):
+            if isinstance(result, tuple) and isinstance(result[0], str):  # else join_launch's runs
                 self.fail(result[1], result[0])
-            return result is None
+            return result
 
         return launch
 

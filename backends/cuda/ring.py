@@ -29,7 +29,9 @@ class DescriptorRing:
             shared, params) -> bool``, the table's upload and a kernel's launch in one call
             (`upload_launch`), or None where there is none.
         join: the same for simple jobs' columns joined on the way (`join_launch`), taking
-            ``(devs, hosts)`` for the columns and ``order, least_runs`` after the params, or None.
+            ``(devs, hosts)`` for the columns and ``order, least_runs, short`` after the params
+            and returning None or the runs it counted where it declined (`_native.join_launch`),
+            or None.
     """
 
     def __init__(self, torch, device, memcpy, entries: int = 1 << 21, launch=None, join=None):
@@ -113,6 +115,8 @@ class DescriptorRing:
         narrow: bool,
         order: bool,
         least_runs: int,
+        short: int,
+        decide,
         function: int,
         grid: int,
         threads: int,
@@ -121,9 +125,11 @@ class DescriptorRing:
     ) -> bool:
         """`upload_launch` of a table of two columns joined from `parts`, ``(devs, hosts)``: lists
         of int64 arrays, the i-th of each of one length (simple jobs' ids), the pairs in host
-        order on the way where `order` makes fewer runs of consecutive hosts. Declines, returning
-        False with nothing enqueued, where the hosts then make fewer than `least_runs` runs, or
-        where the ring has no room (the caller then takes its general path).
+        order on the way where `order` makes fewer runs of consecutive hosts. Where the hosts
+        then make fewer than `least_runs` runs, ``decide(runs, rows_in_runs_of_at_most_short)``
+        says whether to launch after all. Returns whether it launched: False with nothing
+        enqueued where `decide` said no, or where the ring has no room (the caller then takes
+        its general path).
 
         Raises:
             CudaDriverError: the upload or the launch failed (nothing is launched after a failed upload).
@@ -133,10 +139,10 @@ class DescriptorRing:
         start = self._reserve(entries)
         if start is None:
             return False
-        dev_ptr = self._dev_ptr + 8 * start
-        return self._join(
-            self._host_ptr + 8 * start,
-            dev_ptr,
+        host, dev = self._host_ptr + 8 * start, self._dev_ptr + 8 * start
+        args = (
+            host,
+            dev,
             8 * entries,
             parts,
             narrow,
@@ -145,10 +151,14 @@ class DescriptorRing:
             grid,
             threads,
             shared,
-            (dev_ptr, *params),
-            order,
-            least_runs,
+            (dev, *params),
         )
+        counted = self._join(*args, order, least_runs, short)
+        if counted is None:
+            return True
+        if not decide(*counted):
+            return False
+        return self._join(*args, order, 0, 0) is None  # joined and sorted again: a second pass over the ids
 
     def _region(self, entries: int) -> tuple:
         """``(flat, host, device, keep)`` for `entries` int64 entries: a numpy view of the host

@@ -195,7 +195,9 @@ def main() -> None:
     )
     if unjoined:
         store, load = np.median(unjoined, axis=0) * 1e6
-        print(f"  the rounds between them, copy_jobs declined: wall per job {store:.1f} us (store) / {load:.1f} us (load)")
+        print(
+            f"  the rounds between them, copy_jobs declined: wall per job {store:.1f} us (store) / {load:.1f} us (load)"
+        )
     if args.profile:
         stats = pstats.Stats(profile)
         for order, column in (("own", 2), ("cumulative", 3)):
