@@ -19,7 +19,9 @@ forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
 `--bursts JOBS:MIB,...` runs every shape once per setting of the queue's burst (a burst's
 jobs launch together once JOBS of them or MIB MiB wait; the default is the queue's own), and
 `--repeat N` N times, the settings' order reversed every other time: the settings then compare
-within seconds of each other, where a VM's host drifts over minutes.
+within seconds of each other, where a VM's host drifts over minutes. `--interference` instead
+times a bf16 matmul loop alone and behind J jobs: its slowdown from its first event to its
+last, and of the matmuls' own device time (events around each: the host's delays left out).
 """
 
 from __future__ import annotations
