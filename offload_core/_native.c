@@ -735,8 +735,10 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (order < 0) return NULL;
     Py_ssize_t least = PyLong_AsSsize_t(args[18]);
     if (least == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t shortest = PyLong_AsSsize_t(args[19]);
+    int overflow = 0;
+    long long shortest = PyLong_AsLongLongAndOverflow(args[19], &overflow); /* saturates, as row_runs' */
     if (shortest == -1 && PyErr_Occurred()) return NULL;
+    if (overflow) shortest = overflow > 0 ? LLONG_MAX : -1;
     PyObject *parts = NULL, *devs = NULL, *hosts = NULL, *params = NULL, *result = NULL;
     Py_buffer *views = NULL;
     uint64_t *joined = NULL;

@@ -304,15 +304,18 @@ def test_compact_canonical_jobs_with_writer_election(expanding, a, b, heads, bpc
             r.close()
 
 
-def test_compact_small_jobs_joined_by_one_compiled_call_are_bit_exact():
+def test_compact_small_jobs_joined_by_one_compiled_call_are_bit_exact(monkeypatch):
     """Small simple jobs back to back under auto, scattered host blocks: launches joined, put in
     host order and launched by `_native.join_launch` (`CudaBackend.copy_jobs`); every byte checked
-    both ways, and those launches counted (not vacuous where the extension was built)."""
+    both ways (device blocks no load wrote unchanged), and those launches counted (not vacuous
+    where the extension was built)."""
     import torch
 
     from offload_core import native
+    from offload_core.backends.cuda import posting
 
-    backend = CudaBackend()
+    monkeypatch.setenv(posting.ENV_POSTED, "0")  # posted calls do not take this path
+    backend = CudaBackend(mechanism="auto")
     pages, blocks, jobs, per_job = (1024, 256, 512), 128, 40, 3
     kv = small_kv(pages=pages, blocks=blocks, device=backend.device)
     before = [t.tensor.clone() for t in kv.tensors]
@@ -339,8 +342,10 @@ def test_compact_small_jobs_joined_by_one_compiled_call_are_bit_exact():
     if native.load() is not None:
         assert any(joined), "some launch went through the compiled join"
     last = {int(d): int(s) for j in range(jobs) for d, s in zip(dst[j], src[j])}  # each block's last load
+    untouched = [i for i in range(blocks) if i not in last]
     for t, b in zip(kv.tensors, before):
         assert torch.equal(t.tensor[list(last)], b[list(last.values())])
+        assert torch.equal(t.tensor[untouched], b[untouched])
 
 
 @pytest.mark.parametrize("staging_kib, consecutive", [(16, True), (16, False), (24 << 10, True)])

@@ -125,8 +125,9 @@ def test_a_joined_launch_makes_the_calls_and_table_of_the_queues_joined_job(
         if used is not None:
             assert (used, calls) == reference[:2]
             assert (table == reference[2]).all(), "the same table bytes"
-        else:  # then the queue joins them: `copy_blocks` chooses (staged, or direct by the cost model)
+        else:  # then the queue joins them, and `copy_blocks` stages them
             assert [c[0] for c in calls] in ([], ["record"]), "declined: nothing but a keepalive marker"
+            assert reference[0] != "expand_direct", "declined what choose sends to expand_direct"
 
 
 def test_small_jobs_in_scattered_host_blocks_take_the_joined_launch(monkeypatch):
@@ -203,3 +204,11 @@ def test_declined_offers_back_off_and_a_taken_one_resets(monkeypatch):
     for _ in range(3):
         launches.joined(jobs)  # the skips run out; then taken
     assert [launches.joined(jobs)[0] for _ in range(3)] == ["expand_direct"] * 3
+
+
+def test_a_full_ring_leaves_the_jobs_to_copy_blocks_without_backing_off(monkeypatch):
+    launches = Launches(monkeypatch)
+    launches.backend._ring = numpy_ring(launches.backend, entries=2)  # no room for five blocks' table
+    jobs = launches.jobs(Direction.STORE, [([5, 9, 2], [31, 3, 17]), ([40, 1], [30, 4])])
+    assert launches.joined(jobs)[0] is None
+    assert launches.prepared.join_backoff[Direction.STORE] == [0, 0], "the next launch is offered again"

@@ -296,7 +296,8 @@ class CudaBackend(TorchDeviceBackend):
             return None
         with self._enqueued(stream):  # a launch it declines leaves a ring region to retire
             launched = self._ring.join_launch(plan[0], stream, *plan[1:])
-        self._blocks.joined(prepared, jobs[0].direction, launched)
+        if launched is not None:  # None: the ring was full, which says nothing of the next launches
+            self._blocks.joined(prepared, jobs[0].direction, launched)
         return EXPAND_DIRECT.name if launched else None
 
     @contextmanager

@@ -192,7 +192,8 @@ class Driver:
         """`table_launch_in`'s call for simple jobs joined on the way (`DescriptorRing.join_launch`'s
         `join`: `_native.join_launch`), or None where it cannot be made. The callable returns
         None where it launched, else the runs it counted (it declined, having called nothing)."""
-        return self._compiled_launch(context, lambda compiled: compiled.join_launch)
+        # an extension built before join_launch existed has the others: this one is then missing
+        return self._compiled_launch(context, lambda compiled: getattr(compiled, "join_launch", None))
 
     def _compiled_launch(self, context: int, pick: Callable) -> Callable | None:
         from offload_core import native
@@ -200,10 +201,11 @@ class Driver:
         compiled = native.load()
         if compiled is None or self.launch_kernel is None or not self.has_events:
             return None
+        call = pick(compiled)
+        if call is None:
+            return None
         entry = [self.address(f) for f in (self.ctx_get_current, self.ctx_push_current, self.ctx_pop_current)]
-        bound = functools.partial(
-            pick(compiled), *entry, self.address(self.memcpy), self.address(self.launch_kernel), context
-        )
+        bound = functools.partial(call, *entry, self.address(self.memcpy), self.address(self.launch_kernel), context)
 
         def launch(*args):
             result = bound(*args)

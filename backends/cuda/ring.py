@@ -26,7 +26,7 @@ class DescriptorRing:
         memcpy: ``(dst, src, nbytes, stream_handle) -> None``, an asynchronous host-to-device copy.
         entries: capacity; the memory is allocated on first use (an upload, or `device_address`).
         launch: ``(host, device, room, columns, narrow, stream_handle, function, grid, threads,
-            shared, params) -> bool``, the table's upload and a kernel's launch in one call
+            shared, params) -> None``, the table's upload and a kernel's launch in one call
             (`upload_launch`), or None where there is none.
         join: the same for simple jobs' columns joined on the way (`join_launch`), taking
             ``(devs, hosts)`` for the columns and ``order, least_runs, short`` after the params
@@ -122,14 +122,14 @@ class DescriptorRing:
         threads: int,
         shared: int,
         params,
-    ) -> bool:
+    ) -> bool | None:
         """`upload_launch` of a table of two columns joined from `parts`, ``(devs, hosts)``: lists
         of int64 arrays, the i-th of each of one length (simple jobs' ids), the pairs in host
         order on the way where `order` makes fewer runs of consecutive hosts. Where the hosts
         then make fewer than `least_runs` runs, ``decide(runs, rows_in_runs_of_at_most_short)``
-        says whether to launch after all. Returns whether it launched: False with nothing
-        enqueued where `decide` said no, or where the ring has no room (the caller then takes
-        its general path).
+        says whether to launch after all. Returns True where it launched; False where `decide`
+        said no, None where the ring has no room: both with nothing enqueued (the caller then
+        takes its general path).
 
         Raises:
             CudaDriverError: the upload or the launch failed (nothing is launched after a failed upload).
@@ -138,7 +138,7 @@ class DescriptorRing:
         entries = -(-2 * n * (4 if narrow else 8) // 8)
         start = self._reserve(entries)
         if start is None:
-            return False
+            return None
         host, dev = self._host_ptr + 8 * start, self._dev_ptr + 8 * start
         args = (
             host,
