@@ -14,7 +14,7 @@ forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
     python benchmarks/engine_bench.py [--backend cuda] [--pages 256,1024,4096,32768]
         [--blocks-per-job 1,16,128 | --job-mib 256] [--layers 32 | --tensors 1] [--jobs 32] [--json FILE]
         [--host-runs] [--no-host-order] [--bursts 16:128,32:32] [--repeat 2]
-        [--interference [--directions store,load]]
+        [--interference [--directions store,load] [--rounds 5]]
 
 `--bursts JOBS:MIB,...` runs every shape once per setting of the queue's burst (a burst's
 jobs launch together once JOBS of them or MIB MiB wait; the default is the queue's own), and
@@ -143,12 +143,12 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
 
 
 def interference(
-    backend, page: int, per_job: int, layers: int, jobs: int, seed: int = 0, direction: str = "store"
+    backend, page: int, per_job: int, layers: int, jobs: int, seed: int = 0, direction: str = "store", rounds: int = 5
 ) -> dict:
     """How much jobs in flight slow a bf16 matmul loop on the compute stream, as an engine's next
     step runs while the last step's blocks are offloaded (stores) or other requests' blocks are
-    brought back (loads): median of 5 rounds, each the loop alone and then behind `jobs` jobs of
-    `direction` submitted just before it."""
+    brought back (loads): median of `rounds` rounds (after one to warm up), each the loop alone
+    and then behind `jobs` jobs of `direction` submitted just before it."""
     device = backend.device
     blocks = max(2 * per_job * jobs // 4, 64)
     tensors = [
@@ -179,7 +179,7 @@ def interference(
     alone, busy, ids, failed = [], [], 0, 0
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         matmuls(3)
-        for _ in range(6):
+        for _ in range(rounds + 1):
             alone.append(matmuls())
             for _ in range(jobs):
                 dev = DeviceBlocks(rng.choice(blocks, per_job, replace=False))
@@ -249,6 +249,12 @@ def main() -> None:
         help="cuda: instead, the slowdown of a matmul loop while jobs run, per shape and mechanism",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="with --interference: rounds, whose median is taken (default: %(default)s)",
+    )
+    parser.add_argument(
         "--directions",
         default="store",
         help="with --interference: comma-separated directions of the jobs beside the matmul (default: %(default)s)",
@@ -270,7 +276,9 @@ def main() -> None:
                     for direction in directions:
                         row = {
                             "mechanism": name,
-                            **interference(backend, page, per_job, args.layers, args.jobs, direction=direction),
+                            **interference(
+                                backend, page, per_job, args.layers, args.jobs, direction=direction, rounds=args.rounds
+                            ),
                         }
                         rows.append(row)
                         print(

@@ -83,14 +83,15 @@ def check_round_trip(backend, case):
     return results
 
 
-@pytest.fixture(params=["planned", "expand-staged", "expand-direct"])
+@pytest.fixture(params=["planned", "expand-staged", "expand-direct", "expand-joined"])
 def cpu_backend(request):
-    """The cpu backend on each of the core's paths: host-planned descriptors, compact jobs."""
+    """The cpu backend on each of the core's paths: host-planned descriptors, compact jobs (launches
+    of simple jobs joined by the queue, or by the backend)."""
     if request.param == "planned":
         return get_backend("cpu")
     from offload_core.testing.expanding import ExpandingCpuBackend
 
-    return ExpandingCpuBackend(staged=request.param == "expand-staged", joins=request.param == "expand-direct")
+    return ExpandingCpuBackend(staged=request.param == "expand-staged", joins=request.param == "expand-joined")
 
 
 @pytest.mark.cpu
