@@ -289,7 +289,7 @@ class CudaBackend(TorchDeviceBackend):
         # Only where copy_blocks would choose for itself, its calls unposted: small simple jobs
         # then go to expand_direct joined by one compiled call (`BlockCopier.join_plan`).
         forced = TABLE.get(self.mechanism)
-        if (forced is not None and not forced.takes_batches) or self._poster is not None or prepared is None:
+        if (forced is not None and not forced.takes_batches) or self._poster is not None:
             return None
         plan = self._blocks.join_plan(jobs, prepared)
         if plan is None:

@@ -200,11 +200,11 @@ class BlockCopier:
     def _host_bound(self, job: CompactJob, segments: int) -> bool:
         """Whether `job`'s jobs are small enough that the host's time per job binds them, its host
         rows mostly apart, and the SMs not spared (`HOST_BOUND_BYTES`)."""
-        return (
-            job.nbytes <= HOST_BOUND_BYTES * max(1, job.jobs)
-            and 2 * segments >= job.host_ids.size
-            and self.backend.cost.sm_penalty <= DEFAULT_SM_PENALTY
-        )
+        return self._small_jobs(job.nbytes, job.jobs) and 2 * segments >= job.host_ids.size
+
+    def _small_jobs(self, nbytes: int, jobs: int) -> bool:
+        """`_host_bound` without its look at the host rows: `jobs` jobs of `nbytes` all told."""
+        return nbytes <= HOST_BOUND_BYTES * max(1, jobs) and self.backend.cost.sm_penalty <= DEFAULT_SM_PENALTY
 
     def direct_programs(self, job: CompactJob) -> int:
         """Programs of an ``expand_direct`` launch, at most the backend's. Where its pages are
@@ -262,7 +262,7 @@ class BlockCopier:
             n, nbytes, count, items = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs, items + job.items
         row = layout.row_bytes
         short = int(self._small_limit(direction)) // row  # rows in a segment small enough to count
-        host_bound = nbytes <= HOST_BOUND_BYTES * count and b.cost.sm_penalty <= DEFAULT_SM_PENALTY
+        host_bound = self._small_jobs(nbytes, count)
         if not host_bound and nbytes > 2 * SEGMENT_BYTES * n and not short:  # staged, whatever the runs
             return None
         if not self.direct_ok(prepared):
