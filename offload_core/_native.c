@@ -713,7 +713,7 @@ done:
 
 PyDoc_STRVAR(join_launch_doc,
              "join_launch(get, push, pop, memcpy, launch, context, host, device, room, parts, narrow, stream,\n"
-             "            function, grid, threads, shared, params, order, least_runs, short)\n"
+             "            function, grid, threads, shared, params, order, least_runs, short[, decide])\n"
              "    -> None, (runs, rows_in_short_runs) or (what, code)\n"
              "\n"
              "`table_launch` of jobs joined into one table, as `CompactJob.concat` and `in_host_order`\n"
@@ -721,14 +721,61 @@ PyDoc_STRVAR(join_launch_doc,
              "arrays, the i-th of each of one length; the table is the devs joined, then the hosts joined,\n"
              "the pairs put in ascending (stable) host order where `order` and that makes fewer runs of\n"
              "consecutive hosts (as `host_order` does). Where the hosts then make fewer than `least_runs`\n"
-             "runs, returns how many, and how many hosts the runs of at most `short` hosts hold (as\n"
-             "`row_runs` counts them), having written and called nothing; otherwise as `table_launch`.\n"
-             "Raises TypeError, ValueError or MemoryError, having called nothing, for arguments outside\n"
-             "these rules.");
+             "runs, it counts how many hosts the runs of at most `short` hosts hold (as `row_runs` counts\n"
+             "them) and calls `decide(runs, rows_in_short_runs)` where given: where that is true it goes\n"
+             "on, otherwise (or with no `decide`) it returns the two counts, having written and called\n"
+             "nothing; otherwise as `table_launch`. Raises TypeError, ValueError or MemoryError, having\n"
+             "called nothing, for arguments outside these rules, and what `decide` raises.");
+
+/* One job's ids, where the table's columns come from (the jobs' own arrays, or their joined and
+ * sorted copies). */
+typedef struct {
+    const uint64_t *dev, *host;
+    Py_ssize_t n;
+} Part;
+
+/* Runs of consecutive hosts over the parts in turn, as `runs_of` counts them in the joined
+ * hosts; where `in_short` is given, also how many hosts the runs of at most `shortest` hold. */
+static Py_ssize_t parts_runs(const Part *p, Py_ssize_t m, long long shortest, Py_ssize_t *in_short) {
+    Py_ssize_t runs = 0, len = 0, held = 0;
+    uint64_t prev = 0;
+    for (Py_ssize_t k = 0; k < m; k++) {
+        const uint64_t *h = p[k].host;
+        if (in_short == NULL) {
+            for (Py_ssize_t i = 0; i < p[k].n; i++) runs += (runs == 0) | (h[i] - prev != 1), prev = h[i];
+            continue;
+        }
+        for (Py_ssize_t i = 0; i < p[k].n; i++) {
+            if (runs > 0 && h[i] - prev == 1) {
+                len++;
+            } else {
+                if (runs > 0 && len <= shortest) held += len;
+                runs++, len = 1;
+            }
+            prev = h[i];
+        }
+    }
+    if (in_short != NULL) *in_short = held + (runs > 0 && len <= shortest ? len : 0);
+    return runs;
+}
+
+/* The parts' column (`host`s where `hosts`, else `dev`s) as column `j` of the table at `out`,
+ * `n` rows long: int32 where `narrow`, as `write_column` writes it. */
+static void write_parts(void *out, int narrow, Py_ssize_t j, Py_ssize_t n, const Part *p, Py_ssize_t m, int hosts) {
+    for (Py_ssize_t k = 0, at = 0; k < m; at += p[k].n, k++) {
+        const int64_t *col = (const int64_t *)(hosts ? p[k].host : p[k].dev);
+        if (narrow) {
+            int32_t *o = (int32_t *)out + j * n + at;
+            for (Py_ssize_t i = 0; i < p[k].n; i++) o[i] = (int32_t)col[i];
+        } else {
+            memcpy((int64_t *)out + j * n + at, col, (size_t)p[k].n * 8);
+        }
+    }
+}
 
 static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     static const char who[] = "join_launch";
-    if (!arity(who, nargs, 20, 20)) return NULL;
+    if (!arity(who, nargs, 20, 21)) return NULL;
     Launch l;
     if (parse_launch(who, args, &l) < 0) return NULL;
     int order = PyObject_IsTrue(args[17]);
@@ -739,8 +786,14 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
     long long shortest = PyLong_AsLongLongAndOverflow(args[19], &overflow); /* saturates, as row_runs' */
     if (shortest == -1 && PyErr_Occurred()) return NULL;
     if (overflow) shortest = overflow > 0 ? LLONG_MAX : -1;
+    PyObject *decide = nargs > 20 && args[20] != Py_None ? args[20] : NULL;
+    if (decide != NULL && !PyCallable_Check(decide)) {
+        PyErr_Format(PyExc_TypeError, "%s: decide must be callable or None", who);
+        return NULL;
+    }
     PyObject *parts = NULL, *devs = NULL, *hosts = NULL, *params = NULL, *result = NULL;
     Py_buffer *views = NULL;
+    Part *p = NULL;
     uint64_t *joined = NULL;
     Py_ssize_t m = 0, got = 0, n = 0, np_ = 0;
     uint64_t values[TABLE_PARAMS];
@@ -760,7 +813,8 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
         goto done;
     }
     if (parse_params(who, params, values, &np_) < 0) goto done;
-    if ((views = PyMem_Malloc(2 * (size_t)m * sizeof(Py_buffer))) == NULL) {
+    if ((views = PyMem_Malloc(2 * (size_t)m * sizeof(Py_buffer))) == NULL ||
+        (p = PyMem_Malloc((size_t)m * sizeof(Part))) == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -776,49 +830,55 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
         }
         if (got < m) n += views[got].len / 8;
     }
+    for (Py_ssize_t k = 0; k < m; k++) p[k] = (Part){views[k].buf, views[m + k].buf, views[k].len / 8};
     size_t nbytes = 2 * (size_t)n * (l.narrow ? 4 : 8);
     if (nbytes > (size_t)l.room) {
         PyErr_Format(PyExc_ValueError, "%s: a table of %zu bytes does not fit the %zd reserved for it", who, nbytes,
                      l.room);
         goto done;
     }
-    /* joined hosts, joined devs; where ordered, their sorted copies and the sort's scratch after them */
+    /* The table is written from the jobs' own arrays; only a sort joins them, into a copy. */
+    /* A large job declines the small-job rule whatever its runs (least_runs above its rows): its
+     * short rows are counted on the same pass, unless a sort may reorder them. */
     int sorting = order && n >= 2;
-    if ((joined = malloc((sorting ? 6 : 2) * (size_t)(n > 0 ? n : 1) * 8)) == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    uint64_t *jh = joined, *jd = joined + n;
-    for (Py_ssize_t i = 0, at = 0; i < m; at += views[i].len / 8, i++) {
-        memcpy(jd + at, views[i].buf, (size_t)views[i].len);
-        memcpy(jh + at, views[m + i].buf, (size_t)views[m + i].len);
-    }
-    Py_ssize_t runs = runs_of(jh, n);
+    Py_ssize_t in_short = -1, runs = parts_runs(p, m, shortest, least > n && !sorting ? &in_short : NULL);
     if (sorting && runs > 1) {
-        uint64_t *sh = jd + n, *sd = sh + n;
-        memcpy(sh, jh, (size_t)n * 8);
-        memcpy(sd, jd, (size_t)n * 8);
+        if ((joined = malloc(4 * (size_t)n * 8)) == NULL) { /* sorted hosts, devs, and the sort's scratch */
+            PyErr_NoMemory();
+            goto done;
+        }
+        uint64_t *sh = joined, *sd = joined + n;
+        for (Py_ssize_t k = 0, at = 0; k < m; at += p[k].n, k++) {
+            memcpy(sh + at, p[k].host, (size_t)p[k].n * 8);
+            memcpy(sd + at, p[k].dev, (size_t)p[k].n * 8);
+        }
         sort_pairs(sh, sd, sd + n, sd + 2 * n, n);
         Py_ssize_t sorted_runs = runs_of(sh, n);
-        if (sorted_runs < runs) jh = sh, jd = sd, runs = sorted_runs;
+        if (sorted_runs < runs) p[0] = (Part){sd, sh, n}, m = 1, runs = sorted_runs;
     }
     if (runs < least) {
-        Py_ssize_t in_short = 0;
-        for (Py_ssize_t i = 1, start = 0; i <= n; i++)
-            if (i == n || jh[i] - jh[i - 1] != 1) {
-                if (i - start <= shortest) in_short += i - start;
-                start = i;
-            }
-        result = Py_BuildValue("nn", runs, in_short);
-        goto done;
+        if (in_short < 0) parts_runs(p, m, shortest, &in_short);
+        int go = 0;
+        if (decide != NULL) { /* the caller's cost model, on the counts: one pass over the ids, not two */
+            PyObject *said = PyObject_CallFunction(decide, "nn", runs, in_short);
+            if (said == NULL) goto done;
+            go = PyObject_IsTrue(said);
+            Py_DECREF(said);
+            if (go < 0) goto done;
+        }
+        if (!go) {
+            result = Py_BuildValue("nn", runs, in_short);
+            goto done;
+        }
     }
-    write_column(l.host, l.narrow, 0, n, (const int64_t *)jd);
-    write_column(l.host, l.narrow, 1, n, (const int64_t *)jh);
+    write_parts(l.host, l.narrow, 0, n, p, m, 0);
+    write_parts(l.host, l.narrow, 1, n, p, m, 1);
     result = upload_and_launch(&l, nbytes, values, np_);
 done:
     free(joined);
     for (Py_ssize_t j = 0; j < got; j++) PyBuffer_Release(&views[j]);
     PyMem_Free(views);
+    PyMem_Free(p);
     Py_XDECREF(parts);
     Py_XDECREF(devs);
     Py_XDECREF(hosts);

@@ -158,8 +158,10 @@ def test_the_compiled_join_declines_or_refuses_having_called_nothing(monkeypatch
     join = b.driver.join_launch_in(b._ctx)
     host = np.full(16, -1, dtype=np.int64)
 
-    def call(parts, room=128, order=True, least=0, params=(RING, *range(1, 9), 0, 0), short=1):  # as LaunchingLib reads
-        return join(host.ctypes.data, RING, room, parts, True, 0x77, 0xF00, 1, 128, 0, params, order, least, short)
+    def call(parts, room=128, order=True, least=0, params=(RING, *range(1, 9), 0, 0), short=1, **decide):
+        # params as LaunchingLib reads them
+        args = (host.ctypes.data, RING, room, parts, True, 0x77, 0xF00, 1, 128, 0, params, order, least, short)
+        return join(*args, *decide.values())
 
     one = ([np.array([4, 5, 6])], [np.array([9, 7, 8])])
     lib.calls.clear()
@@ -185,8 +187,46 @@ def test_the_compiled_join_declines_or_refuses_having_called_nothing(monkeypatch
     assert [c[0] for c in lib.calls] == ["memcpy", "launch"]
     from offload_core import _native
 
-    with pytest.raises(TypeError, match="20 arguments"):
+    with pytest.raises(TypeError, match="20 or 21 arguments"):
         _native.join_launch(1, 2, 3)
+
+
+def test_the_compiled_join_asks_decide_once_and_launches_only_on_yes(monkeypatch):
+    """Below `least_runs`, the compiled join asks `decide` with the counts (one pass over the ids)
+    and launches where it says yes; a no, or a `decide` that raises, leaves nothing written or
+    called. Several parts are read where they lie: the table is their columns joined."""
+    launches = Launches(monkeypatch)
+    b, lib = launches.backend, launches.lib
+    join = b.driver.join_launch_in(b._ctx)
+    host = np.full(16, -1, dtype=np.int64)
+    two = ([np.array([4, 5]), np.array([6])], [np.array([9, 3]), np.array([4])])  # hosts 9 / 3 4: two runs
+    asked = []
+
+    def call(decide, order=False):
+        args = (host.ctypes.data, RING, 128, two, True, 0x77, 0xF00, 1, 128, 0, (RING, *range(1, 9), 0, 0))
+        return join(*args, order, 3, 1, decide)
+
+    def no(runs, short_rows):
+        asked.append((runs, short_rows))
+        return False
+
+    def fails(runs, short_rows):
+        raise RuntimeError("the cost model failed")
+
+    lib.calls.clear()
+    assert call(no) == (2, 1) and asked == [(2, 1)]
+    with pytest.raises(RuntimeError, match="cost model"):
+        call(fails)
+    with pytest.raises(TypeError, match="callable"):
+        call(5)
+    assert lib.calls == [] and (host == -1).all()
+    assert call(lambda runs, short_rows: asked.append((runs, short_rows)) or True) is None
+    assert asked[-1] == (2, 1)
+    assert host.view(np.int32)[:6].tolist() == [4, 5, 6, 9, 3, 4]
+    assert [c[0] for c in lib.calls] == ["memcpy", "launch"]
+    lib.calls.clear()
+    assert call(None, order=True) == (2, 1), "no decide: declined (3 4 / 9 sorted: no fewer runs, so as given)"
+    assert lib.calls == []
 
 
 def test_declined_offers_back_off_and_a_taken_one_resets(monkeypatch):

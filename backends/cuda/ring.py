@@ -29,9 +29,9 @@ class DescriptorRing:
             shared, params) -> None``, the table's upload and a kernel's launch in one call
             (`upload_launch`), or None where there is none.
         join: the same for simple jobs' columns joined on the way (`join_launch`), taking
-            ``(devs, hosts)`` for the columns and ``order, least_runs, short`` after the params
-            and returning None or the runs it counted where it declined (`_native.join_launch`),
-            or None.
+            ``(devs, hosts)`` for the columns and ``order, least_runs, short, decide`` after the
+            params and returning None or the runs it counted where it declined
+            (`_native.join_launch`), or None.
     """
 
     def __init__(self, torch, device, memcpy, entries: int = 1 << 21, launch=None, join=None):
@@ -127,9 +127,9 @@ class DescriptorRing:
         of int64 arrays, the i-th of each of one length (simple jobs' ids), the pairs in host
         order on the way where `order` makes fewer runs of consecutive hosts. Where the hosts
         then make fewer than `least_runs` runs, ``decide(runs, rows_in_runs_of_at_most_short)``
-        says whether to launch after all. Returns True where it launched; False where `decide`
-        said no, None where the ring has no room: both with nothing enqueued (the caller then
-        takes its general path).
+        says whether to launch after all (the compiled call asks it, on one pass over the ids).
+        Returns True where it launched; False where `decide` said no, None where the ring has no
+        room: both with nothing enqueued (the caller then takes its general path).
 
         Raises:
             CudaDriverError: the upload or the launch failed (nothing is launched after a failed upload).
@@ -153,12 +153,7 @@ class DescriptorRing:
             shared,
             (dev, *params),
         )
-        counted = self._join(*args, order, least_runs, short)
-        if counted is None:
-            return True
-        if not decide(*counted):
-            return False
-        return self._join(*args, order, 0, 0) is None  # joined and sorted again: a second pass over the ids
+        return self._join(*args, order, least_runs, short, decide) is None  # else declined: `decide` said no
 
     def _region(self, entries: int) -> tuple:
         """``(flat, host, device, keep)`` for `entries` int64 entries: a numpy view of the host
