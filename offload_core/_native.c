@@ -723,8 +723,8 @@ PyDoc_STRVAR(join_launch_doc,
              "consecutive hosts (as `host_order` does). Where the hosts then make fewer than `least_runs`\n"
              "runs, it counts how many hosts the runs of at most `short` hosts hold (as `row_runs` counts\n"
              "them) and calls `decide(runs, rows_in_short_runs)` where given: where that is true it goes\n"
-             "on, otherwise (or with no `decide`) it returns the two counts, having written and called\n"
-             "nothing; otherwise as `table_launch`. Raises TypeError, ValueError or MemoryError, having\n"
+             "on, otherwise (or with no `decide`) it returns the two counts, having called nothing (the\n"
+             "hosts may be written at `host`, which is the caller's); otherwise as `table_launch`. Raises TypeError, ValueError or MemoryError, having\n"
              "called nothing, for arguments outside these rules, and what `decide` raises.");
 
 /* One job's ids, where the table's columns come from (the jobs' own arrays, or their joined and
@@ -771,6 +771,33 @@ static void write_parts(void *out, int narrow, Py_ssize_t j, Py_ssize_t n, const
             memcpy((int64_t *)out + j * n + at, col, (size_t)p[k].n * 8);
         }
     }
+}
+
+/* `write_parts` of the hosts' column and `parts_runs` with its rows in short runs, on one pass. */
+static Py_ssize_t write_hosts_counting(void *out, int narrow, Py_ssize_t n, const Part *p, Py_ssize_t m,
+                                       long long shortest, Py_ssize_t *in_short) {
+    Py_ssize_t runs = 0, len = 0, held = 0;
+    uint64_t prev = 0;
+    for (Py_ssize_t k = 0, at = 0; k < m; at += p[k].n, k++) {
+        const uint64_t *h = p[k].host;
+        int32_t *o32 = (int32_t *)out + n + at;
+        uint64_t *o64 = (uint64_t *)out + n + at;
+        for (Py_ssize_t i = 0; i < p[k].n; i++) {
+            if (narrow)
+                o32[i] = (int32_t)h[i];
+            else
+                o64[i] = h[i];
+            if (runs > 0 && h[i] - prev == 1) {
+                len++;
+            } else {
+                if (runs > 0 && len <= shortest) held += len;
+                runs++, len = 1;
+            }
+            prev = h[i];
+        }
+    }
+    *in_short = held + (runs > 0 && len <= shortest ? len : 0);
+    return runs;
 }
 
 static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -837,11 +864,12 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
                      l.room);
         goto done;
     }
-    /* The table is written from the jobs' own arrays; only a sort joins them, into a copy. */
-    /* A large job declines the small-job rule whatever its runs (least_runs above its rows): its
-     * short rows are counted on the same pass, unless a sort may reorder them. */
-    int sorting = order && n >= 2;
-    Py_ssize_t in_short = -1, runs = parts_runs(p, m, shortest, least > n && !sorting ? &in_short : NULL);
+    /* The table is written from the jobs' own arrays; only a sort joins them, into a copy. As
+     * given, the hosts' column is written on the pass that counts their runs (memory-bound: a
+     * million ids are 8 MB), before the choice: the reserved memory is this call's either way. */
+    int sorting = order && n >= 2, hosts_written = !sorting;
+    Py_ssize_t in_short = -1;
+    Py_ssize_t runs = sorting ? parts_runs(p, m, 0, NULL) : write_hosts_counting(l.host, l.narrow, n, p, m, shortest, &in_short);
     if (sorting && runs > 1) {
         if ((joined = malloc(4 * (size_t)n * 8)) == NULL) { /* sorted hosts, devs, and the sort's scratch */
             PyErr_NoMemory();
@@ -872,7 +900,7 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
         }
     }
     write_parts(l.host, l.narrow, 0, n, p, m, 0);
-    write_parts(l.host, l.narrow, 1, n, p, m, 1);
+    if (!hosts_written) write_parts(l.host, l.narrow, 1, n, p, m, 1);
     result = upload_and_launch(&l, nbytes, values, np_);
 done:
     free(joined);
