@@ -724,8 +724,9 @@ PyDoc_STRVAR(join_launch_doc,
              "runs, it counts how many hosts the runs of at most `short` hosts hold (as `row_runs` counts\n"
              "them) and calls `decide(runs, rows_in_short_runs)` where given: where that is true it goes\n"
              "on, otherwise (or with no `decide`) it returns the two counts, having called nothing (the\n"
-             "hosts may be written at `host`, which is the caller's); otherwise as `table_launch`. Raises TypeError, ValueError or MemoryError, having\n"
-             "called nothing, for arguments outside these rules, and what `decide` raises.");
+             "hosts may be written at `host`, which is the caller's); otherwise as `table_launch`.\n"
+             "Raises TypeError, ValueError or MemoryError, having called nothing, for arguments outside\n"
+             "these rules, and what `decide` raises.");
 
 /* One job's ids, where the table's columns come from (the jobs' own arrays, or their joined and
  * sorted copies). */
@@ -869,7 +870,8 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
      * million ids are 8 MB), before the choice: the reserved memory is this call's either way. */
     int sorting = order && n >= 2, hosts_written = !sorting;
     Py_ssize_t in_short = -1;
-    Py_ssize_t runs = sorting ? parts_runs(p, m, 0, NULL) : write_hosts_counting(l.host, l.narrow, n, p, m, shortest, &in_short);
+    Py_ssize_t runs =
+        sorting ? parts_runs(p, m, 0, NULL) : write_hosts_counting(l.host, l.narrow, n, p, m, shortest, &in_short);
     if (sorting && runs > 1) {
         if ((joined = malloc(4 * (size_t)n * 8)) == NULL) { /* sorted hosts, devs, and the sort's scratch */
             PyErr_NoMemory();
