@@ -78,7 +78,8 @@ class CudaBackend(TorchDeviceBackend):
         max_programs: the programs of the kernels that copy across the link (the SMs they
             may occupy), both directions, every launch; default ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS``.
             Unset: at most 8 for stores (``expand_direct`` stores of pages from 1 KiB take one
-            per 512 KiB of their jobs' average, at least 2) and 32 for loads.
+            per 512 KiB of their jobs' average, at least 2; of smaller pages, 4 where their jobs
+            average more than 1 MiB) and 32 for loads.
         staging_bytes: the largest piece of a staged job; the compact path keeps two buffers of
             this per copy stream (so 4x per worker), ``staged`` two of 1.25 times this;
             default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 24 MiB.
