@@ -1,5 +1,6 @@
 /* `frozen(buffer)`: a read-only copy of a large spec's ids (`layout._frozen`), in memory reused
- * from earlier copies.
+ * from earlier copies; `frozen_widened(buffer)` the same of int32 ids (vLLM's), as int64, in one
+ * pass instead of numpy's `astype` and then the copy.
  *
  * A spec keeps a private copy of its ids, which lives until its job has launched. A fresh copy
  * of a million ids (8 MB) costs its page faults on top of the memcpy: about 2.5 ms against 0.3
@@ -137,6 +138,46 @@ PyObject *offload_frozen(PyObject *self, PyObject *arg) {
             memcpy(out->data, view.buf, (size_t)view.len);
         }
     }
+    PyBuffer_Release(&view);
+    return (PyObject *)out;
+}
+
+const char offload_frozen_widened_doc[] =
+    "frozen_widened(buffer) -> Frozen\n\n"
+    "`frozen` of a C-contiguous int32 buffer's values as int64 (what `astype(int64).tobytes()` gives,\n"
+    "in one pass: vLLM's specs hold int32 ids). Raises TypeError for a buffer of another type.";
+
+/* Whether `view` holds native int32 values (numpy's format for them: "i", or "l" where long has
+ * 32 bits; "=" or "@" before it). */
+static int int32_format(const Py_buffer *view) {
+    const char *f = view->format;
+    if (f == NULL || view->itemsize != 4) return 0;
+    if (*f == '=' || *f == '@') f++;
+    return (f[0] == 'i' || (f[0] == 'l' && sizeof(long) == 4)) && f[1] == '\0';
+}
+
+PyObject *offload_frozen_widened(PyObject *self, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    Frozen *out = NULL;
+    if (!int32_format(&view)) {
+        PyErr_Format(PyExc_TypeError, "frozen_widened takes int32 values, got format %s",
+                     view.format != NULL ? view.format : "(none)");
+        goto done;
+    }
+    Py_ssize_t n = view.len / 4;
+    if ((out = PyObject_New(Frozen, &FrozenType)) == NULL) goto done;
+    out->len = n * 8;
+    out->data = take(n > 0 ? (size_t)n * 8 : 1, &out->cap);
+    if (out->data == NULL) {
+        Py_DECREF(out);
+        out = (Frozen *)PyErr_NoMemory();
+        goto done;
+    }
+    const int32_t *in = view.buf;
+    int64_t *wide = (int64_t *)out->data;
+    for (Py_ssize_t i = 0; i < n; i++) wide[i] = in[i];
+done:
     PyBuffer_Release(&view);
     return (PyObject *)out;
 }

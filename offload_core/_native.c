@@ -5,7 +5,8 @@
  * share a launch, offload_core/queue.py), `host_order` what `CompactJob.in_host_order` does (a
  * launch's blocks in host order), `row_runs` what `compact._row_runs` does (a job's
  * host-contiguous runs, for the cuda backend's choice of mechanism), `frozen` (_frozen.c) what a
- * large array's `tobytes` does (`layout._frozen`, a spec's private copy of its ids); `submit_simple`
+ * large array's `tobytes` does (`layout._frozen`, a spec's private copy of its ids), and
+ * `frozen_widened` the same of int32 ids widened to int64; `submit_simple`
  * (_submit.c) what a simple compact job's whole submit does. `context_call` calls a
  * driver entry point without ctypes, in a given context (the cuda backend's events, stream
  * waits and descriptor-table uploads), `table_launch` a kernel's launch with its table's upload
@@ -944,13 +945,15 @@ static PyObject *row_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
 }
 
 PyObject *offload_frozen(PyObject *self, PyObject *arg); /* _frozen.c */
-extern const char offload_frozen_doc[];
+PyObject *offload_frozen_widened(PyObject *self, PyObject *arg);
+extern const char offload_frozen_doc[], offload_frozen_widened_doc[];
 
 static PyMethodDef methods[] = {
     {"concat", (PyCFunction)(void (*)(void))concat, METH_FASTCALL, concat_doc},
     {"context_call", (PyCFunction)(void (*)(void))context_call, METH_FASTCALL, context_call_doc},
     {"first_clash", first_clash, METH_O, first_clash_doc},
     {"frozen", offload_frozen, METH_O, offload_frozen_doc},
+    {"frozen_widened", offload_frozen_widened, METH_O, offload_frozen_widened_doc},
     {"host_order", (PyCFunction)(void (*)(void))host_order, METH_FASTCALL, host_order_doc},
     {"join_launch", (PyCFunction)(void (*)(void))join_launch, METH_FASTCALL, join_launch_doc},
     {"row_runs", (PyCFunction)(void (*)(void))row_runs, METH_FASTCALL, row_runs_doc},

@@ -241,13 +241,11 @@ def _ids(values: Any, what: str) -> np.ndarray:
     """`values` as a 1-D int64 array; raises InvalidSpecError for any other dtype or shape."""
     # The usual, an engine's int64 or int32 array, in as few steps as possible. (numpy's dtypes
     # of these are one object each; one of another identity takes the general path, to the same end.)
-    if type(values) is np.ndarray and values.ndim == 1:
-        if values.dtype is _INT32:  # vLLM's specs hold int32 ids
-            values = values.astype(_INT64)
-        if values.dtype is _INT64:
-            if values.nbytes < _FROZEN_NATIVE_BYTES:
-                return np.frombuffer(values.tobytes(), _INT64)
-            return _frozen(values)
+    if type(values) is np.ndarray and values.ndim == 1 and (values.dtype is _INT64 or values.dtype is _INT32):
+        if 8 * values.size < _FROZEN_NATIVE_BYTES:
+            # vLLM's specs hold int32 ids: widened on the way
+            return np.frombuffer(values.astype(_INT64, copy=False).tobytes(), _INT64)
+        return _frozen(values)
     try:
         arr = np.asarray(values)
     except Exception as exc:  # e.g. a device tensor: ids must live on the host
@@ -328,16 +326,23 @@ class DeviceBlocks:
 def _frozen(array: np.ndarray) -> np.ndarray:
     """A copy of `array` over an immutable buffer: numpy refuses to make it writeable (a
     read-only copy that owns its memory can be made writeable again, and a compact job reads
-    its ids when it launches, after they were checked). Large ones through the compiled copy
-    (`_native.frozen`), whose memory is reused from earlier copies: a fresh one's page faults
+    its ids when it launches, after they were checked). An int32 array's copy is of int64
+    values. Large ones through the compiled copy (`_native.frozen`, `frozen_widened` from
+    int32 in one pass), whose memory is reused from earlier copies: a fresh one's page faults
     cost several times the copy."""
-    if array.nbytes >= _FROZEN_NATIVE_BYTES and array.flags.c_contiguous:
+    widen = array.dtype is _INT32
+    if (8 if widen else array.itemsize) * array.size >= _FROZEN_NATIVE_BYTES and array.flags.c_contiguous:
         try:
             compiled = native.load()
         except ConfigError:  # a malformed OFFLOAD_CORE_NATIVE is for the worker to name, not a spec
             compiled = None
-        if compiled is not None:
+        widened = getattr(compiled, "frozen_widened", None)  # an extension built before it lacks it
+        if widen and widened is not None:
+            return np.frombuffer(widened(array), _INT64)
+        if compiled is not None and not widen:
             return np.frombuffer(compiled.frozen(array), array.dtype)
+    if widen:
+        array = array.astype(_INT64)
     return np.frombuffer(array.tobytes(), array.dtype)  # dtype by position: numpy parses keywords slower
 
 

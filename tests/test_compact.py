@@ -649,6 +649,35 @@ def test_the_compiled_frozen_copy_is_tobytes(n):
             (ctypes.c_char * 1).from_buffer(got)
 
 
+@pytest.mark.parametrize("n", [0, 1, (4 << 20) // 8, (4 << 20) // 8 + 12345])
+def test_the_compiled_widened_copy_is_int32_ids_as_int64(n):
+    """`_native.frozen_widened` (vLLM's int32 ids, widened on the way) gives what
+    ``astype(int64).tobytes()`` gives, read-only, and refuses values of another type."""
+    compiled = compiled_or_skip(True)
+    ids = np.random.default_rng(n).integers(-(1 << 31), 1 << 31, n + 3).astype(np.int32)
+    for array in (ids[:n], ids[3:]):
+        got = compiled.frozen_widened(array)
+        assert bytes(memoryview(got)) == array.astype(np.int64).tobytes() and memoryview(got).readonly
+    for other in (np.arange(4), np.arange(4, dtype=np.uint32), np.arange(4, dtype=np.float32), b"abcd"):
+        with pytest.raises(TypeError, match="int32"):
+            compiled.frozen_widened(other)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_large_int32_specs_hold_an_immutable_int64_copy(native, monkeypatch):
+    """A spec of half a million int32 ids and more (vLLM's) holds int64 ids equal to them that no
+    one can change, with the compiled steps and without; a strided view too."""
+    monkeypatch.setenv("OFFLOAD_CORE_NATIVE", native)
+    ids = np.random.default_rng(3).permutation(1 << 20).astype(np.int32)
+    for caller in (ids, ids[::2]):
+        spec = HostBlocks(caller)
+        assert spec.block_ids.dtype == np.int64 and np.array_equal(spec.block_ids, caller)
+        caller[:1] += 1  # the caller's array changes; the spec's copy does not
+        assert spec.block_ids[0] == caller[0] - 1
+        with pytest.raises(ValueError):
+            spec.block_ids.setflags(write=True)
+
+
 def test_frozen_copies_reuse_the_memory_of_dead_ones_and_never_share_a_live_ones():
     """The pool behind `_native.frozen`: a copy made after another died may take its memory
     (and then holds the new bytes, not the old); copies alive together never share memory,
