@@ -737,17 +737,28 @@ typedef struct {
 } Part;
 
 /* Runs of consecutive hosts over the parts in turn, as `runs_of` counts them in the joined
- * hosts; where `in_short` is given, also how many hosts the runs of at most `shortest` hold. */
-static Py_ssize_t parts_runs(const Part *p, Py_ssize_t m, long long shortest, Py_ssize_t *in_short) {
+ * hosts; where `in_short` is given, also how many hosts the runs of at most `shortest` hold, and
+ * where `out` is given, the hosts written on the same pass as column 1 of the `n`-row table there
+ * (as `write_parts` writes it: the ids are memory-bound, a million of them 8 MB). */
+static Py_ssize_t parts_runs(const Part *p, Py_ssize_t m, long long shortest, Py_ssize_t *in_short, void *out,
+                             int narrow, Py_ssize_t n) {
     Py_ssize_t runs = 0, len = 0, held = 0;
     uint64_t prev = 0;
-    for (Py_ssize_t k = 0; k < m; k++) {
+    for (Py_ssize_t k = 0, at = 0; k < m; at += p[k].n, k++) {
         const uint64_t *h = p[k].host;
-        if (in_short == NULL) {
+        if (in_short == NULL && out == NULL) {
             for (Py_ssize_t i = 0; i < p[k].n; i++) runs += (runs == 0) | (h[i] - prev != 1), prev = h[i];
             continue;
         }
+        int32_t *o32 = out == NULL ? NULL : (int32_t *)out + n + at;
+        uint64_t *o64 = out == NULL ? NULL : (uint64_t *)out + n + at;
         for (Py_ssize_t i = 0; i < p[k].n; i++) {
+            if (out != NULL) {
+                if (narrow)
+                    o32[i] = (int32_t)h[i];
+                else
+                    o64[i] = h[i];
+            }
             if (runs > 0 && h[i] - prev == 1) {
                 len++;
             } else {
@@ -773,33 +784,6 @@ static void write_parts(void *out, int narrow, Py_ssize_t j, Py_ssize_t n, const
             memcpy((int64_t *)out + j * n + at, col, (size_t)p[k].n * 8);
         }
     }
-}
-
-/* `write_parts` of the hosts' column and `parts_runs` with its rows in short runs, on one pass. */
-static Py_ssize_t write_hosts_counting(void *out, int narrow, Py_ssize_t n, const Part *p, Py_ssize_t m,
-                                       long long shortest, Py_ssize_t *in_short) {
-    Py_ssize_t runs = 0, len = 0, held = 0;
-    uint64_t prev = 0;
-    for (Py_ssize_t k = 0, at = 0; k < m; at += p[k].n, k++) {
-        const uint64_t *h = p[k].host;
-        int32_t *o32 = (int32_t *)out + n + at;
-        uint64_t *o64 = (uint64_t *)out + n + at;
-        for (Py_ssize_t i = 0; i < p[k].n; i++) {
-            if (narrow)
-                o32[i] = (int32_t)h[i];
-            else
-                o64[i] = h[i];
-            if (runs > 0 && h[i] - prev == 1) {
-                len++;
-            } else {
-                if (runs > 0 && len <= shortest) held += len;
-                runs++, len = 1;
-            }
-            prev = h[i];
-        }
-    }
-    *in_short = held + (runs > 0 && len <= shortest ? len : 0);
-    return runs;
 }
 
 static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -871,8 +855,8 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
      * million ids are 8 MB), before the choice: the reserved memory is this call's either way. */
     int sorting = order && n >= 2, hosts_written = !sorting;
     Py_ssize_t in_short = -1;
-    Py_ssize_t runs =
-        sorting ? parts_runs(p, m, 0, NULL) : write_hosts_counting(l.host, l.narrow, n, p, m, shortest, &in_short);
+    Py_ssize_t runs = sorting ? parts_runs(p, m, 0, NULL, NULL, 0, 0)
+                              : parts_runs(p, m, shortest, &in_short, l.host, l.narrow, n);
     if (sorting && runs > 1) {
         if ((joined = malloc(4 * (size_t)n * 8)) == NULL) { /* sorted hosts, devs, and the sort's scratch */
             PyErr_NoMemory();
@@ -888,7 +872,7 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (sorted_runs < runs) p[0] = (Part){sd, sh, n}, m = 1, runs = sorted_runs;
     }
     if (runs < least) {
-        if (in_short < 0) parts_runs(p, m, shortest, &in_short);
+        if (in_short < 0) parts_runs(p, m, shortest, &in_short, NULL, 0, 0);
         int go = 0;
         if (decide != NULL) { /* the caller's cost model, on the counts: one pass over the ids, not two */
             PyObject *said = PyObject_CallFunction(decide, "nn", runs, in_short);
