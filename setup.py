@@ -6,12 +6,18 @@ import sys
 
 from setuptools import Extension, setup
 
-threads = [] if sys.platform == "win32" else ["-pthread"]  # _posting.c's thread; Windows builds go without it
+threads = [] if sys.platform == "win32" else ["-pthread"]  # _posting.c's, _spread.c's; Windows builds go without them
 setup(
     ext_modules=[
         Extension(
             "offload_core._native",
-            ["offload_core/_native.c", "offload_core/_posting.c", "offload_core/_submit.c", "offload_core/_frozen.c"],
+            [
+                "offload_core/_native.c",
+                "offload_core/_posting.c",
+                "offload_core/_submit.c",
+                "offload_core/_frozen.c",
+                "offload_core/_spread.c",
+            ],
             extra_compile_args=threads,
             extra_link_args=threads,
             optional=True,

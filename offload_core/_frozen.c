@@ -11,7 +11,8 @@
  * declares no free-threading support, so the interpreter keeps the GIL for it).
  *
  * The copy exports a read-only buffer and refuses a writable one, so numpy cannot make an
- * array over it writeable (what a `bytes` object gave before).
+ * array over it writeable (what a `bytes` object gave before). A large copy is spread over a
+ * few threads (_spread.c).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -32,6 +33,9 @@ typedef struct {
     Py_ssize_t len;
     size_t cap;
 } Frozen;
+
+int offload_parts(Py_ssize_t n); /* _spread.c */
+void offload_spread(Py_ssize_t n, int parts, void (*fn)(void *, Py_ssize_t, Py_ssize_t, int), void *ctx);
 
 static struct {
     char *data;
@@ -124,6 +128,24 @@ const char offload_frozen_doc[] = "frozen(buffer) -> Frozen\n\n"
                                   "memory comes from a small pool of earlier copies' (already mapped: no page faults)\n"
                                   "where one fits, else from new memory (huge-page-aligned from 2 MiB).";
 
+/* A copy's source and destination, bytes or int32 values widened to int64 (`spread` parts). */
+typedef struct {
+    const void *from;
+    void *to;
+} Copy;
+
+static void copy_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const Copy *c = ctx;
+    memcpy((char *)c->to + lo, (const char *)c->from + lo, (size_t)(hi - lo));
+}
+
+static void widen_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const Copy *c = ctx;
+    const int32_t *in = c->from;
+    int64_t *wide = c->to;
+    for (Py_ssize_t i = lo; i < hi; i++) wide[i] = in[i];
+}
+
 PyObject *offload_frozen(PyObject *self, PyObject *arg) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
@@ -135,7 +157,8 @@ PyObject *offload_frozen(PyObject *self, PyObject *arg) {
             Py_DECREF(out);
             out = (Frozen *)PyErr_NoMemory();
         } else {
-            memcpy(out->data, view.buf, (size_t)view.len);
+            Copy c = {view.buf, out->data};
+            offload_spread(view.len, offload_parts(view.len / 8), copy_part, &c);
         }
     }
     PyBuffer_Release(&view);
@@ -174,9 +197,8 @@ PyObject *offload_frozen_widened(PyObject *self, PyObject *arg) {
         out = (Frozen *)PyErr_NoMemory();
         goto done;
     }
-    const int32_t *in = view.buf;
-    int64_t *wide = (int64_t *)out->data;
-    for (Py_ssize_t i = 0; i < n; i++) wide[i] = in[i];
+    Copy c = {view.buf, out->data};
+    offload_spread(n, offload_parts(n), widen_part, &c);
 done:
     PyBuffer_Release(&view);
     return (PyObject *)out;

@@ -24,6 +24,10 @@
 
 /* Up to this many ids, pairwise comparison finds duplicates faster than a bitmap or a hash set. */
 #define FEW 64
+#define MOST_PARTS 8 /* _spread.c's: the most parts a pass is split into */
+
+int offload_parts(Py_ssize_t n); /* _spread.c */
+void offload_spread(Py_ssize_t n, int parts, void (*fn)(void *, Py_ssize_t, Py_ssize_t, int), void *ctx);
 
 static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
@@ -121,28 +125,70 @@ static uint64_t popcount(uint64_t x) {
 #endif
 }
 
-/* Whether an id lies outside [0, limit) or occurs twice, in one pass: a bit per possible id,
- * set without a branch (an id outside sets no bit, it ORs in 0, and is counted as bad), and the
- * bits counted at the end (as many as ids where none repeats). For many ids among few possible
- * ones: a million ids read once instead of twice (`any_outside`, then `has_duplicates`), about
- * 0.7 of 3 ms less on the CI-class CPU. -1 with an exception on no memory. */
-static int outside_or_repeated(const int64_t *ids, Py_ssize_t n, int64_t limit) {
-    if (limit <= 0) return n > 0;
-    const uint64_t top = (uint64_t)limit;
-    uint64_t *seen = calloc((size_t)(top / 64) + 1, sizeof(uint64_t));
-    if (seen == NULL) /* an id outside is still named as such, not as no memory */
-        return any_outside(ids, n, limit) ? 1 : has_duplicates(ids, n, limit);
-    uint64_t bad = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t id = (uint64_t)ids[i], in = id < top;
+/* One part's `outside_or_repeated` (its ids' bits in its own bitset of `words` words). */
+typedef struct {
+    const int64_t *ids;
+    uint64_t top, *seen;
+    size_t words;
+    uint64_t bad[MOST_PARTS];
+} Seen;
+
+static void seen_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    Seen *c = ctx;
+    uint64_t *seen = c->seen + (size_t)part * c->words, bad = 0;
+    const uint64_t top = c->top;
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        uint64_t id = (uint64_t)c->ids[i], in = id < top;
         bad += 1 - in;
         id *= in;
         seen[id >> 6] |= in << (id & 63);
     }
-    uint64_t bits = 0;
-    for (size_t w = 0; w <= top / 64; w++) bits += popcount(seen[w]);
-    free(seen);
+    c->bad[part] = bad;
+}
+
+/* Whether an id lies outside [0, limit) or occurs twice, in one pass: a bit per possible id,
+ * set without a branch (an id outside sets no bit, it ORs in 0, and is counted as bad), and the
+ * bits counted at the end (as many as ids where none repeats). For many ids among few possible
+ * ones: a million ids read once instead of twice (`any_outside`, then `has_duplicates`), about
+ * 0.7 of 3 ms less on the CI-class CPU. Spread over threads (`offload_spread`) where the bitsets,
+ * one per part and ORed at the end, are small against the ids. -1 with an exception on no memory. */
+static int outside_or_repeated(const int64_t *ids, Py_ssize_t n, int64_t limit) {
+    if (limit <= 0) return n > 0;
+    Seen c = {ids, (uint64_t)limit, NULL, ((size_t)limit / 64 + 8) & ~(size_t)7, {0}};
+    int parts = c.top <= 8 * (uint64_t)n ? offload_parts(n) : 1; /* a part's bitset at most its ids' bytes */
+    if ((c.seen = calloc(c.words * (size_t)parts, sizeof(uint64_t))) == NULL) /* an id outside is still named as such */
+        return any_outside(ids, n, limit) ? 1 : has_duplicates(ids, n, limit);
+    offload_spread(n, parts, seen_part, &c);
+    uint64_t bits = 0, bad = 0;
+    for (int k = 0; k < parts; k++) bad += c.bad[k];
+    for (size_t w = 0; w < c.words; w++) {
+        uint64_t word = c.seen[w];
+        for (int k = 1; k < parts; k++) word |= c.seen[(size_t)k * c.words + w];
+        bits += popcount(word);
+    }
+    free(c.seen);
     return bad != 0 || bits != (uint64_t)n;
+}
+
+/* One part's `any_outside`. */
+typedef struct {
+    const int64_t *ids;
+    int64_t limit;
+    int bad[MOST_PARTS];
+} Outside;
+
+static void outside_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    Outside *c = ctx;
+    c->bad[part] = any_outside(c->ids + lo, hi - lo, c->limit);
+}
+
+/* `any_outside`, spread over threads for many ids. */
+static int any_outside_spread(const int64_t *ids, Py_ssize_t n, int64_t limit) {
+    Outside c = {ids, limit, {0}};
+    int parts = offload_parts(n), bad = 0;
+    offload_spread(n, parts, outside_part, &c);
+    for (int k = 0; k < parts; k++) bad |= c.bad[k];
+    return bad;
 }
 
 /* An int argument as int64: one above every int64 saturates (no id reaches it). */
@@ -169,7 +215,7 @@ int offload_single_fit(PyObject *dev_ids, PyObject *host_ids, int64_t dev_limit,
     int fit = 0;
     const int64_t *unique = unique_dev ? d : h, *other = unique_dev ? h : d;
     int64_t unique_limit = unique_dev ? dev_limit : host_limit, other_limit = unique_dev ? host_limit : dev_limit;
-    if (n > 0 && host.len == dev.len && !any_outside(other, n, other_limit)) {
+    if (n > 0 && host.len == dev.len && !any_outside_spread(other, n, other_limit)) {
         int bad;
         if (n > FEW && (uint64_t)n * 64 >= (uint64_t)unique_limit)
             bad = outside_or_repeated(unique, n, unique_limit);
@@ -736,54 +782,130 @@ typedef struct {
     Py_ssize_t n;
 } Part;
 
-/* Runs of consecutive hosts over the parts in turn, as `runs_of` counts them in the joined
- * hosts; where `in_short` is given, also how many hosts the runs of at most `shortest` hold, and
- * where `out` is given, the hosts written on the same pass as column 1 of the `n`-row table there
- * (as `write_parts` writes it: the ids are memory-bound, a million of them 8 MB). */
-static Py_ssize_t parts_runs(const Part *p, Py_ssize_t m, long long shortest, Py_ssize_t *in_short, void *out,
-                             int narrow, Py_ssize_t n) {
-    Py_ssize_t runs = 0, len = 0, held = 0;
-    uint64_t prev = 0;
-    for (Py_ssize_t k = 0, at = 0; k < m; at += p[k].n, k++) {
-        const uint64_t *h = p[k].host;
-        if (in_short == NULL && out == NULL) {
-            for (Py_ssize_t i = 0; i < p[k].n; i++) runs += (runs == 0) | (h[i] - prev != 1), prev = h[i];
-            continue;
-        }
-        int32_t *o32 = out == NULL ? NULL : (int32_t *)out + n + at;
-        uint64_t *o64 = out == NULL ? NULL : (uint64_t *)out + n + at;
-        for (Py_ssize_t i = 0; i < p[k].n; i++) {
-            if (out != NULL) {
-                if (narrow)
+/* Host i of the parts joined (0 <= i < their total). */
+static uint64_t host_at(const Part *p, Py_ssize_t i) {
+    while (i >= p->n) i -= p->n, p++;
+    return p->host[i];
+}
+
+/* One part of a pass over rows [lo, hi) of the joined parts: runs of consecutive hosts that start
+ * there (a row starts one where it is the first or its host is not the one before plus 1), and
+ * how their lengths fall, for `parts_runs` to join with the parts before and after: the length of
+ * the first segment (up to the first start after lo, or hi), whether lo itself starts a run,
+ * whether one starts after lo, and if so the hosts of the runs wholly between those starts that
+ * are at most `shortest` long, and the last segment's length. Where `out` is given, the hosts'
+ * column of the table there is written on the same pass. */
+typedef struct {
+    Py_ssize_t starts, head, inner, tail;
+    int lo_starts, split;
+} Runs;
+
+typedef struct {
+    const Part *p;
+    Py_ssize_t m, n;
+    long long shortest;
+    void *out;
+    int narrow;
+    Runs runs[MOST_PARTS];
+} RunsPass;
+
+static void runs_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    RunsPass *c = ctx;
+    Runs r = {0, 0, 0, 0, lo == 0, 0};
+    Py_ssize_t last = lo; /* where the segment under way began */
+    uint64_t prev = lo > 0 ? host_at(c->p, lo - 1) : 0;
+    for (Py_ssize_t k = 0, at = 0; k < c->m && at < hi; at += c->p[k].n, k++) {
+        Py_ssize_t from = lo > at ? lo - at : 0, to = hi - at < c->p[k].n ? hi - at : c->p[k].n;
+        if (from >= to) continue;
+        const uint64_t *h = c->p[k].host;
+        int32_t *o32 = c->out == NULL ? NULL : (int32_t *)c->out + c->n + at;
+        uint64_t *o64 = c->out == NULL ? NULL : (uint64_t *)c->out + c->n + at;
+        for (Py_ssize_t i = from; i < to; i++) {
+            if (c->out != NULL) {
+                if (c->narrow)
                     o32[i] = (int32_t)h[i];
                 else
                     o64[i] = h[i];
             }
-            if (runs > 0 && h[i] - prev == 1) {
-                len++;
-            } else {
-                if (runs > 0 && len <= shortest) held += len;
-                runs++, len = 1;
+            Py_ssize_t row = at + i;
+            if (row == 0 || h[i] - prev != 1) {
+                r.starts++;
+                if (row == lo) {
+                    r.lo_starts = 1;
+                } else {
+                    if (!r.split)
+                        r.head = row - last, r.split = 1;
+                    else if (row - last <= c->shortest)
+                        r.inner += row - last;
+                    last = row;
+                }
             }
             prev = h[i];
         }
     }
-    if (in_short != NULL) *in_short = held + (runs > 0 && len <= shortest ? len : 0);
+    if (r.split)
+        r.tail = hi - last;
+    else
+        r.head = hi - lo;
+    c->runs[part] = r;
+}
+
+/* Runs of consecutive hosts over the parts in turn, as `runs_of` counts them in the joined
+ * hosts; where `in_short` is given, also how many hosts the runs of at most `shortest` hold, and
+ * where `out` is given, the hosts written on the same pass as column 1 of the `n`-row table there
+ * (as `write_parts` writes it). The ids are memory-bound (a million are 8 MB): many of them are
+ * spread over threads, each part's runs joined with its neighbours' at the end. */
+static Py_ssize_t parts_runs(const Part *p, Py_ssize_t m, long long shortest, Py_ssize_t *in_short, void *out,
+                             int narrow, Py_ssize_t n) {
+    RunsPass c = {p, m, n, shortest, out, narrow, {{0}}};
+    int parts = offload_parts(n);
+    offload_spread(n, parts, runs_part, &c);
+    Py_ssize_t runs = 0, held = 0, open = 0; /* open: the length of the run not yet ended */
+    for (int k = 0; k < parts; k++) {
+        const Runs *r = &c.runs[k];
+        runs += r->starts;
+        if (r->lo_starts) {
+            held += open > 0 && open <= shortest ? open : 0;
+            open = 0;
+        }
+        open += r->head;
+        if (r->split) {
+            held += (open <= shortest ? open : 0) + r->inner;
+            open = r->tail;
+        }
+    }
+    if (in_short != NULL) *in_short = held + (open > 0 && open <= shortest ? open : 0);
     return runs;
 }
 
-/* The parts' column (`host`s where `hosts`, else `dev`s) as column `j` of the table at `out`,
- * `n` rows long: int32 where `narrow`, as `write_column` writes it. */
-static void write_parts(void *out, int narrow, Py_ssize_t j, Py_ssize_t n, const Part *p, Py_ssize_t m, int hosts) {
-    for (Py_ssize_t k = 0, at = 0; k < m; at += p[k].n, k++) {
-        const int64_t *col = (const int64_t *)(hosts ? p[k].host : p[k].dev);
-        if (narrow) {
-            int32_t *o = (int32_t *)out + j * n + at;
-            for (Py_ssize_t i = 0; i < p[k].n; i++) o[i] = (int32_t)col[i];
+/* One part of `write_parts`: rows [lo, hi) of column `j`. */
+typedef struct {
+    const Part *p;
+    Py_ssize_t m, n, j;
+    void *out;
+    int narrow, hosts;
+} Column;
+
+static void column_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const Column *c = ctx;
+    for (Py_ssize_t k = 0, at = 0; k < c->m && at < hi; at += c->p[k].n, k++) {
+        Py_ssize_t from = lo > at ? lo - at : 0, to = hi - at < c->p[k].n ? hi - at : c->p[k].n;
+        if (from >= to) continue;
+        const int64_t *col = (const int64_t *)(c->hosts ? c->p[k].host : c->p[k].dev);
+        if (c->narrow) {
+            int32_t *o = (int32_t *)c->out + c->j * c->n + at;
+            for (Py_ssize_t i = from; i < to; i++) o[i] = (int32_t)col[i];
         } else {
-            memcpy((int64_t *)out + j * n + at, col, (size_t)p[k].n * 8);
+            memcpy((int64_t *)c->out + c->j * c->n + at + from, col + from, (size_t)(to - from) * 8);
         }
     }
+}
+
+/* The parts' column (`host`s where `hosts`, else `dev`s) as column `j` of the table at `out`,
+ * `n` rows long: int32 where `narrow`, as `write_column` writes it; many rows spread over threads. */
+static void write_parts(void *out, int narrow, Py_ssize_t j, Py_ssize_t n, const Part *p, Py_ssize_t m, int hosts) {
+    Column c = {p, m, n, j, out, narrow, hosts};
+    offload_spread(n, offload_parts(n), column_part, &c);
 }
 
 static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -855,7 +977,7 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
      * million ids are 8 MB), before the choice: the reserved memory is this call's either way. */
     int sorting = order && n >= 2, hosts_written = !sorting;
     Py_ssize_t in_short = -1;
-    Py_ssize_t runs = sorting ? parts_runs(p, m, 0, NULL, NULL, 0, 0)
+    Py_ssize_t runs = sorting ? parts_runs(p, m, 0, NULL, NULL, 0, n)
                               : parts_runs(p, m, shortest, &in_short, l.host, l.narrow, n);
     if (sorting && runs > 1) {
         if ((joined = malloc(4 * (size_t)n * 8)) == NULL) { /* sorted hosts, devs, and the sort's scratch */
@@ -872,7 +994,7 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (sorted_runs < runs) p[0] = (Part){sd, sh, n}, m = 1, runs = sorted_runs;
     }
     if (runs < least) {
-        if (in_short < 0) parts_runs(p, m, shortest, &in_short, NULL, 0, 0);
+        if (in_short < 0) parts_runs(p, m, shortest, &in_short, NULL, 0, n);
         int go = 0;
         if (decide != NULL) { /* the caller's cost model, on the counts: one pass over the ids, not two */
             PyObject *said = PyObject_CallFunction(decide, "nn", runs, in_short);
@@ -932,6 +1054,9 @@ PyObject *offload_frozen(PyObject *self, PyObject *arg); /* _frozen.c */
 PyObject *offload_frozen_widened(PyObject *self, PyObject *arg);
 extern const char offload_frozen_doc[], offload_frozen_widened_doc[];
 
+extern const char offload_spread_threads_doc[]; /* _spread.c */
+PyObject *offload_spread_threads(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef methods[] = {
     {"concat", (PyCFunction)(void (*)(void))concat, METH_FASTCALL, concat_doc},
     {"context_call", (PyCFunction)(void (*)(void))context_call, METH_FASTCALL, context_call_doc},
@@ -942,6 +1067,7 @@ static PyMethodDef methods[] = {
     {"join_launch", (PyCFunction)(void (*)(void))join_launch, METH_FASTCALL, join_launch_doc},
     {"row_runs", (PyCFunction)(void (*)(void))row_runs, METH_FASTCALL, row_runs_doc},
     {"single_check", (PyCFunction)(void (*)(void))single_check, METH_FASTCALL, single_check_doc},
+    {"spread_threads", (PyCFunction)(void (*)(void))offload_spread_threads, METH_FASTCALL, offload_spread_threads_doc},
     {"table_launch", (PyCFunction)(void (*)(void))table_launch, METH_FASTCALL, table_launch_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -2,7 +2,9 @@
 
 They do what a numpy function next to them does, which stays the reference and the fallback:
 where the extension was not built (no C compiler at install), or ``OFFLOAD_CORE_NATIVE=0`` is
-set, everything runs the same in numpy.
+set, everything runs the same in numpy. Their passes over a large job's ids (a quarter of a
+million and more) are spread over a few threads, at most ``OFFLOAD_CORE_NATIVE_THREADS`` (default:
+the CPUs the process may run on, at most 4; 1 keeps them on the calling thread).
 """
 
 from __future__ import annotations
@@ -11,13 +13,17 @@ import os
 from types import ModuleType
 
 ENV_NATIVE = "OFFLOAD_CORE_NATIVE"
+ENV_THREADS = "OFFLOAD_CORE_NATIVE_THREADS"
+MOST_THREADS = 8  # _spread.c's MOST_PARTS
+_threads_applied: str | None = None  # the setting last handed to the module ("" for the default)
 
 
 def load() -> ModuleType | None:
     """The compiled module, or None where it is not built or switched off.
 
     Raises:
-        ConfigError: ``OFFLOAD_CORE_NATIVE`` is set to anything but 0 or 1.
+        ConfigError: ``OFFLOAD_CORE_NATIVE`` is set to anything but 0 or 1, or
+            ``OFFLOAD_CORE_NATIVE_THREADS`` to anything but a whole number from 1 to 8.
     """
     if _switched_off():
         return None
@@ -25,6 +31,7 @@ def load() -> ModuleType | None:
         from offload_core import _native
     except ImportError:
         return None
+    _apply_threads(_native)
     return _native
 
 
@@ -38,6 +45,24 @@ def status() -> str:
     if _switched_off():
         return "off"
     return "built" if load() is not None else "not built"
+
+
+def _apply_threads(module: ModuleType) -> None:
+    """Hand ``OFFLOAD_CORE_NATIVE_THREADS`` to the module where it changed since last time."""
+    global _threads_applied
+    setting = os.environ.get(ENV_THREADS, "").strip()
+    if setting == _threads_applied:
+        return
+    threads = int(setting) if setting.isdigit() else -1
+    if setting and not 1 <= threads <= MOST_THREADS:
+        from offload_core.errors import ConfigError
+
+        rule = f"a whole number from 1 (the calling thread only) to {MOST_THREADS}"
+        raise ConfigError(f"{ENV_THREADS} must be {rule}, got {setting!r}")
+    spread = getattr(module, "spread_threads", None)  # an extension built before it lacks it
+    if spread is not None:
+        spread(threads if setting else 0)
+    _threads_applied = setting
 
 
 def _switched_off() -> bool:

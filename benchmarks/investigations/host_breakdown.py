@@ -20,6 +20,7 @@ import gc
 import pstats
 import threading
 import time
+import traceback
 from collections import defaultdict
 
 import numpy as np
@@ -40,13 +41,18 @@ from offload_core import (
 
 TIMES: dict = defaultdict(float)
 CALLS: dict = defaultdict(int)
+WAITS: dict = defaultdict(lambda: [0, 0.0])  # the main thread's Condition waits: callers -> [calls, seconds]
 
 
 def timed(owner, name: str, label: str) -> None:
     """Replace `owner.name` by a wrapper that adds its time under `label`, per thread kind."""
     fn = getattr(owner, name)
-    if isinstance(fn, staticmethod):
-        fn = fn.__func__
+    wrapper = timed_call(fn.__func__ if isinstance(fn, staticmethod) else fn, label)
+    setattr(owner, name, staticmethod(wrapper) if isinstance(owner.__dict__.get(name), staticmethod) else wrapper)
+
+
+def timed_call(fn, label: str):
+    """`fn` wrapped to add its time under `label`, per thread kind."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -58,7 +64,26 @@ def timed(owner, name: str, label: str) -> None:
             TIMES[key] += time.perf_counter() - t0
             CALLS[key] += 1
 
-    setattr(owner, name, staticmethod(wrapper) if isinstance(owner.__dict__.get(name), staticmethod) else wrapper)
+    return wrapper
+
+
+def instrument_waits() -> None:
+    """Time the main thread's `threading.Condition.wait` calls by their four callers."""
+    wait = threading.Condition.wait
+
+    def timed_wait(self, timeout=None):
+        if threading.current_thread() is not threading.main_thread():
+            return wait(self, timeout)
+        t0 = time.perf_counter()
+        try:
+            return wait(self, timeout)
+        finally:
+            frames = traceback.extract_stack(limit=5)[:-1]
+            key = " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(frames))
+            WAITS[key][0] += 1
+            WAITS[key][1] += time.perf_counter() - t0
+
+    threading.Condition.wait = timed_wait
 
 
 def instrument(backend_name: str) -> None:
@@ -75,6 +100,7 @@ def instrument(backend_name: str) -> None:
     timed(queue.TransferQueue, "_event", "launch: the queue's events")
     timed(queue, "_after", "launch: _after (the events waited for)")
     timed(worker.OffloadWorker, "get_finished", "get_finished")
+    timed(worker.OffloadWorker, "_launch_submitted", "submit: its launch (compiled submit)")
     if backend_name == "cuda":
         from offload_core.backends.cuda import CudaBackend, blocks, events, kernels, ring
         from offload_core.backends.cuda import driver as drv
@@ -141,6 +167,7 @@ def main() -> None:
         backend = get_backend(args.backend)
     if not args.profile:
         instrument("cuda" if backend.name == "cuda" else "expanding")
+        instrument_waits()
     profile = cProfile.Profile()
     blocks = args.blocks or max(1024, 2 * args.blocks_per_job)
     tensors = [
@@ -160,10 +187,13 @@ def main() -> None:
     ]
     walls, unjoined = [], []  # per round, store and load wall per job (`unjoined`: --alternate-join's other rounds)
     with OffloadWorker(kv, blocks, backend=backend) as w:
+        if not args.profile and w._submit_simple is not None:
+            w._submit_simple = timed_call(w._submit_simple, "submit: the compiled submit")
         for r in range(args.rounds + 1):
             if r == 1:  # the first round compiles and allocates
                 TIMES.clear()
                 CALLS.clear()
+                WAITS.clear()
                 gc.collect()  # the setup's garbage collected now, not by a pause inside a measured round
                 if args.profile:
                     profile.enable()
@@ -215,6 +245,10 @@ def main() -> None:
             f"{label:58} {'main' if main_thread else 'launcher':9} {calls / jobs:9.2f} "
             f"{seconds / calls * 1e6:8.1f} {seconds / jobs * 1e6:7.1f}"
         )
+    if WAITS:
+        print("the main thread's Condition waits, by caller (innermost first):")
+        for key, (calls, seconds) in sorted(WAITS.items(), key=lambda kv: -kv[1][1])[:8]:
+            print(f"  {calls / jobs:6.2f} calls/job {seconds / jobs * 1e6:9.1f} us/job  {key}")
 
 
 if __name__ == "__main__":
