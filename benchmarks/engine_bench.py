@@ -6,7 +6,8 @@ clock from the first submit to the last completion is compared with the link's l
 measured in the same run (the best of several single pinned copies of the same bytes, each
 way). Reported per shape and mechanism: the ratio to the limit, median and p99 host time of
 a submit (specs built from id arrays included), jobs per launch and the host time launches
-took per job (compact jobs, enqueued by the submit, `wait` or the queue's launcher), how much of the
+took per job (compact jobs, enqueued by the submit, `wait` or the queue's launcher), how many
+enqueues waited for the device (a buffer of the backend full: cuda's descriptor ring), how much of the
 wall time the copy stream was busy (each launch's start to end event), device memory the backend allocated beyond
 the KV cache, and whether the last job's bytes arrived. On `cuda`, every mechanism is also
 forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
@@ -94,7 +95,8 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
                 submit_s = []
                 if not warm:  # the setup's garbage collected now, not by a pause inside the measured jobs
                     gc.collect()
-                launches, launch_s = worker.stats()[direction].launches, worker.stats()[direction].launch_s
+                before = worker.stats()[direction]
+                launches, launch_s, buffer_waits = before.launches, before.launch_s, before.buffer_waits
                 t0, cpu0 = time.perf_counter(), time.process_time()
                 for j, (dev, host) in enumerate(specs):
                     s0 = time.perf_counter()
@@ -118,6 +120,8 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
                     out[f"{direction}_ok"] = all(r.success for r in results) and len(results) == jobs
                     out[f"{direction}_jobs_per_launch"] = jobs / max(1, worker.stats()[direction].launches - launches)
                     out[f"{direction}_launch_us_per_job"] = (worker.stats()[direction].launch_s - launch_s) / jobs * 1e6
+                    # enqueues that waited for the device, a buffer of the backend full (cuda's descriptor ring)
+                    out[f"{direction}_buffer_waits"] = worker.stats()[direction].buffer_waits - buffer_waits
                     out[f"{direction}_mechanisms"] = sorted({r.mechanism for r in results})
                     # the copy stream's busy time (each launch's start to end event) over the wall
                     # time: near 1, the device bounds the jobs; lower, the host leaves it waiting
@@ -329,7 +333,8 @@ def main() -> None:
                     f"{row['store_host_cpu_us_per_job']:.0f} / {row['load_host_cpu_us_per_job']:.0f} us per job; "
                     f"+{row['device_bytes_beyond_kv'] / 2**20:.0f} MiB device; jobs per launch "
                     f"{row['store_jobs_per_launch']:.1f} / {row['load_jobs_per_launch']:.1f} (launch "
-                    f"{row['store_launch_us_per_job']:.0f} / {row['load_launch_us_per_job']:.0f} us per job); "
+                    f"{row['store_launch_us_per_job']:.0f} / {row['load_launch_us_per_job']:.0f} us per job, "
+                    f"{row['store_buffer_waits']} / {row['load_buffer_waits']} waited for a full buffer); "
                     f"stream busy {row['store_device_busy']:.2f} / {row['load_device_busy']:.2f}; "
                     f"{'+'.join(row['store_mechanisms'])} / {'+'.join(row['load_mechanisms'])}; verified {row['verified']}; "
                     f"every job succeeded {row['store_ok'] and row['load_ok']}",

@@ -196,6 +196,13 @@ class Backend(abc.ABC):
         """
         return None
 
+    def buffer_waits(self) -> tuple[int, float]:
+        """How many times this backend's enqueues have waited for the device because a buffer of
+        its own was full (the cuda backend's descriptor ring), and for how many seconds in all:
+        a queue counts what grows over each of its enqueues (`QueueStats.buffer_waits`). The
+        default: never."""
+        return 0, 0.0
+
     def calibrate(self, save: bool = True) -> dict:
         """Measure this device's copy costs, use them from now on, and save them as its
         profile unless `save` is False (`offload-core calibrate`).

@@ -139,6 +139,8 @@ class QueueStats:
     launch_s: float = 0.0  # host seconds spent enqueueing compact launches (on any thread)
     backpressure_waits: int = 0  # submits that waited because MAX_PENDING jobs were waiting for a launch
     backpressure_s: float = 0.0  # seconds those submits waited
+    buffer_waits: int = 0  # enqueues that waited for the device: a buffer of the backend was full
+    buffer_wait_s: float = 0.0  # seconds they waited (part of `launch_s` for compact launches)
 
 
 class _Job(NamedTuple):
@@ -256,6 +258,7 @@ class TransferQueue:
         stream = self._stream
         failed = None
         with self._enqueue:
+            waited = self.backend.buffer_waits()
             try:
                 stream.wait_stream(self.backend.current_stream())
                 start.record(stream)
@@ -275,6 +278,7 @@ class TransferQueue:
                 with self._lock:
                     self._jobs.append(_Job(job_id, start, end, batch.nbytes, scratch, mechanism))
                     self._ids.add(job_id)
+                    self._count_buffer_waits(waited)
                     self.stats.jobs += 1
                     self.stats.bytes += batch.nbytes
                     self.stats.descriptors += len(batch)
@@ -542,6 +546,7 @@ class TransferQueue:
             time.sleep(GIL_YIELD_S)
         with self._enqueue:
             t_locked = time.perf_counter()  # waiting for another lane's enqueue is not the host's cost
+            waited = self.backend.buffer_waits()
             try:
                 for ready in after:
                     stream.wait_event(ready)
@@ -592,9 +597,18 @@ class TransferQueue:
                     self.stats.mechanisms[mechanism] += len(batch)
                 now = time.perf_counter()
                 self.stats.launch_s += now - t0
-                self._launch_s += 0.25 * (now - t_locked - self._launch_s)
+                # the host's own time: a wait for the device (a full buffer) says nothing of the next launches
+                self._launch_s += 0.25 * (now - t_locked - self._count_buffer_waits(waited) - self._launch_s)
         if background:
             time.sleep(GIL_YIELD_S)
+
+    def _count_buffer_waits(self, before: tuple[int, float]) -> float:
+        """Count the backend's buffer waits since `before` (its `buffer_waits` then) as this
+        lane's, with the enqueue lock and the lock held; returns their seconds."""
+        waits, seconds = self.backend.buffer_waits()
+        self.stats.buffer_waits += waits - before[0]
+        self.stats.buffer_wait_s += seconds - before[1]
+        return seconds - before[1]
 
 
 def _launch_loop(queue_ref: weakref.ref[TransferQueue]) -> None:

@@ -506,3 +506,43 @@ def test_a_launch_whose_bookkeeping_fails_reports_each_job_once():
         worker.wait([1, 2])
         results = worker.get_finished()
     assert sorted(r.job_id for r in results) == [1, 2]
+
+
+class WaitingBackend(ExpandingCpuBackend):
+    """Each launch of store jobs waits 1 ms "for a full buffer" (as the cuda backend's descriptor
+    ring does when the host is a ring's worth of tables ahead of the device)."""
+
+    waits, wait_s = 0, 0.0
+
+    def buffer_waits(self):
+        return self.waits, self.wait_s
+
+    def _wait(self, stream):
+        if stream is self.stores:
+            self.waits, self.wait_s = self.waits + 1, self.wait_s + 0.001
+
+    def copy_blocks(self, job, prepared, stream, after):
+        self._wait(stream)
+        return super().copy_blocks(job, prepared, stream, after)
+
+    def copy_jobs(self, jobs, prepared, stream, after):
+        mechanism = super().copy_jobs(jobs, prepared, stream, after)
+        if mechanism is not None:
+            self._wait(stream)
+        return mechanism
+
+
+@pytest.mark.parametrize("joins", [False, True], ids=["queue-joins", "backend-joins"])
+def test_a_backends_waits_for_its_full_buffers_count_as_its_lanes_back_pressure(joins):
+    backend = WaitingBackend(joins=joins)
+    with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
+        backend.stores = worker._queues[next(iter(worker._queues))]._stream
+        for j in range(4):
+            store(worker, j, [j], [j])
+            worker.wait([j])  # one launch each
+        assert worker.submit_load(9, HostBlocks([0]), DeviceBlocks([8]))
+        worker.wait([9])
+        stats = worker.stats()
+        assert (stats["store"].buffer_waits, stats["store"].buffer_wait_s) == (4, pytest.approx(0.004))
+        assert (stats["load"].buffer_waits, stats["load"].buffer_wait_s) == (0, 0.0)
+        assert stats["store"].launches == 4

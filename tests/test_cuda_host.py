@@ -423,10 +423,14 @@ def test_triton_specialization_key_separates_what_triton_specializes_on():
 
 class FakeEvent:
     def __init__(self):
-        self.done = False
+        self.done, self.waited = False, 0
 
     def query(self):
         return self.done
+
+    def synchronize(self):  # the host waits until the work before it has run
+        self.waited += 1
+        self.done = True
 
 
 class RingDevice:
@@ -459,7 +463,8 @@ def _read(address, count, kind=ctypes.c_int64):
 )
 def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
     """Tables of int64 and of int32 (`narrow`, an odd count of them taking half an entry) side
-    by side: each reads back as it went up while its job is pending."""
+    by side: each reads back as it went up while its job is pending (a full ring waits for the
+    oldest jobs, which are then done)."""
     from offload_core.backends.cuda.ring import DescriptorRing
 
     fake = RingDevice()
@@ -479,7 +484,7 @@ def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
         ]
         event = FakeEvent()
         ring.retire(event)
-        pending.append((event, expect, keep))
+        pending = [p for p in pending if not p[0].done] + [(event, expect, keep)]
         for _, exp, _ in pending:  # every pending job's tables still hold its descriptors
             for address, values, w in exp:
                 assert (_read(address, len(values), ctypes.c_int32 if w == 4 else ctypes.c_int64) == values).all()
@@ -488,22 +493,29 @@ def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
     assert all(stream == 7 for _, _, stream in fake.copies)
 
 
-def test_descriptor_ring_reuses_its_memory_and_falls_back_when_full():
+def test_a_full_descriptor_ring_waits_for_its_oldest_job_and_falls_back_only_without_one():
+    """No room beside a pending table: the upload waits for the oldest job (counted), then
+    reuses its memory. One-off memory only for a table larger than the ring, or where the room
+    would have to come from the enqueue under way (its regions not retired yet)."""
     from offload_core.backends.cuda.ring import DescriptorRing
 
     fake = RingDevice()
     ring = DescriptorRing(fake.torch, None, fake.memcpy, entries=100)
     stream = SimpleNamespace(cuda_stream=1)
     (first,), keep = ring.upload([np.arange(60)], stream)
-    assert keep == []
+    assert keep == [] and (ring.waits, ring.wait_s) == (0, 0.0)
     busy = FakeEvent()
     ring.retire(busy)
     (second,), keep = ring.upload([np.arange(60)], stream)
-    assert keep != []  # 60 more do not fit beside a pending 60: one-off memory
+    assert keep == [] and second == first and busy.waited == 1  # waited for the first job, then took its memory
+    assert ring.waits == 1 and ring.wait_s >= 0
+    (third,), keep = ring.upload([np.arange(60)], stream)  # the second is not retired: this enqueue's own
+    assert keep != [] and ring.waits == 1
+    (big,), keep = ring.upload([np.arange(101)], stream)
+    assert keep != [] and ring.waits == 1  # larger than the ring: never waits
     ring.retire(FakeEvent())
-    busy.done = True
-    (third,), keep = ring.upload([np.arange(60)], stream)
-    assert keep == [] and third == first  # the first job has passed: its memory is reused
+    (fourth,), keep = ring.upload([np.arange(30)], stream)
+    assert keep == [] and ring.waits == 1  # room beside the pending one: no wait
 
 
 def test_small_fragments_in_host_rows_are_staged_and_scattered_ones_gathered():

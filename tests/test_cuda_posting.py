@@ -87,6 +87,7 @@ class RingLike:
         self.base = 1 << 40
         self.launch = launch  # `upload_launch`'s compiled call, or None
         self.launched = []  # each `upload_launch`'s table, read back from host memory
+        self.waits, self.wait_s = 0, 0.0  # never full
 
     @property
     def launches(self):

@@ -445,3 +445,25 @@ def test_the_compiled_clash_check_counts_every_key_and_lets_go_of_every_buffer()
         a.append(0)
     with pytest.raises(TypeError, match="keys must be a C-contiguous int64 array"):
         module.first_clash([np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int64)])
+
+
+def test_a_backends_buffer_waits_during_an_enqueue_count_for_that_lane():
+    class Waiting(FakeBackend):
+        waits = 0
+
+        def buffer_waits(self):
+            return self.waits, 0.5 * self.waits
+
+        def copy_batch(self, src, dst, sizes, direction, stream):
+            self.waits += direction is Direction.LOAD  # as a full descriptor ring makes the enqueue wait
+            return super().copy_batch(src, dst, sizes, direction, stream)
+
+    fake = Waiting()
+    with OffloadWorker(small_kv(), 8, backend=fake) as w:
+        store(w, 1)
+        load(w, 2, block=1)
+        load(w, 3, block=2)
+        fake.complete_all()
+        stats = w.stats()
+        assert (stats["load"].buffer_waits, stats["load"].buffer_wait_s) == (2, 1.0)
+        assert (stats["store"].buffer_waits, stats["store"].buffer_wait_s) == (0, 0.0)

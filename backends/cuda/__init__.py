@@ -385,6 +385,12 @@ class CudaBackend(TorchDeviceBackend):
         top = int((host + sizes).max())
         return any(start <= lo and top <= end for start, end in ranges)
 
+    def buffer_waits(self) -> tuple[int, float]:
+        """Reservations of descriptor-ring room that waited for an earlier table's job (`ring`),
+        and their seconds: the host ahead of the device by a ring's worth of tables (16 MiB of
+        them; a million-block job's narrow table is 8 MiB)."""
+        return self._ring.waits, self._ring.wait_s
+
     def posting_stats(self) -> dict | None:
         """Counters of posted enqueues (`posting`), or None where posting is off: calls posted and
         made, how often a launch waited for room in the poster's FIFO (``room_waits``, the

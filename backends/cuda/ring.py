@@ -2,12 +2,16 @@
 after job, so that an upload costs one numpy copy and one ``cuMemcpyAsync``.
 
 Tables allocated per job would cost a ``cudaHostAlloc`` each time the stream is busy: torch's
-pinned allocator cannot reuse a buffer while the copy that reads it is pending.
+pinned allocator cannot reuse a buffer while the copy that reads it is pending. So a full ring
+waits for its oldest table's job (back-pressure: the device is behind the host); only a table
+larger than the ring, or one that would have to wait for the enqueue under way, takes one-off
+memory.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -18,7 +22,8 @@ class DescriptorRing:
 
     Regions are reserved during a job's enqueue (`upload`) and retired with an event
     recorded after the last work that reads them (`retire`); a region is reused only after
-    its event has passed. Uploads are not thread-safe: they run under the backend's enqueue lock.
+    its event has passed, and a reservation that finds no room waits for the oldest ones'
+    (`waits`, `wait_s`). Uploads are not thread-safe: they run under the backend's enqueue lock.
 
     Args:
         torch: the torch module.
@@ -42,6 +47,7 @@ class DescriptorRing:
         self._allocating = threading.Lock()
         self._head = 0
         self._regions: deque = deque()  # [start, end, event or None while its job is enqueued]
+        self.waits, self.wait_s = 0, 0.0  # reservations that waited for a table's job, and how long
 
     def upload(self, columns, stream, split: int = 0, narrow: bool = False) -> tuple[list, list]:
         """Copy int64 `columns` (equal lengths n) to the device on `stream`, as one or two parts
@@ -129,7 +135,8 @@ class DescriptorRing:
         then make fewer than `least_runs` runs, ``decide(runs, rows_in_runs_of_at_most_short)``
         says whether to launch after all (the compiled call asks it, on one pass over the ids).
         Returns True where it launched; False where `decide` said no, None where the ring has no
-        room: both with nothing enqueued (the caller then takes its general path).
+        room for the table (see `_reserve`): both with nothing enqueued (the caller then takes
+        its general path).
 
         Raises:
             CudaDriverError: the upload or the launch failed (nothing is launched after a failed upload).
@@ -159,7 +166,7 @@ class DescriptorRing:
         """``(flat, host, device, keep)`` for `entries` int64 entries: a numpy view of the host
         memory from their start, its address and its mirror's, and what must outlive the copies."""
         start = self._reserve(entries)
-        if start is None:  # the ring is full of pending jobs: one-off memory, as large as needed
+        if start is None:  # larger than the ring, or its room is the enqueue's own: one-off memory
             host = self._torch.empty(entries, dtype=self._torch.int64, pin_memory=True)
             dev = self._torch.empty(entries, dtype=self._torch.int64, device=self._device)
             return host.numpy(), host.data_ptr(), dev.data_ptr(), [host, dev]
@@ -191,22 +198,40 @@ class DescriptorRing:
                 self._host = host  # last: another thread that finds it set finds the rest set too
 
     def _reserve(self, count: int) -> int | None:
+        """The first of `count` free entries, reserved for the enqueue under way; where the ring
+        is full, after waiting for the oldest tables' jobs (counted in `waits` and `wait_s`).
+        None where the table is larger than the ring, or the room would have to come from the
+        enqueue under way itself.
+
+        Raises:
+            Exception: a wait failed (the device faulted): what the event raised.
+        """
         if count > self.entries:
             return None
         self._allocate()
         regions = self._regions
-        while regions and regions[0][2] is not None and regions[0][2].query():
+        while True:
+            while regions and regions[0][2] is not None and regions[0][2].query():
+                regions.popleft()
+            start = self._room(count)
+            if start is not None or not regions or regions[0][2] is None:
+                break
+            t0 = time.perf_counter()
+            regions[0][2].synchronize()
             regions.popleft()
-        if not regions:
-            self._head = 0
-            start = 0
-        else:
-            tail, head = regions[0][0], self._head
-            if head > tail:  # in use: [tail, head); free: [head, entries) and [0, tail)
-                start = head if head + count <= self.entries else (0 if count <= tail else None)
-            else:  # in use: [tail, entries) and [0, head)
-                start = head if head + count <= tail else None
+            self.waits += 1
+            self.wait_s += time.perf_counter() - t0
         if start is not None:
             regions.append([start, start + count, None])
             self._head = start + count
         return start
+
+    def _room(self, count: int) -> int | None:
+        """Where `count` entries fit between the regions in use, or None."""
+        if not self._regions:
+            self._head = 0
+            return 0
+        tail, head = self._regions[0][0], self._head
+        if head > tail:  # in use: [tail, head); free: [head, entries) and [0, tail)
+            return head if head + count <= self.entries else (0 if count <= tail else None)
+        return head if head + count <= tail else None  # in use: [tail, entries) and [0, head)
