@@ -95,8 +95,8 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
                 submit_s = []
                 if not warm:  # the setup's garbage collected now, not by a pause inside the measured jobs
                     gc.collect()
-                before = worker.stats()[direction]
-                launches, launch_s, buffer_waits = before.launches, before.launch_s, before.buffer_waits
+                stats = worker.stats()[direction]
+                launches, launch_s, buffer_waits = stats.launches, stats.launch_s, stats.buffer_waits
                 t0, cpu0 = time.perf_counter(), time.process_time()
                 for j, (dev, host) in enumerate(specs):
                     s0 = time.perf_counter()
