@@ -883,12 +883,14 @@ def _copier(penalty=2.0, given=None):
     return copier
 
 
-def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None):
+def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None, tensors=64):
     # a launch of `jobs` jobs of `job_bytes`, pages of 1/64 of a row over 64 tensors (1 KiB by
     # default), its host rows apart or merged into `runs` segments
     rows = job_bytes * jobs // row_bytes
     segments = (runs or rows, 0)
-    layout = SimpleNamespace(row_bytes=row_bytes, largest=row_bytes // 64, segment_summary=lambda job, limit: segments)
+    layout = SimpleNamespace(
+        row_bytes=row_bytes, largest=row_bytes // tensors, segment_summary=lambda job, limit: segments
+    )
     job = SimpleNamespace(
         direction=direction, items=rows * 64, nbytes=job_bytes * jobs, jobs=jobs, layout=layout, host_ids=np.empty(rows)
     )
@@ -946,6 +948,9 @@ def test_direct_jobs_take_programs_by_their_jobs_size(job_bytes, jobs, store_pro
         link_bound_store = direction is Direction.STORE and job_bytes > (1 << 20)
         expected = 4 if link_bound_store else copier.backend.sm_programs[direction]
         assert copier.direct_programs(small_pages) == expected
+        # one tensor: rows of one page, scattered over the host, keep the backend's programs
+        one_tensor = _launch(direction, job_bytes, jobs, row_bytes=256, tensors=1)[0]
+        assert copier.direct_programs(one_tensor) == copier.backend.sm_programs[direction]
 
 
 @pytest.fixture(params=[True, False], ids=["compiled", "ctypes"])
@@ -1332,7 +1337,7 @@ def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
         host_ids = np.array([3, 1])
         blocks = np.zeros((5, 2), dtype=np.int64)
         nbytes, jobs = 16 << 20, 2  # 8 MiB jobs: all of a store's programs
-        layout = SimpleNamespace(largest=4096)
+        layout = SimpleNamespace(largest=4096, row_bytes=4096)
 
         def __init__(self, direction):
             self.direction = direction
@@ -1350,7 +1355,7 @@ def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
         TABLE["expand_direct"].enqueue_job(copier, Job(direction), prepared, None, None, [], [])
     assert expanded == [(0, 2, 8, None), (0, 2, 32, None)]
     small = Job(Direction.STORE)
-    small.nbytes, small.layout = 2 << 20, SimpleNamespace(largest=1024)  # 1 MiB jobs of 1 KiB pages
+    small.nbytes, small.layout = 2 << 20, SimpleNamespace(largest=1024, row_bytes=1024)  # 1 MiB jobs of 1 KiB pages
     TABLE["expand_direct"].enqueue_job(copier, small, prepared, None, None, [], [])
     assert expanded[-1] == (0, 2, 2, None)
 

@@ -54,10 +54,14 @@ SEGMENT_BYTES = 16384
 # programs moved 1 MiB jobs of 1 KiB pages at 0.51-0.56 of the link against 0.42-0.43 staged.
 # Smaller pages move slower per program (on two, 1 MiB store jobs of 256 B pages reached
 # 0.34-0.38 of the link against 0.57-0.58 on eight), so host-bound jobs of them keep the
-# backend's programs; larger store jobs of them, bound by the link, take fewer, which spares the
-# model's kernels: beside 4 MiB stores of 256 B pages a matmul lost 3.5-4.0% on eight programs,
-# 0.4-0.6% on four, at 0.81 of the link against 0.86.
+# backend's programs; larger store jobs of them, bound by the link, take fewer where their host
+# rows are long, which spares the model's kernels: beside 4 MiB stores of 256 B pages over 64
+# tensors (16 KiB rows) a matmul lost 3.5-4.0% on eight programs, 0.4-0.6% on four, at 0.81 of
+# the link against 0.86. Rows of one page scattered over the host (one tensor) need the requests
+# in flight: 256 MiB stores of 256 B pages moved at 0.69 of the link on four programs, 0.86 on
+# eight (rows between 256 B and 16 KiB not measured: from LONG_ROW_BYTES on they take four).
 HOST_BOUND_BYTES = 1 << 20
+LONG_ROW_BYTES = 4096
 SIZED_PAGE = 1024  # the smallest entry whose jobs `direct_programs` sizes
 STORE_BYTES_PER_PROGRAM = 512 << 10  # then a store takes one program per this much of a job
 MIN_STORE_PROGRAMS = 2
@@ -216,19 +220,20 @@ class BlockCopier:
         job, from `MIN_STORE_PROGRAMS`; for loads of jobs averaging at most `HOST_BOUND_BYTES`,
         `SMALL_LOAD_PROGRAMS` (small jobs are bound by the host, and each program holds an SM
         while its bytes cross the link). Where its pages are smaller: for stores of jobs
-        averaging more than `HOST_BOUND_BYTES`, `SMALL_PAGE_STORE_PROGRAMS`. Otherwise, and
-        where programs were set (`max_programs`, ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the
-        backend's."""
-        return self._programs(job.direction, job.layout.largest, job.nbytes, job.jobs)
+        averaging more than `HOST_BOUND_BYTES` into host rows of `LONG_ROW_BYTES` and more,
+        `SMALL_PAGE_STORE_PROGRAMS`. Otherwise, and where programs were set (`max_programs`,
+        ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the backend's."""
+        layout = job.layout
+        return self._programs(job.direction, layout.largest, job.nbytes, job.jobs, layout.row_bytes)
 
-    def _programs(self, direction: Direction, largest: int, nbytes: int, jobs: int) -> int:
+    def _programs(self, direction: Direction, largest: int, nbytes: int, jobs: int, row_bytes: int) -> int:
         b = self.backend
         most = b.sm_programs[direction]
         if b.programs_given:
             return most
         per_job = -(-nbytes // max(1, jobs))
         if largest < SIZED_PAGE:
-            bound_by_link = direction is Direction.STORE and per_job > HOST_BOUND_BYTES
+            bound_by_link = direction is Direction.STORE and per_job > HOST_BOUND_BYTES and row_bytes >= LONG_ROW_BYTES
             return min(most, SMALL_PAGE_STORE_PROGRAMS) if bound_by_link else most
         if direction is Direction.LOAD:
             return min(most, SMALL_LOAD_PROGRAMS) if per_job <= HOST_BOUND_BYTES else most
@@ -286,7 +291,7 @@ class BlockCopier:
             prepared.per_block,
             direction is Direction.STORE,
             layout.largest,
-            self._programs(direction, layout.largest, nbytes, count),
+            self._programs(direction, layout.largest, nbytes, count, row),
             (layout.host_base, row, True),
             prepared.narrow,
             b.device_index,
