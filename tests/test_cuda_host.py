@@ -573,7 +573,7 @@ def test_kernels_launch_through_the_compiled_kernel_once_a_specialization_was_se
     stream = SimpleNamespace(cuda_stream=0xABC)
     consts = {"ARRAY": True, "D": 128}
     kernels._launch(kernel, 5, [1, 32, 1 << 40], consts, stream)
-    assert kernel.calls == [((5,), (1, 32, 1 << 40), consts)] and compiled.calls == []
+    assert kernel.calls == [((5,), (1, 32, 1 << 40), {**consts, "num_warps": 4})] and compiled.calls == []
     kernels._launch(kernel, 7, [1, 48, (1 << 40) + 16], consts, stream)  # same specialization
     assert compiled.calls == [((7, 1, 1), (1, 48, (1 << 40) + 16, True, 128), 0xABC)]
     kernels._launch(kernel, 7, [2, 48, (1 << 40) + 16], consts, stream)  # 1 was a constant to Triton
@@ -582,6 +582,8 @@ def test_kernels_launch_through_the_compiled_kernel_once_a_specialization_was_se
     assert len(kernel.calls) == 4 and len(compiled.calls) == 1
     kernels._launch(kernel, 7, [1, 48, (1 << 40) + 16], consts, stream, device=1)  # another GPU: its own build
     assert len(kernel.calls) == 5 and len(compiled.calls) == 1
+    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 16], consts, stream, warps=8)  # other warps: another build
+    assert kernel.calls[-1][2]["num_warps"] == 8 and len(kernel.calls) == 6 and len(compiled.calls) == 1
 
 
 def test_kernels_launch_falls_back_to_triton_dispatch_when_its_launcher_differs(launch_cache):
@@ -1503,9 +1505,9 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
 
     launched = []
 
-    def launch(kernel, programs, args, constexprs, stream, poster=None, key_args=None, device=0):
+    def launch(kernel, programs, args, constexprs, stream, poster=None, key_args=None, device=0, warps=4):
         key_args = args if key_args is None else key_args  # what the build is found by
-        launched.append((tuple(constexprs.items()), tuple(-(1 << 31) <= a < (1 << 31) for a in key_args)))
+        launched.append((warps, tuple(constexprs.items()), tuple(-(1 << 31) <= a < (1 << 31) for a in key_args)))
 
     monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
     monkeypatch.setattr(kernels, "_launch", launch)

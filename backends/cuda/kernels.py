@@ -223,7 +223,15 @@ RAW_TYPES = ("i32", "u32", "i64", "u64")  # what a 64-bit parameter slot passes 
 
 
 def _launch(
-    kernel, programs: int, args: list, constexprs: dict, stream, poster=None, key_args=None, device: int = 0
+    kernel,
+    programs: int,
+    args: list,
+    constexprs: dict,
+    stream,
+    poster=None,
+    key_args=None,
+    device: int = 0,
+    warps: int = 4,
 ) -> None:
     """Launch `kernel` on `stream`; from the second launch of a specialization on, through the
     compiled kernel's launcher with the stream handle, which skips Triton's dispatch and
@@ -233,10 +241,11 @@ def _launch(
 
     The arguments are all ints, so the key here covers everything Triton specializes on; it is
     made from `key_args` where given (values a kernel's build does not tell from `args`'), and
-    names the GPU (`device`, its index): a build is loaded into one GPU's context.
+    names the GPU (`device`, its index): a build is loaded into one GPU's context. `warps` is
+    the build's warps per program (Triton's ``num_warps``).
     """
     global _fast
-    key = _key(kernel, device, constexprs, args if key_args is None else key_args)
+    key = _key(kernel, device, warps, constexprs, args if key_args is None else key_args)
     compiled = _compiled.get(key)
     handle = stream.cuda_stream
     posted = poster is not None and poster.owns(handle)
@@ -258,12 +267,13 @@ def _launch(
     import torch
 
     with torch.cuda.stream(stream):
-        _compiled[key] = kernel[(programs,)](*args, **constexprs)
+        _compiled[key] = kernel[(programs,)](*args, **constexprs, num_warps=warps)
 
 
-def _key(kernel, device: int, constexprs: dict, args) -> tuple:
-    """What finds a compiled build: the kernel, the GPU, its constexprs and Triton's view of each int."""
-    return (kernel, device, *constexprs.values(), *map(_spec, args))
+def _key(kernel, device: int, warps: int, constexprs: dict, args) -> tuple:
+    """What finds a compiled build: the kernel, the GPU, its warps, its constexprs and Triton's
+    view of each int."""
+    return (kernel, device, warps, *constexprs.values(), *map(_spec, args))
 
 
 def _raw_for(key: tuple, compiled) -> tuple | None:
@@ -392,15 +402,18 @@ def launch(
     run(table, table + 8 * n, (largest, 0) if uniform else table + 16 * n, n, largest, stream, max_programs, device)
 
 
-def expand_tile(largest: int) -> tuple[int, int]:
-    """The expansion kernel's tile for entries of up to `largest` bytes: (items, words per step),
-    32 KiB per program and step. Up to 4 KiB entries, 256 bytes of each of 128 at a time: host
-    rows written through unified addresses then go over the link in whole 256-byte writes."""
+def expand_tile(largest: int) -> tuple[int, int, int]:
+    """The expansion kernel's tile for entries of up to `largest` bytes: (items, words per step,
+    warps per program). Up to 4 KiB entries, 256 bytes of each of 256 at a time on 8 warps, a
+    row of 256 bytes a thread: host rows written through unified addresses go over the link in
+    whole 256-byte writes, and a program keeps 64 KiB in flight, which its few programs need to
+    keep the link busy (reads across it wait for their replies). Larger entries: 32 KiB a step
+    on 4 warps."""
     if largest <= 4096:
-        return 128, 32
+        return 256, 32, 8
     if largest <= 8192:
-        return 16, 256
-    return 8, 512
+        return 16, 256, 4
+    return 8, 512, 4
 
 
 def expand(
@@ -441,14 +454,14 @@ def expand(
     Raises:
         CudaDriverError: the upload or the launch failed.
     """
-    programs, args, constexprs = _expansion(
+    programs, args, constexprs, warps = _expansion(
         ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow
     )
     kernel = _compile()[2]
     if columns is not None:
         posted = poster is not None and poster.owns(stream.cuda_stream)
         if ring.launches and not posted:
-            raw = _raw_expansion(programs, args, constexprs, device)
+            raw = _raw_expansion(programs, args, constexprs, warps, device)
             if raw is not None:
                 ring.upload_launch(columns, stream, constexprs["NARROW"], *raw, held)
                 return
@@ -457,16 +470,16 @@ def expand(
         same_build = (table < 1 << 31) == (args[0] < 1 << 31)  # else one of 32 bits and one of 64
         key_args = args.copy() if same_build else None
         args[0] = table
-        _launch(kernel, programs, args, constexprs, stream, poster, key_args, device)
+        _launch(kernel, programs, args, constexprs, stream, poster, key_args, device, warps)
         return
-    _launch(kernel, programs, args, constexprs, stream, poster, device=device)
+    _launch(kernel, programs, args, constexprs, stream, poster, device=device, warps=warps)
 
 
 def _expansion(
     ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow
 ):
-    """`expand`'s programs, arguments and constexprs (the table's argument the ring's address)."""
-    tile, width = expand_tile(largest)
+    """`expand`'s programs, arguments, constexprs (the table's argument the ring's address) and warps."""
+    tile, width, warps = expand_tile(largest)
     programs = max(1, min(max_programs, -(-(n * per_block) // tile)))
     base, step, by_host = (0, 0, False) if rows is None else rows
     # The table's address is the ring's for the builds' key: the kernel does not specialize on
@@ -481,17 +494,17 @@ def _expansion(
         "D": tile,
         "W": width,
     }
-    return programs, args, constexprs
+    return programs, args, constexprs, warps
 
 
-def _raw_expansion(programs: int, args: list, constexprs: dict, device: int) -> tuple | None:
+def _raw_expansion(programs: int, args: list, constexprs: dict, warps: int, device: int) -> tuple | None:
     """``(function, grid, threads, shared, params)`` for a plain ``cuLaunchKernel`` of the
     expansion's build of these arguments (`params` all but the table's address, which comes
     first), or None where there is none yet (the first launch of a build goes through Triton)
     or it cannot be launched so (`_raw_launch`; a ring below 2**31, whose builds take 32 bits)."""
     if args[0] < 1 << 31:
         return None
-    key = _key(_compile()[2], device, constexprs, args)
+    key = _key(_compile()[2], device, warps, constexprs, args)
     compiled = _compiled.get(key)
     raw = None if compiled is None else _raw_for(key, compiled)
     if raw is None or raw[3][:1] != (0,):
@@ -518,7 +531,7 @@ def raw_expansion(
 ) -> tuple | None:
     """What `expand` of a simple job's `n` blocks would launch by hand, as `_raw_expansion`
     returns it: for `DescriptorRing.join_launch`, which writes the table itself."""
-    programs, args, constexprs = _expansion(
+    programs, args, constexprs, warps = _expansion(
         ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow
     )
-    return _raw_expansion(programs, args, constexprs, device)
+    return _raw_expansion(programs, args, constexprs, warps, device)

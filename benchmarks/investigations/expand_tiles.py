@@ -22,7 +22,7 @@ from engine_bench import run_shape  # noqa: E402
 
 from offload_core.backends.cuda import CudaBackend, kernels  # noqa: E402
 
-CANDIDATES = ((256, 16), (128, 32), (64, 64), (32, 128), (16, 256))
+CANDIDATES = ((256, 16, 4), (128, 32, 4), (64, 64, 4), (32, 128, 4), (16, 256, 4))  # items, words, warps
 
 
 def tiles(entry: int):
