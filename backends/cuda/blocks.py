@@ -49,8 +49,8 @@ SEGMENT_BYTES = 16384
 # runs are in host order, cost staging a copy per run and leave the SMs alone; random host
 # blocks have a few neighbours, which do not count), on few programs (`direct_programs`): each
 # holds an SM while its bytes cross the link. Stores of pages large enough are sized by their
-# jobs: two programs move about 36 GB/s of 1 KiB pages, enough for that host, and hold 2 of the
-# H200's 132 SMs. Loads read across the link, which takes more requests in flight: eight
+# jobs: two programs move 37-46 GB/s of 1 KiB pages (the kernel alone), enough for that host,
+# and hold 2 of the H200's 132 SMs. Loads read across the link, which takes more requests in flight: eight
 # programs moved 1 MiB jobs of 1 KiB pages at 0.51-0.56 of the link against 0.42-0.43 staged.
 # Smaller pages move slower per program (on two, 1 MiB store jobs of 256 B pages reached
 # 0.34-0.38 of the link against 0.57-0.58 on eight), so host-bound jobs of them keep the
