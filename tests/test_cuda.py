@@ -348,6 +348,47 @@ def test_compact_small_jobs_joined_by_one_compiled_call_are_bit_exact(monkeypatc
         assert torch.equal(t.tensor[untouched], b[untouched])
 
 
+@pytest.mark.parametrize(
+    "pages, per_job, expected",
+    [
+        # one tensor's 64 KiB pages over scattered host rows: nothing for staging to join
+        ((65536,), 64, {"store": {"ce_batch"}, "load": {"ce_batch"}}),
+        # 4 KiB pages over 8 tensors, 2 MiB jobs: stores straight to the rows, loads staged
+        ((4096,) * 8, 64, {"store": {"expand_direct"}, "load": {"expand_staged"}}),
+    ],
+)
+def test_compact_jobs_auto_sends_past_staging_are_bit_exact(pages, per_job, expected):
+    """`auto`'s choices that skip staging for jobs larger than the small ones (`BlockCopier.choose`):
+    the mechanism each job reports, and every byte both ways."""
+    import torch
+
+    backend = CudaBackend(mechanism="auto")
+    blocks, jobs = 4 * per_job, 4
+    kv = small_kv(pages=pages, blocks=blocks, device=backend.device)
+    before = [t.tensor.clone() for t in kv.tensors]
+    rng = np.random.default_rng(3)
+    host_ids = rng.permutation(4 * jobs * per_job)  # rows apart, as an engine's jobs find them
+    src = [rng.permutation(blocks)[:per_job] for _ in range(jobs)]
+    with OffloadWorker(kv, 4 * jobs * per_job, backend=backend) as worker:
+        for j in range(jobs):
+            assert worker.submit_store(j, DeviceBlocks(src[j]), HostBlocks(host_ids[j * per_job : (j + 1) * per_job]))
+        worker.wait(range(jobs))
+        for t in kv.tensors:
+            t.tensor.zero_()
+        for j in range(jobs):  # each job's blocks back where they came from, one job after another
+            worker.submit_load(100 + j, HostBlocks(host_ids[j * per_job : (j + 1) * per_job]), DeviceBlocks(src[j]))
+            worker.wait([100 + j])
+        results = worker.get_finished()
+    assert len(results) == 2 * jobs and all(r.success for r in results)
+    assert {r.mechanism for r in results if r.direction == "store"} == expected["store"]
+    assert {r.mechanism for r in results if r.direction == "load"} == expected["load"]
+    stored = sorted({int(b) for s in src for b in s})
+    for t, b in zip(kv.tensors, before):
+        assert torch.equal(t.tensor[stored], b[stored])
+        others = [i for i in range(blocks) if i not in set(stored)]
+        assert not t.tensor[others].any(), "no load wrote a block it was not given"
+
+
 @pytest.mark.parametrize("staging_kib, consecutive", [(16, True), (16, False), (24 << 10, True)])
 def test_compact_jobs_back_to_back_through_small_staging(staging_kib, consecutive):
     """Jobs cut into pieces (a staging half holds a few rows), segments over consecutive host rows

@@ -861,14 +861,17 @@ def test_compact_stores_go_straight_to_host_rows_where_the_batch_call_would_bind
 
     def choice(row_bytes, rows, direction=Direction.STORE, merged=0):
         # `merged` pairs of neighbouring rows: one segment each
-        job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=rows * row_bytes, jobs=1)
-        layout = SimpleNamespace(row_bytes=row_bytes, segment_summary=lambda job, limit: (rows - merged, 0))
+        layout = SimpleNamespace(
+            row_bytes=row_bytes, largest=row_bytes // 64, segment_summary=lambda job, limit: (rows - merged, 0)
+        )
+        job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=rows * row_bytes, jobs=1, layout=layout)
+        job.host_ids = np.empty(rows)
         return copier.choose(job, SimpleNamespace(layout=layout))
 
     assert choice(16384, 256) is EXPAND_DIRECT
     assert choice(16384, 256, merged=6) is EXPAND_DIRECT  # a few neighbours do not flip the choice
-    assert choice(65536, 64) is EXPAND_STAGED
-    assert choice(262144, 16) is EXPAND_STAGED
+    assert choice(65536, 256) is EXPAND_STAGED  # 16 MiB jobs: larger than the small stores' rule
+    assert choice(262144, 64) is EXPAND_STAGED
     copier.direct_ok = lambda prepared: False  # host rows the kernel cannot address
     assert choice(16384, 256) is EXPAND_STAGED
 
@@ -894,7 +897,12 @@ def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None, tensors=64):
         row_bytes=row_bytes, largest=row_bytes // tensors, segment_summary=lambda job, limit: segments
     )
     job = SimpleNamespace(
-        direction=direction, items=rows * 64, nbytes=job_bytes * jobs, jobs=jobs, layout=layout, host_ids=np.empty(rows)
+        direction=direction,
+        items=rows * tensors,
+        nbytes=job_bytes * jobs,
+        jobs=jobs,
+        layout=layout,
+        host_ids=np.empty(rows),
     )
     return job, SimpleNamespace(layout=layout)
 
@@ -908,9 +916,41 @@ def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None, tensors=64):
         (4 << 20, 14, "expand_staged"),
     ],
 )
+def test_small_loads_go_straight_to_host_rows_larger_ones_by_the_cost_model(job_bytes, jobs, expected):
+    assert _copier().choose(*_launch(Direction.LOAD, job_bytes, jobs)).name == expected
+
+
+@pytest.mark.parametrize(
+    "job_bytes, row_bytes, expected",
+    [
+        (4 << 20, 65536, "expand_direct"),  # 1 KiB pages: staging's batch call per row binds them
+        (4 << 20, 64 * 4096, "expand_direct"),  # 4 KiB pages
+        ((4 << 20) + 65536, 65536, "expand_staged"),  # larger: bound by the link, staging spares the SMs
+        (4 << 20, 64 * 8192, "expand_staged"),  # 8 KiB pages: rows long enough for the batch call
+        (4 << 20, 64 * 512, "expand_staged"),  # 512 B pages: not sized by this rule; the cost model's choice
+    ],
+)
+def test_stores_of_mid_sized_pages_go_straight_up_to_a_few_mib_a_job(job_bytes, row_bytes, expected):
+    assert _copier().choose(*_launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)).name == expected
+    # on two programs: they keep up with the link and leave the model's kernels their SMs
+    if expected == "expand_direct" and row_bytes >= 65536:
+        assert _copier().direct_programs(_launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)[0]) == 2
+    assert _copier(penalty=3.0).choose(*_launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)).name == (
+        "expand_staged"
+    )
+
+
 @pytest.mark.parametrize("direction", list(Direction))
-def test_small_jobs_go_straight_to_host_rows_larger_ones_by_the_cost_model(job_bytes, jobs, expected, direction):
-    assert _copier().choose(*_launch(direction, job_bytes, jobs)).name == expected
+def test_copies_that_staging_would_not_join_go_host_expanded(direction):
+    """One tensor's 64 KiB pages scattered over the host: each copy fills the copy engines, each
+    segment holds one or two of them, so the gather joins nothing worth a pass through staging."""
+    assert _copier().choose(*_launch(direction, 256 << 20, 1, row_bytes=65536, tensors=1)).name == "ce_batch"
+    paired = _launch(direction, 256 << 20, 1, row_bytes=65536, runs=2048, tensors=1)  # neighbours merged
+    assert _copier().choose(*paired).name == "ce_batch"
+    # 64 tensors' 32 KiB pages: 64 copies a 2 MiB row, joined by the gather into one
+    assert _copier().choose(*_launch(direction, 32 << 20, 4, row_bytes=64 * 32768)).name == "expand_staged"
+    # one tensor's 16 KiB pages: copies too small for the copy engines at link speed
+    assert _copier().choose(*_launch(direction, 256 << 20, 1, row_bytes=16384, tensors=1)).name != "ce_batch"
 
 
 @pytest.mark.parametrize("direction", list(Direction))
@@ -932,9 +972,9 @@ def test_small_jobs_stay_staged_where_the_engine_spares_the_sms_or_the_kernel_ca
     [
         (1 << 20, 14, 2, 8),
         (256 << 10, 1, 2, 8),
-        ((1 << 20) + 1, 3, 3, 32),
-        (2 << 20, 8, 4, 32),
-        (4 << 20, 14, 8, 32),
+        ((1 << 20) + 1, 3, 2, 32),
+        (4 << 20, 14, 2, 32),  # stores up to DIRECT_STORE_BYTES: two programs keep up with the link
+        ((4 << 20) + 1, 3, 8, 32),  # larger: one per STORE_BYTES_PER_PROGRAM
         (256 << 20, 1, 8, 32),
     ],
 )

@@ -14,7 +14,9 @@ and enqueues one expansion kernel and at most one batch of copies per piece:
   addresses; no staging, no copy engines, but it holds SMs while the bytes cross the link. For
   jobs whose segments are too small for the copy engines (a single tensor's pages in
   scattered host blocks), and for small jobs, which the host's time per job bounds (on few
-  programs: `BlockCopier.direct_programs`).
+  programs: `BlockCopier.direct_programs`);
+* ``ce_batch`` (host-expanded): the descriptors, expanded on the host, in one batched copy, for
+  jobs whose host row does not fit a staging half or whose copies the gather would not join.
 
 Staging takes ``2 * half_bytes`` of device memory per queue stream, allocated on first use
 (`staging.StagingHalves`). A job larger than a half is cut into pieces of whole host rows.
@@ -61,6 +63,19 @@ SEGMENT_BYTES = 16384
 # in flight: 256 MiB stores of 256 B pages moved at 0.69 of the link on four programs, 0.86 on
 # eight (rows between 256 B and 16 KiB not measured: from LONG_ROW_BYTES on they take four).
 HOST_BOUND_BYTES = 1 << 20
+# Stores of jobs up to this, of pages from SIZED_PAGE to DIRECT_STORE_PAGE, their host rows
+# apart, go there too, on MIN_STORE_PROGRAMS: staging pays a batched copy per host row, 44-123 us
+# of host a 4 MiB job against 76 us of link, where two programs keep up with the link at 19-35 us
+# (4 MiB jobs of 1 KiB pages: 0.79-0.80 of the link against 0.56-0.68 staged; of 4 KiB pages
+# 0.85-0.86 against 0.78-0.85), and a matmul beside them lost 0.6-1.3% against staging's 1.6-3.0%.
+DIRECT_STORE_BYTES = 4 << 20
+DIRECT_STORE_PAGE = 4096
+# Where each of a job's copies is large enough for the copy engines (2 x SEGMENT_BYTES) and a host
+# segment holds few of them (one tensor's pages scattered over the host), staging's gather joins
+# nothing and costs a pass and a piece's host time per half: the copies go host-expanded, straight
+# between the pages and the rows (256 MiB jobs of one tensor's 64 KiB pages: 0.90 / 0.94 of the
+# link against 0.86-0.87 / 0.89-0.91 staged, with less host time).
+GATHER_PIECES = 4
 LONG_ROW_BYTES = 4096
 SIZED_PAGE = 1024  # the smallest entry whose jobs `direct_programs` sizes
 STORE_BYTES_PER_PROGRAM = 512 << 10  # then a store takes one program per this much of a job
@@ -167,14 +182,16 @@ class BlockCopier:
         return prepared.direct_ok
 
     def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
-        """``expand_direct`` for small jobs (`HOST_BOUND_BYTES` on average) whose host rows stay
+        """``expand_direct`` for small jobs (`HOST_BOUND_BYTES` on average; stores of pages from
+        `SIZED_PAGE` to `DIRECT_STORE_PAGE` up to `DIRECT_STORE_BYTES`) whose host rows stay
         mostly apart (segments at least half the rows), where the rows are addressable and the
         cost model's SM penalty is not raised above its default. Otherwise what the cost model
         (`select.CostModel.estimate_job`) finds cheaper: ``expand_staged``, or ``expand_direct``
         where the host rows are addressable and the segments too small for the copy engines, or,
         on loads, mostly small enough that the batch call moves them through the CPU (ties go to
         staging, which leaves the SMs alone). Where a host row does not fit a staging half:
-        ``expand_direct`` if it is addressable and cheaper, else ``ce_batch`` (host-expanded)."""
+        ``expand_direct`` if it is addressable and cheaper, else ``ce_batch`` (host-expanded);
+        where staging's gather would join nothing (`GATHER_PIECES`), ``ce_batch`` too."""
         cost, d = self.backend.cost, job.direction.value
         if prepared.layout.row_bytes > self.half_bytes:  # staging cannot hold a row
             if self.direct_ok(prepared) and (
@@ -186,6 +203,8 @@ class BlockCopier:
         count, small = prepared.layout.segment_summary(job, self._small_limit(job.direction))
         if self._host_bound(job, count) and self.direct_ok(prepared):
             return EXPAND_DIRECT
+        if self._nothing_to_gather(job, count):
+            return HOST_EXPANDED
         if self._direct_by_cost(job.direction, job.items, job.nbytes, count, small) and self.direct_ok(prepared):
             return EXPAND_DIRECT
         return EXPAND_STAGED
@@ -206,22 +225,37 @@ class BlockCopier:
         return cost.estimate_job("expand_direct", d, items, nbytes, count) < 0.98 * staged
 
     def _host_bound(self, job: CompactJob, segments: int) -> bool:
-        """Whether `job`'s jobs are small enough that the host's time per job binds them, its host
-        rows mostly apart, and the SMs not spared (`HOST_BOUND_BYTES`)."""
-        return self._small_jobs(job.nbytes, job.jobs) and 2 * segments >= job.host_ids.size
+        """Whether `job`'s jobs are small enough that the host's time per job binds them (or, for
+        stores of mid-sized pages, staging's), its host rows mostly apart, and the SMs not spared
+        (`HOST_BOUND_BYTES`, `DIRECT_STORE_BYTES`)."""
+        small = self._small_jobs(job.direction, job.layout.largest, job.nbytes, job.jobs)
+        return small and 2 * segments >= job.host_ids.size
 
-    def _small_jobs(self, nbytes: int, jobs: int) -> bool:
-        """`_host_bound` without its look at the host rows: `jobs` jobs of `nbytes` all told."""
-        return nbytes <= HOST_BOUND_BYTES * max(1, jobs) and self.backend.cost.sm_penalty <= DEFAULT_SM_PENALTY
+    @staticmethod
+    def _nothing_to_gather(job: CompactJob, segments: int) -> bool:
+        """Whether `job`'s copies each fill the copy engines and its `segments` hold at most
+        `GATHER_PIECES` of them on average: staging would join nothing worth its pass."""
+        return 0 < job.items <= GATHER_PIECES * segments and job.nbytes >= 2 * SEGMENT_BYTES * job.items
+
+    def _small_jobs(self, direction: Direction, largest: int, nbytes: int, jobs: int) -> bool:
+        """`_host_bound` without its look at the host rows: `jobs` jobs of `nbytes` all told, of
+        entries of at most `largest` bytes."""
+        if self.backend.cost.sm_penalty > DEFAULT_SM_PENALTY:
+            return False
+        limit = HOST_BOUND_BYTES
+        if direction is Direction.STORE and SIZED_PAGE <= largest <= DIRECT_STORE_PAGE:
+            limit = DIRECT_STORE_BYTES
+        return nbytes <= limit * max(1, jobs)
 
     def direct_programs(self, job: CompactJob) -> int:
         """Programs of an ``expand_direct`` launch, at most the backend's. Where its pages are
-        of `SIZED_PAGE` and more: for stores, one per `STORE_BYTES_PER_PROGRAM` of its average
-        job, from `MIN_STORE_PROGRAMS`; for loads of jobs averaging at most `HOST_BOUND_BYTES`,
-        `SMALL_LOAD_PROGRAMS` (small jobs are bound by the host, and each program holds an SM
-        while its bytes cross the link). Where its pages are smaller: for stores of jobs
-        averaging more than `HOST_BOUND_BYTES` into host rows of `LONG_ROW_BYTES` and more,
-        `SMALL_PAGE_STORE_PROGRAMS`. Otherwise, and where programs were set (`max_programs`,
+        of `SIZED_PAGE` and more: for stores, `MIN_STORE_PROGRAMS` where its pages are of at most
+        `DIRECT_STORE_PAGE` and its jobs average at most `DIRECT_STORE_BYTES`, else one per
+        `STORE_BYTES_PER_PROGRAM` of its average job, from `MIN_STORE_PROGRAMS`; for loads of
+        jobs averaging at most `HOST_BOUND_BYTES`, `SMALL_LOAD_PROGRAMS` (small jobs are bound by
+        the host, and each program holds an SM while its bytes cross the link). Where its pages
+        are smaller: for stores of jobs averaging more than `HOST_BOUND_BYTES` into host rows of
+        `LONG_ROW_BYTES` and more, `SMALL_PAGE_STORE_PROGRAMS`. Otherwise, and where programs were set (`max_programs`,
         ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the backend's."""
         layout = job.layout
         return self._programs(job.direction, layout.largest, job.nbytes, job.jobs, layout.row_bytes)
@@ -237,6 +271,8 @@ class BlockCopier:
             return min(most, SMALL_PAGE_STORE_PROGRAMS) if bound_by_link else most
         if direction is Direction.LOAD:
             return min(most, SMALL_LOAD_PROGRAMS) if per_job <= HOST_BOUND_BYTES else most
+        if largest <= DIRECT_STORE_PAGE and per_job <= DIRECT_STORE_BYTES:
+            return min(most, MIN_STORE_PROGRAMS)
         return max(MIN_STORE_PROGRAMS, min(most, -(-per_job // STORE_BYTES_PER_PROGRAM)))
 
     def copy(
@@ -276,7 +312,7 @@ class BlockCopier:
             n, nbytes, count, items = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs, items + job.items
         row = layout.row_bytes
         short = int(self._small_limit(direction)) // row  # rows in a segment small enough to count
-        host_bound = self._small_jobs(nbytes, count)
+        host_bound = self._small_jobs(direction, layout.largest, nbytes, count)
         if not host_bound and nbytes > 2 * SEGMENT_BYTES * n and not short:  # staged, whatever the runs
             return None
         if not self.direct_ok(prepared):
@@ -384,9 +420,10 @@ class JobMechanism(abc.ABC):
 
 
 class HostExpanded(JobMechanism):
-    """A job whose host row does not fit a staging half: its descriptors, expanded on the
-    host, in one ``cuMemcpyBatchAsync``. Reported as ``ce_batch``; `BlockCopier.choose` picks
-    it, never a caller, so it is not in the table."""
+    """A job whose host row does not fit a staging half, or whose copies staging would not join
+    (`BlockCopier.choose`): its descriptors, expanded on the host, in one ``cuMemcpyBatchAsync``.
+    Reported as ``ce_batch``; `BlockCopier.choose` picks it, never a caller, so it is not in the
+    table."""
 
     name = "ce_batch"
 
