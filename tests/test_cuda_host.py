@@ -888,9 +888,10 @@ def _copier(penalty=2.0, given=None):
     return copier
 
 
-def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None, tensors=64):
+def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None, tensors=64, whole_rows=True):
     # a launch of `jobs` jobs of `job_bytes`, pages of 1/64 of a row over 64 tensors (1 KiB by
-    # default), its host rows apart or merged into `runs` segments
+    # default), its host rows apart or merged into `runs` segments; each block writes its whole
+    # host row, or (`whole_rows` False) a piece of it, as in a canonical layout
     rows = job_bytes * jobs // row_bytes
     segments = (runs or rows, 0)
     layout = SimpleNamespace(
@@ -904,7 +905,7 @@ def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None, tensors=64):
         layout=layout,
         host_ids=np.empty(rows),
     )
-    return job, SimpleNamespace(layout=layout)
+    return job, SimpleNamespace(layout=layout, whole_rows=dict.fromkeys(Direction, whole_rows))
 
 
 @pytest.mark.parametrize(
@@ -934,7 +935,7 @@ def test_stores_of_mid_sized_pages_go_straight_up_to_a_few_mib_a_job(job_bytes, 
     assert _copier().choose(*_launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)).name == expected
     # on two programs: they keep up with the link and leave the model's kernels their SMs
     if expected == "expand_direct" and row_bytes >= 65536:
-        assert _copier().direct_programs(_launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)[0]) == 2
+        assert _copier().direct_programs(*_launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)) == 2
     assert _copier(penalty=3.0).choose(*_launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)).name == (
         "expand_staged"
     )
@@ -980,19 +981,22 @@ def test_small_jobs_stay_staged_where_the_engine_spares_the_sms_or_the_kernel_ca
 )
 def test_direct_jobs_take_programs_by_their_jobs_size(job_bytes, jobs, store_programs, load_programs):
     copier = _copier()
-    assert copier.direct_programs(_launch(Direction.STORE, job_bytes, jobs)[0]) == store_programs
-    assert copier.direct_programs(_launch(Direction.LOAD, job_bytes, jobs)[0]) == load_programs
+    assert copier.direct_programs(*_launch(Direction.STORE, job_bytes, jobs)) == store_programs
+    assert copier.direct_programs(*_launch(Direction.LOAD, job_bytes, jobs)) == load_programs
     given = _copier(given=12)  # set by the engine: taken as it is
     for direction in Direction:
-        assert given.direct_programs(_launch(direction, job_bytes, jobs)[0]) == 12
+        assert given.direct_programs(*_launch(direction, job_bytes, jobs)) == 12
     for direction in Direction:  # smaller pages move slower per program: the backend's, but for link-bound stores
-        small_pages = _launch(direction, job_bytes, jobs, row_bytes=64 * 512)[0]
+        small_pages = _launch(direction, job_bytes, jobs, row_bytes=64 * 512)
         link_bound_store = direction is Direction.STORE and job_bytes > (1 << 20)
         expected = 4 if link_bound_store else copier.backend.sm_programs[direction]
-        assert copier.direct_programs(small_pages) == expected
+        assert copier.direct_programs(*small_pages) == expected
+        # pieces of rows (a canonical layout's small heads) need requests in flight: the backend's
+        pieces = _launch(direction, job_bytes, jobs, row_bytes=64 * 512, whole_rows=False)
+        assert copier.direct_programs(*pieces) == copier.backend.sm_programs[direction]
         # one tensor: rows of one page, scattered over the host, keep the backend's programs
-        one_tensor = _launch(direction, job_bytes, jobs, row_bytes=256, tensors=1)[0]
-        assert copier.direct_programs(one_tensor) == copier.backend.sm_programs[direction]
+        one_tensor = _launch(direction, job_bytes, jobs, row_bytes=256, tensors=1)
+        assert copier.direct_programs(*one_tensor) == copier.backend.sm_programs[direction]
 
 
 @pytest.fixture(params=[True, False], ids=["compiled", "ctypes"])
@@ -1392,7 +1396,9 @@ def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
     copier.expand = lambda job, prepared, b0, b1, stream, held, programs, stage=None: expanded.append(
         (b0, b1, programs, stage)
     )
-    prepared = SimpleNamespace(layout=SimpleNamespace(host_base=1000, row_bytes=10))
+    prepared = SimpleNamespace(
+        layout=SimpleNamespace(host_base=1000, row_bytes=10), whole_rows=dict.fromkeys(Direction, True)
+    )
     for direction in (Direction.STORE, Direction.LOAD):
         TABLE["expand_direct"].enqueue_job(copier, Job(direction), prepared, None, None, [], [])
     assert expanded == [(0, 2, 8, None), (0, 2, 32, None)]

@@ -61,27 +61,29 @@ SEGMENT_BYTES = 16384
 # tensors (16 KiB rows) a matmul lost 3.5-4.0% on eight programs, 0.4-0.6% on four, at 0.81 of
 # the link against 0.86. Rows of one page scattered over the host (one tensor) need the requests
 # in flight: 256 MiB stores of 256 B pages moved at 0.69 of the link on four programs, 0.86 on
-# eight (rows between 256 B and 16 KiB not measured: from LONG_ROW_BYTES on they take four).
+# eight (rows between 256 B and 16 KiB not measured: from LONG_ROW_BYTES on they take four), and
+# so do pieces of rows (canonical layouts' 128 B heads, 2 MiB jobs: 0.44-0.49 on four, 0.61-0.76
+# on eight): only stores of whole rows take four.
 HOST_BOUND_BYTES = 1 << 20
-# Stores of jobs up to this, of pages from SIZED_PAGE to DIRECT_STORE_PAGE, their host rows
-# apart, go there too, on MIN_STORE_PROGRAMS: staging pays a batched copy per host row, 44-123 us
-# of host a 4 MiB job against 76 us of link, where two programs keep up with the link at 19-35 us
-# (4 MiB jobs of 1 KiB pages: 0.79-0.80 of the link against 0.56-0.68 staged; of 4 KiB pages
-# 0.85-0.86 against 0.78-0.85), and a matmul beside them lost 0.6-1.3% against staging's 1.6-3.0%.
-DIRECT_STORE_BYTES = 4 << 20
-DIRECT_STORE_PAGE = 4096
-# Where each of a job's copies is large enough for the copy engines (2 x SEGMENT_BYTES) and a host
-# segment holds few of them (one tensor's pages scattered over the host), staging's gather joins
-# nothing and costs a pass and a piece's host time per half: the copies go host-expanded, straight
-# between the pages and the rows (256 MiB jobs of one tensor's 64 KiB pages: 0.90 / 0.94 of the
-# link against 0.86-0.87 / 0.89-0.91 staged, with less host time).
-GATHER_PIECES = 4
 LONG_ROW_BYTES = 4096
 SIZED_PAGE = 1024  # the smallest entry whose jobs `direct_programs` sizes
 STORE_BYTES_PER_PROGRAM = 512 << 10  # then a store takes one program per this much of a job
 MIN_STORE_PROGRAMS = 2
 SMALL_LOAD_PROGRAMS = 8  # and a small load these
 SMALL_PAGE_STORE_PROGRAMS = 4  # a store of smaller pages averaging more than HOST_BOUND_BYTES a job
+# Stores of jobs up to this, of pages from SIZED_PAGE to DIRECT_STORE_PAGE, their host rows
+# apart, go there too, on MIN_STORE_PROGRAMS: staging pays a batched copy per host row, 44-123 us
+# of host a 4 MiB job against 76 us of link, where two programs keep up with the link at 19-35 us
+# (4 MiB jobs of 1 KiB pages: 0.79-0.81 of the link against 0.56-0.68 staged; of 4 KiB pages
+# 0.85-0.86 against 0.76-0.85), and a matmul beside them lost 0.3-2.7% against staging's 1.0-3.0%.
+DIRECT_STORE_BYTES = 4 << 20
+DIRECT_STORE_PAGE = 4096
+# Where each of a job's copies is large enough for the copy engines (2 x SEGMENT_BYTES) and a host
+# segment holds few of them (one tensor's pages scattered over the host), staging's gather joins
+# nothing and costs a pass and a piece's host time per half: the copies go host-expanded, straight
+# between the pages and the rows (256 MiB jobs of one tensor's 64 KiB pages: 0.89-0.90 / 0.94 of
+# the link against 0.86-0.87 / 0.89-0.91 staged; of 2 MiB pages 0.99 against 0.76; less host time).
+GATHER_PIECES = 4
 DEFAULT_SM_PENALTY = CostModel.__dataclass_fields__["sm_penalty"].default  # raised: spare the SMs
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
 JOIN_BACKOFF = 64  # launches that go to `BlockCopier.copy` at most after a declined joined launch
@@ -247,27 +249,30 @@ class BlockCopier:
             limit = DIRECT_STORE_BYTES
         return nbytes <= limit * max(1, jobs)
 
-    def direct_programs(self, job: CompactJob) -> int:
+    def direct_programs(self, job: CompactJob, prepared: Prepared) -> int:
         """Programs of an ``expand_direct`` launch, at most the backend's. Where its pages are
         of `SIZED_PAGE` and more: for stores, `MIN_STORE_PROGRAMS` where its pages are of at most
         `DIRECT_STORE_PAGE` and its jobs average at most `DIRECT_STORE_BYTES`, else one per
         `STORE_BYTES_PER_PROGRAM` of its average job, from `MIN_STORE_PROGRAMS`; for loads of
         jobs averaging at most `HOST_BOUND_BYTES`, `SMALL_LOAD_PROGRAMS` (small jobs are bound by
         the host, and each program holds an SM while its bytes cross the link). Where its pages
-        are smaller: for stores of jobs averaging more than `HOST_BOUND_BYTES` into host rows of
-        `LONG_ROW_BYTES` and more, `SMALL_PAGE_STORE_PROGRAMS`. Otherwise, and where programs were set (`max_programs`,
-        ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the backend's."""
+        are smaller: for stores of jobs averaging more than `HOST_BOUND_BYTES` into whole host rows
+        of `LONG_ROW_BYTES` and more, `SMALL_PAGE_STORE_PROGRAMS`. Otherwise, and where programs
+        were set (`max_programs`, ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the backend's."""
         layout = job.layout
-        return self._programs(job.direction, layout.largest, job.nbytes, job.jobs, layout.row_bytes)
+        rows = layout.row_bytes if prepared.whole_rows[job.direction] else 0
+        return self._programs(job.direction, layout.largest, job.nbytes, job.jobs, rows)
 
-    def _programs(self, direction: Direction, largest: int, nbytes: int, jobs: int, row_bytes: int) -> int:
+    def _programs(self, direction: Direction, largest: int, nbytes: int, jobs: int, whole_row: int) -> int:
+        """`direct_programs`; `whole_row` is the bytes of a host row where each block writes its
+        whole row, else 0."""
         b = self.backend
         most = b.sm_programs[direction]
         if b.programs_given:
             return most
         per_job = -(-nbytes // max(1, jobs))
         if largest < SIZED_PAGE:
-            bound_by_link = direction is Direction.STORE and per_job > HOST_BOUND_BYTES and row_bytes >= LONG_ROW_BYTES
+            bound_by_link = direction is Direction.STORE and per_job > HOST_BOUND_BYTES and whole_row >= LONG_ROW_BYTES
             return min(most, SMALL_PAGE_STORE_PROGRAMS) if bound_by_link else most
         if direction is Direction.LOAD:
             return min(most, SMALL_LOAD_PROGRAMS) if per_job <= HOST_BOUND_BYTES else most
@@ -454,7 +459,7 @@ class ExpandDirect(_Expansion):
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
         # it holds its SMs while the bytes cross the link: as few as keep up
-        copier.expand(job, prepared, 0, len(job), stream, held, copier.direct_programs(job))
+        copier.expand(job, prepared, 0, len(job), stream, held, copier.direct_programs(job, prepared))
 
 
 class ExpandStaged(_Expansion):
