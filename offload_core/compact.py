@@ -204,7 +204,7 @@ class CompactLayout:
         entries: int64 ``(8, E)``, rows named by `ENTRY_COLUMNS`, group by group.
         group_entries: int64 ``(2, G)``: per group, its first entry and how many it has.
         row_bytes, host_base, blocks_per_chunk, host_blocks: the host buffer's geometry.
-        largest: the largest entry, in bytes.
+        largest, smallest: the largest and the smallest entry, in bytes.
         native: the compiled steps (`offload_core.native`) this layout's jobs take, or None
             where they were not built or are switched off: numpy then.
         simple_jobs: every job of this layout that moves blocks is simple (`CompactJob.simple`):
@@ -253,6 +253,7 @@ class CompactLayout:
         self.entries = np.ascontiguousarray(np.concatenate(columns, axis=1))
         self.group_entries = np.array([starts, counts], dtype=np.int64).reshape(2, -1)
         self.largest = int(self.entries[5].max()) if self.entries.shape[1] else 0
+        self.smallest = int(self.entries[5].min()) if self.entries.shape[1] else 0
         self._entry_bytes = [int(c[5].sum()) for c in columns]
         self._periods = periods  # per group: the pattern of writer elections repeats every this many pages
         self._templates: dict = {}

@@ -862,7 +862,10 @@ def test_compact_stores_go_straight_to_host_rows_where_the_batch_call_would_bind
     def choice(row_bytes, rows, direction=Direction.STORE, merged=0):
         # `merged` pairs of neighbouring rows: one segment each
         layout = SimpleNamespace(
-            row_bytes=row_bytes, largest=row_bytes // 64, segment_summary=lambda job, limit: (rows - merged, 0)
+            row_bytes=row_bytes,
+            largest=row_bytes // 64,
+            smallest=row_bytes // 64,
+            segment_summary=lambda job, limit: (rows - merged, 0),
         )
         job = SimpleNamespace(direction=direction, items=rows * 64, nbytes=rows * row_bytes, jobs=1, layout=layout)
         job.host_ids = np.empty(rows)
@@ -895,7 +898,10 @@ def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None, tensors=64, 
     rows = job_bytes * jobs // row_bytes
     segments = (runs or rows, 0)
     layout = SimpleNamespace(
-        row_bytes=row_bytes, largest=row_bytes // tensors, segment_summary=lambda job, limit: segments
+        row_bytes=row_bytes,
+        largest=row_bytes // tensors,
+        smallest=row_bytes // tensors,
+        segment_summary=lambda job, limit: segments,
     )
     job = SimpleNamespace(
         direction=direction,
@@ -936,6 +942,11 @@ def test_stores_of_mid_sized_pages_go_straight_up_to_a_few_mib_a_job(job_bytes, 
     # on two programs: they keep up with the link and leave the model's kernels their SMs
     if expected == "expand_direct" and row_bytes >= 65536:
         assert _copier().direct_programs(*_launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)) == 2
+    # some of the entries smaller (256 B beside 1 KiB pages): not sized by this rule
+    mixed = _launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)
+    mixed[0].layout.smallest = 256
+    if row_bytes >= 65536:
+        assert _copier().choose(*mixed).name == "expand_staged"
     assert _copier(penalty=3.0).choose(*_launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)).name == (
         "expand_staged"
     )
@@ -950,6 +961,11 @@ def test_copies_that_staging_would_not_join_go_host_expanded(direction):
     assert _copier().choose(*paired).name == "ce_batch"
     # 64 tensors' 32 KiB pages: 64 copies a 2 MiB row, joined by the gather into one
     assert _copier().choose(*_launch(direction, 32 << 20, 4, row_bytes=64 * 32768)).name == "expand_staged"
+    # pages of 64 KiB and 4 KiB (two tensors): the small ones would go as copies of their own
+    mixed = _launch(direction, 256 << 20, 1, row_bytes=65536 + 4096, tensors=2)
+    mixed[0].layout.largest, mixed[0].layout.smallest = 65536, 4096
+    assert mixed[0].items <= 4 * (256 << 20) // (65536 + 4096)
+    assert _copier().choose(*mixed).name != "ce_batch"
     # one tensor's 16 KiB pages: copies too small for the copy engines at link speed
     assert _copier().choose(*_launch(direction, 256 << 20, 1, row_bytes=16384, tensors=1)).name != "ce_batch"
 
@@ -1383,7 +1399,7 @@ def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
         host_ids = np.array([3, 1])
         blocks = np.zeros((5, 2), dtype=np.int64)
         nbytes, jobs = 16 << 20, 2  # 8 MiB jobs: all of a store's programs
-        layout = SimpleNamespace(largest=4096, row_bytes=4096)
+        layout = SimpleNamespace(largest=4096, smallest=4096, row_bytes=4096)
 
         def __init__(self, direction):
             self.direction = direction
@@ -1403,7 +1419,7 @@ def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
         TABLE["expand_direct"].enqueue_job(copier, Job(direction), prepared, None, None, [], [])
     assert expanded == [(0, 2, 8, None), (0, 2, 32, None)]
     small = Job(Direction.STORE)
-    small.nbytes, small.layout = 2 << 20, SimpleNamespace(largest=1024, row_bytes=1024)  # 1 MiB jobs of 1 KiB pages
+    small.nbytes, small.layout = 2 << 20, SimpleNamespace(largest=1024, smallest=1024, row_bytes=1024)  # 1 KiB pages
     TABLE["expand_direct"].enqueue_job(copier, small, prepared, None, None, [], [])
     assert expanded[-1] == (0, 2, 2, None)
 

@@ -102,17 +102,23 @@ def job_specs(draw, count: int, runs: bool):
     data=st.data(),
     direction=st.sampled_from(list(Direction)),
     narrow=st.booleans(),
-    host_bound=st.sampled_from([1 << 20, 64]),  # bytes a job averages at most to be small: all, or few
+    host_bound=st.sampled_from([1 << 20, 64, 16]),  # bytes a job averages at most to be small: all, few, none
     penalty=st.sampled_from([None, 3.0, 1e4]),  # SMs spared: only the cost model sends jobs to expand_direct, or none
+    scaled=st.booleans(),  # the size rules scaled down to this layout's 16 and 8 byte pages
 )
 def test_a_joined_launch_makes_the_calls_and_table_of_the_queues_joined_job(
-    data, direction, narrow, host_bound, penalty
+    data, direction, narrow, host_bound, penalty, scaled
 ):
-    """Any launch of 1-8 jobs, small or not, under either rule of `choose`: where `copy_jobs`
+    """Any launch of 1-8 jobs, small or not, under every rule of `choose`: where `copy_jobs`
     takes them, it chose, called and wrote what `copy_blocks` of their joined job does; where it
     declines (host blocks in runs, say), it enqueued nothing."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(blocks, "HOST_BOUND_BYTES", host_bound)
+        if scaled:  # the pages count as mid-sized ones and as copies that fill the copy engines
+            mp.setattr(blocks, "SIZED_PAGE", 8)
+            mp.setattr(blocks, "DIRECT_STORE_PAGE", 16)
+            mp.setattr(blocks, "DIRECT_STORE_BYTES", 1 << 20)
+            mp.setattr(blocks, "SEGMENT_BYTES", 4)
         launches = Launches(mp)
         launches.prepared.narrow = narrow
         if penalty:
@@ -139,6 +145,24 @@ def test_small_jobs_in_scattered_host_blocks_take_the_joined_launch(monkeypatch)
         assert used == "expand_direct"
         assert [c[0] for c in calls] == ["memcpy", "launch", "record"]
         assert table.view(np.int32)[:10].tolist() == [9, 1, 2, 40, 5, 3, 4, 17, 30, 31]
+
+
+def test_the_joined_launch_follows_the_rules_for_mid_sized_stores_and_copies_staging_would_not_join(monkeypatch):
+    """Scaled down to this layout's 16 and 8 byte pages, jobs too large to be small: stores go
+    joined to `expand_direct` by the mid-sized stores' own limit; loads, whose copies fill the
+    copy engines at this scale, are declined and go host-expanded, as `choose` sends them."""
+    for name, value in dict(
+        HOST_BOUND_BYTES=16, SIZED_PAGE=8, DIRECT_STORE_PAGE=16, DIRECT_STORE_BYTES=1 << 20, SEGMENT_BYTES=4
+    ).items():
+        monkeypatch.setattr(blocks, name, value)
+    monkeypatch.setattr(blocks, "JOIN_BACKOFF", 0)
+    launches = Launches(monkeypatch)
+    specs = [([5, 9, 2], [31, 3, 17]), ([40, 1], [30, 4])]
+    stores, loads = (launches.jobs(direction, specs) for direction in (Direction.STORE, Direction.LOAD))
+    assert launches.joined(stores)[0] == launches.queued(stores)[0] == "expand_direct"
+    used, calls, _ = launches.joined(loads)
+    assert used is None and [c[0] for c in calls] in ([], ["record"]), "declined, nothing enqueued"
+    assert launches.queued(loads)[0] == "ce_batch"
 
 
 def test_a_forced_or_posted_backend_leaves_its_jobs_to_copy_blocks(monkeypatch):

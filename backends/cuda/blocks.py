@@ -62,8 +62,8 @@ SEGMENT_BYTES = 16384
 # the link against 0.86. Rows of one page scattered over the host (one tensor) need the requests
 # in flight: 256 MiB stores of 256 B pages moved at 0.69 of the link on four programs, 0.86 on
 # eight (rows between 256 B and 16 KiB not measured: from LONG_ROW_BYTES on they take four), and
-# so do pieces of rows (canonical layouts' 128 B heads, 2 MiB jobs: 0.44-0.49 on four, 0.61-0.76
-# on eight): only stores of whole rows take four.
+# so do pieces of rows (canonical layouts' 128 B heads, 2 MiB jobs: 0.44-0.49 on four, 0.76-0.80
+# on eight): only stores of whole rows, the layouts measured, take four.
 HOST_BOUND_BYTES = 1 << 20
 LONG_ROW_BYTES = 4096
 SIZED_PAGE = 1024  # the smallest entry whose jobs `direct_programs` sizes
@@ -71,14 +71,15 @@ STORE_BYTES_PER_PROGRAM = 512 << 10  # then a store takes one program per this m
 MIN_STORE_PROGRAMS = 2
 SMALL_LOAD_PROGRAMS = 8  # and a small load these
 SMALL_PAGE_STORE_PROGRAMS = 4  # a store of smaller pages averaging more than HOST_BOUND_BYTES a job
-# Stores of jobs up to this, of pages from SIZED_PAGE to DIRECT_STORE_PAGE, their host rows
+# Stores of jobs up to this, of entries all from SIZED_PAGE to DIRECT_STORE_PAGE, their host rows
 # apart, go there too, on MIN_STORE_PROGRAMS: staging pays a batched copy per host row, 44-123 us
 # of host a 4 MiB job against 76 us of link, where two programs keep up with the link at 19-35 us
 # (4 MiB jobs of 1 KiB pages: 0.79-0.81 of the link against 0.56-0.68 staged; of 4 KiB pages
 # 0.85-0.86 against 0.76-0.85), and a matmul beside them lost 0.3-2.7% against staging's 1.0-3.0%.
 DIRECT_STORE_BYTES = 4 << 20
 DIRECT_STORE_PAGE = 4096
-# Where each of a job's copies is large enough for the copy engines (2 x SEGMENT_BYTES) and a host
+# Where each of a job's copies is large enough for the copy engines (its layout's smallest entry is
+# 2 x SEGMENT_BYTES or more) and a host
 # segment holds few of them (one tensor's pages scattered over the host), staging's gather joins
 # nothing and costs a pass and a piece's host time per half: the copies go host-expanded, straight
 # between the pages and the rows (256 MiB jobs of one tensor's 64 KiB pages: 0.89-0.90 / 0.94 of
@@ -205,7 +206,7 @@ class BlockCopier:
         count, small = prepared.layout.segment_summary(job, self._small_limit(job.direction))
         if self._host_bound(job, count) and self.direct_ok(prepared):
             return EXPAND_DIRECT
-        if self._nothing_to_gather(job, count):
+        if self._nothing_to_gather(job.layout, job.items, count):
             return HOST_EXPANDED
         if self._direct_by_cost(job.direction, job.items, job.nbytes, count, small) and self.direct_ok(prepared):
             return EXPAND_DIRECT
@@ -230,23 +231,22 @@ class BlockCopier:
         """Whether `job`'s jobs are small enough that the host's time per job binds them (or, for
         stores of mid-sized pages, staging's), its host rows mostly apart, and the SMs not spared
         (`HOST_BOUND_BYTES`, `DIRECT_STORE_BYTES`)."""
-        small = self._small_jobs(job.direction, job.layout.largest, job.nbytes, job.jobs)
+        small = self._small_jobs(job.direction, job.layout, job.nbytes, job.jobs)
         return small and 2 * segments >= job.host_ids.size
 
     @staticmethod
-    def _nothing_to_gather(job: CompactJob, segments: int) -> bool:
-        """Whether `job`'s copies each fill the copy engines and its `segments` hold at most
-        `GATHER_PIECES` of them on average: staging would join nothing worth its pass."""
-        return 0 < job.items <= GATHER_PIECES * segments and job.nbytes >= 2 * SEGMENT_BYTES * job.items
+    def _nothing_to_gather(layout: CompactLayout, items: int, segments: int) -> bool:
+        """Whether each of a job's `items` copies fills the copy engines (its layout's smallest
+        entry does) and its `segments` hold at most `GATHER_PIECES` of them on average: staging
+        would join nothing worth its pass."""
+        return layout.smallest >= 2 * SEGMENT_BYTES and 0 < items <= GATHER_PIECES * segments
 
-    def _small_jobs(self, direction: Direction, largest: int, nbytes: int, jobs: int) -> bool:
-        """`_host_bound` without its look at the host rows: `jobs` jobs of `nbytes` all told, of
-        entries of at most `largest` bytes."""
+    def _small_jobs(self, direction: Direction, layout: CompactLayout, nbytes: int, jobs: int) -> bool:
+        """`_host_bound` without its look at the host rows: `jobs` jobs of `layout` of `nbytes`
+        all told."""
         if self.backend.cost.sm_penalty > DEFAULT_SM_PENALTY:
             return False
-        limit = HOST_BOUND_BYTES
-        if direction is Direction.STORE and SIZED_PAGE <= largest <= DIRECT_STORE_PAGE:
-            limit = DIRECT_STORE_BYTES
+        limit = DIRECT_STORE_BYTES if _mid_sized_store(direction, layout) else HOST_BOUND_BYTES
         return nbytes <= limit * max(1, jobs)
 
     def direct_programs(self, job: CompactJob, prepared: Prepared) -> int:
@@ -261,9 +261,9 @@ class BlockCopier:
         were set (`max_programs`, ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the backend's."""
         layout = job.layout
         rows = layout.row_bytes if prepared.whole_rows[job.direction] else 0
-        return self._programs(job.direction, layout.largest, job.nbytes, job.jobs, rows)
+        return self._programs(job.direction, layout, job.nbytes, job.jobs, rows)
 
-    def _programs(self, direction: Direction, largest: int, nbytes: int, jobs: int, whole_row: int) -> int:
+    def _programs(self, direction: Direction, layout: CompactLayout, nbytes: int, jobs: int, whole_row: int) -> int:
         """`direct_programs`; `whole_row` is the bytes of a host row where each block writes its
         whole row, else 0."""
         b = self.backend
@@ -271,12 +271,12 @@ class BlockCopier:
         if b.programs_given:
             return most
         per_job = -(-nbytes // max(1, jobs))
-        if largest < SIZED_PAGE:
+        if layout.largest < SIZED_PAGE:
             bound_by_link = direction is Direction.STORE and per_job > HOST_BOUND_BYTES and whole_row >= LONG_ROW_BYTES
             return min(most, SMALL_PAGE_STORE_PROGRAMS) if bound_by_link else most
         if direction is Direction.LOAD:
             return min(most, SMALL_LOAD_PROGRAMS) if per_job <= HOST_BOUND_BYTES else most
-        if largest <= DIRECT_STORE_PAGE and per_job <= DIRECT_STORE_BYTES:
+        if _mid_sized_store(direction, layout) and per_job <= DIRECT_STORE_BYTES:
             return min(most, MIN_STORE_PROGRAMS)
         return max(MIN_STORE_PROGRAMS, min(most, -(-per_job // STORE_BYTES_PER_PROGRAM)))
 
@@ -317,8 +317,8 @@ class BlockCopier:
             n, nbytes, count, items = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs, items + job.items
         row = layout.row_bytes
         short = int(self._small_limit(direction)) // row  # rows in a segment small enough to count
-        host_bound = self._small_jobs(direction, layout.largest, nbytes, count)
-        if not host_bound and nbytes > 2 * SEGMENT_BYTES * n and not short:  # staged, whatever the runs
+        host_bound = self._small_jobs(direction, layout, nbytes, count)
+        if not host_bound and nbytes > 2 * SEGMENT_BYTES * n and not short:  # staged or host-expanded
             return None
         if not self.direct_ok(prepared):
             return None
@@ -332,7 +332,7 @@ class BlockCopier:
             prepared.per_block,
             direction is Direction.STORE,
             layout.largest,
-            self._programs(direction, layout.largest, nbytes, count, row),
+            self._programs(direction, layout, nbytes, count, row),
             (layout.host_base, row, True),
             prepared.narrow,
             b.device_index,
@@ -340,7 +340,9 @@ class BlockCopier:
         if raw is None:
             return None
 
-        def decide(runs: int, short_rows: int) -> bool:
+        def decide(runs: int, short_rows: int) -> bool:  # `choose`'s rules after the first, in its order
+            if self._nothing_to_gather(layout, items, runs):
+                return False
             return self._direct_by_cost(direction, items, nbytes, runs, short_rows * row)
 
         parts = ([job.dev_ids for job in jobs], [job.host_ids for job in jobs])
@@ -536,6 +538,11 @@ class ExpandStaged(_Expansion):
 
 
 HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT = HostExpanded(), ExpandStaged(), ExpandDirect()
+
+
+def _mid_sized_store(direction: Direction, layout: CompactLayout) -> bool:
+    """Stores whose entries all lie between `SIZED_PAGE` and `DIRECT_STORE_PAGE`."""
+    return direction is Direction.STORE and SIZED_PAGE <= layout.smallest and layout.largest <= DIRECT_STORE_PAGE
 
 
 def _split(stage: np.ndarray, host: np.ndarray, sizes: np.ndarray, cuts: np.ndarray):
