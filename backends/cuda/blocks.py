@@ -78,12 +78,12 @@ SMALL_PAGE_STORE_PROGRAMS = 4  # a store of smaller pages averaging more than HO
 # 0.85-0.86 against 0.76-0.85), and a matmul beside them lost 0.3-2.7% against staging's 1.0-3.0%.
 DIRECT_STORE_BYTES = 4 << 20
 DIRECT_STORE_PAGE = 4096
-# Where each of a job's copies is large enough for the copy engines (its layout's smallest entry is
-# 2 x SEGMENT_BYTES or more) and a host
-# segment holds few of them (one tensor's pages scattered over the host), staging's gather joins
-# nothing and costs a pass and a piece's host time per half: the copies go host-expanded, straight
-# between the pages and the rows (256 MiB jobs of one tensor's 64 KiB pages: 0.89-0.90 / 0.94 of
-# the link against 0.86-0.87 / 0.89-0.91 staged; of 2 MiB pages 0.99 against 0.76; less host time).
+# Where each of a job's copies is large enough for the copy engines (its layout's smallest entry
+# is 2 x SEGMENT_BYTES or more) and a host segment holds few of them (one tensor's pages scattered
+# over the host), staging's gather joins nothing and costs a pass and a piece's host time per
+# half: the copies go host-expanded, straight between the pages and the rows (256 MiB jobs of one
+# tensor's 64 KiB pages: 0.89-0.90 / 0.89-0.94 of the link against 0.86-0.87 / 0.89-0.91 staged;
+# of 2 MiB pages 0.99 against 0.76; less host time).
 GATHER_PIECES = 4
 DEFAULT_SM_PENALTY = CostModel.__dataclass_fields__["sm_penalty"].default  # raised: spare the SMs
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
