@@ -24,7 +24,7 @@ def main() -> None:
     except ImportError:
         raise SystemExit("plot_engine.py needs matplotlib: pip install matplotlib") from None
     rows = json.load(open(args.json))["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5.2), sharey=True)
     styles = {}  # line style per mechanism, colour per page size
     colours = {page: f"C{i}" for i, page in enumerate(sorted({r["page"] for r in rows}))}
     for direction, ax in zip(("store", "load"), axes):
@@ -42,10 +42,12 @@ def main() -> None:
         ax.axhline(0.9, color="grey", lw=0.5)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("of the link (jobs back to back)")
-    axes[1].legend(fontsize=7, loc="upper left")
+    # below the plots, where it hides no point
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=4)
     if args.title:
         fig.suptitle(args.title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.15, 1, 1))
     fig.savefig(args.png, dpi=110)
 
 
