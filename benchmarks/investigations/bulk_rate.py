@@ -6,7 +6,11 @@ of 10 single pinned copies in the same run, each setting's last job checked byte
 a bf16 matmul loop's slowdown beside 32 jobs of each kind (median of 11 rounds).
 
     python benchmarks/investigations/bulk_rate.py [--cubin bulk_copy.cubin] [--pages 256,1024,4096]
-        [--job-mib 1,4] [--programs 1,2,4,8]
+        [--job-mib 1,4] [--programs 1,2,4] [--directions store,load] [--kinds triton,lanes4x32,...]
+        [--interference PAGE:MIB:DIRECTION:KIND:PROGRAMS,...]
+
+A kernel fault leaves the context unusable for every later setting, and a wait that never ends
+holds the process: run it under `timeout`, the kinds that never ran first (`--kinds`).
 
 The kernel is `bulk_copy.cu` beside this file, built for sm_90a where nvcc is (a cubin, or PTX
 that the driver compiles when it loads it, for a machine without nvcc):
@@ -32,7 +36,10 @@ MAX_SMEM = 200 << 10
 # lane 0 of each of W warps issue through S slots; "lanesDxN" has N lanes of one warp issue, D slots each
 KINDS = {
     **{f"bulk{s}x{w}": (f"bulk_expand_{s}_{s // 2}", s, 1, w) for s, w in ((8, 4), (16, 1), (16, 4), (32, 1))},
-    **{f"lanes{d}x{n}": (f"bulk_lanes_{d}", d, n, 1) for d, n in ((2, 32), (4, 32), (4, 16), (4, 8), (8, 8))},
+    **{
+        f"lanes{d}x{n}": (f"bulk_lanes_{d}", d, n, 1)
+        for d, n in ((2, 32), (4, 32), (4, 16), (2, 16), (4, 12), (4, 8), (8, 8))
+    },  # (2, 16), (4, 12) and (4, 8) are the ones that fit 4 KiB pages
 }
 
 
@@ -105,6 +112,7 @@ def main() -> None:
     parser.add_argument("--job-mib", default="1,4")
     parser.add_argument("--programs", default="1,2,4")
     parser.add_argument("--directions", default="store,load")
+    parser.add_argument("--kinds", help="comma-separated kinds to time (default: triton and every one of KINDS)")
     parser.add_argument("--jobs", type=int, default=32)
     parser.add_argument(
         "--interference", default="1024:4:store:triton:2,1024:4:store:bulk16x4:1,1024:4:store:bulk16x4:2"
@@ -156,7 +164,7 @@ def main() -> None:
 
         return launch
 
-    kinds = ["triton", *KINDS]
+    kinds = args.kinds.split(",") if args.kinds else ["triton", *KINDS]
     for page in map(int, args.pages.split(",")):
         setups[page] = env = setup(page)
         blocks, kv, host = env[0], env[1], env[2]
@@ -170,6 +178,7 @@ def main() -> None:
             for store in [d == "store" for d in args.directions.split(",")]:
                 for kind in kinds:
                     if kind != "triton" and Bulk.shared(kind, page) > MAX_SMEM:
+                        print(f"page {page} {kind}: {Bulk.shared(kind, page)} bytes of shared memory, over {MAX_SMEM}")
                         continue
                     for programs in map(int, args.programs.split(",")):
                         launch = launcher(kind, programs, page, per_job, store, *env)
@@ -182,8 +191,11 @@ def main() -> None:
                         last = tables[-1].cpu().numpy()
                         if store:
                             host.view(blocks, TENSORS * page)[last[1]] = 0
+                            kv[:, last[0]] = torch.randint_like(kv[:, last[0]], -128, 128)  # fresh source bytes
                         else:
-                            kv[:, last[0]] = 0
+                            kv[:, last[0]] = 0  # and fresh source bytes: rows a failed store left zero match zeros
+                            view = host.view(blocks, TENSORS * page)
+                            view[last[1]] = torch.randint(-128, 128, view[last[1]].shape, dtype=torch.int8)
                         torch.cuda._sleep(50_000_000)
                         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         e0.record()
