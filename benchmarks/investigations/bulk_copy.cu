@@ -1,13 +1,16 @@
 // A simple job's direct copy by the Tensor Memory Accelerator's bulk copies (sm_90), for
-// benchmarks/investigations/bulk_rate.py. Lane 0 of each warp (an "issuer") moves its share of
-// the pages through its own ring of S shared-memory slots: a bulk load into the slot (its
-// completion counted on the slot's mbarrier), then, L pages later, a bulk store out of it. The
-// bytes in flight are the rings', not registers.
+// benchmarks/investigations/bulk_rate.py. Each of `lanes` lanes of every warp (an "issuer")
+// moves its share of the pages through its own ring of D shared-memory slots: a bulk load into
+// the slot (its completion counted on the slot's mbarrier), then, D/2 pages later, a bulk store
+// out of it. The bytes in flight are the rings', not registers. Issuer j of a program takes its
+// items j, j + issuers, ..., so a warp's lanes compute consecutive items' addresses at once
+// (with one lane a warp, 2026-12-03, each issuer moved a page per ~370 ns whatever its size).
 //
 // Item t of a job of n blocks over `tensors` tensors is tensor t % tensors of block t / tensors:
 // device page dev_base[k] + dev_id * dev_stride, host page host_base + host_id * row + k * page.
-// Dynamic shared memory: the issuers' barriers (S each, the total rounded up to 128 bytes), then
-// their rings (S slots of `slot` bytes each). Pages are multiples of 16 bytes, 16-byte aligned.
+// Dynamic shared memory: every issuer's barriers (D each, the total rounded up to 128 bytes),
+// then their rings (D slots of `slot` bytes each). Pages are multiples of 16 bytes, 16-byte
+// aligned.
 #include <cstdint>
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p) {
@@ -16,13 +19,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void *p) {
 
 struct Cursor {  // item t as (block, tensor), advanced by a fixed step without a division
     int64_t b, k;
-    __device__ void advance(int64_t step, int64_t tensors) {
-        k += step;
-        while (k >= tensors) {
-            k -= tensors;
-            ++b;
-        }
-    }
     __device__ void advance(int64_t db, int64_t dk, int64_t tensors) {  // a step of db * tensors + dk
         b += db;
         k += dk;
@@ -33,85 +29,10 @@ struct Cursor {  // item t as (block, tensor), advanced by a fixed step without 
     }
 };
 
-template <int S, int L>
-__device__ void bulk_expand_impl(const int64_t *__restrict__ table, int64_t n, const int64_t *__restrict__ dev_base,
-                                 int64_t dev_stride, int64_t page, int64_t tensors, int64_t host_base, int64_t row,
-                                 int store, int64_t slot) {
-    static_assert(L < S, "a slot is reloaded only after its page went out");
-    extern __shared__ __align__(128) unsigned char smem[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    if (lane != 0) return;
-    uint64_t *bars = reinterpret_cast<uint64_t *>(smem) + warp * S;
-    const int64_t bar_bytes = (static_cast<int64_t>(warps) * S * 8 + 127) / 128 * 128;
-    unsigned char *ring = smem + bar_bytes + static_cast<int64_t>(warp) * S * slot;
-    for (int s = 0; s < S; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[s])));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    const int64_t total = n * tensors;
-    const int64_t step = static_cast<int64_t>(gridDim.x) * warps;
-    const int64_t first = static_cast<int64_t>(blockIdx.x) * warps + warp;
-    const int64_t mine = total > first ? (total - first + step - 1) / step : 0;
-    const uint32_t bytes = static_cast<uint32_t>(page);
-    Cursor in{first / tensors, first % tensors}, out = in;
-    for (int64_t q = 0; q < mine + L; ++q) {
-        if (q < mine) {  // bring item q into slot q % S
-            const int s = static_cast<int>(q % S);
-            if (q >= S) {
-                // slot s last held item q - S; the stores issued since are items q-S+1 .. q-1-L
-                asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(S - L - 1) : "memory");
-            }
-            const int64_t dev = dev_base[in.k] + table[in.b] * dev_stride;
-            const int64_t host = host_base + table[n + in.b] * row + in.k * page;
-            const uint32_t bar = smem_addr(&bars[s]);
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                    smem_addr(ring + s * slot)),
-                "l"(store ? dev : host), "r"(bytes), "r"(bar)
-                : "memory");
-            in.advance(step, tensors);
-        }
-        const int64_t r = q - L;  // the item whose bytes go out now
-        if (r >= 0 && r < mine) {
-            const int s = static_cast<int>(r % S);
-            const uint32_t bar = smem_addr(&bars[s]), parity = static_cast<uint32_t>((r / S) & 1);
-            asm volatile(
-                "{\n.reg .pred p;\nwait_%=:\n"
-                "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                "@!p bra wait_%=;\n}" ::"r"(bar),
-                "r"(parity)
-                : "memory");
-            const int64_t dev = dev_base[out.k] + table[out.b] * dev_stride;
-            const int64_t host = host_base + table[n + out.b] * row + out.k * page;
-            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(store ? host : dev),
-                         "r"(smem_addr(ring + s * slot)), "r"(bytes)
-                         : "memory");
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-            out.advance(step, tensors);
-        }
-    }
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-
-#define BULK(S, L)                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) bulk_expand_##S##_##L(                                         \
-        const int64_t *table, int64_t n, const int64_t *dev_base, int64_t dev_stride, int64_t page, int64_t tensors, \
-        int64_t host_base, int64_t row, int store, int64_t slot) {                                                   \
-        bulk_expand_impl<S, L>(table, n, dev_base, dev_stride, page, tensors, host_base, row, store, slot);          \
-    }
-BULK(8, 4)
-BULK(16, 8)
-BULK(32, 16)
-
-// The same with every lane an issuer: the 2026-12-03 run showed one issuing thread moving a page
-// per ~370 ns whatever its size (the addresses' loads and the waits in one thread, in series), so
-// here `lanes` lanes of each warp run their rings side by side, lane j taking the items j, j +
-// issuers, ...: a warp computes 32 consecutive items' addresses at once. Each lane has D slots
-// and issues a page's store D/2 pages after its load. Dynamic shared memory: the barriers of
-// every issuer (D each, the total rounded up to 128 bytes), then the rings (D slots each).
 template <int D>
-__device__ void bulk_lanes_impl(const int64_t *__restrict__ table, int64_t n, const int64_t *__restrict__ dev_base,
-                                int64_t dev_stride, int64_t page, int64_t tensors, int64_t host_base, int64_t row,
-                                int store, int64_t slot, int lanes) {
+__device__ void ring_copy(const int64_t *__restrict__ table, int64_t n, const int64_t *__restrict__ dev_base,
+                          int64_t dev_stride, int64_t page, int64_t tensors, int64_t host_base, int64_t row, int store,
+                          int64_t slot, int lanes) {
     constexpr int L = D / 2;
     extern __shared__ __align__(128) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -166,12 +87,14 @@ __device__ void bulk_lanes_impl(const int64_t *__restrict__ table, int64_t n, co
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-#define LANES(D)                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256) bulk_lanes_##D(                                                \
+#define RING(D)                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) bulk_ring_##D(                                                \
         const int64_t *table, int64_t n, const int64_t *dev_base, int64_t dev_stride, int64_t page, int64_t tensors, \
         int64_t host_base, int64_t row, int store, int64_t slot, int lanes) {                                        \
-        bulk_lanes_impl<D>(table, n, dev_base, dev_stride, page, tensors, host_base, row, store, slot, lanes);       \
+        ring_copy<D>(table, n, dev_base, dev_stride, page, tensors, host_base, row, store, slot, lanes);             \
     }
-LANES(2)
-LANES(4)
-LANES(8)
+RING(2)
+RING(4)
+RING(8)
+RING(16)
+RING(32)

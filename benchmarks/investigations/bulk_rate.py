@@ -27,17 +27,19 @@ import sys
 
 import numpy as np
 import torch
+from direct_rate import link_gbps  # beside this file
 
 from offload_core.backends.cuda import kernels
 
 TENSORS = 64
 MAX_SMEM = 200 << 10
 # kind -> (function, slots an issuer, lanes of a warp that issue, warps a program): "bulkSxW" has
-# lane 0 of each of W warps issue through S slots; "lanesDxN" has N lanes of one warp issue, D slots each
+# lane 0 of each of W warps issue through S slots (the 2026-12-03 probe); "lanesDxN" has N lanes
+# of one warp issue, D slots each
 KINDS = {
-    **{f"bulk{s}x{w}": (f"bulk_expand_{s}_{s // 2}", s, 1, w) for s, w in ((8, 4), (16, 1), (16, 4), (32, 1))},
+    **{f"bulk{s}x{w}": (f"bulk_ring_{s}", s, 1, w) for s, w in ((8, 4), (16, 1), (16, 4), (32, 1))},
     **{
-        f"lanes{d}x{n}": (f"bulk_lanes_{d}", d, n, 1)
+        f"lanes{d}x{n}": (f"bulk_ring_{d}", d, n, 1)
         for d, n in ((2, 32), (4, 32), (4, 16), (2, 16), (4, 12), (4, 8), (8, 8))
     },  # (2, 16), (4, 12) and (4, 8) are the ones that fit 4 KiB pages
 }
@@ -73,10 +75,8 @@ class Bulk:
         values = [
             ctypes.c_int64(table), ctypes.c_int64(n), ctypes.c_int64(dev_base), ctypes.c_int64(dev_stride),
             ctypes.c_int64(page), ctypes.c_int64(TENSORS), ctypes.c_int64(host_base), ctypes.c_int64(row),
-            ctypes.c_int(int(store)), ctypes.c_int64(-(-page // 128) * 128),
+            ctypes.c_int(int(store)), ctypes.c_int64(-(-page // 128) * 128), ctypes.c_int(lanes),
         ]  # fmt: skip
-        if name.startswith("bulk_lanes"):
-            values.append(ctypes.c_int(lanes))
         params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
         self._check(
             self.cu.cuLaunchKernel(
@@ -85,24 +85,6 @@ class Bulk:
             ),
             "cuLaunchKernel",
         )  # fmt: skip
-
-
-def link_gbps(nbytes: int) -> dict:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = {}
-    for name, dst, src in (("store", host, dev), ("load", dev, host)):
-        dst.copy_(src, non_blocking=True)
-        best = float("inf")
-        for _ in range(10):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            dst.copy_(src, non_blocking=True)
-            e1.record()
-            e1.synchronize()
-            best = min(best, e0.elapsed_time(e1) / 1e3)
-        out[name] = nbytes / best / 1e9
-    return out
 
 
 def main() -> None:
