@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from offload_core import native, registry
+from offload_core import __version__, native, registry
 from offload_core.errors import OffloadError
 from offload_core.hostmem import gib
 
@@ -248,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="offload-core", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser(
         "backends",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -46,6 +47,13 @@ def lossy():
     with restored_registry():
         registry.register_backend("lossy", Lossy)
         yield
+
+
+def test_version_is_the_installed_distribution_s(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"offload-core {importlib.metadata.version('offload-core')}\n"
 
 
 def test_backends_table_lists_every_backend_and_the_selected_one(capsys):

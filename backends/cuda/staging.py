@@ -6,8 +6,9 @@ host-contiguous runs, one set per copy stream, made on the stream's first use.
 * `StagingHalves`, for compact jobs (``expand_staged``, `blocks`): a side stream, one buffer
   in two halves, and the events that hand a half from one step to the next.
 
-A set lives as long as its `PerStream`, that is, as long as the backend: a queue's stream is
-used job after job, and a job still in flight may read its buffers.
+A set lives until its stream is released (`CudaBackend.release_stream`, when its queue closes,
+once drained) or the backend goes: a queue's stream is used job after job, and a job still in
+flight may read its buffers.
 """
 
 from __future__ import annotations
