@@ -194,6 +194,7 @@ class TransferQueue:
         self._pending: deque[_Pending] = deque()  # compact jobs waiting for a launch
         self._pending_bytes = 0  # their bytes
         self._launching: set[int] = set()  # ids of the launch being enqueued
+        self._unreported: list[TransferResult] = []  # taken from `_jobs` by a `poll` not yet returned
         self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
         self._launcher: threading.Thread | None = None
         self._last_end: Event | None = None  # of the last launch: is the device still busy with it?
@@ -275,9 +276,11 @@ class TransferQueue:
             if failed is None:
                 mechanism = mechanism or ""
                 # appended under the enqueue lock, so the deque's order is the stream's order
+                queued = _Job(job_id, start, end, batch.nbytes, scratch, mechanism)
                 with self._lock:
-                    self._jobs.append(_Job(job_id, start, end, batch.nbytes, scratch, mechanism))
-                    self._ids.add(job_id)
+                    # the id as an operator, then the job: no Ctrl-C can land between the two
+                    self._ids |= {job_id}
+                    self._jobs.append(queued)
                     self._count_buffer_waits(waited)
                     self.stats.jobs += 1
                     self.stats.bytes += batch.nbytes
@@ -298,9 +301,11 @@ class TransferQueue:
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs completed so far, from the head of the queue, without blocking."""
-        results = []
         passed = None  # (end event, seconds) of the launch of the last job reported: its other jobs share both
         with self._lock:
+            # Results taken from the queue are kept here until returned: a poll that Ctrl-C cut
+            # short leaves them to the next one instead of losing them.
+            results = self._unreported
             while self._jobs:
                 job = self._jobs[0]
                 try:
@@ -316,14 +321,16 @@ class TransferQueue:
                 except Exception as exc:  # a device fault fails this job, not the caller's loop
                     log.error("%s job %s failed on the device: %r", self.direction.value, job.job_id, exc)
                     ok, elapsed = False, 0.0
-                self._jobs.popleft()
+                result = TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism)
                 self._ids.discard(job.job_id)
+                results += (result,)  # an operator, not a call: no Ctrl-C lands between it and the next line
+                self._jobs.popleft()
                 self.stats.failed += not ok
-                results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism))
                 if ok and job.last and job.end is not self._last_end:  # events that saw a fault are not trusted
                     self._free_events += (job.start, job.end)  # again; the last launch's end tells if the device idles
                 if job.scratch is not None:
                     self._pool(job.scratch)
+            self._unreported = []
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -428,9 +435,10 @@ class TransferQueue:
             # Recorded under the lock: per compute stream, the pending order is the recording
             # order, so a launch waits for the last event of each stream only (`_after`).
             ready.record(compute)
-            self._pending.append(_Pending(job_id, job, prepared, ready, compute))
+            pending = _Pending(job_id, job, prepared, ready, compute)
+            self._ids |= {job_id}  # as above: the id, then the job, with no call between
+            self._pending.append(pending)
             self._pending_bytes += job.nbytes
-            self._ids.add(job_id)
             # A burst: this submit follows the last one closer than a launch takes. Launching
             # each job alone would keep the device waiting for the host, so they wait for the
             # launcher thread, or until `burst_jobs` of them or `burst_bytes` wait, and go as one.
@@ -446,7 +454,11 @@ class TransferQueue:
         # may not get the GIL for a while) would only leave the device idle, so this thread
         # launches. The job is queued from here on: whatever happens to the launch, its result
         # says so.
-        self.launch_taken(batch)
+        try:
+            self.launch_taken(batch)
+        except BaseException:  # Ctrl-C before the launch began
+            self.abandon(batch)
+            raise
 
     def launch_taken(self, batch: list[_Pending]) -> None:
         """Launch `batch`, which a submit took to launch itself (`_take`); its failures are left
@@ -490,13 +502,18 @@ class TransferQueue:
         try:
             self._launch(batch, background)
         except BaseException:
-            with self._lock:
-                if self._launching:  # not yet recorded by `_launch`
-                    for p in batch:
-                        self._jobs.append(_Job(p.job_id, None, None, p.job.nbytes, None, "", failed=True))
-                    self._launching = set()
-                    self._launched.notify_all()
+            self.abandon(batch)
             raise
+
+    def abandon(self, batch: list[_Pending]) -> None:
+        """Fail `batch`, taken to launch (`_take`), if its launch has not recorded it: its
+        waiters get failed results instead of waiting for ever. Nothing if it was recorded."""
+        with self._lock:
+            if batch[0].job_id in self._launching:  # ids are unique among jobs in flight
+                for p in batch:
+                    self._jobs.append(_Job(p.job_id, None, None, p.job.nbytes, None, "", failed=True))
+                self._launching = set()
+                self._launched.notify_all()
 
     def _burst_full(self) -> bool:
         """Whether enough waits to launch now, burst or not: the device's time for it covers a launch."""

@@ -22,6 +22,7 @@ from offload_core.registry import get_backend
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.05  # `shutdown`'s wait for submits under way between looks at their count
 _REGION_CHECK_S = 1.0  # how often a submit confirms the shared region is still the one the other ranks use
 
 
@@ -212,6 +213,10 @@ class OffloadWorker:
                 f"{direction.value} needs DeviceBlocks and HostBlocks, got "
                 f"{type(device).__name__} and {type(host).__name__}"
             )
+        # Chosen before the count goes up: from there to the `try`, no Python call (where Ctrl-C
+        # may land) that its `finally` would not undo.
+        queue = self._expedited if expedited else self._queues[direction]
+        queued = False
         with self._lock:
             if self._closed:
                 raise OffloadError("OffloadWorker is shut down")
@@ -219,8 +224,6 @@ class OffloadWorker:
                 raise InvalidSpecError(f"job id {job_id} is still in flight")
             self._in_flight.add(job_id)
             self._submitting += 1
-        queue = self._expedited if expedited else self._queues[direction]
-        queued = False
         try:
             if self._region is not None and time.monotonic() >= self._next_region_check:
                 self._region.check()
@@ -243,10 +246,11 @@ class OffloadWorker:
             return True
         finally:
             with self._lock:
+                # The count first: a Ctrl-C in what follows must not leave `shutdown` waiting for it.
+                self._submitting -= 1
                 # a compact job interrupted (Ctrl-C) while its submit launched it is queued: its result will come
                 if not queued and job_id not in queue:
                     self._in_flight.discard(job_id)
-                self._submitting -= 1
                 if not self._submitting and self._closed:  # only `shutdown` waits for it
                     self._idle.notify_all()
 
@@ -255,6 +259,9 @@ class OffloadWorker:
         submit under way: `shutdown` waits for it."""
         try:
             queue.launch_taken(batch)
+        except BaseException:  # Ctrl-C before the launch began: its jobs fail rather than hang
+            queue.abandon(batch)
+            raise
         finally:
             with self._lock:
                 self._submitting -= 1
@@ -312,7 +319,7 @@ class OffloadWorker:
         with self._lock:
             self._closed = True
             while self._submitting:
-                self._idle.wait()
+                self._idle.wait(IDLE_WAIT_S)  # a notify that Ctrl-C cut short is not waited for forever
         with self._shutdown_lock:
             if self._host is None:
                 return  # an earlier call finished

@@ -1,0 +1,101 @@
+"""Ctrl-C where a worker's own Python runs: a submit's launch and clean-up, a poll. The
+interrupt is raised where CPython runs signal handlers, at the entry of a Python function
+(`sys.settrace`'s "call" event); afterwards results still come, and `wait` and `shutdown`
+return."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+from helpers import compiled_or_skip
+
+from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
+from offload_core.testing.expanding import ExpandingCpuBackend
+
+pytestmark = pytest.mark.cpu
+
+
+def make_worker(backend, native: str, monkeypatch) -> OffloadWorker:
+    monkeypatch.setenv("OFFLOAD_CORE_NATIVE", native)
+    tensor = torch.zeros(16, 64, dtype=torch.uint8)
+    return OffloadWorker(KVCaches([KVCacheTensor(tensor, 64)], [[KVCacheRef(0, 64)]]), 8, backend=backend)
+
+
+def ctrl_c_at(function: str, caller: str, caller_file: str) -> None:
+    """Raise KeyboardInterrupt once, as `function` is entered from `caller` in `caller_file`."""
+
+    def tracer(frame, event, arg):
+        back = frame.f_back
+        if (
+            event == "call"
+            and frame.f_code.co_name == function
+            and back is not None
+            and back.f_code.co_name == caller
+            and back.f_code.co_filename.endswith(caller_file)
+        ):
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return None
+
+    sys.settrace(tracer)
+
+
+def finishes(worker: OffloadWorker, job_ids) -> bool:
+    """Whether `wait(job_ids)` and then `shutdown()` return within a few seconds."""
+    done = threading.Event()
+
+    def run():
+        worker.wait(job_ids)
+        worker.shutdown()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(10)
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_ctrl_c_before_a_submit_launches_its_jobs_fails_them_instead_of_hanging(native, monkeypatch):
+    if native == "1":
+        compiled_or_skip(True)
+    worker = make_worker(ExpandingCpuBackend(), native, monkeypatch)
+    worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))
+    worker.wait([0])
+    ctrl_c_at("launch_taken", "_submit_compact" if native == "0" else "_launch_submitted", ".py")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1]))
+    finally:
+        sys.settrace(None)
+    assert finishes(worker, [1])
+    results = {r.job_id: r for r in worker.get_finished()}
+    assert results[0].success and not results[1].success  # never launched: failed, not lost
+
+
+def test_ctrl_c_in_a_refused_submits_clean_up_leaves_shutdown_free(monkeypatch):
+    worker = make_worker("cpu", "0", monkeypatch)
+    ctrl_c_at("__contains__", "_submit", "worker.py")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.submit_store(1, DeviceBlocks([99]), HostBlocks([1]))  # out of range: refused
+    finally:
+        sys.settrace(None)
+    assert finishes(worker, [1])
+
+
+def test_ctrl_c_inside_get_finished_loses_no_result(monkeypatch):
+    worker = make_worker("cpu", "0", monkeypatch)
+    for job_id in range(3):
+        worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
+    worker.wait([2])
+    ctrl_c_at("__init__", "poll", "queue.py")  # as the second result is made
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.get_finished()
+    finally:
+        sys.settrace(None)
+    assert [r.job_id for r in worker.get_finished()] == [0, 1, 2]
+    worker.submit_store(0, DeviceBlocks([3]), HostBlocks([3]))  # its id is free again
+    assert finishes(worker, [0])
