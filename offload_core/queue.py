@@ -255,6 +255,8 @@ class TransferQueue:
             self._submit_compact(job_id, batch, prepared)
             return
         with self._lock:
+            if self._closed:  # its stream may be released already
+                raise OffloadError(f"the {self.direction.value} queue is closed")
             start, end = self._event(), self._event()
         stream = self._stream
         failed = None

@@ -56,7 +56,8 @@ class OffloadWorker:
     without it hands its jobs in flight to a thread that drains them before anything is freed.
 
     Raises:
-        InvalidSpecError: sizes that are not positive integers, KV tensors on a device the
+        InvalidSpecError: sizes that are not positive integers, a `canonical_layout` that is
+            not a truth value (True, False, 0 or 1), KV tensors on a device the
             backend does not copy, or a region that is too small or laid out for the other
             layout.
         OffloadError: the host buffer is larger than the host memory available, or cannot be
@@ -81,6 +82,7 @@ class OffloadWorker:
         import torch  # deferred: `import offload_core` stays light
 
         device = kv_caches.device
+        canonical_layout = flag(canonical_layout, "canonical_layout")
         if backend is not None and not isinstance(backend, (Backend, str)):
             raise InvalidSpecError(f"backend must be a Backend, a backend name or None, got {backend!r}")
         if host_region is not None and not isinstance(host_region, SharedHostRegion):

@@ -10,8 +10,8 @@ from helpers import compiled_or_skip, small_kv
 from hypothesis import given
 from hypothesis import strategies as st
 
-from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadError, OffloadWorker
-from offload_core.queue import _first_clash
+from offload_core import CopyBatch, DeviceBlocks, Direction, HostBlocks, InvalidSpecError, OffloadError, OffloadWorker
+from offload_core.queue import TransferQueue, _first_clash
 from offload_core.testing.fake import FakeBackend
 
 
@@ -467,3 +467,18 @@ def test_a_backends_buffer_waits_during_an_enqueue_count_for_that_lane():
         stats = w.stats()
         assert (stats["load"].buffer_waits, stats["load"].buffer_wait_s) == (2, 1.0)
         assert (stats["store"].buffer_waits, stats["store"].buffer_wait_s) == (0, 0.0)
+
+
+def test_a_closed_queue_refuses_descriptor_jobs(fake):
+    queue = TransferQueue(fake, Direction.STORE)
+    queue.close()
+    src = np.zeros(1, dtype=np.int64)
+    with pytest.raises(OffloadError, match="store queue is closed"):
+        queue.submit(7, CopyBatch(src, src, np.full(1, 4, dtype=np.int64), 4))
+    assert 7 not in queue and not queue.poll()
+
+
+@pytest.mark.parametrize("value", ["False", "no", np.array([1, 0]), 2])
+def test_canonical_layout_must_be_a_truth_value(value):
+    with pytest.raises(InvalidSpecError, match="canonical_layout must be True or False"):
+        OffloadWorker(small_kv(), 4, backend="cpu", canonical_layout=value)

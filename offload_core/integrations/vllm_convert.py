@@ -20,7 +20,16 @@ from typing import Any
 from offload_core.canonical import CanonicalPageMapping, CopyRun
 from offload_core.errors import InvalidSpecError
 from offload_core.host_layout import HostLayout
-from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, integer, positive_int
+from offload_core.layout import (
+    DeviceBlocks,
+    HostBlocks,
+    KVCacheRef,
+    KVCaches,
+    KVCacheTensor,
+    flag,
+    integer,
+    positive_int,
+)
 from offload_core.region import SharedHostRegion
 from offload_core.worker import OffloadWorker
 
@@ -66,6 +75,7 @@ class WorkerAdapter:
         rank: int = 0,
         row_budget: int | None = None,
     ):
+        canonical = flag(canonical, "canonical")
         if canonical and shared_region is None:
             raise InvalidSpecError("a canonical layout needs the name of the region the ranks share (shared_region)")
         num_chunks, blocks_per_chunk = (
