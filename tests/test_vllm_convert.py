@@ -144,3 +144,40 @@ def test_region_names_are_unique_and_keep_the_replica():
     assert region_name(long, 0) != region_name(long, 1) and len(region_name(long, 1)) <= 128
     assert region_name("team/a:b", 0) != region_name("team:a/b", 0)
     assert region_name("engine-1", 2).startswith("vllm-engine-1-dp2-")
+
+
+def _refs(**ref):
+    return [[NS(**{"tensor_idx": 0, "page_size_bytes": 64, "mapping": None, **ref})]]
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        NS(),  # no fields at all
+        NS(tensors=[NS(tensor=torch.zeros(4, 64, dtype=torch.int8))], group_data_refs=_refs()),  # no page size
+        NS(tensors=[NS(tensor=torch.zeros(4, 64, dtype=torch.int8), page_size_bytes=64)], group_data_refs=None),
+        NS(tensors=[NS(tensor=torch.zeros(4, 64, dtype=torch.int8), page_size_bytes=64)], group_data_refs=[[NS()]]),
+        NS(
+            tensors=[NS(tensor=torch.zeros(4, 64, dtype=torch.int8), page_size_bytes=64)],
+            group_data_refs=[_refs()[0] + _refs(page_size_bytes=None)[0]],  # two refs to one tensor
+        ),
+    ],
+)
+def test_malformed_kv_caches_are_named_not_leaked(kv):
+    with pytest.raises(InvalidSpecError, match="kv_caches must be vLLM's CanonicalKVCaches"):
+        WorkerAdapter(kv, 8, backend="cpu")
+
+
+@pytest.mark.parametrize("value", ["x", -1, 1.5])
+def test_region_name_takes_a_replica_index(value):
+    from offload_core.integrations.vllm_convert import region_name
+
+    with pytest.raises(InvalidSpecError, match="data_parallel_index"):
+        region_name("e", value)
+
+
+@pytest.mark.parametrize("value", ["no", "False", 2])
+def test_the_adapter_s_canonical_must_be_a_truth_value(value):
+    kv = NS(tensors=[NS(tensor=torch.zeros(4, 64, dtype=torch.int8), page_size_bytes=64)], group_data_refs=_refs())
+    with pytest.raises(InvalidSpecError, match="canonical must be True or False"):
+        WorkerAdapter(kv, 8, backend="cpu", shared_region="r", canonical=value)

@@ -183,8 +183,19 @@ def to_kv_caches(kv_caches: Any, canonical: bool = False) -> KVCaches:
 
     Raises:
         InvalidSpecError: a tensor or ref that breaks `KVCacheTensor`'s or `KVCaches`' rules, or,
-            where `canonical`, a ref vLLM could not certify (no mapping).
+            where `canonical`, a ref vLLM could not certify (no mapping); an object that lacks
+            the fields read here.
     """
+    try:
+        return _to_kv_caches(kv_caches, canonical)
+    except (AttributeError, TypeError) as exc:  # not vLLM's objects, or a field of another kind
+        raise InvalidSpecError(
+            "kv_caches must be vLLM's CanonicalKVCaches: tensors (each .tensor and an int .page_size_bytes) "
+            f"and group_data_refs (lists of refs, each an int .tensor_idx and .page_size_bytes): {exc}"
+        ) from exc
+
+
+def _to_kv_caches(kv_caches: Any, canonical: bool) -> KVCaches:
     # vLLM's names: a tensor's page_size_bytes is its row (the padded page), a ref's the prefix
     # of it that the layer uses and a copy moves
     tensors = [KVCacheTensor(t.tensor, t.page_size_bytes) for t in kv_caches.tensors]  # it checks the size
@@ -265,7 +276,12 @@ def _ids_of(spec: Any, kind: str) -> Any:
 
 def region_name(engine_id: str, data_parallel_index: int) -> str:
     """The `SharedHostRegion` name of one engine's data-parallel replica: readable, and unique
-    (a hash of the whole id), within the name's 128 characters of ``A-Za-z0-9._-``."""
+    (a hash of the whole id), within the name's 128 characters of ``A-Za-z0-9._-``.
+
+    Raises:
+        InvalidSpecError: a `data_parallel_index` that is not a non-negative integer.
+    """
+    data_parallel_index = integer(data_parallel_index, "data_parallel_index", 0)
     digest = hashlib.sha256(f"{engine_id}\0{data_parallel_index}".encode()).hexdigest()[:16]
     readable = re.sub(r"[^A-Za-z0-9._-]", "-", str(engine_id))[:80]
-    return f"vllm-{readable}-dp{int(data_parallel_index)}-{digest}"
+    return f"vllm-{readable}-dp{data_parallel_index}-{digest}"
