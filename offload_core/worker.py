@@ -22,7 +22,7 @@ from offload_core.registry import get_backend
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.05  # `shutdown`'s wait for submits under way between looks at their count
+_IDLE_WAIT_S = 0.05  # `shutdown`'s wait for submits under way between looks at their count
 _REGION_CHECK_S = 1.0  # how often a submit confirms the shared region is still the one the other ranks use
 
 
@@ -321,7 +321,7 @@ class OffloadWorker:
         with self._lock:
             self._closed = True
             while self._submitting:
-                self._idle.wait(IDLE_WAIT_S)  # a notify that Ctrl-C cut short is not waited for forever
+                self._idle.wait(_IDLE_WAIT_S)  # a notify that Ctrl-C cut short is not waited for forever
         with self._shutdown_lock:
             if self._host is None:
                 return  # an earlier call finished
