@@ -201,9 +201,13 @@ class Planner:
                     ),
                 )
             )
-        users = [t for refs in g.group_refs for t in {r.tensor for r in refs}]
-        # Groups that share a tensor can collide on a destination page across groups.
-        self._groups_share_tensors = len(users) != len(set(users))
+        users: dict[int, list[int]] = {}  # tensor -> the groups that copy it
+        for gi, refs in enumerate(g.group_refs):
+            for t in {r.tensor for r in refs}:
+                users.setdefault(t, []).append(gi)
+        # Groups that share a tensor can collide on a destination page of it; others cannot.
+        self._collisions = sorted({tuple(gs) for gs in users.values() if len(gs) > 1})
+        self._colliding = {gi for gs in self._collisions for gi in gs}
         self.device_limit = max((grp.device_limit for grp in self._groups), default=0)  # above every device id
         self._arange = np.arange(1024, dtype=np.int64)
 
@@ -307,7 +311,7 @@ class Planner:
             arange = self._arange = np.arange(2 * max(sizes), dtype=np.int64)
         store = direction is Direction.STORE
         d0 = h0 = 0
-        shared_keys, checked = [], []
+        shared_keys, checked = {}, []
         for g, (grp, n, skip, hc) in enumerate(zip(self._groups, sizes, skips, host_counts)):
             if n == 0:
                 continue
@@ -322,19 +326,21 @@ class Planner:
             else:  # the group's sub-pages, counted from its first host block
                 q = arange[:n] + skip
                 hids, sub = group_hids[q // bpc], q % bpc
-            if self._groups_share_tensors:
-                shared_keys.append(dev_ids if not store else hids * bpc + (0 if sub is None else sub))
+            if g in self._colliding:
+                shared_keys[g] = dev_ids if not store else hids * bpc + (0 if sub is None else sub)
             else:
                 if store:
                     _check_unique(group_hids, "host block id", self.host_blocks)
                 else:
                     _check_unique(dev_ids, "device block id", grp.device_limit)
             checked.append(_Checked(g, grp, n, dev_ids, hids, sub, h0 - hc, skip))
-        if shared_keys:
-            if store:
-                _check_unique(np.concatenate(shared_keys), "host sub-page", self.host_blocks * bpc)
-            else:
-                _check_unique(np.concatenate(shared_keys), "device block id", self.device_limit)
+        for gs in self._collisions if shared_keys else ():
+            keys = [shared_keys[g] for g in gs if g in shared_keys]
+            if keys:  # a group's own duplicates too
+                if store:
+                    _check_unique(np.concatenate(keys), "host sub-page", self.host_blocks * bpc)
+                else:
+                    _check_unique(np.concatenate(keys), "device block id", self.device_limit)
         return checked, sizes
 
     def _plan_mapped(self, part, dev_off, host_off, hids, sub, store, out, pos) -> tuple[int, int]:

@@ -326,6 +326,20 @@ def test_groups_collide_only_through_a_shared_tensor():
         shared.plan(Direction.STORE, DeviceBlocks([3, 4], [1, 1], [0, 0]), HostBlocks([1, 1]))
 
 
+def test_groups_that_share_no_tensor_stay_apart_when_others_do():
+    # groups 0 and 2 share tensor 0; group 1 has tensor 1 to itself
+    planner = Planner(Model([32, 32], [[(0, 32)], [(1, 32)], [(0, 32)]], 2).geometry)
+    planner.plan(Direction.LOAD, DeviceBlocks([5, 5], [1, 1, 0]), HostBlocks([1, 2]))
+    planner.plan(Direction.LOAD, DeviceBlocks([5, 5], [0, 1, 1]), HostBlocks([1, 2]))
+    with pytest.raises(InvalidSpecError, match="device block id 5 is the destination of two copies"):
+        planner.plan(Direction.LOAD, DeviceBlocks([5, 5], [1, 0, 1]), HostBlocks([1, 2]))
+    planner.plan(Direction.STORE, DeviceBlocks([3, 4], [1, 1, 0]), HostBlocks([0, 0]))
+    with pytest.raises(InvalidSpecError, match="host sub-page 0 is the destination of two copies"):
+        planner.plan(Direction.STORE, DeviceBlocks([3, 4], [1, 0, 1]), HostBlocks([0, 0]))
+    with pytest.raises(InvalidSpecError, match="device block id 5 is the destination of two copies"):
+        planner.plan(Direction.LOAD, DeviceBlocks([5, 5, 6], [2, 0, 1]), HostBlocks([1, 3]))  # within a group
+
+
 @st.composite
 def canonical_transfers(draw):
     """One rank of a TP group, pages scattered into canonical pages through attention mappings."""
