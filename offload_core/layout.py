@@ -251,10 +251,12 @@ def _ids(values: Any, what: str) -> np.ndarray:
         arr = np.asarray(values)
     except Exception as exc:  # e.g. a device tensor: ids must live on the host
         raise InvalidSpecError(f"{what} must be host integers (list, numpy array or CPU tensor): {exc}") from exc
-    if arr.size == 0:
-        return _ZEROS[0]
     if arr.ndim != 1:
         raise InvalidSpecError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        if arr.dtype.kind not in "iu" and not isinstance(values, (list, tuple)):  # [] is float64 to numpy
+            raise InvalidSpecError(f"{what} must be integers, got dtype {arr.dtype}")
+        return _ZEROS[0]
     if arr.dtype.kind in "fO" and isinstance(values, (list, tuple)):
         # numpy made floats or objects of Python ints beyond int64, or of mixed numpy integer types
         ids = [integer(v, f"{what}[{i}]") for i, v in enumerate(values)]
@@ -322,6 +324,17 @@ class DeviceBlocks:
         object.__setattr__(self, "block_ids", ids)
         object.__setattr__(self, "group_sizes", sizes)
         object.__setattr__(self, "block_indices", indices)
+
+    def __eq__(self, other: object) -> bool:  # the ids, the sizes and the indices alike
+        return type(other) is DeviceBlocks and all(
+            np.array_equal(a, b) for a, b in zip(self._fields(), other._fields())
+        )
+
+    def __hash__(self) -> int:
+        return hash(tuple(a.tobytes() for a in self._fields()))
+
+    def _fields(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.block_ids, self.group_sizes, self.block_indices
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:
@@ -401,3 +414,9 @@ class HostBlocks:
 
     def __init__(self, block_ids: Any):
         object.__setattr__(self, "block_ids", _ids(block_ids, "HostBlocks.block_ids"))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is HostBlocks and np.array_equal(self.block_ids, other.block_ids)
+
+    def __hash__(self) -> int:
+        return hash(self.block_ids.tobytes())

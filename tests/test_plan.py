@@ -431,3 +431,19 @@ def test_a_geometry_whose_stores_would_write_a_host_byte_twice_is_refused(offset
     )
     with pytest.raises(InvalidSpecError, match=message):
         Planner(geometry)
+
+
+@pytest.mark.parametrize(
+    "ids", [np.zeros((0, 3), dtype=np.int64), np.zeros(0), np.array([], "U3"), np.empty(0, np.float32)]
+)
+def test_empty_ids_are_still_1_d_integers(ids):
+    with pytest.raises(InvalidSpecError, match="must be 1-D|must be integers"):
+        DeviceBlocks(ids)
+    assert DeviceBlocks([]).block_ids.size == HostBlocks(()).block_ids.size == 0  # a Python [] is any dtype
+
+
+def test_specs_compare_and_hash_by_value():
+    assert DeviceBlocks([1, 2]) == DeviceBlocks(np.array([1, 2], dtype=np.int32), [2])
+    assert DeviceBlocks([1, 2]) != DeviceBlocks([1, 2], [1, 1]) and DeviceBlocks([1]) != HostBlocks([1])
+    assert len({HostBlocks([3]), HostBlocks(np.array([3])), HostBlocks([4])}) == 2
+    assert hash(DeviceBlocks([1, 2], [1, 1], [0, 2])) == hash(DeviceBlocks([1, 2], [1, 1], [0, 2]))
