@@ -149,6 +149,12 @@ class Planner:
             raise InvalidSpecError(f"blocks_per_chunk must be >= 1, got {bpc}")
         if self.host_blocks < 1:
             raise InvalidSpecError(f"need at least one host block, got {self.host_blocks}")
+        if row < 0 or self.host_base < 0 or self.host_base + self.host_blocks * row >= 1 << 63:
+            # descriptors are int64: an address past it would wrap around
+            raise InvalidSpecError(
+                f"host_base {self.host_base} + {self.host_blocks} host rows of {row} bytes leave the int64 "
+                "address range"
+            )
         n = len(g.device_base)
         if not (len(g.device_page) == len(g.device_blocks) == len(g.host_offset) == len(g.host_page) == n):
             raise InvalidSpecError("per-tensor geometry lists differ in length")

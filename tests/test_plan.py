@@ -447,3 +447,21 @@ def test_specs_compare_and_hash_by_value():
     assert DeviceBlocks([1, 2]) != DeviceBlocks([1, 2], [1, 1]) and DeviceBlocks([1]) != HostBlocks([1])
     assert len({HostBlocks([3]), HostBlocks(np.array([3])), HostBlocks([4])}) == 2
     assert hash(DeviceBlocks([1, 2], [1, 1], [0, 2])) == hash(DeviceBlocks([1, 2], [1, 1], [0, 2]))
+
+
+@pytest.mark.parametrize("host_base, row", [(1 << 62, 1 << 61), (-64, 32), ((1 << 63) - 64, 32)])
+def test_a_geometry_past_the_int64_address_range_is_refused(host_base, row):
+    geometry = Geometry(
+        device_base=[1 << 20],
+        device_page=[16],
+        device_blocks=[4],
+        host_base=host_base,
+        host_row_bytes=row,
+        host_offset=[0],
+        host_page=[16],
+        host_blocks=4,
+        group_refs=plan_refs([[(0, 16)]]),
+        blocks_per_chunk=1,
+    )
+    with pytest.raises(InvalidSpecError, match="int64 address range"):
+        Planner(geometry)

@@ -23,6 +23,7 @@ from offload_core import (
     OffloadWorker,
     get_backend,
 )
+from offload_core.errors import ConfigError
 from offload_core.testing.reference import reference_transfer
 
 
@@ -437,3 +438,10 @@ def backend_name_for_probe(request):
         "expanding-staged": lambda: ExpandingCpuBackend(staged=True),
         "expanding-direct": lambda: ExpandingCpuBackend(staged=False),
     }[request.param]
+
+
+@pytest.mark.parametrize("name, value", [("OFFLOAD_CORE_NATIVE", "2"), ("OFFLOAD_CORE_NATIVE_THREADS", "many")])
+def test_a_malformed_native_setting_is_named_by_any_worker(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=name):
+        OffloadWorker(small_kv(), 4, backend="cpu")
