@@ -190,6 +190,10 @@ def verify_tiling(mappings: Sequence[CanonicalPageMapping]) -> None:
     Raises:
         InvalidSpecError: naming the residue and what is wrong.
     """
+    if isinstance(mappings, (str, bytes)) or not isinstance(mappings, Sequence):
+        raise InvalidSpecError(f"verify_tiling takes a sequence of CanonicalPageMapping, got {type(mappings).__name__}")
+    if not all(isinstance(m, CanonicalPageMapping) for m in mappings):
+        raise InvalidSpecError("verify_tiling takes CanonicalPageMapping objects only")
     if not mappings:
         raise InvalidSpecError("no mappings to verify")
     size = mappings[0].canonical_page_size_bytes
@@ -210,6 +214,9 @@ def verify_tiling(mappings: Sequence[CanonicalPageMapping]) -> None:
 
 
 # ---- mappings for the common layouts ----------------------------------------
+
+
+MAX_PAGE_SLOTS = 1 << 24  # (kv, token, head) slots of one page that `attention_mappings` lays out
 
 
 def attention_mappings(
@@ -239,8 +246,9 @@ def attention_mappings(
         One mapping per rank, certified by `verify_tiling`.
 
     Raises:
-        InvalidSpecError: a layout these helpers do not know, heads that do not divide, or a
-            count or size that is not a positive integer.
+        InvalidSpecError: a layout these helpers do not know, heads that do not divide, a
+            count or size that is not a positive integer, or a page of more than
+            `MAX_PAGE_SLOTS` head slots.
     """
     total_kv_heads, tp_size = positive_int(total_kv_heads, "total_kv_heads"), positive_int(tp_size, "tp_size")
     block_tokens, head_bytes = positive_int(block_tokens, "block_tokens"), positive_int(head_bytes, "head_bytes")
@@ -248,6 +256,12 @@ def attention_mappings(
         raise InvalidSpecError(f"unknown attention page layout: order={order!r}, kv={kv!r}")
     if tp_size % total_kv_heads and total_kv_heads % tp_size:
         raise InvalidSpecError(f"{total_kv_heads} KV heads do not divide over TP={tp_size} (or the reverse)")
+    slots = (1 if kv is None else 2) * block_tokens * total_kv_heads
+    if slots > MAX_PAGE_SLOTS:  # each slot is a few int64 arrays' worth of memory here
+        raise InvalidSpecError(
+            f"a page of {block_tokens} tokens x {total_kv_heads} KV heads has {slots} head slots, "
+            f"more than the {MAX_PAGE_SLOTS} a mapping is built for"
+        )
     shards = min(tp_size, total_kv_heads)
     replication = tp_size // shards
     local_heads = total_kv_heads // shards

@@ -454,3 +454,14 @@ def test_a_large_page_is_checked_without_an_array_as_long():
     page = 1 << 40  # a tebibyte: only the fragments' ends are looked at
     mapping = CanonicalPageMapping(page, page, [CopyRun(0, 0, page // 2, 2, page // 2, page // 2)])
     assert mapping.fragments[2].sum() == page
+
+
+@pytest.mark.parametrize("mappings", [[1, 2], (m for m in ()), "NHD"])
+def test_verify_tiling_names_what_it_takes(mappings):
+    with pytest.raises(InvalidSpecError, match="verify_tiling takes"):
+        verify_tiling(mappings)
+
+
+def test_attention_mappings_refuse_a_page_too_large_to_lay_out():
+    with pytest.raises(InvalidSpecError, match="head slots"):
+        attention_mappings(total_kv_heads=8, tp_size=2, block_tokens=10**9, head_bytes=2)
