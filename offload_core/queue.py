@@ -71,6 +71,20 @@ _enqueue_locks: weakref.WeakKeyDictionary[Backend, threading.Lock] = weakref.Wea
 _enqueue_locks_guard = threading.Lock()
 
 
+def _check_batch(batch: object) -> None:
+    """A descriptor job's shape (`TransferQueue.submit`): what a planner guarantees, checked for
+    callers of the queue itself."""
+    if not isinstance(batch, CopyBatch):
+        raise InvalidSpecError(f"a job is a CopyBatch or a CompactJob, got {type(batch).__name__}")
+    if not all(isinstance(c, np.ndarray) and c.ndim == 1 and c.dtype.kind in "iu" for c in batch[:3]):
+        raise InvalidSpecError("a CopyBatch's src, dst and sizes must be 1-D integer numpy arrays")
+    n = len(batch.sizes)
+    if len(batch.src) != n or len(batch.dst) != n:
+        raise InvalidSpecError(f"a CopyBatch's columns differ in length: {len(batch.src)}, {len(batch.dst)}, {n}")
+    if n and int(batch.sizes.min()) < 0:
+        raise InvalidSpecError(f"a CopyBatch holds a negative size, {int(batch.sizes.min())}")
+
+
 def job_id_set(job_ids: Iterable[int]) -> set[int]:
     """`job_ids` as a set of ints.
 
@@ -250,13 +264,20 @@ class TransferQueue:
             Exception: whatever the backend raised while enqueueing; the job is then not queued.
                 A compact job is enqueued later, by the launcher: if that fails, its result says so.
             OffloadError: the queue is closed.
+            InvalidSpecError: a descriptor job whose id is not an integer or is still in this
+                queue, that is not a `CopyBatch`, or whose columns differ in length or hold a
+                negative size (the addresses themselves are the caller's: a worker plans them).
         """
         if isinstance(batch, CompactJob):
             self._submit_compact(job_id, batch, prepared)
             return
+        job_id = integer(job_id, "job_id")
+        _check_batch(batch)
         with self._lock:
             if self._closed:  # its stream may be released already
                 raise OffloadError(f"the {self.direction.value} queue is closed")
+            if job_id in self._ids:
+                raise InvalidSpecError(f"job id {job_id} is still in the {self.direction.value} queue")
             start, end = self._event(), self._event()
         stream = self._stream
         failed = None

@@ -482,3 +482,30 @@ def test_a_closed_queue_refuses_descriptor_jobs(fake):
 def test_canonical_layout_must_be_a_truth_value(value):
     with pytest.raises(InvalidSpecError, match="canonical_layout must be True or False"):
         OffloadWorker(small_kv(), 4, backend="cpu", canonical_layout=value)
+
+
+@pytest.mark.parametrize(
+    "job_id, batch, message",
+    [
+        ("7", None, "job_id"),
+        (7, "descriptors", "a job is a CopyBatch or a CompactJob"),
+        (7, CopyBatch([0], [0], [4], 4), "1-D integer numpy arrays"),
+        (7, CopyBatch(np.zeros(2, np.int64), np.zeros(1, np.int64), np.full(1, 4, np.int64), 4), "differ in length"),
+        (7, CopyBatch(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, -4, np.int64), 4), "negative size"),
+    ],
+)
+def test_a_queue_checks_a_descriptor_job_s_shape(fake, job_id, batch, message):
+    queue = TransferQueue(fake, Direction.STORE)
+    with pytest.raises(InvalidSpecError, match=message):
+        queue.submit(job_id, batch)
+    assert not queue.poll()
+    queue.close()
+
+
+def test_a_queue_refuses_an_id_it_still_holds(fake):
+    queue = TransferQueue(fake, Direction.STORE)
+    zeros = np.zeros(0, dtype=np.int64)
+    queue.submit(7, CopyBatch(zeros, zeros, zeros, 0))
+    with pytest.raises(InvalidSpecError, match="job id 7 is still in the store queue"):
+        queue.submit(7, CopyBatch(zeros, zeros, zeros, 0))
+    queue.close()
