@@ -250,7 +250,13 @@ class TransferQueue:
             del pool[min(range(len(pool)), key=lambda i: pool[i].shape[1])]
 
     def submit(
-        self, job_id: int, batch: CopyBatch | CompactJob, scratch: np.ndarray | None = None, prepared: Any = None
+        self,
+        job_id: int,
+        batch: CopyBatch | CompactJob,
+        scratch: np.ndarray | None = None,
+        prepared: Any = None,
+        *,
+        planned: bool = False,
     ) -> None:
         """Enqueue one job behind every earlier one and behind the compute stream.
 
@@ -259,6 +265,8 @@ class TransferQueue:
             batch: the descriptors, or a compact job for a backend that expands them; `scratch`
                 (if descriptors live in it) is held until the job completes.
             prepared: for a compact job, what `Backend.prepare_layout` returned for its layout.
+            planned: the caller (a worker) checked the id and planned the batch: the checks of
+                their shape below are its already, and are not made twice on its hot path.
 
         Raises:
             Exception: whatever the backend raised while enqueueing; the job is then not queued.
@@ -271,8 +279,9 @@ class TransferQueue:
         if isinstance(batch, CompactJob):
             self._submit_compact(job_id, batch, prepared)
             return
-        job_id = integer(job_id, "job_id")
-        _check_batch(batch)
+        if not planned:
+            job_id = integer(job_id, "job_id")
+            _check_batch(batch)
         with self._lock:
             if self._closed:  # its stream may be released already
                 raise OffloadError(f"the {self.direction.value} queue is closed")

@@ -243,7 +243,7 @@ class OffloadWorker:
                     queue.release_scratch(scratch)
                     raise
             try:
-                queue.submit(job_id, batch, scratch, self._prepared)
+                queue.submit(job_id, batch, scratch, self._prepared, planned=True)
             except Exception:
                 log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
                 return False
