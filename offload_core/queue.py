@@ -219,6 +219,10 @@ class TransferQueue:
     def __contains__(self, job_id: int) -> bool:
         return job_id in self._ids
 
+    def holds_result(self, job_id: int) -> bool:
+        """Whether a result of `job_id` is kept for the next `poll` (one Ctrl-C cut short)."""
+        return any(r.job_id == job_id for r in self._unreported)
+
     def __len__(self) -> int:
         return len(self._jobs) + len(self._pending) + len(self._launching)
 

@@ -137,6 +137,7 @@ class OffloadWorker:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when the last submit under way ends
         self._in_flight: set[int] = set()  # job ids reserved or queued, both directions
+        self._reserved: set[int] = set()  # ids of Python-path submits under way, not yet queued
         self._submitting = 0
         self._closed = False
         # per lane, results `shutdown` collected, in order: returned before what the lane has since
@@ -225,9 +226,12 @@ class OffloadWorker:
         with self._lock:
             if self._closed:
                 raise OffloadError("OffloadWorker is shut down")
+            if job_id in self._in_flight and not self._held(job_id):
+                self._in_flight.discard(job_id)  # left by a submit that Ctrl-C cut short in its clean-up
             if job_id in self._in_flight:
                 raise InvalidSpecError(f"job id {job_id} is still in flight")
             self._in_flight.add(job_id)
+            self._reserved.add(job_id)
             self._submitting += 1
         try:
             if self._region is not None and time.monotonic() >= self._next_region_check:
@@ -253,11 +257,22 @@ class OffloadWorker:
             with self._lock:
                 # The count first: a Ctrl-C in what follows must not leave `shutdown` waiting for it.
                 self._submitting -= 1
+                self._reserved.discard(job_id)
                 # a compact job interrupted (Ctrl-C) while its submit launched it is queued: its result will come
                 if not queued and job_id not in queue:
                     self._in_flight.discard(job_id)
                 if not self._submitting and self._closed:  # only `shutdown` waits for it
                     self._idle.notify_all()
+
+    def _held(self, job_id: int) -> bool:
+        """Whether an id in `_in_flight` is still taken: by a submit under way, a queued job, or
+        a result not yet returned. Called under `_lock`, only when an id is refused, so it may
+        be slow."""
+        return (
+            job_id in self._reserved
+            or any(job_id in queue or queue.holds_result(job_id) for queue in self._lanes)
+            or any(r.job_id == job_id for results in self._drained for r in results)
+        )
 
     def _launch_submitted(self, queue: TransferQueue, batch: list) -> None:
         """The launch a compiled submit took (`_native.submit_simple`), which counted itself as a
@@ -285,14 +300,16 @@ class OffloadWorker:
         """Results of completed jobs: stores, then loads, then expedited loads, each in submission
         order. Never blocks on the device; each result is returned once, to one caller."""
         self._same_process()
-        results: list[TransferResult] = []
         # Under the lock, as `shutdown` collects: a lane's results leave it in the order they came.
+        # Nothing is taken from `_drained` until every lane is polled: a Ctrl-C in a poll leaves
+        # every result kept for the next call.
         with self._lock:
             for i, queue in enumerate(self._lanes):
-                results += self._drained[i]
-                self._drained[i] = []
-                results += queue.poll()
-            self._in_flight.difference_update(r.job_id for r in results)
+                self._drained[i] += queue.poll()
+            results = [r for lane in self._drained for r in lane]
+            ids = [r.job_id for r in results]
+            self._drained = [[] for _ in self._lanes]
+            self._in_flight.difference_update(ids)
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import compiled_or_skip
 
-from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
+from offload_core import DeviceBlocks, HostBlocks, InvalidSpecError, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
 from offload_core.testing.expanding import ExpandingCpuBackend
 
 pytestmark = pytest.mark.cpu
@@ -82,7 +82,11 @@ def test_ctrl_c_in_a_refused_submits_clean_up_leaves_shutdown_free(monkeypatch):
             worker.submit_store(1, DeviceBlocks([99]), HostBlocks([1]))  # out of range: refused
     finally:
         sys.settrace(None)
+    assert worker.submit_store(1, DeviceBlocks([2]), HostBlocks([1]))  # the id was left taken; nothing holds it
+    with pytest.raises(InvalidSpecError, match="still in flight"):  # until its result is returned
+        worker.submit_store(1, DeviceBlocks([3]), HostBlocks([2]))
     assert finishes(worker, [1])
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
 
 
 def test_ctrl_c_inside_get_finished_loses_no_result(monkeypatch):
@@ -99,3 +103,22 @@ def test_ctrl_c_inside_get_finished_loses_no_result(monkeypatch):
     assert [r.job_id for r in worker.get_finished()] == [0, 1, 2]
     worker.submit_store(0, DeviceBlocks([3]), HostBlocks([3]))  # its id is free again
     assert finishes(worker, [0])
+
+
+def test_ctrl_c_in_get_finished_keeps_results_collected_before(monkeypatch):
+    """A lane's results collected (as a `shutdown` cut short after one lane leaves them), then a
+    Ctrl-C as a later lane's poll makes its result: both are kept for the next call."""
+    worker = make_worker("cpu", "0", monkeypatch)
+    worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))
+    worker.submit_load(1, HostBlocks([1]), DeviceBlocks([1]))
+    worker.wait([0, 1])
+    assert worker._lanes[0].direction.value == "store"
+    worker._drained[0] += worker._lanes[0].poll()  # what `shutdown` does for each lane
+    ctrl_c_at("__init__", "poll", "queue.py")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.get_finished()
+    finally:
+        sys.settrace(None)
+    assert [r.job_id for r in worker.get_finished()] == [0, 1]
+    assert finishes(worker, [])
