@@ -467,6 +467,33 @@ def test_a_shut_down_workers_staging_goes_back(mechanism):
             assert torch.equal(t.tensor[[5, 6]], b[[1, 3]])
 
 
+@pytest.mark.parametrize("mechanism", ["expand_staged", "auto"])
+def test_a_workers_staging_and_ring_stay_within_128_mib_by_default(mechanism, monkeypatch):
+    """Every lane staged (stores, loads, expedited loads) on a fresh backend at its default
+    sizes: the device memory it takes, the KV tensors aside, is at most 128 MiB."""
+    import torch
+
+    monkeypatch.delenv("OFFLOAD_CORE_CUDA_STAGING_MB", raising=False)
+    kv = small_kv(pages=(4096, 1024), blocks=64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    backend = CudaBackend(mechanism=mechanism)
+    with OffloadWorker(kv, 64, backend=backend) as worker:
+        for j in range(3):
+            ids = np.arange(16 * j, 16 * j + 16)
+            assert worker.submit_store(3 * j, DeviceBlocks(ids), HostBlocks(ids))
+            worker.wait([3 * j])
+            assert worker.submit_load(3 * j + 1, HostBlocks(ids), DeviceBlocks(ids))
+            assert worker.submit_load(3 * j + 2, HostBlocks(ids), DeviceBlocks(ids), expedited=True)
+            worker.wait([3 * j + 1, 3 * j + 2])
+        assert all(r.success for r in worker.get_finished())
+        if mechanism == "expand_staged":
+            assert len(backend._blocks.staging.values()) == 3  # each lane staged
+        used = torch.cuda.max_memory_allocated() - before
+    assert used <= 128 << 20, f"{used / 2**20:.1f} MiB"
+
+
 def test_the_sm_penalty_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PENALTY", "3.5")
     backend = CudaBackend()

@@ -1363,7 +1363,7 @@ def test_a_setting_outside_its_values_is_refused_by_name(monkeypatch, name, text
 def test_settings_come_from_the_environment_and_default_where_unset_or_empty(monkeypatch):
     backend = host_only_backend(monkeypatch, FakeLib())
     assert backend.sm_programs == {Direction.STORE: 8, Direction.LOAD: 32}
-    assert (backend.staging_bytes, backend.max_batch) == (24 << 20, 0)
+    assert (backend.staging_bytes, backend.max_batch) == (16 << 20, 0)
     assert backend.cost.sm_penalty == CostModel().sm_penalty
     for name, text in [
         ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "16"),

@@ -81,8 +81,8 @@ class CudaBackend(TorchDeviceBackend):
             per 512 KiB of their jobs' average, at least 2; of smaller pages, 4 where their jobs
             average more than 1 MiB) and 32 for loads.
         staging_bytes: the largest piece of a staged job; the compact path keeps two buffers of
-            this per copy stream (so 4x per worker), ``staged`` two of 1.25 times this;
-            default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 24 MiB.
+            this per copy stream (a worker has three: stores, loads, expedited loads), ``staged``
+            two of 1.25 times this; default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 16 MiB.
         max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 for no limit; default
             ``$OFFLOAD_CORE_CUDA_MAX_BATCH`` or 0.
         cost_model: the selection model; default the calibrated profile of this GPU model if
@@ -144,7 +144,7 @@ class CudaBackend(TorchDeviceBackend):
         self.sm_programs = {d: programs or SM_PROGRAMS[d] for d in Direction}
         self.programs_given = programs is not None  # else expand_direct sizes its stores' programs by their jobs
         self.staging_bytes = _setting(
-            ENV_STAGING_MB, 24 << 20, given=staging_bytes, argument="staging_bytes", scale=1 << 20
+            ENV_STAGING_MB, 16 << 20, given=staging_bytes, argument="staging_bytes", scale=1 << 20
         )
         self.max_batch = _setting(ENV_MAX_BATCH, 0, given=max_batch, argument="max_batch", zero=True)
         self.cost = cost_model or calibration.saved_profile(runtime.get_device_name(self._device))
