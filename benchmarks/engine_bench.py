@@ -146,6 +146,16 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
     return out
 
 
+def submit_random(worker, rng, blocks: int, per_job: int, direction: str, job_id: int) -> None:
+    """Submit job `job_id` of `per_job` random device blocks and as many random host blocks."""
+    dev = DeviceBlocks(rng.choice(blocks, per_job, replace=False))
+    host = HostBlocks(rng.choice(blocks, per_job, replace=False))
+    if direction == "store":
+        worker.submit_store(job_id, dev, host)
+    else:
+        worker.submit_load(job_id, host, dev)
+
+
 def interference(
     backend, page: int, per_job: int, layers: int, jobs: int, seed: int = 0, direction: str = "store", rounds: int = 5
 ) -> dict:
@@ -186,12 +196,7 @@ def interference(
         for _ in range(rounds + 1):
             alone.append(matmuls())
             for _ in range(jobs):
-                dev = DeviceBlocks(rng.choice(blocks, per_job, replace=False))
-                host = HostBlocks(rng.choice(blocks, per_job, replace=False))
-                if direction == "store":
-                    worker.submit_store(ids, dev, host)
-                else:
-                    worker.submit_load(ids, host, dev)
+                submit_random(worker, rng, blocks, per_job, direction, ids)
                 ids += 1
             busy.append(matmuls())
             worker.wait(range(ids))

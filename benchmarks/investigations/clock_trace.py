@@ -28,12 +28,16 @@ import tempfile
 import threading
 import time
 from datetime import datetime
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
+from offload_core import KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
 from offload_core.backends.cuda import CudaBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine_bench import submit_random  # noqa: E402
 
 FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu"
 REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer, older drivers
@@ -87,12 +91,7 @@ def phase(worker, a, rng, blocks: int, per_job: int, seconds: float, direction: 
         # stream (a store must see what kernels wrote), and the default one holds the matmuls.
         torch.cuda.set_stream(torch.cuda.Stream())
         while not stop.is_set():
-            dev = DeviceBlocks(rng.choice(blocks, per_job, replace=False))
-            host = HostBlocks(rng.choice(blocks, per_job, replace=False))
-            if direction == "store":
-                worker.submit_store(ids, dev, host)
-            else:
-                worker.submit_load(ids, host, dev)
+            submit_random(worker, rng, blocks, per_job, direction, ids)
             ids += 1
             if ids - first > 64:
                 worker.wait([ids - 65])
