@@ -42,6 +42,7 @@ import weakref
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -208,6 +209,7 @@ class TransferQueue:
         self._pending: deque[_Pending] = deque()  # compact jobs waiting for a launch
         self._pending_bytes = 0  # their bytes
         self._launching: set[int] = set()  # ids of the launch being enqueued
+        self._taken: list | None = None  # that launch's batch, as `_take` returned it
         self._unreported: list[TransferResult] = []  # taken from `_jobs` by a `poll` not yet returned
         self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
         self._launcher: threading.Thread | None = None
@@ -387,12 +389,15 @@ class TransferQueue:
                 if pos < 0 and self._launching.isdisjoint(wanted):
                     break
                 if pos < 0 or self._launching:
-                    self._launched.wait()
+                    self._launched.wait(IDLE_POLL_S)  # a notify that Ctrl-C cut short is not waited for forever
                     continue
                 batch = self._take(pos + 1)
                 self._lock.release()
                 try:
                     self._run_quietly(batch)
+                except BaseException:  # Ctrl-C before `_run` could fail the batch itself
+                    self.abandon(batch)
+                    raise
                 finally:
                     self._lock.acquire()
             last = None
@@ -414,12 +419,15 @@ class TransferQueue:
         with self._lock:
             while self._pending or self._launching:
                 if self._launching:
-                    self._launched.wait()
+                    self._launched.wait(IDLE_POLL_S)
                     continue
                 batch = self._take()
                 self._lock.release()
                 try:
                     self._run_quietly(batch)
+                except BaseException:
+                    self.abandon(batch)
+                    raise
                 finally:
                     self._lock.acquire()
             ends = [job.end for job in self._jobs if job.end is not None]
@@ -545,10 +553,11 @@ class TransferQueue:
         """Fail `batch`, taken to launch (`_take`), if its launch has not recorded it: its
         waiters get failed results instead of waiting for ever. Nothing if it was recorded."""
         with self._lock:
-            if batch[0].job_id in self._launching:  # ids are unique among jobs in flight
+            # The batch itself, not its ids: they may have been returned and queued again since.
+            if self._taken is batch:
                 for p in batch:
                     self._jobs.append(_Job(p.job_id, None, None, p.job.nbytes, None, "", failed=True))
-                self._launching = set()
+                self._launching, self._taken = set(), None
                 self._launched.notify_all()
 
     def _burst_full(self) -> bool:
@@ -579,9 +588,14 @@ class TransferQueue:
             if take < size or size == n:
                 break
             size = min(n, 4 * size)
-        batch = [pending.popleft() for _ in range(take)]
-        self._pending_bytes -= sum(p.job.nbytes for p in batch)
-        self._launching = {p.job_id for p in batch}
+        batch = list(islice(pending, take))
+        nbytes = sum(p.job.nbytes for p in batch)
+        ids = {p.job_id for p in batch}
+        rest = deque(islice(pending, take, None))
+        # No Python call from here (where a Ctrl-C may land): the jobs leave `_pending` as they
+        # are marked launching, so `abandon` or a launch always accounts for them.
+        self._pending, self._launching, self._taken = rest, ids, batch
+        self._pending_bytes -= nbytes
         return batch
 
     def _launch(self, batch: list[_Pending], background: bool = False) -> None:
@@ -638,7 +652,7 @@ class TransferQueue:
                 # Recorded and released in one step: `_run` fails a batch still marked launching, so
                 # nothing that can raise (a backend's odd mechanism in the stats, say) comes between.
                 self._jobs.extend(entries)
-                self._launching = set()
+                self._launching, self._taken = set(), None
                 self._launched.notify_all()
                 self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
                 if failed is None:

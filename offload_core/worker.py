@@ -137,7 +137,9 @@ class OffloadWorker:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when the last submit under way ends
         self._in_flight: set[int] = set()  # job ids reserved or queued, both directions
-        self._reserved: set[int] = set()  # ids of Python-path submits under way, not yet queued
+        # ids of Python-path submits under way, and how many: a queued job's id may be returned
+        # and submitted again before the first submit's clean-up has run
+        self._reserved: dict[int, int] = {}
         self._submitting = 0
         self._closed = False
         # per lane, results `shutdown` collected, in order: returned before what the lane has since
@@ -209,8 +211,18 @@ class OffloadWorker:
                 log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
                 return False
             if batch is not NotImplemented:
-                if batch is not None:
-                    self._launch_submitted(queue, batch)
+                if batch is not None:  # a launch the submit took, counted as a submit under way
+                    # Here, not in a method: a Ctrl-C at a call's entry would come before its `try`.
+                    try:
+                        queue.launch_taken(batch)
+                    except BaseException:  # Ctrl-C before the launch began: its jobs fail rather than hang
+                        queue.abandon(batch)
+                        raise
+                    finally:
+                        with self._lock:
+                            self._submitting -= 1
+                            if not self._submitting and self._closed:
+                                self._idle.notify_all()
                 return True
         self._same_process()
         job_id = integer(job_id, "job_id")
@@ -231,7 +243,7 @@ class OffloadWorker:
             if job_id in self._in_flight:
                 raise InvalidSpecError(f"job id {job_id} is still in flight")
             self._in_flight.add(job_id)
-            self._reserved.add(job_id)
+            self._reserved[job_id] = self._reserved.get(job_id, 0) + 1
             self._submitting += 1
         try:
             if self._region is not None and time.monotonic() >= self._next_region_check:
@@ -257,7 +269,9 @@ class OffloadWorker:
             with self._lock:
                 # The count first: a Ctrl-C in what follows must not leave `shutdown` waiting for it.
                 self._submitting -= 1
-                self._reserved.discard(job_id)
+                left = self._reserved.pop(job_id) - 1
+                if left:
+                    self._reserved[job_id] = left
                 # a compact job interrupted (Ctrl-C) while its submit launched it is queued: its result will come
                 if not queued and job_id not in queue:
                     self._in_flight.discard(job_id)
@@ -273,20 +287,6 @@ class OffloadWorker:
             or any(job_id in queue or queue.holds_result(job_id) for queue in self._lanes)
             or any(r.job_id == job_id for results in self._drained for r in results)
         )
-
-    def _launch_submitted(self, queue: TransferQueue, batch: list) -> None:
-        """The launch a compiled submit took (`_native.submit_simple`), which counted itself as a
-        submit under way: `shutdown` waits for it."""
-        try:
-            queue.launch_taken(batch)
-        except BaseException:  # Ctrl-C before the launch began: its jobs fail rather than hang
-            queue.abandon(batch)
-            raise
-        finally:
-            with self._lock:
-                self._submitting -= 1
-                if not self._submitting and self._closed:
-                    self._idle.notify_all()
 
     def stats(self) -> dict[str, QueueStats]:
         """Counters per lane (``"store"``, ``"load"``, ``"expedited_load"``): jobs, bytes, descriptors after merging

@@ -63,7 +63,7 @@ def test_ctrl_c_before_a_submit_launches_its_jobs_fails_them_instead_of_hanging(
     worker = make_worker(ExpandingCpuBackend(), native, monkeypatch)
     worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))
     worker.wait([0])
-    ctrl_c_at("launch_taken", "_submit_compact" if native == "0" else "_launch_submitted", ".py")
+    ctrl_c_at("launch_taken", "_submit_compact" if native == "0" else "_submit", ".py")
     try:
         with pytest.raises(KeyboardInterrupt):
             worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1]))
@@ -122,3 +122,61 @@ def test_ctrl_c_in_get_finished_keeps_results_collected_before(monkeypatch):
         sys.settrace(None)
     assert [r.job_id for r in worker.get_finished()] == [0, 1]
     assert finishes(worker, [])
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_ctrl_c_as_a_launch_takes_its_jobs_loses_none(native, monkeypatch):
+    """The Ctrl-C lands in `_take` as it sums the jobs it takes: the job is still waiting, or it is
+    launched or failed; either way its result comes and its id is free again."""
+    if native == "1":
+        compiled_or_skip(True)
+    worker = make_worker(ExpandingCpuBackend(), native, monkeypatch)
+    ctrl_c_at("<genexpr>", "_take", "queue.py")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))
+    finally:
+        sys.settrace(None)
+    worker.wait([0])
+    assert [r.job_id for r in worker.get_finished()] == [0]
+    assert worker.submit_store(0, DeviceBlocks([1]), HostBlocks([1]))
+    assert finishes(worker, [0])
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+@pytest.mark.parametrize("where", ["wait", "finish"])
+def test_ctrl_c_as_wait_or_shutdown_launches_waiting_jobs_leaves_them_free(where, native, monkeypatch):
+    """`wait` (and `shutdown`, through `finish`) launches jobs still waiting for a launch; a Ctrl-C
+    as it begins to fails them rather than leave every later `wait` and `shutdown` hanging."""
+    if native == "1":
+        compiled_or_skip(True)
+    for _ in range(20):  # the launcher thread may take the jobs first: then again
+        backend = ExpandingCpuBackend()
+        worker = make_worker(backend, native, monkeypatch)
+        go = threading.Event()
+        backend.current_stream().launch(go.wait)  # the compute stream busy: jobs wait for a launch
+        for job_id in range(4):
+            assert worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
+        hit = []
+
+        def tracer(frame, event, arg):
+            if event == "call" and frame.f_code.co_name == "_run_quietly" and frame.f_back.f_code.co_name == where:
+                sys.settrace(None)
+                hit.append(True)
+                raise KeyboardInterrupt
+            return None
+
+        sys.settrace(tracer)
+        try:
+            worker.wait([3]) if where == "wait" else worker.shutdown()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        go.set()
+        if hit:
+            break
+        worker.shutdown()
+    assert hit, "the launcher took the jobs every time"
+    assert finishes(worker, [0, 1, 2, 3])
+    assert sorted(r.job_id for r in worker.get_finished()) == [0, 1, 2, 3]

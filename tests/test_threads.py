@@ -136,6 +136,54 @@ def test_one_job_id_from_two_threads_is_accepted_once(expanding):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("expanding", [False, True], ids=["planned", "compact"])
+def test_one_id_resubmitted_as_soon_as_returned_is_never_twice_in_flight(expanding):
+    """Three threads submit one id on random lanes while a fourth returns results: a submit's
+    clean-up may run after its job's result was returned and the id submitted again, and must
+    not free the new submit's hold on it. Each accepted job is reported once, never two at once."""
+    from offload_core.testing.expanding import ExpandingCpuBackend
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # many thread switches: the windows between a submit's steps open
+    kv = small_kv(blocks=16)
+    worker = OffloadWorker(kv, 16, backend=ExpandingCpuBackend() if expanding else "cpu")
+    accepted, reported, twice = [0, 0, 0], [0], []  # accepted: one count per thread
+    done = threading.Event()
+
+    def submit(seed):
+        rng = np.random.default_rng(seed)
+        while not done.is_set():
+            lane, block = int(rng.integers(3)), int(rng.integers(16))
+            try:
+                if lane == 0:
+                    ok = worker.submit_store(5, DeviceBlocks([block]), HostBlocks([block]))
+                else:
+                    ok = worker.submit_load(5, HostBlocks([block]), DeviceBlocks([block]), expedited=lane == 2)
+            except InvalidSpecError:
+                continue
+            accepted[seed] += ok
+            if sum(accepted) >= 1500:
+                done.set()
+
+    def poll():
+        while not done.is_set():
+            ids = [r.job_id for r in worker.get_finished()]
+            reported[0] += len(ids)
+            if len(ids) > 1:
+                twice.append(ids)
+
+    try:
+        _run_threads([lambda s=s: submit(s) for s in range(3)] + [poll])
+    finally:
+        sys.setswitchinterval(interval)
+    worker.wait([5])
+    reported[0] += len(worker.get_finished())
+    worker.shutdown()
+    assert not twice, f"one id reported twice by one call: {twice[:3]}"
+    assert reported[0] == sum(accepted)
+
+
+@pytest.mark.cpu
 def test_shutdown_from_two_threads_returns_after_the_drain():
     backend = get_backend("cpu")
     kv = small_kv(pages=(1 << 20,), blocks=8)
