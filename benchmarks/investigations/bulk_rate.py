@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import sys
 
 import numpy as np
 import torch
-from direct_rate import link_gbps  # beside this file
+from direct_rate import link_gbps, report_slowdown, write_json  # beside this file
 
 from offload_core.backends.cuda import kernels
 
@@ -238,12 +237,8 @@ def main() -> None:
                 launch(table, side)
             busy.append(loop())
             torch.cuda.synchronize()
-        slow = np.median(busy) / np.median(alone) - 1
-        rows.append(dict(interference=spec, slowdown=float(slow), alone_ms=float(np.median(alone))))
-        print(f"matmul beside {spec}: {np.median(alone):.2f} ms alone, {slow:+.1%}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"link": link, "rows": rows}, f, indent=1)
+        report_slowdown(rows, spec, alone, busy)
+    write_json(args.json, link, rows)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,19 @@ def link_gbps(nbytes: int) -> dict:
     return out
 
 
+def report_slowdown(rows: list, spec: str, alone: list, busy: list) -> None:
+    """Add and print the matmul's slowdown beside `spec`: the median of `busy` loops against `alone`."""
+    slow = np.median(busy) / np.median(alone) - 1
+    rows.append(dict(interference=spec, slowdown=float(slow), alone_ms=float(np.median(alone))))
+    print(f"matmul beside {spec}: {np.median(alone):.2f} ms alone, {slow:+.1%}", flush=True)
+
+
+def write_json(path: str | None, link: dict, rows: list) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"link": link, "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pages", default="256,1024,4096")

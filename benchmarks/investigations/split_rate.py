@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import sys
 import time
 
 import numpy as np
 import torch
-from direct_rate import link_gbps  # beside this file
+from direct_rate import link_gbps, report_slowdown, write_json  # beside this file
 
 from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver
@@ -252,12 +251,8 @@ def main() -> None:
         for _ in range(args.rounds):
             alone.append(loop())
             busy.append(loop(jobs, run))
-        slow = np.median(busy) / np.median(alone) - 1
-        rows.append(dict(interference=spec, slowdown=float(slow), alone_ms=float(np.median(alone))))
-        print(f"matmul beside {spec}: {np.median(alone):.2f} ms alone, {slow:+.1%}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"link": link, "rows": rows}, f, indent=1)
+        report_slowdown(rows, spec, alone, busy)
+    write_json(args.json, link, rows)
 
 
 if __name__ == "__main__":
