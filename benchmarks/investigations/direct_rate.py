@@ -45,6 +45,20 @@ def link_gbps(nbytes: int) -> dict:
     return out
 
 
+def kv_entries(page: int, tensors: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Random KV tensors of `page`-byte pages (at most 512 MiB) and their expansion table on the
+    host (one entry per tensor: base, page, host offset within a row); returns (blocks, kv, entries)."""
+    blocks = min(8192, (512 << 20) // (tensors * page))
+    kv = torch.randint(-128, 128, (tensors, blocks, page), dtype=torch.int8, device="cuda")
+    entries = torch.zeros((8, tensors), dtype=torch.int64)
+    entries[0] = torch.tensor([kv[t].data_ptr() for t in range(tensors)])
+    entries[1] = page
+    entries[3] = torch.arange(tensors) * page
+    entries[5] = page
+    entries[6] = 1
+    return blocks, kv, entries
+
+
 def report_slowdown(rows: list, spec: str, alone: list, busy: list) -> None:
     """Add and print the matmul's slowdown beside `spec`: the median of `busy` loops against `alone`."""
     slow = np.median(busy) / np.median(alone) - 1

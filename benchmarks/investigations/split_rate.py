@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 import torch
-from direct_rate import link_gbps, report_slowdown, write_json  # beside this file
+from direct_rate import kv_entries, link_gbps, report_slowdown, write_json  # beside this file
 
 from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver
@@ -63,15 +63,8 @@ def main() -> None:
     a_stream, g_stream, c_stream = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
 
     def setup(page):
-        blocks = min(8192, (512 << 20) // (TENSORS * page))
-        kv = torch.randint(-128, 128, (TENSORS, blocks, page), dtype=torch.int8, device="cuda")
+        blocks, kv, entries = kv_entries(page, TENSORS)
         host = torch.zeros(blocks, TENSORS * page, dtype=torch.int8, pin_memory=True)
-        entries = torch.zeros((8, TENSORS), dtype=torch.int64)
-        entries[0] = torch.tensor([kv[t].data_ptr() for t in range(TENSORS)])
-        entries[1] = page
-        entries[3] = torch.arange(TENSORS) * page
-        entries[5] = page
-        entries[6] = 1
         groups = torch.tensor([[0], [TENSORS]], dtype=torch.int64, device="cuda")
         staging = torch.empty(args.jobs, JOB, dtype=torch.int8, device="cuda")  # one region a job: no reuse hazard
         return blocks, kv, host, entries.cuda(), groups, staging
