@@ -141,6 +141,12 @@ class CompactJob:
             self.layout, self.direction, None, ordered, self.groups, self.nbytes, self.items, devs, self.jobs
         )
 
+    def tail(self, first: int) -> CompactJob:
+        """A simple job's blocks from `first` on, as a job of their own (for a backend that
+        sends parts of a job different ways); `jobs` stays this job's."""
+        assert self._blocks is None, "only a simple job's blocks are its chunks"
+        return self.layout._single(self.direction, self.dev_ids[first:], self.host_ids[first:], self.jobs)
+
     @staticmethod
     def concat(jobs: list[CompactJob]) -> CompactJob:
         """Consecutive jobs of one layout and direction as one job (their chunks renumbered).
@@ -334,12 +340,17 @@ class CompactLayout:
             or (has_duplicates(host_ids, self.host_blocks) if store else has_duplicates(dev_ids, limit))
         ):
             return None
-        if store and self._periods[0] > 1:
+        return self._single(direction, dev_ids, host_ids)
+
+    def _single(self, direction: Direction, dev_ids: np.ndarray, host_ids: np.ndarray, jobs: int = 1) -> CompactJob:
+        """The simple job of checked ids (`CompactJob.simple`)."""
+        n = dev_ids.size
+        if direction is Direction.STORE and self._periods[0] > 1:
             nbytes = int(self._elected(0, host_ids).sum())
         else:
             nbytes = n * self._entry_bytes[0]
         groups = ((0, 0, n, 0, n, 0),)
-        return CompactJob(self, direction, None, host_ids, groups, nbytes, n * self._single_entries, dev_ids)
+        return CompactJob(self, direction, None, host_ids, groups, nbytes, n * self._single_entries, dev_ids, jobs)
 
     def _elected(self, group: int, pages: np.ndarray) -> np.ndarray:
         """Bytes each (block, entry) of `group` stores, given the blocks' canonical page ids."""

@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from offload_core.backend import Direction
-from offload_core.backends.cuda import MECHANISMS, kernels, staging
+from offload_core.backends.cuda import BLOCK_MECHANISMS, MECHANISMS, kernels, staging
 from offload_core.backends.cuda import blocks as cuda_blocks
 from offload_core.backends.cuda import driver as drv
 from offload_core.backends.cuda.events import DriverEvent, RawStream
@@ -699,11 +699,10 @@ def copies(lib):
 
 
 def test_the_table_lists_every_mechanism_once_batch_ones_in_order_of_preference():
-    from offload_core.backends.cuda import BLOCK_MECHANISMS
     from offload_core.backends.cuda.mechanisms import TABLE
 
     assert MECHANISMS == ("ce_batch", "staged", "sm_gather", "ce_loop")
-    assert BLOCK_MECHANISMS == ("expand_staged", "expand_direct")
+    assert BLOCK_MECHANISMS == ("expand_staged", "expand_direct", "expand_split")
     assert tuple(TABLE) == MECHANISMS + BLOCK_MECHANISMS
     assert all(name == m.name for name, m in TABLE.items())
 
@@ -712,16 +711,12 @@ def test_availability_comes_from_the_table(monkeypatch):
     backend = host_only_backend(monkeypatch, FakeLib(with_batch=False), triton=False)
     assert backend.available_mechanisms == ("ce_loop",)
     assert "12.8" in backend.why_unavailable("ce_batch")
-    assert all(
-        "triton" in backend.why_unavailable(m) for m in ("staged", "sm_gather", "expand_staged", "expand_direct")
-    )
+    assert all("triton" in backend.why_unavailable(m) for m in ("staged", "sm_gather", *BLOCK_MECHANISMS))
     assert backend.why_unavailable("nosuch") == (
-        "unknown mechanism; choose one of ce_batch, staged, sm_gather, ce_loop, expand_staged, expand_direct or auto"
+        "unknown mechanism; choose one of ce_batch, staged, sm_gather, ce_loop, expand_staged, expand_direct,"
+        " expand_split or auto"
     )
-    assert host_only_backend(monkeypatch, FakeLib()).available_mechanisms == MECHANISMS + (
-        "expand_staged",
-        "expand_direct",
-    )
+    assert host_only_backend(monkeypatch, FakeLib()).available_mechanisms == MECHANISMS + BLOCK_MECHANISMS
 
 
 def test_auto_weighs_the_available_batch_mechanisms_a_fallback_only_without_its_original(monkeypatch):

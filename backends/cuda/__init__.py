@@ -73,7 +73,9 @@ class CudaBackend(TorchDeviceBackend):
         device_index: the GPU.
         mechanism: ``"auto"``, one of ``ce_batch``, ``sm_gather``, ``staged``, ``ce_loop`` (a
             worker then plans descriptors on the host) or one of ``expand_staged``,
-            ``expand_direct`` (a worker's jobs; other batches as auto); default
+            ``expand_direct``, ``expand_split`` (a worker's jobs; other batches as auto;
+            ``expand_split`` splits stores between the two others, for more of the link at
+            the cost of two SMs, and stages loads); default
             ``$OFFLOAD_CORE_CUDA_MECHANISM`` or ``"auto"``.
         max_programs: the programs of the kernels that copy across the link (the SMs they
             may occupy), both directions, every launch; default ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS``.

@@ -15,13 +15,16 @@ and enqueues one expansion kernel and at most one batch of copies per piece:
   jobs whose segments are too small for the copy engines (a single tensor's pages in
   scattered host blocks), and for small jobs, which the host's time per job bounds (on few
   programs: `BlockCopier.direct_programs`);
+* ``expand_split``, only where forced: a store's first half of blocks as ``expand_direct`` on
+  a stream of their own, the rest as ``expand_staged``, at once: the SMs and the copy engines
+  together move mid-sized stores faster than either alone, at the cost of two SMs;
 * ``ce_batch`` (host-expanded): the descriptors, expanded on the host, in one batched copy, for
   jobs whose host row does not fit a staging half or whose copies the gather would not join.
 
 Staging takes ``2 * half_bytes`` of device memory per queue stream, allocated on first use
 (`staging.StagingHalves`). A job larger than a half is cut into pieces of whole host rows.
 
-Each is an object (`JobMechanism`); both stand in `mechanisms.TABLE` beside the batch
+Each is an object (`JobMechanism`); they stand in `mechanisms.TABLE` beside the batch
 mechanisms, which says whether they can run.
 """
 
@@ -88,6 +91,11 @@ GATHER_PIECES = 4
 DEFAULT_SM_PENALTY = CostModel.__dataclass_fields__["sm_penalty"].default  # raised: spare the SMs
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
 JOIN_BACKOFF = 64  # launches that go to `BlockCopier.copy` at most after a declined joined launch
+# `expand_split`'s share of a store's blocks sent direct. 4 MiB stores of 1-4 KiB pages over 64
+# tensors on the H200, device time: half to 5/8 direct (on 2 programs) moved 0.91-0.96 of the
+# link, against 0.76-0.85 direct alone and 0.84-0.90 staged alone; loads gained nothing over
+# staging (docs/dev/cuda-tuning-log.md, 2026-12-03 (21)).
+SPLIT_DIRECT_SHARE = 0.5
 
 
 class Prepared:
@@ -286,6 +294,8 @@ class BlockCopier:
         """Enqueue `job` on `stream` (the queue's, which waits for `after` already: the compute
         streams' events) by `forced`, or by what `choose` picks; returns the mechanism used."""
         mechanism = forced or self.choose(job, prepared)
+        if mechanism is EXPAND_SPLIT and not self.split_at(job):
+            mechanism = EXPAND_STAGED
         segments = prepared.layout.segments(job) if mechanism.needs_segments else None
         mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
         return mechanism.name
@@ -395,6 +405,28 @@ class BlockCopier:
             held,
             b.device_index,
         )
+
+    @staticmethod
+    def split_at(job: CompactJob) -> int:
+        """How many of `job`'s first blocks ``expand_split`` sends direct: `SPLIT_DIRECT_SHARE`
+        of a store's blocks, at least one each way, where the job is simple (block i in chunk
+        i: the rest is a job of its own, `CompactJob.tail`); else 0, all staged."""
+        n = len(job)
+        if job.direction is not Direction.STORE or not job.simple or n < 2:
+            return 0
+        return min(n - 1, max(1, round(n * SPLIT_DIRECT_SHARE)))
+
+    def direct_side(self, st: StagingHalves):
+        """The stream of ``expand_split``'s direct part beside `st`'s queue stream, and its two
+        events, made at the first split job."""
+        if st.direct is None:
+            b = self.backend
+            stream = b.new_stream()
+            if b._poster is not None:
+                b._poster.adopt(stream)
+            st.direct_go, st.direct_done = b._marker(), b._marker()
+            st.direct = stream
+        return st.direct
 
     @property
     def device_bytes(self) -> int:
@@ -537,7 +569,43 @@ class ExpandStaged(_Expansion):
                 free.record(stream)
 
 
-HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT = HostExpanded(), ExpandStaged(), ExpandDirect()
+class ExpandSplit(_Expansion):
+    """Stores: the first `SPLIT_DIRECT_SHARE` of a job's blocks go straight to their host rows
+    (as ``expand_direct``, on `MIN_STORE_PROGRAMS` programs, on a stream of their own) while the
+    rest is staged (as ``expand_staged``), so that the SMs and the copy engines cross the link
+    at once. For an engine that prefers the link to a few percent of its compute; never auto's
+    choice. Loads, jobs of one block and jobs of several groups or chunks of several blocks go
+    as ``expand_staged`` (`BlockCopier.split_at`)."""
+
+    name = "expand_split"
+
+    def refuses_layout(self, copier, prepared) -> str | None:
+        return EXPAND_STAGED.refuses_layout(copier, prepared) or EXPAND_DIRECT.refuses_layout(copier, prepared)
+
+    def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
+        k = copier.split_at(job)  # more than 0: `BlockCopier.copy` stages the jobs it cannot split
+        st = copier.staging.for_stream(stream)
+        direct = copier.direct_side(st)
+        # The queue's stream waits for the compute streams (`after`) and for the jobs before
+        # this one, which may write the same host rows: the direct part starts where it stands
+        # now, beside this job's staged part, not after it.
+        st.direct_go.record(stream)
+        direct.wait_event(st.direct_go)
+        copier.expand(
+            job, prepared, 0, k, direct, held, min(MIN_STORE_PROGRAMS, copier.backend.sm_programs[job.direction])
+        )
+        rest = job.tail(k)
+        EXPAND_STAGED.enqueue_job(copier, rest, prepared, prepared.layout.segments(rest), stream, after, held)
+        st.direct_done.record(direct)
+        stream.wait_event(st.direct_done)  # the job, and what follows it on the queue's stream, ends after both
+
+
+HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT = (
+    HostExpanded(),
+    ExpandStaged(),
+    ExpandDirect(),
+    ExpandSplit(),
+)
 
 
 def _mid_sized_store(direction: Direction, layout: CompactLayout) -> bool:

@@ -10,9 +10,10 @@ A batch of descriptors (`CudaBackend.copy_batch`) goes by one of:
   unified address; fast for small fragments, but it occupies SMs;
 * ``ce_loop``: one ``cuMemcpyAsync`` per descriptor, for drivers without the batch API.
 
-A worker's compact jobs go by ``expand_staged`` or ``expand_direct`` (`blocks`), listed here
-too so that availability and names come from one table. Mechanisms keep no state: what they
-need (driver, descriptor ring, staging) belongs to the backend they are handed.
+A worker's compact jobs go by ``expand_staged`` or ``expand_direct`` (`blocks`), or, where
+forced, ``expand_split``, listed here too so that availability and names come from one table.
+Mechanisms keep no state: what they need (driver, descriptor ring, staging) belongs to the
+backend they are handed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from offload_core.backend import Direction
 from offload_core.backends.cuda import kernels, staging
-from offload_core.backends.cuda.blocks import EXPAND_DIRECT, EXPAND_STAGED
+from offload_core.backends.cuda.blocks import EXPAND_DIRECT, EXPAND_SPLIT, EXPAND_STAGED
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 from offload_core.backends.cuda.select import BatchSummary
 from offload_core.runs import run_starts
@@ -236,7 +237,7 @@ CE_BATCH, STAGED, SM_GATHER, CE_LOOP = CeBatch(), Staged(), SmGather(), CeLoop()
 # Every mechanism by name. The batch mechanisms come in order of preference on a tie in the
 # cost model: copy engines first, then staging (SMs for a moment), then the SM kernel (SMs
 # for the whole transfer), then the per-copy loop.
-TABLE: dict = {m.name: m for m in (CE_BATCH, STAGED, SM_GATHER, CE_LOOP, EXPAND_STAGED, EXPAND_DIRECT)}
+TABLE: dict = {m.name: m for m in (CE_BATCH, STAGED, SM_GATHER, CE_LOOP, EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT)}
 MECHANISMS = tuple(name for name, m in TABLE.items() if m.takes_batches)  # for descriptor batches
 BLOCK_MECHANISMS = tuple(name for name, m in TABLE.items() if not m.takes_batches)  # for compact jobs (a worker's)
 
