@@ -905,6 +905,7 @@ def _launch(direction, job_bytes, jobs, row_bytes=65536, runs=None, tensors=64, 
         jobs=jobs,
         layout=layout,
         host_ids=np.empty(rows),
+        simple=True,
     )
     return job, SimpleNamespace(layout=layout, whole_rows=dict.fromkeys(Direction, whole_rows))
 
@@ -945,6 +946,42 @@ def test_stores_of_mid_sized_pages_go_straight_up_to_a_few_mib_a_job(job_bytes, 
     assert _copier(penalty=3.0).choose(*_launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)).name == (
         "expand_staged"
     )
+
+
+@pytest.mark.parametrize(
+    "job_bytes, row_bytes, expected",
+    [
+        (4 << 20, 65536, "expand_split"),  # 1 KiB pages: larger than the host-bound jobs
+        (4 << 20, 64 * 4096, "expand_split"),  # 4 KiB pages
+        (32 << 20, 64 * 4096, "expand_split"),
+        (1 << 20, 65536, "expand_direct"),  # bound by the host's time per job: as before
+        (4 << 20, 64 * 8192, None),  # 8 KiB and 512 B pages: not split (the cost model's choice)
+        (4 << 20, 64 * 512, None),
+    ],
+)
+def test_an_engine_that_lowers_the_sm_penalty_splits_mid_sized_stores(job_bytes, row_bytes, expected):
+    """Below the default penalty, stores the default sends to expand_direct (or, larger, to
+    staging) go to expand_split: two SMs and the copy engines on the link at once."""
+    launch = _launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)
+    chosen = _copier(penalty=1.0).choose(*launch).name
+    assert chosen == expected if expected else chosen != "expand_split"
+    assert _copier(penalty=1.0).choose(*_launch(Direction.LOAD, job_bytes, 14, row_bytes=row_bytes)).name != (
+        "expand_split"
+    )
+    runs = _launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes, runs=1)  # host rows in one run: staged
+    assert _copier(penalty=1.0).choose(*runs).name != "expand_split"
+    assert _copier().choose(*launch).name != "expand_split"  # the default never splits
+
+
+def test_a_split_sends_half_a_simple_stores_blocks_direct():
+    from offload_core.backends.cuda.blocks import BlockCopier
+
+    def job(n, direction=Direction.STORE, simple=True):
+        return SimpleNamespace(direction=direction, simple=simple, host_ids=np.arange(n))
+
+    assert [BlockCopier.split_at(job(n)) for n in (1, 2, 3, 16, 64)] == [0, 1, 2, 8, 32]
+    assert BlockCopier.split_at(job(16, Direction.LOAD)) == 0
+    assert BlockCopier.split_at(job(16, simple=False)) == 0
 
 
 @pytest.mark.parametrize("direction", list(Direction))

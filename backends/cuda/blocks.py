@@ -15,9 +15,10 @@ and enqueues one expansion kernel and at most one batch of copies per piece:
   jobs whose segments are too small for the copy engines (a single tensor's pages in
   scattered host blocks), and for small jobs, which the host's time per job bounds (on few
   programs: `BlockCopier.direct_programs`);
-* ``expand_split``, only where forced: a store's first half of blocks as ``expand_direct`` on
-  a stream of their own, the rest as ``expand_staged``, at once: the SMs and the copy engines
-  together move mid-sized stores faster than either alone, at the cost of two SMs;
+* ``expand_split``: a store's first half of blocks as ``expand_direct`` on a stream of their
+  own, the rest as ``expand_staged``, at once: the SMs and the copy engines together move
+  mid-sized stores faster than either alone, at the cost of two SMs. Auto takes it only where
+  the SM penalty is lowered below its default (`BlockCopier._splits`);
 * ``ce_batch`` (host-expanded): the descriptors, expanded on the host, in one batched copy, for
   jobs whose host row does not fit a staging half or whose copies the gather would not join.
 
@@ -196,7 +197,9 @@ class BlockCopier:
         """``expand_direct`` for small jobs (`HOST_BOUND_BYTES` on average; stores of pages from
         `SIZED_PAGE` to `DIRECT_STORE_PAGE` up to `DIRECT_STORE_BYTES`) whose host rows stay
         mostly apart (segments at least half the rows), where the rows are addressable and the
-        cost model's SM penalty is not raised above its default. Otherwise what the cost model
+        cost model's SM penalty is not raised above its default (where it is lowered below it,
+        stores of those pages up to `HOST_BOUND_BYTES` only; larger ones, their rows apart, go
+        to ``expand_split``: `_splits`). Otherwise what the cost model
         (`select.CostModel.estimate_job`) finds cheaper: ``expand_staged``, or ``expand_direct``
         where the host rows are addressable and the segments too small for the copy engines, or,
         on loads, mostly small enough that the batch call moves them through the CPU (ties go to
@@ -214,6 +217,8 @@ class BlockCopier:
         count, small = prepared.layout.segment_summary(job, self._small_limit(job.direction))
         if self._host_bound(job, count) and self.direct_ok(prepared):
             return EXPAND_DIRECT
+        if self._splits(job, count) and self.direct_ok(prepared):
+            return EXPAND_SPLIT
         if self._nothing_to_gather(job.layout, job.items, count):
             return HOST_EXPANDED
         if self._direct_by_cost(job.direction, job.items, job.nbytes, count, small) and self.direct_ok(prepared):
@@ -235,6 +240,19 @@ class BlockCopier:
         staged = cost.estimate_job("expand_staged", d, items, nbytes, count, small)
         return cost.estimate_job("expand_direct", d, items, nbytes, count) < 0.98 * staged
 
+    def _splits(self, job: CompactJob, segments: int) -> bool:
+        """Whether auto sends `job` to ``expand_split``: where the SM penalty is lowered below its
+        default (the engine prefers the link to its SMs), stores of entries from `SIZED_PAGE` to
+        `DIRECT_STORE_PAGE` whose jobs average more than `HOST_BOUND_BYTES`, their host rows mostly
+        apart (segments at least half the rows), that `split_at` can split."""
+        if self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY or not _mid_sized_store(job.direction, job.layout):
+            return False
+        return (
+            job.nbytes > HOST_BOUND_BYTES * max(1, job.jobs)
+            and 2 * segments >= job.host_ids.size
+            and bool(self.split_at(job))
+        )
+
     def _host_bound(self, job: CompactJob, segments: int) -> bool:
         """Whether `job`'s jobs are small enough that the host's time per job binds them (or, for
         stores of mid-sized pages, staging's), its host rows mostly apart, and the SMs not spared
@@ -252,9 +270,12 @@ class BlockCopier:
     def _small_jobs(self, direction: Direction, layout: CompactLayout, nbytes: int, jobs: int) -> bool:
         """`_host_bound` without its look at the host rows: `jobs` jobs of `layout` of `nbytes`
         all told."""
-        if self.backend.cost.sm_penalty > DEFAULT_SM_PENALTY:
+        penalty = self.backend.cost.sm_penalty
+        if penalty > DEFAULT_SM_PENALTY:
             return False
-        limit = DIRECT_STORE_BYTES if _mid_sized_store(direction, layout) else HOST_BOUND_BYTES
+        # below the default, the stores that are not bound by the host split instead (`_splits`)
+        mid_sized = _mid_sized_store(direction, layout) and penalty == DEFAULT_SM_PENALTY
+        limit = DIRECT_STORE_BYTES if mid_sized else HOST_BOUND_BYTES
         return nbytes <= limit * max(1, jobs)
 
     def direct_programs(self, job: CompactJob, prepared: Prepared) -> int:
@@ -411,7 +432,7 @@ class BlockCopier:
         """How many of `job`'s first blocks ``expand_split`` sends direct: `SPLIT_DIRECT_SHARE`
         of a store's blocks, at least one each way, where the job is simple (block i in chunk
         i: the rest is a job of its own, `CompactJob.tail`); else 0, all staged."""
-        n = len(job)
+        n = job.host_ids.size  # a simple job's blocks
         if job.direction is not Direction.STORE or not job.simple or n < 2:
             return 0
         return min(n - 1, max(1, round(n * SPLIT_DIRECT_SHARE)))
@@ -573,9 +594,10 @@ class ExpandSplit(_Expansion):
     """Stores: the first `SPLIT_DIRECT_SHARE` of a job's blocks go straight to their host rows
     (as ``expand_direct``, on `MIN_STORE_PROGRAMS` programs, on a stream of their own) while the
     rest is staged (as ``expand_staged``), so that the SMs and the copy engines cross the link
-    at once. For an engine that prefers the link to a few percent of its compute; never auto's
-    choice. Loads, jobs of one block and jobs of several groups or chunks of several blocks go
-    as ``expand_staged`` (`BlockCopier.split_at`)."""
+    at once. For an engine that prefers the link to a few percent of its compute: auto's choice
+    only where its SM penalty is lowered (`BlockCopier._splits`). Loads, jobs of one block and
+    jobs of several groups or chunks of several blocks go as ``expand_staged``
+    (`BlockCopier.split_at`)."""
 
     name = "expand_split"
 

@@ -28,16 +28,12 @@ import tempfile
 import threading
 import time
 from datetime import datetime
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from offload_core import KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
+from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
 from offload_core.backends.cuda import CudaBackend
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_bench import submit_random  # noqa: E402
 
 FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu"
 REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer, older drivers
@@ -90,8 +86,17 @@ def phase(worker, a, rng, blocks: int, per_job: int, seconds: float, direction: 
         # A stream of the thread's own: a job waits for work pending on the caller's current
         # stream (a store must see what kernels wrote), and the default one holds the matmuls.
         torch.cuda.set_stream(torch.cuda.Stream())
+        # Random ids, none shared with a job in flight (a window moving over a permutation), as
+        # an engine's: a job that writes what one in flight writes cuts a launch there, and cut
+        # launches of one or two jobs left these copies at 6-15 GB/s (steady_rate.py)
+        order, span = rng.permutation(blocks), blocks - blocks % per_job
         while not stop.is_set():
-            submit_random(worker, rng, blocks, per_job, direction, ids)
+            at = ((ids - first) * per_job) % span
+            window = DeviceBlocks(order[at : at + per_job]), HostBlocks(order[at : at + per_job])
+            if direction == "store":
+                worker.submit_store(ids, *window)
+            else:
+                worker.submit_load(ids, window[1], window[0])
             ids += 1
             if ids - first > 64:
                 worker.wait([ids - 65])
@@ -148,7 +153,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device("cuda")
-    blocks = 1024
+    blocks = max(1024, 128 * args.per_job)  # twice the windows of the jobs in flight (`phase`)
     tensors = [
         KVCacheTensor(torch.zeros(blocks, args.page, dtype=torch.int8, device=device), args.page)
         for _ in range(2 * args.layers)
