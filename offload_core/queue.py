@@ -402,9 +402,12 @@ class TransferQueue:
                     self._lock.acquire()
             last = None
             if wanted:
-                for job in self._jobs:
+                # The newest named job: it ends last. From the newest end, since an engine waits
+                # for recent jobs, and results it has not taken yet may be thousands.
+                for job in reversed(self._jobs):
                     if job.job_id in wanted:
                         last = job
+                        break
         if last is not None and last.end is not None:
             _settle(last.end)
 

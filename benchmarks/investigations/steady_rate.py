@@ -55,6 +55,9 @@ def run(worker, rng, blocks, per_job, cap, ids, mode, seconds, direction, first_
         flight.append(job_id)
         job_id += 1
         jobs += 1
+        if mode == "keep" and len(flight) >= cap:  # clock_trace's way: results left until the end
+            worker.wait([flight.popleft()])
+            continue
         while len(flight) >= cap:
             if mode == "wait":
                 worker.wait([flight[0]])
