@@ -200,7 +200,9 @@ class TransferQueue:
         self._stream = backend.new_stream()
         self._stream_released = False  # by `close`, once: `release_stream`
         self._enqueue = enqueue_lock(backend)
-        self._lock = threading.Lock()
+        # Re-entrant for its C-level release and restore in `Condition.wait`: a Ctrl-C there
+        # can then not leave the lock released by a `with` block that still holds it.
+        self._lock = threading.RLock()
         self._jobs: deque[_Job] = deque()
         self._ids: set[int] = set()
         self._free_events: list[Event] = []

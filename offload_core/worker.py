@@ -134,7 +134,7 @@ class OffloadWorker:
         self._submit_simple = _compiled_submit(self._layout)
         if host_region is not None:  # last: nothing after it can fail and leave it registered
             self._registered = _pin(backend, self._host)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # as the queue's: `Condition.wait` restores it in C, which Ctrl-C cannot split
         self._idle = threading.Condition(self._lock)  # notified when the last submit under way ends
         self._in_flight: set[int] = set()  # job ids reserved or queued, both directions
         # ids of Python-path submits under way, and how many: a queued job's id may be returned
@@ -154,9 +154,10 @@ class OffloadWorker:
             self._lanes,
             backend,
             self._host,
-            self._registered,
+            [self._registered],  # cleared as it is undone: a shutdown cut short is finished, never repeated
             (kv_caches, self._prepared),
         )
+        self._release: tuple | None = None  # the finalizer's arguments, once `shutdown` detached it
         self._shutdown_lock = threading.Lock()  # held while draining: a second shutdown waits for it
 
     @property
@@ -352,12 +353,16 @@ class OffloadWorker:
                 queue.finish()
                 with self._lock:  # as `get_finished` polls: the lane's results stay in order
                     self._drained[i] += queue.poll()
-            detached = self._finalizer.detach()
-            if detached is not None:
-                lanes = _drain(*detached[2][1:])
+            # Kept once detached: a call cut short after this closes the lanes on the next call.
+            if self._release is None:
+                detached = self._finalizer.detach()
+                self._release = None if detached is None else detached[2][1:]
+            if self._release is not None:
+                lanes = _drain(*self._release)
                 with self._lock:
                     for i, results in enumerate(lanes):
                         self._drained[i] += results
+                self._release = None  # it holds the host memory, a region's view among it
             self.host_tensors = []
             self._layout = self._prepared = None
             self._host = None  # a shared region outlives the worker: its owner closes it
@@ -387,13 +392,17 @@ def _compiled_submit(layout: CompactLayout | None):
     return compiled.submit_simple
 
 
-def _drain(queues, backend: Backend, host, registered: bool, kept) -> list[list[TransferResult]]:
-    """Wait for every job in `queues`, then undo the host registration; returns each queue's
-    results. `host` and `kept` (the KV caches, the backend's prepared layout) are passed only to
-    be held: they may be freed once this returns.
+def _drain(queues, backend: Backend, host, registered: list[bool], kept) -> list[list[TransferResult]]:
+    """Wait for every job in `queues` and close them, then undo the host registration if
+    ``registered[0]``; returns each queue's results. Safe to call again after an interruption:
+    closing is, and the flag is cleared before the registration is undone (an unpin cut short
+    leaves memory registered; a second one could unregister a region another worker shares).
+    `host` and `kept` (the KV caches, the backend's prepared layout) are passed only to be held:
+    they may be freed once this returns.
     """
     results = [queue.close() for queue in queues]
-    if registered:
+    if registered[0]:
+        registered[0] = False
         try:
             _unpin(backend, host)
         except Exception:

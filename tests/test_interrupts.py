@@ -180,3 +180,97 @@ def test_ctrl_c_as_wait_or_shutdown_launches_waiting_jobs_leaves_them_free(where
     assert hit, "the launcher took the jobs every time"
     assert finishes(worker, [0, 1, 2, 3])
     assert sorted(r.job_id for r in worker.get_finished()) == [0, 1, 2, 3]
+
+
+def test_ctrl_c_as_shutdown_closes_the_lanes_leaves_the_next_call_to_close_them(monkeypatch):
+    """Once `shutdown` has taken the worker's memory from its finalizer, a Ctrl-C as it closes
+    the lanes must not leave them open (their launcher threads and streams) for good."""
+    worker = make_worker(ExpandingCpuBackend(), "0", monkeypatch)
+    assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([1]))
+    ctrl_c_at("drain", "close", "queue.py")  # the first lane's close, from the worker's `_drain`
+    with pytest.raises(KeyboardInterrupt):
+        worker.shutdown()
+    assert not any(q._stream_released for q in worker._lanes)
+    worker.shutdown()
+    assert all(q._closed and q._stream_released for q in worker._lanes)
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+
+
+def test_a_registration_undone_when_ctrl_c_cut_its_shutdown_short_is_not_undone_twice():
+    """Another worker over the same region may still count on it: the next call finishes the
+    shutdown without a second unpin (an unpin cut short leaves the memory registered)."""
+    from offload_core import worker as worker_module
+
+    calls = []
+
+    class Backend:
+        def unpin_host_memory(self, host):
+            calls.append(host)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+
+    backend, host, registered = Backend(), torch.zeros(64, dtype=torch.uint8), [True]
+    worker_module._pins[(id(backend), host.data_ptr(), 64)] = 1
+    with pytest.raises(KeyboardInterrupt):
+        worker_module._drain([], backend, host, registered, None)
+    assert worker_module._drain([], backend, host, registered, None) == []
+    assert len(calls) == 1 and registered == [False]
+
+
+def test_ctrl_c_as_a_condition_retakes_the_workers_lock_leaves_the_lock_as_it_was(monkeypatch):
+    """`shutdown` waits for a submit under way on the worker's condition. Were its lock a plain
+    one, `Condition.wait` would retake it in a Python method, where a Ctrl-C leaves it released
+    and the `with` block around the wait then releases it again (or another thread's hold)."""
+    import time
+
+    worker = make_worker(ExpandingCpuBackend(), "0", monkeypatch)
+    with worker._lock:
+        worker._submitting = 1  # as a submit under way on another thread
+
+    def submit_ends():
+        time.sleep(0.05)
+        with worker._lock:
+            worker._submitting = 0
+            worker._idle.notify_all()
+
+    threading.Thread(target=submit_ends).start()
+    ctrl_c_at("_acquire_restore", "wait", "threading.py")
+    try:
+        worker.shutdown()
+    except KeyboardInterrupt:
+        worker.shutdown()
+    finally:
+        sys.settrace(None)
+    assert worker._lock.acquire(False)
+    worker._lock.release()
+
+
+def test_ctrl_c_as_a_condition_retakes_a_queues_lock_leaves_the_lock_as_it_was(monkeypatch):
+    """The same for a queue: `wait` on a job whose launch is under way on another thread (held
+    on the backend's enqueue lock) waits on the queue's condition."""
+    import time
+
+    from offload_core.queue import enqueue_lock
+
+    backend = ExpandingCpuBackend()
+    worker = make_worker(backend, "0", monkeypatch)
+    queue = next(iter(worker._queues.values()))
+    lock = enqueue_lock(backend)
+    lock.acquire()
+    submit = threading.Thread(target=worker.submit_store, args=(1, DeviceBlocks([0]), HostBlocks([1])))
+    submit.start()
+    while not queue._launching:
+        time.sleep(0.001)
+    threading.Timer(0.05, lock.release).start()
+    ctrl_c_at("_acquire_restore", "wait", "threading.py")
+    try:
+        worker.wait([1])
+    except KeyboardInterrupt:
+        worker.wait([1])
+    finally:
+        sys.settrace(None)
+    submit.join()
+    assert queue._lock.acquire(False)
+    queue._lock.release()
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    worker.shutdown()
