@@ -10,8 +10,9 @@ A batch of descriptors (`CudaBackend.copy_batch`) goes by one of:
   unified address; fast for small fragments, but it occupies SMs;
 * ``ce_loop``: one ``cuMemcpyAsync`` per descriptor, for drivers without the batch API.
 
-A worker's compact jobs go by ``expand_staged`` or ``expand_direct`` (`blocks`), or, where
-forced, ``expand_split``, listed here too so that availability and names come from one table.
+A worker's compact jobs go by ``expand_staged``, ``expand_direct`` or ``expand_split`` (`blocks`;
+the last where forced or the SM penalty is lowered), listed here too so that availability and
+names come from one table.
 Mechanisms keep no state: what they need (driver, descriptor ring, staging) belongs to the
 backend they are handed.
 """
