@@ -212,6 +212,7 @@ class TransferQueue:
         self._pending_bytes = 0  # their bytes
         self._launching: set[int] = set()  # ids of the launch being enqueued
         self._taken: list | None = None  # that launch's batch, as `_take` returned it
+        self._taker: int | None = None  # the thread that took it, until its launch begins (`_heal`)
         self._unreported: list[TransferResult] = []  # taken from `_jobs` by a `poll` not yet returned
         self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
         self._launcher: threading.Thread | None = None
@@ -384,32 +385,33 @@ class TransferQueue:
         wanted = job_id_set(job_ids)
         with self._lock:
             wanted &= self._ids
-            while wanted:
-                # A named job not launched yet is launched now, by this thread, with the jobs
-                # before it and none after it (unless a launch is under way: then after that).
-                pos = max((i for i, p in enumerate(self._pending) if p.job_id in wanted), default=-1)
-                if pos < 0 and self._launching.isdisjoint(wanted):
-                    break
-                if pos < 0 or self._launching:
-                    self._launched.wait(IDLE_POLL_S)  # a notify that Ctrl-C cut short is not waited for forever
-                    continue
-                batch = self._take(pos + 1)
-                self._lock.release()
-                try:
-                    self._run_quietly(batch)
-                except BaseException:  # Ctrl-C before `_run` could fail the batch itself
-                    self.abandon(batch)
-                    raise
-                finally:
-                    self._lock.acquire()
-            last = None
-            if wanted:
-                # The newest named job: it ends last. From the newest end, since an engine waits
-                # for recent jobs, and results it has not taken yet may be thousands.
-                for job in reversed(self._jobs):
-                    if job.job_id in wanted:
-                        last = job
+        last = None
+        # The lock is taken anew each round, never let go by hand inside a `with`: a Ctrl-C
+        # while taking it back would leave the `with` to release a lock it does not hold. The
+        # take and the launch share one `try`: a Ctrl-C between them fails the jobs (`_heal`).
+        while wanted:
+            try:
+                with self._lock:
+                    self._heal()
+                    # A named job not launched yet is launched now, by this thread, with the jobs
+                    # before it and none after it (unless a launch is under way: then after that).
+                    pos = max((i for i, p in enumerate(self._pending) if p.job_id in wanted), default=-1)
+                    if pos < 0 and self._launching.isdisjoint(wanted):
+                        # The newest named job: it ends last. From the newest end, since an engine
+                        # waits for recent jobs, and results it has not taken yet may be thousands.
+                        for job in reversed(self._jobs):
+                            if job.job_id in wanted:
+                                last = job
+                                break
                         break
+                    if pos < 0 or self._launching:
+                        self._launched.wait(IDLE_POLL_S)  # a notify that Ctrl-C cut short is not waited for forever
+                        continue
+                    batch = self._take(pos + 1)
+                self._run_quietly(batch)
+            except BaseException:
+                self.heal()
+                raise
         if last is not None and last.end is not None:
             _settle(last.end)
 
@@ -421,25 +423,41 @@ class TransferQueue:
 
     def finish(self) -> None:
         """Wait for every queued job, as `drain` does, leaving the results for `poll`."""
-        with self._lock:
-            while self._pending or self._launching:
-                if self._launching:
-                    self._launched.wait(IDLE_POLL_S)
-                    continue
-                batch = self._take()
-                self._lock.release()
-                try:
-                    self._run_quietly(batch)
-                except BaseException:
-                    self.abandon(batch)
-                    raise
-                finally:
-                    self._lock.acquire()
-            ends = [job.end for job in self._jobs if job.end is not None]
+        while True:  # the lock taken anew each round, and the take and the launch in one `try`, as in `wait`
+            try:
+                with self._lock:
+                    self._heal()
+                    if not (self._pending or self._launching):
+                        ends = [job.end for job in self._jobs if job.end is not None]
+                        break
+                    if self._launching:
+                        self._launched.wait(IDLE_POLL_S)
+                        continue
+                    batch = self._take()
+                self._run_quietly(batch)
+            except BaseException:
+                self.heal()
+                raise
         if ends:
             _settle(ends[-1])
         for end in ends:  # a fault on one event may not have waited for the rest
             _settle(end)
+
+    def heal(self) -> bool:
+        """Fail a batch this thread took to launch (`_take`) and has not begun to (`_run`), as
+        after a Ctrl-C between the two: its waiters would otherwise wait for ever. Returns
+        whether there was one. For an `except` around a take and its launch."""
+        with self._lock:
+            return self._heal()
+
+    def _heal(self) -> bool:
+        """`heal`, with the lock held. Also where this thread comes back (a second Ctrl-C may have
+        cut short the `except` that would have done it)."""
+        batch = self._taken
+        if batch is None or self._taker != threading.get_ident():
+            return False
+        self.abandon(batch)
+        return True
 
     def close(self) -> list[TransferResult]:
         """Refuse further jobs, drain, and stop the launcher thread. Returns all pending results."""
@@ -467,9 +485,17 @@ class TransferQueue:
 
     def _submit_compact(self, job_id: int, job: CompactJob, prepared: Any) -> None:
         compute = self.backend.current_stream()  # the caller's: the launcher thread has its own
+        try:  # the take and the launch in one `try`, as in `wait`
+            self._queue_compact(job_id, job, prepared, compute)
+        except BaseException:  # Ctrl-C after the take, before the launch began
+            self.heal()
+            raise
+
+    def _queue_compact(self, job_id: int, job: CompactJob, prepared: Any, compute) -> None:
         with self._lock:
             if self._closed:
                 raise OffloadError(f"the {self.direction.value} queue is closed")
+            self._heal()
             if len(self._pending) >= self.max_pending:
                 t0 = time.perf_counter()
                 while len(self._pending) >= self.max_pending and not self._closed:
@@ -503,11 +529,7 @@ class TransferQueue:
         # may not get the GIL for a while) would only leave the device idle, so this thread
         # launches. The job is queued from here on: whatever happens to the launch, its result
         # says so.
-        try:
-            self.launch_taken(batch)
-        except BaseException:  # Ctrl-C before the launch began
-            self.abandon(batch)
-            raise
+        self.launch_taken(batch)
 
     def launch_taken(self, batch: list[_Pending]) -> None:
         """Launch `batch`, which a submit took to launch itself (`_take`); its failures are left
@@ -549,6 +571,7 @@ class TransferQueue:
         """`_launch`, and if even that fails or is interrupted (Ctrl-C), the jobs fail rather
         than leave waiters hanging."""
         try:
+            self._taker = None  # begun: from here its failures are this `except`'s (`_heal`)
             self._launch(batch, background)
         except BaseException:
             self.abandon(batch)
@@ -597,9 +620,10 @@ class TransferQueue:
         nbytes = sum(p.job.nbytes for p in batch)
         ids = {p.job_id for p in batch}
         rest = deque(islice(pending, take, None))
+        me = threading.get_ident()
         # No Python call from here (where a Ctrl-C may land): the jobs leave `_pending` as they
         # are marked launching, so `abandon` or a launch always accounts for them.
-        self._pending, self._launching, self._taken = rest, ids, batch
+        self._pending, self._launching, self._taken, self._taker = rest, ids, batch, me
         self._pending_bytes -= nbytes
         return batch
 

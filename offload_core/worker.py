@@ -211,6 +211,10 @@ class OffloadWorker:
             except Exception:  # as on the Python path: the job queued or not as there
                 log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
                 return False
+            except BaseException:  # Ctrl-C as the call returned a launch it took: its jobs fail
+                if queue.heal():
+                    self._submit_ended()
+                raise
             if batch is not NotImplemented:
                 if batch is not None:  # a launch the submit took, counted as a submit under way
                     # Here, not in a method: a Ctrl-C at a call's entry would come before its `try`.
@@ -220,10 +224,7 @@ class OffloadWorker:
                         queue.abandon(batch)
                         raise
                     finally:
-                        with self._lock:
-                            self._submitting -= 1
-                            if not self._submitting and self._closed:
-                                self._idle.notify_all()
+                        self._submit_ended()
                 return True
         self._same_process()
         job_id = integer(job_id, "job_id")
@@ -353,10 +354,12 @@ class OffloadWorker:
                 queue.finish()
                 with self._lock:  # as `get_finished` polls: the lane's results stay in order
                     self._drained[i] += queue.poll()
-            # Kept once detached: a call cut short after this closes the lanes on the next call.
+            # Kept before the finalizer lets go of it: a call cut short after this closes the
+            # lanes on the next call (and a finalizer still alive then drains nothing twice).
             if self._release is None:
-                detached = self._finalizer.detach()
-                self._release = None if detached is None else detached[2][1:]
+                held = self._finalizer.peek()
+                self._release = None if held is None else held[2][1:]
+            self._finalizer.detach()
             if self._release is not None:
                 lanes = _drain(*self._release)
                 with self._lock:
@@ -366,6 +369,13 @@ class OffloadWorker:
             self.host_tensors = []
             self._layout = self._prepared = None
             self._host = None  # a shared region outlives the worker: its owner closes it
+
+    def _submit_ended(self) -> None:
+        """A submit counted as under way (`_submitting`) has ended."""
+        with self._lock:
+            self._submitting -= 1
+            if not self._submitting and self._closed:
+                self._idle.notify_all()
 
     def _same_process(self) -> None:
         if os.getpid() != self._pid:

@@ -971,6 +971,14 @@ def test_an_engine_that_lowers_the_sm_penalty_splits_mid_sized_stores(job_bytes,
     runs = _launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes, runs=1)  # host rows in one run: staged
     assert _copier(penalty=1.0).choose(*runs).name != "expand_split"
     assert _copier().choose(*launch).name != "expand_split"  # the default never splits
+    # jobs it cannot split (several groups, chunks of several blocks) go as at the default: up
+    # to 4 MiB straight to the rows, not staged
+    whole = _launch(Direction.STORE, job_bytes, 14, row_bytes=row_bytes)
+    whole[0].simple = False
+    chosen = _copier(penalty=1.0).choose(*whole).name
+    assert chosen != "expand_split"
+    if expected in ("expand_split", "expand_direct") and job_bytes <= 4 << 20:
+        assert chosen == "expand_direct"
 
 
 def test_a_split_sends_half_a_simple_stores_blocks_direct():
@@ -1854,3 +1862,74 @@ def test_a_thread_that_made_no_cuda_call_yet_enqueues_in_the_gpus_context(monkey
     assert done == [(True, GPU_CONTEXT)] * 2
     assert len(copies(lib)) == (2 if mechanism == "ce_batch" else 6) * 2
     assert len(asked) == 2 and asked[0] != threading.get_ident()  # once a thread
+
+
+def test_a_split_job_that_fails_part_way_still_ends_after_its_direct_part(monkeypatch):
+    """The direct half runs on a stream of its own: where the staged rest fails to enqueue, the
+    queue's stream must still wait for it, or the job's end event (and the tables it holds)
+    would pass while the kernel still writes host rows."""
+    from offload_core.backends.cuda import blocks
+
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(f"{self.name} waits {event.name}")
+
+    class Event:
+        def __init__(self, name):
+            self.name = name
+
+        def record(self, stream):
+            log.append(f"{self.name} on {stream.name}")
+
+    class Copier(blocks.BlockCopier):
+        def __init__(self):
+            self.backend = SimpleNamespace(sm_programs={Direction.STORE: 8})
+            self.st = SimpleNamespace(direct=Stream("direct"), direct_go=Event("go"), direct_done=Event("done"))
+            self.staging = SimpleNamespace(for_stream=lambda stream: self.st)
+
+        def expand(self, job, prepared, b0, b1, stream, held, programs, stage=None):
+            log.append(f"blocks {b0}-{b1} on {stream.name}, {programs} programs")
+
+    class Failing(blocks.ExpandStaged):
+        def enqueue_job(self, *args):
+            raise RuntimeError("cuMemcpyBatchAsync failed")
+
+    job = SimpleNamespace(direction=Direction.STORE, simple=True, host_ids=np.arange(8), tail=lambda k: "rest")
+    prepared = SimpleNamespace(layout=SimpleNamespace(segments=lambda job: None))
+    monkeypatch.setattr(blocks, "EXPAND_STAGED", Failing())
+    with pytest.raises(RuntimeError, match="failed"):
+        blocks.EXPAND_SPLIT.enqueue_job(Copier(), job, prepared, None, Stream("queue"), [], [])
+    assert log == [
+        "go on queue",
+        "direct waits go",
+        "blocks 0-4 on direct, 2 programs",
+        "done on direct",
+        "queue waits done",
+    ]
+
+
+def test_a_lowered_penalty_keeps_launches_it_would_split_from_the_joined_direct_launch(monkeypatch):
+    """Rows of at most 32 KiB (1 KiB pages over 32 tensors) are offered to the compiled joined
+    launch, which only ever launches expand_direct: where `choose` would split, it must decline."""
+    monkeypatch.setattr(cuda_blocks.kernels, "raw_expansion", lambda *args: ("raw",))
+    job, prepared = _launch(Direction.STORE, 2 << 20, 1, row_bytes=32 << 10, tensors=32)
+    job.dev_ids = np.empty(job.host_ids.size)
+    address = SimpleNamespace(data_ptr=lambda: 0)
+    layout = prepared.layout
+    layout.host_base = 0
+    prepared = SimpleNamespace(
+        layout=layout, whole_rows=prepared.whole_rows, join_backoff={d: [0, 0] for d in Direction},
+        entries=address, groups=address, entry_count=32, group_count=1, per_block=32, narrow=True,
+    )  # fmt: skip
+    plans = {}
+    for penalty in (2.0, 1.0):
+        copier = _copier(penalty=penalty)
+        copier.backend._ring, copier.backend.device_index = SimpleNamespace(joins=True), 0
+        plans[penalty] = (copier.choose(job, prepared).name, copier.join_plan([job, job], prepared))
+    assert plans[2.0][0] == "expand_direct" and plans[2.0][1] is not None
+    assert plans[1.0] == ("expand_split", None)

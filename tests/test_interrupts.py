@@ -63,7 +63,7 @@ def test_ctrl_c_before_a_submit_launches_its_jobs_fails_them_instead_of_hanging(
     worker = make_worker(ExpandingCpuBackend(), native, monkeypatch)
     worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))
     worker.wait([0])
-    ctrl_c_at("launch_taken", "_submit_compact" if native == "0" else "_submit", ".py")
+    ctrl_c_at("launch_taken", "_queue_compact" if native == "0" else "_submit", ".py")
     try:
         with pytest.raises(KeyboardInterrupt):
             worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1]))
@@ -274,3 +274,87 @@ def test_ctrl_c_as_a_condition_retakes_a_queues_lock_leaves_the_lock_as_it_was(m
     queue._lock.release()
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
     worker.shutdown()
+
+
+def test_ctrl_c_as_shutdown_detaches_the_finalizer_leaves_the_next_call_what_it_held(monkeypatch):
+    """A Ctrl-C run as `weakref.finalize.detach` returns, after it took the entry from the
+    registry: the next `shutdown` must still close the lanes (and undo a registration)."""
+    import inspect
+    import weakref
+
+    lines, start = inspect.getsourcelines(weakref.finalize.detach)
+    returns = start + next(i for i, line in enumerate(lines) if line.strip().startswith("return ("))
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "detach" and frame.f_code.co_filename.endswith("weakref.py"):
+
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == returns:
+                    sys.settrace(None)
+                    raise KeyboardInterrupt
+                return local
+
+            return local
+        return None
+
+    worker = make_worker(ExpandingCpuBackend(), "0", monkeypatch)
+    assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([1]))
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.shutdown()
+    finally:
+        sys.settrace(None)
+    assert not worker._finalizer.alive
+    worker.shutdown()
+    assert all(q._closed and q._stream_released for q in worker._lanes)
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+
+
+@pytest.mark.parametrize("where", ["wait", "finish"])
+def test_ctrl_c_between_taking_jobs_and_launching_them_fails_them(where, monkeypatch):
+    """`wait` and `finish` take the jobs to launch under the queue's lock, then launch them with
+    it let go. A Ctrl-C in between (as the lock is let go) fails them: another thread's `wait`
+    and `shutdown` then return, and the queue goes on."""
+    import inspect
+    import time
+
+    from offload_core.queue import TransferQueue
+
+    backend = ExpandingCpuBackend()
+    worker = make_worker(backend, "0", monkeypatch)
+    queue = next(iter(worker._queues.values()))
+    with queue._lock:
+        queue._launcher = threading.current_thread()  # no launcher thread takes the jobs first
+        # a burst (the last submit just now, a launch slow): the submits leave the jobs waiting
+        queue.burst_jobs, queue._launch_s, queue._last_submit = 1 << 30, 10.0, time.perf_counter()
+    for job_id in range(3):
+        assert worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
+    assert len(queue._pending) == 3
+    lines, start = inspect.getsourcelines(getattr(TransferQueue, where))
+    launch = start + next(i for i, line in enumerate(lines) if line.strip() == "self._run_quietly(batch)")
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == where and frame.f_code.co_filename.endswith("queue.py"):
+
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == launch:
+                    sys.settrace(None)
+                    raise KeyboardInterrupt
+                return local
+
+            return local
+        return None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.wait([2]) if where == "wait" else worker.shutdown()
+    finally:
+        sys.settrace(None)
+    assert queue._taken is None and not queue._launching
+    with queue._lock:
+        queue._launcher = None
+    assert finishes(worker, [2])
+    results = worker.get_finished()
+    assert sorted(r.job_id for r in results) == [0, 1, 2] and not any(r.success for r in results)

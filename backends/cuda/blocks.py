@@ -241,23 +241,28 @@ class BlockCopier:
         return cost.estimate_job("expand_direct", d, items, nbytes, count) < 0.98 * staged
 
     def _splits(self, job: CompactJob, segments: int) -> bool:
-        """Whether auto sends `job` to ``expand_split``: where the SM penalty is lowered below its
-        default (the engine prefers the link to its SMs), stores of entries from `SIZED_PAGE` to
-        `DIRECT_STORE_PAGE` whose jobs average more than `HOST_BOUND_BYTES`, their host rows mostly
-        apart (segments at least half the rows), that `split_at` can split."""
-        if self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY or not _mid_sized_store(job.direction, job.layout):
-            return False
+        """Whether auto sends `job` to ``expand_split``: jobs `_split_sized`, their host rows
+        mostly apart (segments at least half the rows), that `split_at` can split."""
         return (
-            job.nbytes > HOST_BOUND_BYTES * max(1, job.jobs)
+            self._split_sized(job.direction, job.layout, job.nbytes, job.jobs)
             and 2 * segments >= job.host_ids.size
             and bool(self.split_at(job))
         )
+
+    def _split_sized(self, direction: Direction, layout: CompactLayout, nbytes: int, jobs: int) -> bool:
+        """Where the SM penalty is lowered below its default (the engine prefers the link to its
+        SMs): stores of entries from `SIZED_PAGE` to `DIRECT_STORE_PAGE` whose `jobs` jobs of
+        `nbytes` all told average more than `HOST_BOUND_BYTES`."""
+        if self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY or not _mid_sized_store(direction, layout):
+            return False
+        return nbytes > HOST_BOUND_BYTES * max(1, jobs)
 
     def _host_bound(self, job: CompactJob, segments: int) -> bool:
         """Whether `job`'s jobs are small enough that the host's time per job binds them (or, for
         stores of mid-sized pages, staging's), its host rows mostly apart, and the SMs not spared
         (`HOST_BOUND_BYTES`, `DIRECT_STORE_BYTES`)."""
-        small = self._small_jobs(job.direction, job.layout, job.nbytes, job.jobs)
+        splittable = self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY or bool(self.split_at(job))
+        small = self._small_jobs(job.direction, job.layout, job.nbytes, job.jobs, splittable)
         return small and 2 * segments >= job.host_ids.size
 
     @staticmethod
@@ -267,14 +272,16 @@ class BlockCopier:
         would join nothing worth its pass."""
         return layout.smallest >= 2 * SEGMENT_BYTES and 0 < items <= GATHER_PIECES * segments
 
-    def _small_jobs(self, direction: Direction, layout: CompactLayout, nbytes: int, jobs: int) -> bool:
+    def _small_jobs(
+        self, direction: Direction, layout: CompactLayout, nbytes: int, jobs: int, splittable: bool = True
+    ) -> bool:
         """`_host_bound` without its look at the host rows: `jobs` jobs of `layout` of `nbytes`
-        all told."""
+        all told, which `split_at` can split or not (`splittable`)."""
         penalty = self.backend.cost.sm_penalty
         if penalty > DEFAULT_SM_PENALTY:
             return False
         # below the default, the stores that are not bound by the host split instead (`_splits`)
-        mid_sized = _mid_sized_store(direction, layout) and penalty == DEFAULT_SM_PENALTY
+        mid_sized = _mid_sized_store(direction, layout) and (penalty == DEFAULT_SM_PENALTY or not splittable)
         limit = DIRECT_STORE_BYTES if mid_sized else HOST_BOUND_BYTES
         return nbytes <= limit * max(1, jobs)
 
@@ -346,6 +353,8 @@ class BlockCopier:
             if not job.simple:
                 return None
             n, nbytes, count, items = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs, items + job.items
+        if self._split_sized(direction, layout, nbytes, count):  # `choose` may split them: not here
+            return None
         row = layout.row_bytes
         short = int(self._small_limit(direction)) // row  # rows in a segment small enough to count
         host_bound = self._small_jobs(direction, layout, nbytes, count)
@@ -613,13 +622,14 @@ class ExpandSplit(_Expansion):
         # now, beside this job's staged part, not after it.
         st.direct_go.record(stream)
         direct.wait_event(st.direct_go)
-        copier.expand(
-            job, prepared, 0, k, direct, held, min(MIN_STORE_PROGRAMS, copier.backend.sm_programs[job.direction])
-        )
-        rest = job.tail(k)
-        EXPAND_STAGED.enqueue_job(copier, rest, prepared, prepared.layout.segments(rest), stream, after, held)
-        st.direct_done.record(direct)
-        stream.wait_event(st.direct_done)  # the job, and what follows it on the queue's stream, ends after both
+        try:
+            programs = min(MIN_STORE_PROGRAMS, copier.backend.sm_programs[job.direction])
+            copier.expand(job, prepared, 0, k, direct, held, programs)
+            rest = job.tail(k)
+            EXPAND_STAGED.enqueue_job(copier, rest, prepared, prepared.layout.segments(rest), stream, after, held)
+        finally:  # also after a failure: the job's end event, and what it holds, must follow the direct part
+            st.direct_done.record(direct)
+            stream.wait_event(st.direct_done)
 
 
 HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT = (
