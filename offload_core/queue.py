@@ -340,8 +340,13 @@ class TransferQueue:
             self.release_scratch(scratch)
         raise failed
 
-    def poll(self) -> list[TransferResult]:
-        """Results of the jobs completed so far, from the head of the queue, without blocking."""
+    def poll(self, into: list | None = None) -> list[TransferResult]:
+        """Results of the jobs completed so far, from the head of the queue, without blocking.
+
+        Args:
+            into: a list to extend with them (and return) before they leave the queue: a Ctrl-C
+                as the call returns then loses none.
+        """
         passed = None  # (end event, seconds) of the launch of the last job reported: its other jobs share both
         with self._lock:
             # Results taken from the queue are kept here until returned: a poll that Ctrl-C cut
@@ -371,6 +376,9 @@ class TransferQueue:
                     self._free_events += (job.start, job.end)  # again; the last launch's end tells if the device idles
                 if job.scratch is not None:
                     self._pool(job.scratch)
+            if into is not None:
+                into += results  # operators, not calls: no Ctrl-C lands between the two
+                results = into
             self._unreported = []
         return results
 

@@ -307,7 +307,7 @@ class OffloadWorker:
         # every result kept for the next call.
         with self._lock:
             for i, queue in enumerate(self._lanes):
-                self._drained[i] += queue.poll()
+                queue.poll(self._drained[i])
             results = [r for lane in self._drained for r in lane]
             ids = [r.job_id for r in results]
             self._drained = [[] for _ in self._lanes]
@@ -353,7 +353,7 @@ class OffloadWorker:
             for i, queue in enumerate(self._lanes):
                 queue.finish()
                 with self._lock:  # as `get_finished` polls: the lane's results stay in order
-                    self._drained[i] += queue.poll()
+                    queue.poll(self._drained[i])
             # Kept before the finalizer lets go of it: a call cut short after this closes the
             # lanes on the next call (and a finalizer still alive then drains nothing twice).
             if self._release is None:

@@ -358,3 +358,28 @@ def test_ctrl_c_between_taking_jobs_and_launching_them_fails_them(where, monkeyp
     assert finishes(worker, [2])
     results = worker.get_finished()
     assert sorted(r.job_id for r in results) == [0, 1, 2] and not any(r.success for r in results)
+
+
+def test_ctrl_c_as_a_lanes_poll_returns_loses_no_result(monkeypatch):
+    """`get_finished` polls each lane; a Ctrl-C as a poll returns (its results out of the queue,
+    not yet in the worker's hands) must leave them to the next call."""
+    worker = make_worker(ExpandingCpuBackend(), "0", monkeypatch)
+    assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([1]))
+    worker.wait([1])
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_name == "poll" and frame.f_back.f_code.co_name == "get_finished":
+            if event == "return":
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return tracer
+        return None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.get_finished()
+    finally:
+        sys.settrace(None)
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    worker.shutdown()
