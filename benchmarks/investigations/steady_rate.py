@@ -1,6 +1,7 @@
 """Jobs at a steady pace, as an engine's steps submit them, not in one burst. One thread submits a
-job, and once `cap` are in flight, waits for the oldest (`wait`) or polls `get_finished` until one
-is done (`poll`) before the next. `clock_trace.py`'s copy thread does the first with ids drawn from
+job, and once `cap` are in flight, waits for the oldest (`wait`), or polls `get_finished` until one
+is done (`poll`), or waits for the oldest and takes no result until the end (`keep`, as
+`clock_trace.py` did) before the next. `clock_trace.py`'s copy thread does the first with ids drawn from
 all blocks and moved 6-15 GB/s, where `engine_bench.py`'s jobs back to back move 45-55: is it the
 pace, the waits, or the ids? Ids are `random` (a job's host blocks may be a job's in flight: a
 launch is cut there) or `disjoint` from the `cap` jobs before it (as an engine's are).
@@ -10,7 +11,7 @@ run, jobs per launch, host seconds per job in submits and in waits or polls, and
 job succeeded. Layout: `engine_bench.py`'s (64 KV tensors, one group).
 
     python benchmarks/investigations/steady_rate.py [--page 4096] [--per-job 16] [--caps 8,64]
-        [--ids random,disjoint] [--modes wait,poll] [--mechanism auto] [--seconds 2] [--direction store] [--backend cuda]
+        [--ids random,disjoint] [--modes wait,poll,keep] [--mechanism auto] [--seconds 2] [--direction store] [--backend cuda]
 """
 
 from __future__ import annotations
