@@ -43,6 +43,31 @@ def ctrl_c_at(function: str, caller: str, caller_file: str) -> None:
     sys.settrace(tracer)
 
 
+def ctrl_c_before_line(function, starts_with: str) -> None:
+    """Raise KeyboardInterrupt once, as `function` (a Python function) is about to run its first
+    line that starts with `starts_with`: where a signal's handler runs between two steps with
+    no call between them, which a tracer's "call" event cannot reach."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(function)
+    target = first + next(i for i, line in enumerate(lines) if line.strip().startswith(starts_with))
+    code = function.__code__
+
+    def tracer(frame, event, arg):
+        if event != "call" or frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == target:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return local
+
+        return local
+
+    sys.settrace(tracer)
+
+
 def finishes(worker: OffloadWorker, job_ids) -> bool:
     """Whether `wait(job_ids)` and then `shutdown()` return within a few seconds."""
     done = threading.Event()
@@ -279,27 +304,11 @@ def test_ctrl_c_as_a_condition_retakes_a_queues_lock_leaves_the_lock_as_it_was(m
 def test_ctrl_c_as_shutdown_detaches_the_finalizer_leaves_the_next_call_what_it_held(monkeypatch):
     """A Ctrl-C run as `weakref.finalize.detach` returns, after it took the entry from the
     registry: the next `shutdown` must still close the lanes (and undo a registration)."""
-    import inspect
     import weakref
-
-    lines, start = inspect.getsourcelines(weakref.finalize.detach)
-    returns = start + next(i for i, line in enumerate(lines) if line.strip().startswith("return ("))
-
-    def tracer(frame, event, arg):
-        if event == "call" and frame.f_code.co_name == "detach" and frame.f_code.co_filename.endswith("weakref.py"):
-
-            def local(frame, event, arg):
-                if event == "line" and frame.f_lineno == returns:
-                    sys.settrace(None)
-                    raise KeyboardInterrupt
-                return local
-
-            return local
-        return None
 
     worker = make_worker(ExpandingCpuBackend(), "0", monkeypatch)
     assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([1]))
-    sys.settrace(tracer)
+    ctrl_c_before_line(weakref.finalize.detach, "return (")
     try:
         with pytest.raises(KeyboardInterrupt):
             worker.shutdown()
@@ -316,7 +325,6 @@ def test_ctrl_c_between_taking_jobs_and_launching_them_fails_them(where, monkeyp
     """`wait` and `finish` take the jobs to launch under the queue's lock, then launch them with
     it let go. A Ctrl-C in between (as the lock is let go) fails them: another thread's `wait`
     and `shutdown` then return, and the queue goes on."""
-    import inspect
     import time
 
     from offload_core.queue import TransferQueue
@@ -331,22 +339,7 @@ def test_ctrl_c_between_taking_jobs_and_launching_them_fails_them(where, monkeyp
     for job_id in range(3):
         assert worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
     assert len(queue._pending) == 3
-    lines, start = inspect.getsourcelines(getattr(TransferQueue, where))
-    launch = start + next(i for i, line in enumerate(lines) if line.strip() == "self._run_quietly(batch)")
-
-    def tracer(frame, event, arg):
-        if event == "call" and frame.f_code.co_name == where and frame.f_code.co_filename.endswith("queue.py"):
-
-            def local(frame, event, arg):
-                if event == "line" and frame.f_lineno == launch:
-                    sys.settrace(None)
-                    raise KeyboardInterrupt
-                return local
-
-            return local
-        return None
-
-    sys.settrace(tracer)
+    ctrl_c_before_line(getattr(TransferQueue, where), "self._run_quietly(batch)")
     try:
         with pytest.raises(KeyboardInterrupt):
             worker.wait([2]) if where == "wait" else worker.shutdown()
