@@ -61,6 +61,7 @@ MAX_LAUNCH = 256  # compact jobs in one launch at most
 BURST_JOBS = 16  # jobs of a burst that wait for the launcher before a submit launches them itself
 BURST_BYTES = 128 << 20  # or bytes: about 2.4 ms of a PCIe 5 link, several launches' host time
 MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
+_NOTHING: frozenset[int] = frozenset()  # `_launching` when nothing launches: set with no call
 IDLE_POLL_S = 0.1  # how often an idle launcher looks whether its queue was dropped or the interpreter exits
 SETTLE_POLL_S = 0.001  # how often a drain asks an event whose wait failed whether the work has passed
 # The launcher's hand-over of the GIL: a sleep this short lets it go for about the kernel's timer
@@ -210,9 +211,10 @@ class TransferQueue:
         self.stats = QueueStats()
         self._pending: deque[_Pending] = deque()  # compact jobs waiting for a launch
         self._pending_bytes = 0  # their bytes
-        self._launching: set[int] = set()  # ids of the launch being enqueued
+        self._launching: frozenset[int] | set[int] = _NOTHING  # ids of the launch being enqueued
         self._taken: list | None = None  # that launch's batch, as `_take` returned it
         self._taker: int | None = None  # the thread that took it, until its launch begins (`_heal`)
+        self._enqueued: tuple[list, Event] | None = None  # (batch, end event) once its enqueue began
         self._unreported: list[TransferResult] = []  # taken from `_jobs` by a `poll` not yet returned
         self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
         self._launcher: threading.Thread | None = None
@@ -308,7 +310,7 @@ class TransferQueue:
                 if len(batch):
                     mechanism = self.backend.copy_batch(batch.src, batch.dst, batch.sizes, self.direction, stream)
                 end.record(stream)
-            except Exception as exc:
+            except BaseException as exc:  # a Ctrl-C too: what it enqueued is waited for below
                 failed = exc
                 try:
                     end.record(stream)
@@ -316,8 +318,12 @@ class TransferQueue:
                     end = None
             if failed is None:
                 mechanism = mechanism or ""
+                try:
+                    queued = _Job(job_id, start, end, batch.nbytes, scratch, mechanism)
+                except BaseException as exc:  # a Ctrl-C: not recorded, so raised below once its copies ran
+                    failed = exc
+            if failed is None:
                 # appended under the enqueue lock, so the deque's order is the stream's order
-                queued = _Job(job_id, start, end, batch.nbytes, scratch, mechanism)
                 with self._lock:
                     # the id as an operator, then the job: no Ctrl-C can land between the two
                     self._ids |= {job_id}
@@ -578,23 +584,47 @@ class TransferQueue:
     def _run(self, batch: list[_Pending], background: bool = False) -> None:
         """`_launch`, and if even that fails or is interrupted (Ctrl-C), the jobs fail rather
         than leave waiters hanging."""
+        me = self._taker
         try:
-            self._taker = None  # begun: from here its failures are this `except`'s (`_heal`)
+            with self._lock:
+                # A signal handler on this thread (between `_take` and here) may have failed the
+                # batch (`_heal`): launching it as well would report its jobs twice.
+                if self._taken is not batch:
+                    return
+                self._taker = None  # begun: from here its failures are this `except`'s
             self._launch(batch, background)
         except BaseException:
+            # Were `abandon` cut short too (a second Ctrl-C), this thread's next `_heal` fails the
+            # batch. Without the lock: while the batch is taken, no other thread changes `_taken`.
+            if self._taken is batch:
+                self._taker = me
             self.abandon(batch)
             raise
 
     def abandon(self, batch: list[_Pending]) -> None:
         """Fail `batch`, taken to launch (`_take`), if its launch has not recorded it: its
-        waiters get failed results instead of waiting for ever. Nothing if it was recorded."""
+        waiters get failed results instead of waiting for ever. Nothing if it was recorded.
+        If its enqueue had begun, the results come once what it enqueued has run."""
         with self._lock:
             # The batch itself, not its ids: they may have been returned and queued again since.
-            if self._taken is batch:
-                for p in batch:
-                    self._jobs.append(_Job(p.job_id, None, None, p.job.nbytes, None, "", failed=True))
-                self._launching, self._taken = set(), None
-                self._launched.notify_all()
+            if self._taken is not batch:
+                return
+            end = None
+            if self._enqueued is not None and self._enqueued[0] is batch:
+                # Copies of it may be on the stream (a Ctrl-C during the enqueue, or after it
+                # and before its results were recorded): the engine may reuse the blocks as soon
+                # as it sees a result, so the result waits for them. No launch of this queue
+                # can come between: the batch still holds `_launching`.
+                end = self._enqueued[1]
+                try:
+                    end.record(self._stream)
+                except Exception:
+                    end = None  # the device is lost
+            entries = [_Job(p.job_id, None, end, p.job.nbytes, None, "", failed=True) for p in batch]
+            # recorded and released with no call between (where a Ctrl-C may land)
+            self._jobs += entries
+            self._launching, self._taken, self._taker, self._enqueued = _NOTHING, None, None, None
+            self._launched.notify_all()
 
     def _burst_full(self) -> bool:
         """Whether enough waits to launch now, burst or not: the device's time for it covers a launch."""
@@ -651,6 +681,7 @@ class TransferQueue:
         with self._enqueue:
             t_locked = time.perf_counter()  # waiting for another lane's enqueue is not the host's cost
             waited = self.backend.buffer_waits()
+            self._enqueued = (batch, end)  # from here a failed batch waits for `end` (`abandon`)
             try:
                 for ready in after:
                     stream.wait_event(ready)
@@ -687,9 +718,10 @@ class TransferQueue:
                 else:
                     entries = [_Job(p.job_id, None, end, p.job.nbytes, None, "", failed=True) for p in batch]
                 # Recorded and released in one step: `_run` fails a batch still marked launching, so
-                # nothing that can raise (a backend's odd mechanism in the stats, say) comes between.
-                self._jobs.extend(entries)
-                self._launching, self._taken = set(), None
+                # nothing that can raise (a backend's odd mechanism in the stats, say) or take a
+                # Ctrl-C (a call) comes between.
+                self._jobs += entries
+                self._launching, self._taken, self._enqueued = _NOTHING, None, None
                 self._launched.notify_all()
                 self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
                 if failed is None:

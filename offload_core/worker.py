@@ -213,7 +213,11 @@ class OffloadWorker:
                 return False
             except BaseException:  # Ctrl-C as the call returned a launch it took: its jobs fail
                 if queue.heal():
-                    self._submit_ended()
+                    # Inline, as below: a Ctrl-C at a method's entry would leave the count up.
+                    with self._lock:
+                        self._submitting -= 1
+                        if not self._submitting and self._closed:
+                            self._idle.notify_all()
                 raise
             if batch is not NotImplemented:
                 if batch is not None:  # a launch the submit took, counted as a submit under way
@@ -224,7 +228,10 @@ class OffloadWorker:
                         queue.abandon(batch)
                         raise
                     finally:
-                        self._submit_ended()
+                        with self._lock:  # the count first, as on the Python path
+                            self._submitting -= 1
+                            if not self._submitting and self._closed:  # only `shutdown` waits for it
+                                self._idle.notify_all()
                 return True
         self._same_process()
         job_id = integer(job_id, "job_id")
@@ -236,18 +243,19 @@ class OffloadWorker:
         # Chosen before the count goes up: from there to the `try`, no Python call (where Ctrl-C
         # may land) that its `finally` would not undo.
         queue = self._expedited if expedited else self._queues[direction]
-        queued = False
-        with self._lock:
-            if self._closed:
-                raise OffloadError("OffloadWorker is shut down")
-            if job_id in self._in_flight and not self._held(job_id):
-                self._in_flight.discard(job_id)  # left by a submit that Ctrl-C cut short in its clean-up
-            if job_id in self._in_flight:
-                raise InvalidSpecError(f"job id {job_id} is still in flight")
-            self._in_flight.add(job_id)
-            self._reserved[job_id] = self._reserved.get(job_id, 0) + 1
-            self._submitting += 1
-        try:
+        queued = reserved = False
+        try:  # entered before the count goes up: a Ctrl-C as the `with` ends is this `finally`'s
+            with self._lock:
+                if self._closed:
+                    raise OffloadError("OffloadWorker is shut down")
+                if job_id in self._in_flight and not self._held(job_id):
+                    self._in_flight.discard(job_id)  # left by a submit that Ctrl-C cut short in its clean-up
+                if job_id in self._in_flight:
+                    raise InvalidSpecError(f"job id {job_id} is still in flight")
+                self._in_flight.add(job_id)
+                self._reserved[job_id] = self._reserved.get(job_id, 0) + 1
+                self._submitting += 1  # with the flag, no call between
+                reserved = True
             if self._region is not None and time.monotonic() >= self._next_region_check:
                 self._region.check()
                 self._next_region_check = time.monotonic() + _REGION_CHECK_S
@@ -268,17 +276,18 @@ class OffloadWorker:
             queued = True
             return True
         finally:
-            with self._lock:
-                # The count first: a Ctrl-C in what follows must not leave `shutdown` waiting for it.
-                self._submitting -= 1
-                left = self._reserved.pop(job_id) - 1
-                if left:
-                    self._reserved[job_id] = left
-                # a compact job interrupted (Ctrl-C) while its submit launched it is queued: its result will come
-                if not queued and job_id not in queue:
-                    self._in_flight.discard(job_id)
-                if not self._submitting and self._closed:  # only `shutdown` waits for it
-                    self._idle.notify_all()
+            if reserved:
+                with self._lock:
+                    # The count first: a Ctrl-C in what follows must not leave `shutdown` waiting for it.
+                    self._submitting -= 1
+                    left = self._reserved.pop(job_id) - 1
+                    if left:
+                        self._reserved[job_id] = left
+                    # a compact job interrupted (Ctrl-C) while its submit launched it is queued: its result will come
+                    if not queued and job_id not in queue:
+                        self._in_flight.discard(job_id)
+                    if not self._submitting and self._closed:  # only `shutdown` waits for it
+                        self._idle.notify_all()
 
     def _held(self, job_id: int) -> bool:
         """Whether an id in `_in_flight` is still taken: by a submit under way, a queued job, or
@@ -369,13 +378,6 @@ class OffloadWorker:
             self.host_tensors = []
             self._layout = self._prepared = None
             self._host = None  # a shared region outlives the worker: its owner closes it
-
-    def _submit_ended(self) -> None:
-        """A submit counted as under way (`_submitting`) has ended."""
-        with self._lock:
-            self._submitting -= 1
-            if not self._submitting and self._closed:
-                self._idle.notify_all()
 
     def _same_process(self) -> None:
         if os.getpid() != self._pid:

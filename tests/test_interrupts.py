@@ -1,7 +1,8 @@
 """Ctrl-C where a worker's own Python runs: a submit's launch and clean-up, a poll. The
 interrupt is raised where CPython runs signal handlers, at the entry of a Python function
-(`sys.settrace`'s "call" event); afterwards results still come, and `wait` and `shutdown`
-return."""
+(`sys.settrace`'s "call" event) or as a call returns (`sys.setprofile`'s "c_return"); one
+test raises it at every such point of a submit and of a shutdown in turn. Afterwards results
+still come, once each and not before the copies they report, and `wait` and `shutdown` return."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from helpers import compiled_or_skip
 
 from offload_core import DeviceBlocks, HostBlocks, InvalidSpecError, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
+from offload_core.backends.cpu import CpuBackend
 from offload_core.testing.expanding import ExpandingCpuBackend
 
 pytestmark = pytest.mark.cpu
@@ -376,3 +378,175 @@ def test_ctrl_c_as_a_lanes_poll_returns_loses_no_result(monkeypatch):
         sys.settrace(None)
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
     worker.shutdown()
+
+
+class _RecordingExpanding(ExpandingCpuBackend):
+    def copy_blocks(self, job, prepared, stream, after):
+        self.touched.update(int(i) for i in job.dev_ids)  # before: a Ctrl-C inside may leave some enqueued
+        return super().copy_blocks(job, prepared, stream, after)
+
+
+class _RecordingCpu(CpuBackend):
+    def copy_batch(self, src, dst, sizes, direction, stream):
+        base = self.tensor.data_ptr()
+        self.touched.update((int(a) - base) // 64 for a in (src if direction.value == "store" else dst))
+        return super().copy_batch(src, dst, sizes, direction, stream)
+
+
+class _SignalPoints:
+    """A profiler that raises KeyboardInterrupt at the k-th point where CPython may run a signal
+    handler in offload_core's code on this thread: a Python function's entry, a C call's return."""
+
+    def __init__(self, k: int, root: str):
+        self.k, self.n, self.root, self.where = k, 0, root, None
+
+    def __call__(self, frame, event, arg):
+        caller = frame.f_back if event == "call" else frame if event == "c_return" else None
+        if caller is None or not caller.f_code.co_filename.startswith(self.root):
+            return
+        self.n += 1
+        if self.n == self.k:
+            sys.setprofile(None)
+            name = getattr(arg, "__name__", frame.f_code.co_name)
+            self.where = f"{event} {name} in {caller.f_code.co_name}:{caller.f_lineno}"
+            raise KeyboardInterrupt
+
+
+def _interrupted_at(k: int, kind: str, native: str, during: str, monkeypatch) -> tuple[str | None, str | None]:
+    """Submit two stores (or shut down with two queued) with a Ctrl-C at point `k`, the streams
+    held by a gate until then. Returns (where the Ctrl-C landed or None past the last point,
+    what broke or None)."""
+    import os
+    import time
+
+    import offload_core
+
+    monkeypatch.setenv("OFFLOAD_CORE_NATIVE", native)
+    tensor = torch.zeros(16, 64, dtype=torch.uint8)
+    backend = _RecordingExpanding() if kind == "expanding" else _RecordingCpu()
+    backend.touched, backend.tensor = set(), tensor
+    worker = OffloadWorker(KVCaches([KVCacheTensor(tensor, 64)], [[KVCacheRef(0, 64)]]), 8, backend=backend)
+    worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))
+    worker.wait([0])
+    got = [(r, 0.0) for r in worker.get_finished()]
+    backend.touched.clear()
+    gate, opened = threading.Event(), []
+
+    def open_gate():
+        opened.append(time.perf_counter())
+        gate.set()
+
+    for lane in worker._lanes:
+        lane._stream.launch(gate.wait)
+    # opened after the interrupted calls; before, if one of them waits for copies to pass
+    timer = threading.Timer(0.05 if during == "submit" else 0.01, open_gate)
+    timer.start()
+    points, submitted, interrupted_at = _SignalPoints(k, os.path.dirname(offload_core.__file__)), [], None
+    if during == "shutdown":
+        for job_id in (1, 2):
+            worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
+            submitted.append(job_id)
+    sys.setprofile(points)
+    try:
+        if during == "shutdown":
+            worker.shutdown()
+        else:
+            for job_id in (1, 2):
+                worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
+                submitted.append(job_id)
+    except KeyboardInterrupt:
+        interrupted_at = time.perf_counter()
+    finally:
+        sys.setprofile(None)
+    got += [(r, time.perf_counter()) for r in worker.get_finished()]
+    if timer.cancel() is None and not opened:
+        open_gate()
+    t_open = opened[0]
+    if during == "shutdown":
+        if not _returns(worker.shutdown):
+            return points.where, "a shutdown after one cut short hangs"
+        if not all(q._closed and q._stream_released for q in worker._lanes):
+            return points.where, "a lane left open"
+    if not _returns(lambda: worker.wait([1, 2])):
+        return points.where, "wait hangs"
+    got += [(r, time.perf_counter()) for r in worker.get_finished()]
+    ids = [r.job_id for r, _ in got]
+    if len(ids) != len(set(ids)):
+        return points.where, f"results twice: {ids}"
+    for r, t in got:
+        if r.job_id in backend.touched and t < t_open:
+            return points.where, f"job {r.job_id}'s result (success {r.success}) before its copies could run"
+    for job_id in (1, 2):
+        if job_id in ids:
+            continue
+        if job_id in submitted:
+            return points.where, f"job {job_id} queued, no result"
+        if job_id in backend.touched and (interrupted_at is None or interrupted_at < t_open):
+            return points.where, f"job {job_id} interrupted with copies in flight and no result to wait for"
+        if during == "submit":
+            try:
+                worker.submit_store(job_id, DeviceBlocks([job_id + 4]), HostBlocks([job_id + 4]))
+            except InvalidSpecError as exc:
+                return points.where, f"job id {job_id} neither reported nor free: {exc}"
+    if not _returns(worker.shutdown):
+        return points.where, "shutdown hangs"
+    return points.where, None
+
+
+def _returns(call) -> bool:
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(10)
+    return not thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    "kind, native, during",
+    [("expanding", "0", "submit"), ("expanding", "1", "submit"), ("cpu", "0", "submit")]
+    + [("expanding", "0", "shutdown"), ("expanding", "1", "shutdown"), ("cpu", "0", "shutdown")],
+)
+def test_ctrl_c_at_every_point_of_a_submit_or_shutdown_loses_and_frees_nothing(kind, native, during, monkeypatch):
+    """A Ctrl-C at each point in turn where CPython runs signal handlers, in offload_core's own
+    code: afterwards nothing hangs, every queued job reports once, an interrupted submit leaves
+    its id free, and no result (nor an interrupted call) comes before copies it enqueued ran."""
+    if native == "1":
+        compiled_or_skip(True)
+    broken, k = [], 1
+    while True:
+        where, what = _interrupted_at(k, kind, native, during, monkeypatch)
+        if where is None:
+            break
+        if what is not None:
+            broken.append(f"Ctrl-C at {k} ({where}): {what}")
+        k += 1
+    assert k > 50, "too few points: the profiler saw none of the worker's code"
+    assert not broken, "\n".join(broken)
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_a_signal_handler_that_waits_between_a_take_and_its_launch_gets_each_result_once(native, monkeypatch):
+    """A handler (run on the submitting thread, where a launch is taken and not yet begun) that
+    calls `wait` fails the taken jobs rather than wait for its own thread; the submit, resumed,
+    must then not launch them as well (each would be reported twice)."""
+    if native == "1":
+        compiled_or_skip(True)
+    worker = make_worker(ExpandingCpuBackend(), native, monkeypatch)
+    worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))
+    worker.wait([0])
+    caller, handled = "_queue_compact" if native == "0" else "_submit", []
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "launch_taken" and frame.f_back.f_code.co_name == caller:
+            sys.settrace(None)
+            worker.wait([1])  # the handler's own call, returning normally
+            handled.append(True)
+        return None
+
+    sys.settrace(tracer)
+    try:
+        assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1]))
+    finally:
+        sys.settrace(None)
+    assert handled
+    assert finishes(worker, [1])
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(0, True), (1, False)]
