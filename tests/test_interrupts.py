@@ -13,7 +13,16 @@ import pytest
 import torch
 from helpers import compiled_or_skip
 
-from offload_core import DeviceBlocks, HostBlocks, InvalidSpecError, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
+from offload_core import (
+    DeviceBlocks,
+    Direction,
+    HostBlocks,
+    InvalidSpecError,
+    KVCacheRef,
+    KVCaches,
+    KVCacheTensor,
+    OffloadWorker,
+)
 from offload_core.backends.cpu import CpuBackend
 from offload_core.testing.expanding import ExpandingCpuBackend
 
@@ -413,7 +422,7 @@ class _SignalPoints:
 
 
 def _interrupted_at(k: int, kind: str, native: str, during: str, monkeypatch) -> tuple[str | None, str | None]:
-    """Submit two stores (or shut down with two queued) with a Ctrl-C at point `k`, the streams
+    """Submit two stores (or wait for two, or shut down with two queued) with a Ctrl-C at point `k`, the streams
     held by a gate until then. Returns (where the Ctrl-C landed or None past the last point,
     what broke or None)."""
     import os
@@ -439,17 +448,25 @@ def _interrupted_at(k: int, kind: str, native: str, during: str, monkeypatch) ->
     for lane in worker._lanes:
         lane._stream.launch(gate.wait)
     # opened after the interrupted calls; before, if one of them waits for copies to pass
-    timer = threading.Timer(0.05 if during == "submit" else 0.01, open_gate)
+    timer = threading.Timer(0.05 if during == "submit" else 0.01, open_gate)  # `wait` and `shutdown` wait for it
     timer.start()
     points, submitted, interrupted_at = _SignalPoints(k, os.path.dirname(offload_core.__file__)), [], None
-    if during == "shutdown":
+    if during != "submit":
+        if during == "wait":  # the jobs left waiting for a launch: `wait` launches them
+            lane = worker._queues[Direction.STORE]
+            with lane._lock:
+                lane._launcher = threading.current_thread()  # no launcher thread takes them first
+                lane.burst_jobs, lane._launch_s, lane._last_submit = 1 << 30, 10.0, time.perf_counter()
         for job_id in (1, 2):
             worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
             submitted.append(job_id)
+        assert during != "wait" or len(lane._pending) == 2
     sys.setprofile(points)
     try:
         if during == "shutdown":
             worker.shutdown()
+        elif during == "wait":
+            worker.wait([1, 2])
         else:
             for job_id in (1, 2):
                 worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
@@ -458,6 +475,9 @@ def _interrupted_at(k: int, kind: str, native: str, during: str, monkeypatch) ->
         interrupted_at = time.perf_counter()
     finally:
         sys.setprofile(None)
+    if during == "wait":
+        with lane._lock:
+            lane._launcher = None
     got += [(r, time.perf_counter()) for r in worker.get_finished()]
     if timer.cancel() is None and not opened:
         open_gate()
@@ -503,11 +523,13 @@ def _returns(call) -> bool:
 @pytest.mark.parametrize(
     "kind, native, during",
     [("expanding", "0", "submit"), ("expanding", "1", "submit"), ("cpu", "0", "submit")]
-    + [("expanding", "0", "shutdown"), ("expanding", "1", "shutdown"), ("cpu", "0", "shutdown")],
+    + [("expanding", "0", "shutdown"), ("expanding", "1", "shutdown"), ("cpu", "0", "shutdown")]
+    + [("expanding", "0", "wait"), ("expanding", "1", "wait")],
 )
-def test_ctrl_c_at_every_point_of_a_submit_or_shutdown_loses_and_frees_nothing(kind, native, during, monkeypatch):
+def test_ctrl_c_at_every_point_of_a_submit_wait_or_shutdown_loses_and_frees_nothing(kind, native, during, monkeypatch):
     """A Ctrl-C at each point in turn where CPython runs signal handlers, in offload_core's own
-    code: afterwards nothing hangs, every queued job reports once, an interrupted submit leaves
+    code (of two submits, of a `wait` that launches two waiting jobs, of a shutdown with two
+    queued): afterwards nothing hangs, every queued job reports once, an interrupted submit leaves
     its id free, and no result (nor an interrupted call) comes before copies it enqueued ran."""
     if native == "1":
         compiled_or_skip(True)
