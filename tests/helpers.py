@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -49,3 +50,24 @@ def compact_layout(planner, compiled: bool):
     if compiled:
         compiled_or_skip(True)
     return layout
+
+
+class SignalPoints:
+    """A profiler that raises KeyboardInterrupt at the k-th point where CPython may run a signal
+    handler on this thread, in code under `roots`: a Python function's entry (counted where its
+    caller is under them), a C call's return. `where` says which point it was; None while the
+    calls it watched had fewer than k points."""
+
+    def __init__(self, k: int, roots: tuple[str, ...]):
+        self.k, self.n, self.roots, self.where = k, 0, roots, None
+
+    def __call__(self, frame, event, arg):
+        caller = frame.f_back if event == "call" else frame if event == "c_return" else None
+        if caller is None or not caller.f_code.co_filename.startswith(self.roots):
+            return
+        self.n += 1
+        if self.n == self.k:
+            sys.setprofile(None)
+            name = getattr(arg, "__name__", frame.f_code.co_name)
+            self.where = f"{event} {name} in {caller.f_code.co_name}:{caller.f_lineno}"
+            raise KeyboardInterrupt

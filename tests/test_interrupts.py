@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from helpers import compiled_or_skip
+from helpers import SignalPoints, compiled_or_skip
 
 from offload_core import (
     DeviceBlocks,
@@ -402,25 +402,6 @@ class _RecordingCpu(CpuBackend):
         return super().copy_batch(src, dst, sizes, direction, stream)
 
 
-class _SignalPoints:
-    """A profiler that raises KeyboardInterrupt at the k-th point where CPython may run a signal
-    handler in offload_core's code on this thread: a Python function's entry, a C call's return."""
-
-    def __init__(self, k: int, root: str):
-        self.k, self.n, self.root, self.where = k, 0, root, None
-
-    def __call__(self, frame, event, arg):
-        caller = frame.f_back if event == "call" else frame if event == "c_return" else None
-        if caller is None or not caller.f_code.co_filename.startswith(self.root):
-            return
-        self.n += 1
-        if self.n == self.k:
-            sys.setprofile(None)
-            name = getattr(arg, "__name__", frame.f_code.co_name)
-            self.where = f"{event} {name} in {caller.f_code.co_name}:{caller.f_lineno}"
-            raise KeyboardInterrupt
-
-
 def _interrupted_at(k: int, kind: str, native: str, during: str, monkeypatch) -> tuple[str | None, str | None]:
     """Submit two stores (or wait for two, or shut down with two queued) with a Ctrl-C at point `k`, the streams
     held by a gate until then. Returns (where the Ctrl-C landed or None past the last point,
@@ -450,7 +431,7 @@ def _interrupted_at(k: int, kind: str, native: str, during: str, monkeypatch) ->
     # opened after the interrupted calls; before, if one of them waits for copies to pass
     timer = threading.Timer(0.05 if during == "submit" else 0.01, open_gate)  # `wait` and `shutdown` wait for it
     timer.start()
-    points, submitted, interrupted_at = _SignalPoints(k, os.path.dirname(offload_core.__file__)), [], None
+    points, submitted, interrupted_at = SignalPoints(k, (os.path.dirname(offload_core.__file__),)), [], None
     if during != "submit":
         if during == "wait":  # the jobs left waiting for a launch: `wait` launches them
             lane = worker._queues[Direction.STORE]
