@@ -536,6 +536,9 @@ def test_a_signal_handler_that_waits_between_a_take_and_its_launch_gets_each_res
     worker = make_worker(ExpandingCpuBackend(), native, monkeypatch)
     worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))
     worker.wait([0])
+    lane = worker._queues[Direction.STORE]
+    with lane._lock:  # the submit launches the job itself, never the launcher thread
+        lane._launcher, lane.burst_jobs = threading.current_thread(), 1
     caller, handled = "_queue_compact" if native == "0" else "_submit", []
 
     def tracer(frame, event, arg):
@@ -551,5 +554,7 @@ def test_a_signal_handler_that_waits_between_a_take_and_its_launch_gets_each_res
     finally:
         sys.settrace(None)
     assert handled
+    with lane._lock:
+        lane._launcher = None
     assert finishes(worker, [1])
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(0, True), (1, False)]
