@@ -411,10 +411,14 @@ class TransferQueue:
                     # before it and none after it (unless a launch is under way: then after that).
                     pos = max((i for i, p in enumerate(self._pending) if p.job_id in wanted), default=-1)
                     if pos < 0 and self._launching.isdisjoint(wanted):
-                        # The newest named job: it ends last. From the newest end, since an engine
-                        # waits for recent jobs, and results it has not taken yet may be thousands.
+                        # The newest named job's result comes once every job before it has
+                        # ended: the last end recorded up to it (a launch that failed before
+                        # enqueuing has none). From the newest, since an engine waits for recent
+                        # jobs, and results it has not taken yet may be thousands.
+                        named = False
                         for job in reversed(self._jobs):
-                            if job.job_id in wanted:
+                            named = named or job.job_id in wanted
+                            if named and job.end is not None:
                                 last = job
                                 break
                         break
@@ -426,7 +430,7 @@ class TransferQueue:
             except BaseException:
                 self.heal()
                 raise
-        if last is not None and last.end is not None:
+        if last is not None:
             _settle(last.end)
 
     def drain(self) -> list[TransferResult]:

@@ -77,7 +77,8 @@ def test_ctrl_c_at_every_point_of_cuda_submits_and_a_wait(mechanism, direction, 
 
     wrap("copy_blocks", lambda a: {job_of_block.get(int(b)) for b in a[0].dev_ids})
     wrap("copy_jobs", lambda a: {job_of_block.get(int(b)) for j in a[0] for b in j.dev_ids})
-    wrap("copy_batch", lambda a: {current[0]})
+    # a descriptor job's copies (a backend's compact launch may call copy_batch too, on any thread)
+    wrap("copy_batch", lambda a: {current[0]} if sys._getframe(2).f_code.co_name == "submit" else set())
     rng = np.random.default_rng(3)
     broken, k, next_id, seen = [], 1, 0, {}
 
@@ -130,8 +131,6 @@ def test_ctrl_c_at_every_point_of_cuda_submits_and_a_wait(mechanism, direction, 
             interrupted = gate_end.query()
         finally:
             sys.setprofile(None)
-        if points.where is None:
-            break
         where = points.where
         if not _returns(lambda: worker.wait(ids)):
             pytest.fail(f"Ctrl-C at {k} ({where}): wait hangs")
@@ -145,8 +144,10 @@ def test_ctrl_c_at_every_point_of_cuda_submits_and_a_wait(mechanism, direction, 
                 broken.append(f"Ctrl-C at {k} ({where}): job {job_id} queued, no result")
             elif job_id in touched and interrupted is False:
                 broken.append(f"Ctrl-C at {k} ({where}): job {job_id} interrupted with copies in flight")
+        if where is None:  # past the last point: the sequence ran through
+            break
         k += 1
     assert k > 50, "too few points: the profiler saw none of the worker's code"
     assert _returns(worker.shutdown), "shutdown hangs"
-    check(worker.get_finished(), gate_end)
+    assert worker.get_finished() == []  # every result came in its round
     assert not broken, "\n".join(broken[:20])

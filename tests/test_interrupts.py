@@ -364,6 +364,49 @@ def test_ctrl_c_between_taking_jobs_and_launching_them_fails_them(where, monkeyp
     assert sorted(r.job_id for r in results) == [0, 1, 2] and not any(r.success for r in results)
 
 
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_a_wait_for_a_job_failed_before_its_launch_waits_for_the_jobs_before_it(native, monkeypatch):
+    """Job 1 fails with nothing enqueued (a Ctrl-C between its take and its launch) while job 0,
+    launched before it, still runs. Results come in submission order, so job 1's waits for
+    job 0's: a `wait` for job 1 returns only once both can be taken."""
+    import time
+
+    from offload_core.queue import TransferQueue
+
+    running = threading.Event()
+
+    class Held(ExpandingCpuBackend):
+        def copy_blocks(self, job, prepared, stream, after):
+            stream.launch(running.wait)  # job 0's copy runs until the test lets it
+            return super().copy_blocks(job, prepared, stream, after)
+
+    worker = make_worker(Held(), native, monkeypatch)
+    queue = next(iter(worker._queues.values()))
+    assert worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))  # an idle device: launched by its submit
+    with queue._lock:
+        queue._launcher = threading.current_thread()  # no launcher thread takes job 1 first
+        queue.burst_jobs, queue._launch_s, queue._last_submit = 1 << 30, 10.0, time.perf_counter()
+    assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1]))
+    assert len(queue._pending) == 1
+    ctrl_c_before_line(TransferQueue.wait, "self._run_quietly(batch)")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.wait([1])
+    finally:
+        sys.settrace(None)
+    with queue._lock:
+        queue._launcher = None
+    waiter = threading.Thread(target=worker.wait, args=([1],))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "wait returned while job 0, before job 1, still runs"
+    running.set()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(0, True), (1, False)]
+    worker.shutdown()
+
+
 def test_ctrl_c_as_a_lanes_poll_returns_loses_no_result(monkeypatch):
     """`get_finished` polls each lane; a Ctrl-C as a poll returns (its results out of the queue,
     not yet in the worker's hands) must leave them to the next call."""
