@@ -38,6 +38,7 @@ class ExpandingCpuBackend(CpuBackend):
         self.refuse = refuse
         self.joins = joins
         self.jobs = 0  # compact jobs enqueued (a launch taken by `copy_jobs` counts once)
+        self._kept: dict[int, np.ndarray | None] = {}  # staging buffers queued copies may still touch
 
     def prepare_layout(self, layout: CompactLayout):
         return None if self.refuse else layout
@@ -50,9 +51,13 @@ class ExpandingCpuBackend(CpuBackend):
         staging = (
             np.full(max(1, job.host_ids.size * job.layout.row_bytes), POISON, dtype=np.uint8) if self.staged else None
         )
+        # Kept before the first copy is enqueued, dropped by the stream once past the last: a
+        # Ctrl-C in between leaves it kept (a leak), never freed under a queued copy.
+        key = id(staging)
+        self._kept[key] = staging
         for src, dst, sizes in steps(job, None if staging is None else staging.ctypes.data):
             self.copy_batch(src, dst, sizes, job.direction, stream)
-        stream.launch(lambda: staging)  # holds the staging buffer until the stream is past it
+        stream.launch(lambda: self._kept.pop(key, None))
         return "expand_staged" if self.staged else "expand_direct"
 
     def copy_jobs(self, jobs: list[CompactJob], prepared, stream: CpuStream, after) -> str | None:
