@@ -161,7 +161,7 @@ class CudaBackend(TorchDeviceBackend):
             if reason:
                 raise ConfigError(f"cuda mechanism {self.mechanism!r} cannot be used: {reason}")
         self._host_ranges: dict[int, tuple[int, int]] = {}  # device-addressable host memory
-        self._keepalive: deque = deque()  # (event, objects) the driver may still read
+        self._keepalive: deque = deque()  # [event or None while enqueuing, objects] the driver may still read
         self._threads = threading.local()  # `in_context`: the GPU's context was made current on this thread
         self._spare_events: list = []
         self._staged_buffers = PerStream(lambda stream: StagedPair(self, stream))
@@ -307,9 +307,13 @@ class CudaBackend(TorchDeviceBackend):
     def _enqueued(self, stream):
         """Around an enqueue: yields the list of what the device may still read afterwards, and
         holds it, with the ring's regions, until an event recorded after the enqueue has passed."""
-        while self._keepalive and self._keepalive[0][0].query():
-            self._spare_events.append(self._keepalive.popleft()[0])
+        keepalive = self._keepalive
+        while keepalive and keepalive[0][0] is not None and keepalive[0][0].query():
+            self._spare_events.append(keepalive.popleft()[0])
         held: list = []
+        # Kept before anything is enqueued, its event set after: a Ctrl-C in between leaves it
+        # kept until the next enqueue's event has passed, never freed under a queued copy.
+        keepalive.append([None, held])
         with self._context():
             try:
                 yield held
@@ -317,7 +321,10 @@ class CudaBackend(TorchDeviceBackend):
                 # a passed event is recorded again: a ring region still naming it is then freed later, never sooner
                 event = self._spare_events.pop() if self._spare_events else self._marker()
                 event.record(stream)
-                self._keepalive.append((event, held))
+                for kept in reversed(keepalive):
+                    if kept[0] is not None:
+                        break
+                    kept[0] = event
                 self._ring.retire(event)
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
