@@ -6,13 +6,16 @@ still come, once each and not before the copies they report, and `wait` and `shu
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
 import pytest
 import torch
+from ctrl_c_sweep import sweep
 from helpers import SignalPoints, compiled_or_skip
 
+import offload_core
 from offload_core import (
     DeviceBlocks,
     Direction,
@@ -601,3 +604,29 @@ def test_a_signal_handler_that_waits_between_a_take_and_its_launch_gets_each_res
         lane._launcher = None
     assert finishes(worker, [1])
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(0, True), (1, False)]
+
+
+def _hold_cpu_stream(stream):
+    import time
+
+    from offload_core.backends.cpu import CpuEvent
+
+    stream.launch(lambda: time.sleep(0.005))
+    end = CpuEvent()
+    end.record(stream)
+    return end
+
+
+@pytest.mark.parametrize(
+    "kind, direction, native",
+    [("expanding", "store", "0"), ("expanding", "load", "0"), ("expanding", "store", "1"), ("cpu", "load", "0")],
+)
+def test_ctrl_c_at_every_point_of_submits_and_a_wait_with_copies_in_flight(kind, direction, native, monkeypatch):
+    """`ctrl_c_sweep` on the cpu backend, its stream held a few ms each round: the every-point
+    test above with the bytes of each successful job checked, and copies still queued when the
+    interrupt lands."""
+    compiled_or_skip(native == "1")
+    monkeypatch.setenv("OFFLOAD_CORE_NATIVE", native)
+    backend = ExpandingCpuBackend() if kind == "expanding" else CpuBackend()
+    roots = (os.path.dirname(offload_core.__file__), os.path.dirname(sys.modules[CpuBackend.__module__].__file__))
+    sweep(backend, "cpu", direction == "store", roots, _hold_cpu_stream)
