@@ -22,6 +22,7 @@ from offload_core.backends.cuda import blocks as cuda_blocks
 from offload_core.backends.cuda import driver as drv
 from offload_core.backends.cuda.events import DriverEvent, RawStream
 from offload_core.backends.cuda.select import CostModel, piece_bounds, profile_path
+from offload_core.backends.cuda.staging import Held
 
 
 @pytest.fixture(autouse=True)
@@ -473,7 +474,7 @@ def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
     pending = []  # (event, [(device address, expected values, width)])
     for j, (n, k, split, narrow, finish_oldest) in enumerate(jobs):
         columns = [np.arange(n, dtype=np.int64) + 1000 * (j * 4 + c) for c in range(k)]
-        tables, keep = ring.upload(columns, stream, split, narrow=narrow)
+        tables, keep = _upload(ring, columns, stream, split, narrow=narrow)
         parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
         assert len(tables) == len(parts)
         width = 4 if narrow else 8
@@ -493,6 +494,14 @@ def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
     assert all(stream == 7 for _, _, stream in fake.copies)
 
 
+def _upload(ring, columns, stream, *args, **kwargs):
+    """`DescriptorRing.upload`, and what it put in `held` (one-off memory, else empty)."""
+    held: list = []
+    tables = ring.upload(columns, stream, held, *args, **kwargs)
+    (keep,) = held
+    return tables, keep
+
+
 def test_a_full_descriptor_ring_waits_for_its_oldest_job_and_falls_back_only_without_one():
     """No room beside a pending table: the upload waits for the oldest job (counted), then
     reuses its memory. One-off memory only for a table larger than the ring, or where the room
@@ -502,19 +511,19 @@ def test_a_full_descriptor_ring_waits_for_its_oldest_job_and_falls_back_only_wit
     fake = RingDevice()
     ring = DescriptorRing(fake.torch, None, fake.memcpy, entries=100)
     stream = SimpleNamespace(cuda_stream=1)
-    (first,), keep = ring.upload([np.arange(60)], stream)
+    (first,), keep = _upload(ring, [np.arange(60)], stream)
     assert keep == [] and (ring.waits, ring.wait_s) == (0, 0.0)
     busy = FakeEvent()
     ring.retire(busy)
-    (second,), keep = ring.upload([np.arange(60)], stream)
+    (second,), keep = _upload(ring, [np.arange(60)], stream)
     assert keep == [] and second == first and busy.waited == 1  # waited for the first job, then took its memory
     assert ring.waits == 1 and ring.wait_s >= 0
-    (third,), keep = ring.upload([np.arange(60)], stream)  # the second is not retired: this enqueue's own
+    (third,), keep = _upload(ring, [np.arange(60)], stream)  # the second is not retired: this enqueue's own
     assert keep != [] and ring.waits == 1
-    (big,), keep = ring.upload([np.arange(101)], stream)
+    (big,), keep = _upload(ring, [np.arange(101)], stream)
     assert keep != [] and ring.waits == 1  # larger than the ring: never waits
     ring.retire(FakeEvent())
-    (fourth,), keep = ring.upload([np.arange(30)], stream)
+    (fourth,), keep = _upload(ring, [np.arange(30)], stream)
     assert keep == [] and ring.waits == 1  # room beside the pending one: no wait
 
 
@@ -738,6 +747,58 @@ def test_auto_weighs_the_available_batch_mechanisms_a_fallback_only_without_its_
     backend._host_ranges[0] = (0, 1 << 20)  # now the host side is addressable
     backend.copy_batch(src, dst, sizes, Direction.STORE, SimpleNamespace(cuda_stream=7))
     assert model.asked == [("ce_batch", "staged"), ("ce_batch", "staged", "sm_gather")]
+
+
+class _Stream(SimpleNamespace):
+    """A stream handle that notes the streams it was made to wait for."""
+
+    def wait_stream(self, other):
+        self.waited.append(other.cuda_stream)
+
+
+def test_an_enqueue_a_ctrl_c_cut_short_is_held_until_an_event_on_its_own_stream(monkeypatch):
+    """An enqueue whose `with` a Ctrl-C left before its event was recorded (the `finally` then
+    runs only when the generator is collected): the next enqueue, on another stream, records
+    one on the first enqueue's stream, after the side streams it left unjoined, and sets it on
+    what the first holds and the ring regions it reserved; its own event covers only its own."""
+    lib = FakeLib()
+    backend = host_only_backend(monkeypatch, lib, mechanism="ce_batch")
+    first, second = _Stream(cuda_stream=5, waited=[]), _Stream(cuda_stream=9, waited=[])
+    side = SimpleNamespace(cuda_stream=6)
+    cut = backend._enqueued(first)
+    held = cut.__enter__()
+    held.append("the first enqueue's table")
+    held.sides.append(side)  # a mechanism's join that the interrupt cut short
+    (entry,) = [e for e in backend._keepalive if e[1] is held]
+    region = entry[3]
+    region.append([0, 10, None])  # as `_reserve` lists a region of the enqueue under way
+    assert entry[0] is None
+    lib.calls.clear()
+    dst, src, sizes = arrays(3)
+    backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, second)
+    records = [c[2] for c in lib.calls if c[0] == "record"]
+    assert records == [5, 9]  # the first enqueue's event on its own stream, then the second's on its own
+    assert first.waited == [6] and second.waited == []
+    assert entry[0] is not None and region[0][2] is entry[0]
+    assert not backend._cut_short
+    cut.__exit__(None, None, None)  # the collected generator's `finally`, late: a later event, harmless
+    assert not backend._cut_short
+
+
+def test_an_enqueues_ring_regions_take_its_own_event_only():
+    """Regions an enqueue reserved are retired with its event, not with the event of another
+    enqueue whose retire comes first (a Ctrl-C cut the other's short)."""
+    from offload_core.backends.cuda.ring import DescriptorRing
+
+    ring = DescriptorRing(RingDevice().torch, None, RingDevice().memcpy, entries=100)
+    stream = SimpleNamespace(cuda_stream=1)
+    first = ring.open()
+    _upload(ring, [np.arange(10)], stream)
+    second = ring.open()
+    _upload(ring, [np.arange(10)], stream)
+    event = FakeEvent()
+    ring.retire(event, second)
+    assert [r[2] for r in first] == [None] and [r[2] for r in second] == [event]
 
 
 def test_enqueue_with_runs_one_mechanism_and_leaves_the_backends_alone(monkeypatch):
@@ -1617,7 +1678,7 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
     # the ring's device memory, where every job's table lies, at an address of either kind (the
     # warm-up once passed another table, a CPU heap's in this test: on the H200 it fitted 32 bits)
     backend._ring = SimpleNamespace(
-        upload=lambda cols, stream, split=0, narrow=False: ([ring], []), device_address=lambda: ring, launches=False
+        upload=lambda cols, stream, held, split=0, narrow=False: [ring], device_address=lambda: ring, launches=False
     )
     for simple in (True, False):
         model = Model([16], [[(0, 16)]], 1 if simple else 2, 64, 64)
@@ -1712,7 +1773,11 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
         _ring=None,
         device_index=0,
         gather_programs=4,
-        driver=SimpleNamespace(memcpy_batch_async=lambda dst, src, sizes, order, handle: move(dst, src, sizes) or ()),
+        driver=SimpleNamespace(
+            memcpy_batch_async=lambda dst, src, sizes, order, handle, max_batch=0, held=None: (
+                move(dst, src, sizes) or ()
+            )
+        ),
     )
     prepared = host_prepared(layout)
     hosts = [3, 4, 5, 6, 7, 20, 21, 9] if bpc == 1 else [3, 4, 5, 6, 20]  # runs of rows across the cuts
@@ -1726,7 +1791,7 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
         job = job.in_host_order()
         assert job.host_ids.tolist() == sorted(hosts) and layout.segments(job)[2].size == 3
     want_dev, want_host = model.expected(direction, device, host)
-    cuda_blocks.EXPAND_STAGED.enqueue_job(copier, job, prepared, layout.segments(job), stream, [], [])
+    cuda_blocks.EXPAND_STAGED.enqueue_job(copier, job, prepared, layout.segments(job), stream, [], Held())
     assert len(pieces) == -(-len(hosts) // 3), "not cut into pieces of three rows"
     if store:
         np.testing.assert_array_equal(model.host, want_host)
@@ -1795,14 +1860,15 @@ def test_staging_halves_hand_over_through_driver_markers(monkeypatch, direction)
     ring = 1 << 40
     backend._ring = SimpleNamespace(
         device_address=lambda: ring,
-        upload=lambda cols, stream, split=0, narrow=False: ([ring], []),
-        retire=lambda event: None,
+        upload=lambda cols, stream, held, split=0, narrow=False: [ring],
+        retire=lambda event, regions=None: None,
+        open=lambda: [],
     )
     prepared = backend._blocks.prepare(layout)
     stream = backend.new_stream()
     job = layout.job(direction, DeviceBlocks([5, 9, 2, 30, 17, 11, 0, 22]), HostBlocks([3, 4, 5, 6, 7, 20, 21, 9]))
     lib.calls.clear()
-    cuda_blocks.EXPAND_STAGED.enqueue_job(backend._blocks, job, prepared, layout.segments(job), stream, [], [])
+    cuda_blocks.EXPAND_STAGED.enqueue_job(backend._blocks, job, prepared, layout.segments(job), stream, [], Held())
     halves = backend._blocks.staging.for_stream(stream)
     assert all(isinstance(e, DriverEvent) for e in (*halves.free, halves.ready))
     assert [c for c in lib.calls if c[0] == "event_create"] == [("event_create", 2)] * 3  # untimed markers
@@ -1903,7 +1969,7 @@ def test_a_split_job_that_fails_part_way_still_ends_after_its_direct_part(monkey
     prepared = SimpleNamespace(layout=SimpleNamespace(segments=lambda job: None))
     monkeypatch.setattr(blocks, "EXPAND_STAGED", Failing())
     with pytest.raises(RuntimeError, match="failed"):
-        blocks.EXPAND_SPLIT.enqueue_job(Copier(), job, prepared, None, Stream("queue"), [], [])
+        blocks.EXPAND_SPLIT.enqueue_job(Copier(), job, prepared, None, Stream("queue"), [], Held())
     assert log == [
         "go on queue",
         "direct waits go",

@@ -99,14 +99,14 @@ class RingLike:
     def device_address(self):
         return self.base
 
-    def upload(self, cols, stream, split=0, narrow=False):
+    def upload(self, cols, stream, held, split=0, narrow=False):
         table = np.concatenate(cols).astype(np.int32 if narrow else np.int64)
         entries = -(-table.nbytes // 8)
         self.host[self.at : self.at + entries].view(np.uint8)[: table.nbytes] = table.view(np.uint8)
         dev, host = self.base + 8 * self.at, self.host.ctypes.data + 8 * self.at
         self.at += entries
         self.backend._table_copy(dev, host, table.nbytes, stream.cuda_stream)
-        return [dev], []
+        return [dev]
 
     def upload_launch(self, cols, stream, narrow, function, grid, threads, shared, params, held):
         entries = -(-len(cols) * len(cols[0]) * (4 if narrow else 8) // 8)
@@ -118,7 +118,10 @@ class RingLike:
         self.launched.append(words.view(np.int32)[: len(cols) * len(cols[0])] if narrow else words.copy())
         self.at += entries
 
-    def retire(self, event):
+    def open(self):
+        return []
+
+    def retire(self, event, regions=None):
         pass
 
 

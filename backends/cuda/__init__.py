@@ -46,7 +46,7 @@ from offload_core.backends.cuda.events import DriverEvent, RawStream
 from offload_core.backends.cuda.mechanisms import BLOCK_MECHANISMS, MECHANISMS, TABLE, contenders
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import CostModel
-from offload_core.backends.cuda.staging import PerStream, StagedPair
+from offload_core.backends.cuda.staging import Held, PerStream, StagedPair
 from offload_core.backends.torch_device import Runtime, TorchDeviceBackend, TorchRuntime
 from offload_core.errors import ConfigError
 
@@ -161,7 +161,8 @@ class CudaBackend(TorchDeviceBackend):
             if reason:
                 raise ConfigError(f"cuda mechanism {self.mechanism!r} cannot be used: {reason}")
         self._host_ranges: dict[int, tuple[int, int]] = {}  # device-addressable host memory
-        self._keepalive: deque = deque()  # [event or None while enqueuing, objects] the driver may still read
+        self._keepalive: deque = deque()  # [event or None while enqueuing, Held, stream, ring regions]
+        self._cut_short: dict[int, list] = {}  # keepalive entries whose event is not set yet (`_enqueued`)
         self._threads = threading.local()  # `in_context`: the GPU's context was made current on this thread
         self._spare_events: list = []
         self._staged_buffers = PerStream(lambda stream: StagedPair(self, stream))
@@ -305,27 +306,53 @@ class CudaBackend(TorchDeviceBackend):
 
     @contextmanager
     def _enqueued(self, stream):
-        """Around an enqueue: yields the list of what the device may still read afterwards, and
-        holds it, with the ring's regions, until an event recorded after the enqueue has passed."""
+        """Around an enqueue (under the queues' enqueue lock): yields a `Held` for what the device
+        may still read afterwards, and holds it, with the ring's regions reserved meanwhile,
+        until an event recorded on `stream` after the enqueue (and after the side streams still
+        listed in it) has passed.
+
+        Kept from before anything is enqueued: where a Ctrl-C cuts this short before the event
+        is set (in the `finally`, or as the `with` exits, which leaves the `finally` to when the
+        generator is collected), the next enqueue records one on that enqueue's own stream."""
         keepalive = self._keepalive
-        while keepalive and keepalive[0][0] is not None and keepalive[0][0].query():
-            self._spare_events.append(keepalive.popleft()[0])
-        held: list = []
-        # Kept before anything is enqueued, its event set after: a Ctrl-C in between leaves it
-        # kept until the next enqueue's event has passed, never freed under a queued copy.
-        keepalive.append([None, held])
         with self._context():
+            if self._cut_short:
+                self._finish_cut_short(stream)
+            while keepalive and keepalive[0][0] is not None and keepalive[0][0].query():
+                self._spare_events.append(keepalive.popleft()[0])
+            held = Held()
+            entry = [None, held, stream, self._ring.open()]
+            keepalive.append(entry)
+            self._cut_short[id(entry)] = entry  # until its event is set
             try:
                 yield held
             finally:  # also after a failed call: copies enqueued before it may still read
-                # a passed event is recorded again: a ring region still naming it is then freed later, never sooner
-                event = self._spare_events.pop() if self._spare_events else self._marker()
-                event.record(stream)
-                for kept in reversed(keepalive):
-                    if kept[0] is not None:
-                        break
-                    kept[0] = event
-                self._ring.retire(event)
+                self._settle_entry(entry, self._spare_events.pop() if self._spare_events else self._marker())
+
+    def _settle_entry(self, entry: list, event) -> None:
+        """Join the side streams an enqueue left listed, record `event` after them on its stream,
+        and set it on the enqueue's keepalive entry and ring regions."""
+        held, stream = entry[1], entry[2]
+        for side in held.sides:
+            stream.wait_stream(side)
+        # a passed event is recorded again: a ring region still naming it is then freed later, never sooner
+        event.record(stream)
+        self._ring.retire(event, entry[3])
+        entry[0] = event
+        self._cut_short.pop(id(entry), None)
+
+    def _finish_cut_short(self, stream) -> None:
+        """Settle the enqueues a Ctrl-C left without their event (`_enqueued`)."""
+        for entry in list(self._cut_short.values()):
+            if entry[0] is not None:  # cut short after its event was set
+                self._cut_short.pop(id(entry), None)
+                continue
+            try:
+                self._settle_entry(entry, self._marker())
+            except Exception:  # its stream is gone (released): once the device is idle, nothing reads
+                self.synchronize()
+                entry[2] = stream
+                self._settle_entry(entry, self._marker())
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         return self.enqueue_with(self.mechanism, src, dst, sizes, direction, stream)

@@ -560,6 +560,7 @@ class ExpandStaged(_Expansion):
         if store:  # the gather reads what the compute streams wrote; the queue's stream already waits for them
             for event in after:
                 st.side.wait_event(event)
+        held.sides.append(st.side)  # each piece joins it; `_enqueued` does if a failure or a Ctrl-C cuts a piece short
         for j0, j1 in zip(cuts[:-1], cuts[1:]):
             half = st.halves[st.next]
             free = st.free[st.next]
@@ -578,25 +579,34 @@ class ExpandStaged(_Expansion):
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if s1 > s0:
-                    held.append(
-                        b.driver.memcpy_batch_async(
-                            seg_host[s0:s1], stage_addr, seg_sizes[s0:s1], SRC_ACCESS_ORDER_STREAM, stream.cuda_stream
-                        )
+                    b.driver.memcpy_batch_async(
+                        seg_host[s0:s1],
+                        stage_addr,
+                        seg_sizes[s0:s1],
+                        SRC_ACCESS_ORDER_STREAM,
+                        stream.cuda_stream,
+                        0,
+                        held,
                     )
                 free.record(stream)
             else:
                 st.side.wait_event(free)  # the scatter that last read this half is done
                 if s1 > s0:
-                    held.append(
-                        b.driver.memcpy_batch_async(
-                            stage_addr, seg_host[s0:s1], seg_sizes[s0:s1], SRC_ACCESS_ORDER_ANY, st.side.cuda_stream
-                        )
+                    b.driver.memcpy_batch_async(
+                        stage_addr,
+                        seg_host[s0:s1],
+                        seg_sizes[s0:s1],
+                        SRC_ACCESS_ORDER_ANY,
+                        st.side.cuda_stream,
+                        0,
+                        held,
                     )
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if b1 > b0:
                     copier.expand(job, prepared, b0, b1, stream, held, b.gather_programs, stage)
                 free.record(stream)
+        held.sides.pop()
 
 
 class ExpandSplit(_Expansion):
@@ -620,6 +630,7 @@ class ExpandSplit(_Expansion):
         # The queue's stream waits for the compute streams (`after`) and for the jobs before
         # this one, which may write the same host rows: the direct part starts where it stands
         # now, beside this job's staged part, not after it.
+        held.sides.append(direct)  # joined by `_enqueued` if the `finally` below is cut short
         st.direct_go.record(stream)
         direct.wait_event(st.direct_go)
         try:
@@ -630,6 +641,7 @@ class ExpandSplit(_Expansion):
         finally:  # also after a failure: the job's end event, and what it holds, must follow the direct part
             st.direct_done.record(direct)
             stream.wait_event(st.direct_done)
+        held.sides.pop()
 
 
 HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT = (

@@ -308,13 +308,24 @@ class Driver:
             raise CudaDriverError(f"{what} failed: {self.error_name(code)}", code)
 
     def memcpy_batch_async(
-        self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, order: int, stream: int, max_batch: int = 0
+        self,
+        dst: np.ndarray,
+        src: np.ndarray,
+        sizes: np.ndarray,
+        order: int,
+        stream: int,
+        max_batch: int = 0,
+        held: list | None = None,
     ) -> tuple:
         """Enqueue one ``cuMemcpyBatchAsync`` per `max_batch` descriptors (0: all in one call).
 
+        Args:
+            held: a list that what the copies read goes to before the first is enqueued.
+
         Returns:
-            What the caller must keep alive until the stream has passed the copies: the
-            driver does not promise to have read its argument arrays when it returns.
+            What the caller must keep alive until the stream has passed the copies (the driver
+            does not promise to have read its argument arrays when it returns, and a posted
+            call reads them later): the caller's `held` holds it from before the first copy.
 
         Raises:
             CudaDriverError: naming the index of the failing copy within the whole batch.
@@ -324,6 +335,9 @@ class Driver:
         if not stream:  # the legacy default stream is rejected with INVALID_VALUE
             raise CudaDriverError("cuMemcpyBatchAsync cannot run on the legacy default stream", 1)
         attrs, first = self._batch_attrs(order)
+        keep = (dst, src, sizes, attrs, first)
+        if held is not None:
+            held.append(keep)
         n = len(sizes)
         step = max_batch if max_batch > 0 else n
         poster = self.poster
@@ -337,7 +351,7 @@ class Driver:
                 poster.call(
                     BATCH, stream, poster.batch_fn, d, s, z, count, attrs_at, first_at, 1, poster.fail_address, stream
                 )
-            return (dst, src, sizes, attrs, first)
+            return keep
         fail = ctypes.c_size_t(0)
         for start in range(0, n, step):
             count = min(step, n - start)

@@ -397,8 +397,7 @@ def launch(
     if largest is None:
         largest = int(sizes.max())
         uniform = int(sizes.min()) == largest
-    (table,), keep = ring.upload((src, dst) if uniform else (src, dst, sizes), stream)
-    held.append(keep)
+    (table,) = ring.upload((src, dst) if uniform else (src, dst, sizes), stream, held)
     run(table, table + 8 * n, (largest, 0) if uniform else table + 16 * n, n, largest, stream, max_programs, device)
 
 
@@ -465,8 +464,7 @@ def expand(
             if raw is not None:
                 ring.upload_launch(columns, stream, constexprs["NARROW"], *raw, held)
                 return
-        (table,), keep = ring.upload(columns, stream, narrow=constexprs["NARROW"])
-        held.append(keep)
+        (table,) = ring.upload(columns, stream, held, narrow=constexprs["NARROW"])
         same_build = (table < 1 << 31) == (args[0] < 1 << 31)  # else one of 32 bits and one of 64
         key_args = args.copy() if same_build else None
         args[0] = table

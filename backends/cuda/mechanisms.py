@@ -86,7 +86,7 @@ class CeBatch(Mechanism):
 
     def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
         order = SRC_ACCESS_ORDER_STREAM if direction is Direction.STORE else SRC_ACCESS_ORDER_ANY
-        held.append(backend.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, backend.max_batch))
+        backend.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, backend.max_batch, held)
 
 
 class CeLoop(Mechanism):
@@ -170,8 +170,8 @@ class Staged(Mechanism):
         # may still be busy; the first piece's go alone, so that in an idle stream its
         # kernel need not wait for the rest.
         split = bounds[1]
-        tables, keep = backend._ring.upload(cols, kernel_stream, split)
-        held.append(keep)
+        held.sides.append(kernel_stream)  # joined by `_enqueued` if the `finally` below is cut short
+        tables = backend._ring.upload(cols, kernel_stream, held, split)
         kernel_stream.wait_stream(stream)  # the job's own waits (compute, earlier jobs) hold for the kernel too
         free = [None, None]  # per buffer: the event after which it may be overwritten
         try:
@@ -212,16 +212,15 @@ class Staged(Mechanism):
                     free[k % 2] = _recorded(torch, kernel_stream)
         finally:  # the job ends when the kernel stream's work has (a load's last scatter, the uploads)
             stream.wait_stream(kernel_stream)
+        held.sides.pop()
 
 
 def _copy_runs(backend, dst, src, sizes, stream, held) -> None:
     """Staged's host-contiguous runs through the copy engines: one batch call, or one call
     per run where the driver has no batch API."""
     if backend.driver.memcpy_batch is not None:
-        held.append(
-            backend.driver.memcpy_batch_async(
-                dst, src, sizes, SRC_ACCESS_ORDER_STREAM, stream.cuda_stream, backend.max_batch
-            )
+        backend.driver.memcpy_batch_async(
+            dst, src, sizes, SRC_ACCESS_ORDER_STREAM, stream.cuda_stream, backend.max_batch, held
         )
     else:
         backend.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)

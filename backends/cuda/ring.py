@@ -47,24 +47,27 @@ class DescriptorRing:
         self._allocating = threading.Lock()
         self._head = 0
         self._regions: deque = deque()  # [start, end, event or None while its job is enqueued]
+        self._opened: list | None = None  # the regions of the enqueue under way (`open`)
         self.waits, self.wait_s = 0, 0.0  # reservations that waited for a table's job, and how long
 
-    def upload(self, columns, stream, split: int = 0, narrow: bool = False) -> tuple[list, list]:
+    def upload(self, columns, stream, held: list, split: int = 0, narrow: bool = False) -> list:
         """Copy int64 `columns` (equal lengths n) to the device on `stream`, as one or two parts
         (``[:split]`` and ``[split:]``, in that order, where ``0 < split < n``); as int32 where
         `narrow` (the caller knows every value fits: block ids checked against their counts),
         which halves the bytes copied, uploaded and held.
 
+        What must outlive the copies (one-off memory, where the ring was full) goes to `held`
+        before the upload is enqueued.
+
         Returns:
-            ``(tables, keep)``: per part, the device address of its first column (column j of
-            part p is ``tables[p] + width * j * len(p)``, width 4 where `narrow`, else 8), and
-            what must outlive the copies (empty unless the ring was full and one-off memory was
-            used).
+            Per part, the device address of its first column (column j of part p is
+            ``tables[p] + width * j * len(p)``, width 4 where `narrow`, else 8).
         """
         n, k = len(columns[0]), len(columns)
         width = 4 if narrow else 8
         parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
         flat, host_ptr, dev_ptr, keep = self._region(-(-k * n * width // 8))
+        held.append(keep)
         if narrow:
             flat = flat.view(np.int32)
         handle, tables = stream.cuda_stream, []
@@ -74,7 +77,7 @@ class DescriptorRing:
                 row[:] = column[a:b]
             self._memcpy(dev_ptr + width * k * a, host_ptr + width * k * a, width * k * (b - a), handle)
             tables.append(dev_ptr + width * k * a)
-        return tables, keep
+        return tables
 
     @property
     def launches(self) -> bool:
@@ -178,8 +181,21 @@ class DescriptorRing:
         self._allocate()
         return self._dev_ptr
 
-    def retire(self, event) -> None:
-        """The regions reserved since the last call are free once `event` has passed."""
+    def open(self) -> list:
+        """Start an enqueue: the regions reserved from now on are listed in the list returned,
+        for `retire` (whose event then covers them and no other enqueue's)."""
+        self._opened = []
+        return self._opened
+
+    def retire(self, event, regions: list | None = None) -> None:
+        """`regions` (a list `open` returned) are free once `event` has passed; without them,
+        the regions reserved since the last call."""
+        if regions is not None:
+            for region in regions:
+                region[2] = event
+            if regions is self._opened:
+                self._opened = None
+            return
         for region in reversed(self._regions):
             if region[2] is not None:
                 break
@@ -222,7 +238,10 @@ class DescriptorRing:
             self.waits += 1
             self.wait_s += time.perf_counter() - t0
         if start is not None:
-            regions.append([start, start + count, None])
+            region = [start, start + count, None]
+            regions.append(region)
+            if self._opened is not None:
+                self._opened.append(region)
             self._head = start + count
         return start
 

@@ -20,6 +20,20 @@ import numpy as np
 from offload_core.backends.cuda import select
 
 
+class Held(list):
+    """What one enqueue's work may read until it has run (`CudaBackend._enqueued` keeps it until
+    an event recorded after the enqueue has passed), and `sides`: streams beside the queue's
+    stream that the work went to and that are not joined back yet. A mechanism lists a side
+    stream before its first work there and takes it off once the queue's stream waits for it;
+    `_enqueued` joins whatever is still listed (a failure or a Ctrl-C cut the join short)."""
+
+    __slots__ = ("sides",)
+
+    def __init__(self):
+        super().__init__()
+        self.sides: list = []
+
+
 class PerStream:
     """What each copy stream needs, made by `make(stream)` on the stream's first use.
 
