@@ -750,10 +750,10 @@ def test_auto_weighs_the_available_batch_mechanisms_a_fallback_only_without_its_
 
 
 class _Stream(SimpleNamespace):
-    """A stream handle that notes the streams it was made to wait for."""
+    """A stream handle that notes the events it was made to wait for."""
 
-    def wait_stream(self, other):
-        self.waited.append(other.cuda_stream)
+    def wait_event(self, event):
+        self.waited.append(event)
 
 
 def test_an_enqueue_a_ctrl_c_cut_short_is_held_until_an_event_on_its_own_stream(monkeypatch):
@@ -777,12 +777,53 @@ def test_an_enqueue_a_ctrl_c_cut_short_is_held_until_an_event_on_its_own_stream(
     dst, src, sizes = arrays(3)
     backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, second)
     records = [c[2] for c in lib.calls if c[0] == "record"]
-    assert records == [5, 9]  # the first enqueue's event on its own stream, then the second's on its own
-    assert first.waited == [6] and second.waited == []
+    # the side joined (a marker on it that the first enqueue's stream waits for), the first
+    # enqueue's event on its own stream, then the second's on its own
+    assert records == [6, 5, 9]
+    assert len(first.waited) == 1 and second.waited == []
     assert entry[0] is not None and region[0][2] is entry[0]
     assert not backend._cut_short
     cut.__exit__(None, None, None)  # the collected generator's `finally`, late: a later event, harmless
     assert not backend._cut_short
+
+
+@pytest.mark.parametrize("line", ["keepalive.append(entry)", "self._cut_short[id(entry)] = entry"])
+def test_a_ctrl_c_as_an_enqueue_lists_its_entry_leaves_nothing_kept_for_ever(line, monkeypatch):
+    """A Ctrl-C before either step that records an enqueue's entry (kept, and listed to be
+    settled): the enqueues after it still let go of what they held once their events passed."""
+    import inspect
+
+    from offload_core.backends.cuda import CudaBackend
+
+    lib = FakeLib()
+    backend = host_only_backend(monkeypatch, lib, mechanism="ce_batch")
+    code = CudaBackend._enqueued.__wrapped__.__code__
+    lines, first = inspect.getsourcelines(code)
+    target = first + next(i for i, text in enumerate(lines) if text.strip().startswith(line))
+
+    def tracer(frame, event, arg):
+        if event != "call" or frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == target:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return local
+
+        return local
+
+    dst, src, sizes = arrays(3)
+    stream = SimpleNamespace(cuda_stream=9)
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, stream)
+    finally:
+        sys.settrace(None)
+    for _ in range(5):
+        backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, stream)
+    assert len(backend._keepalive) <= 2 and not backend._cut_short
 
 
 def test_an_enqueues_ring_regions_take_its_own_event_only():
@@ -1791,7 +1832,9 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
         job = job.in_host_order()
         assert job.host_ids.tolist() == sorted(hosts) and layout.segments(job)[2].size == 3
     want_dev, want_host = model.expected(direction, device, host)
-    cuda_blocks.EXPAND_STAGED.enqueue_job(copier, job, prepared, layout.segments(job), stream, [], Held())
+    held = Held()
+    cuda_blocks.EXPAND_STAGED.enqueue_job(copier, job, prepared, layout.segments(job), stream, [], held)
+    assert held.sides == [], "the side stream left listed though every piece joined it"
     assert len(pieces) == -(-len(hosts) // 3), "not cut into pieces of three rows"
     if store:
         np.testing.assert_array_equal(model.host, want_host)
@@ -1968,8 +2011,9 @@ def test_a_split_job_that_fails_part_way_still_ends_after_its_direct_part(monkey
     job = SimpleNamespace(direction=Direction.STORE, simple=True, host_ids=np.arange(8), tail=lambda k: "rest")
     prepared = SimpleNamespace(layout=SimpleNamespace(segments=lambda job: None))
     monkeypatch.setattr(blocks, "EXPAND_STAGED", Failing())
+    held = Held()
     with pytest.raises(RuntimeError, match="failed"):
-        blocks.EXPAND_SPLIT.enqueue_job(Copier(), job, prepared, None, Stream("queue"), [], Held())
+        blocks.EXPAND_SPLIT.enqueue_job(Copier(), job, prepared, None, Stream("queue"), [], held)
     assert log == [
         "go on queue",
         "direct waits go",
@@ -1977,6 +2021,8 @@ def test_a_split_job_that_fails_part_way_still_ends_after_its_direct_part(monkey
         "done on direct",
         "queue waits done",
     ]
+    # still listed: `_enqueued` joins it again (its own join may have been what was cut short)
+    assert [side.name for side in held.sides] == ["direct"]
 
 
 def test_a_lowered_penalty_keeps_launches_it_would_split_from_the_joined_direct_launch(monkeypatch):

@@ -322,8 +322,10 @@ class CudaBackend(TorchDeviceBackend):
                 self._spare_events.append(keepalive.popleft()[0])
             held = Held()
             entry = [None, held, stream, self._ring.open()]
-            keepalive.append(entry)
+            # listed before it is kept: a Ctrl-C between the two leaves it to be settled, never
+            # an entry with no event at the head of `_keepalive`, which would keep all after it
             self._cut_short[id(entry)] = entry  # until its event is set
+            keepalive.append(entry)
             try:
                 yield held
             finally:  # also after a failed call: copies enqueued before it may still read
@@ -334,7 +336,11 @@ class CudaBackend(TorchDeviceBackend):
         and set it on the enqueue's keepalive entry and ring regions."""
         held, stream = entry[1], entry[2]
         for side in held.sides:
-            stream.wait_stream(side)
+            # a marker, as the mechanisms join: with posted calls, its record and wait are posted
+            # behind the side's own work (torch's `wait_stream` records directly)
+            joined = self._marker()
+            joined.record(side)
+            stream.wait_event(joined)
         # a passed event is recorded again: a ring region still naming it is then freed later, never sooner
         event.record(stream)
         self._ring.retire(event, entry[3])
@@ -349,8 +355,13 @@ class CudaBackend(TorchDeviceBackend):
                 continue
             try:
                 self._settle_entry(entry, self._marker())
-            except Exception:  # its stream is gone (released): once the device is idle, nothing reads
+            except (
+                Exception
+            ):  # its stream or a side is gone (released): once the device has run everything, nothing reads
+                if self._poster is not None:
+                    self._poster.drain()
                 self.synchronize()
+                entry[1].sides.clear()
                 entry[2] = stream
                 self._settle_entry(entry, self._marker())
 
@@ -461,8 +472,9 @@ class CudaBackend(TorchDeviceBackend):
             mapped = self.driver.device_pointer(start)
         if mapped != start:
             return  # the device sees this memory at another address: keep kernels off it
-        self._host_ranges[start] = (start, start + tensor.nbytes)
+        # the finalizer first: a Ctrl-C between the two then leaves no range of freed memory listed
         weakref.finalize(tensor, self._host_ranges.pop, start, None)
+        self._host_ranges[start] = (start, start + tensor.nbytes)
 
     @contextmanager
     def _context(self):

@@ -120,12 +120,13 @@ def measure_costs(backend) -> CostModel:
             dev_a, dev_b, sizes = measure.fragments(n, size, device.data_ptr(), staging.data_ptr())
             for _ in range(2):  # the first launch compiles
                 held: list = []  # one-off table memory, where the ring is full: until the kernel ran
+                regions = ring.open()
                 start.record(stream)
                 kernels.launch(
                     dev_a, dev_b, sizes, stream, backend.gather_programs, ring, held, device=backend.device_index
                 )
                 end.record(stream)
-                ring.retire(end)
+                ring.retire(end, regions)
                 end.synchronize()
             return start.elapsed_time(end) / 1e3
 

@@ -191,10 +191,10 @@ class DescriptorRing:
         """`regions` (a list `open` returned) are free once `event` has passed; without them,
         the regions reserved since the last call."""
         if regions is not None:
+            # `_opened` stays: only `open` replaces it (a late retire from another thread, an
+            # enqueue's `finally` run at collection, must not unlist the enqueue under way)
             for region in regions:
                 region[2] = event
-            if regions is self._opened:
-                self._opened = None
             return
         for region in reversed(self._regions):
             if region[2] is not None:

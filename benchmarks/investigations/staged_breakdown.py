@@ -99,9 +99,11 @@ def main() -> None:
 
         ring = be._ring
         for cols, count in ((3, n), (1, n), (1, (4 * MIB) // size)):
-            row[f"upload_{cols}col_{count}_us"] = us(busy_time(lambda: ring.upload((d_addr[:count],) * cols, s1), s1))
+            row[f"upload_{cols}col_{count}_us"] = us(
+                busy_time(lambda: ring.upload((d_addr[:count],) * cols, s1, []), s1)  # noqa: B023
+            )
             ring.retire(_recorded(s1))
-        (table,), _ = ring.upload((d_addr, stage, sizes), s1)
+        (table,) = ring.upload((d_addr, stage, sizes), s1, [])
         desc = [table + 8 * j * n for j in range(3)]
         torch.cuda.synchronize()
         for programs in (264, 528, 1056):
