@@ -1,4 +1,5 @@
-"""Small KV caches on the host for worker tests, and the compiled steps for tests of both paths."""
+"""Small KV caches on the host for worker tests, the compiled steps for tests of both paths, and
+Ctrl-C raised where CPython runs signal handlers (`SignalPoints`, `ctrl_c_before_line`)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,28 @@ class SignalPoints:
             name = getattr(arg, "__name__", frame.f_code.co_name)
             self.where = f"{event} {name} in {caller.f_code.co_name}:{caller.f_lineno}"
             raise KeyboardInterrupt
+
+
+def ctrl_c_before_line(function, starts_with: str) -> None:
+    """Raise KeyboardInterrupt once, as `function` (a Python function) is about to run its first
+    line that starts with `starts_with`: where a signal's handler runs between two steps with
+    no call between them, which a tracer's "call" event cannot reach."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(function)
+    target = first + next(i for i, line in enumerate(lines) if line.strip().startswith(starts_with))
+    code = function.__code__
+
+    def tracer(frame, event, arg):
+        if event != "call" or frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == target:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return local
+
+        return local
+
+    sys.settrace(tracer)

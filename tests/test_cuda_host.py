@@ -791,31 +791,15 @@ def test_an_enqueue_a_ctrl_c_cut_short_is_held_until_an_event_on_its_own_stream(
 def test_a_ctrl_c_as_an_enqueue_lists_its_entry_leaves_nothing_kept_for_ever(line, monkeypatch):
     """A Ctrl-C before either step that records an enqueue's entry (kept, and listed to be
     settled): the enqueues after it still let go of what they held once their events passed."""
-    import inspect
+    from helpers import ctrl_c_before_line
 
     from offload_core.backends.cuda import CudaBackend
 
     lib = FakeLib()
     backend = host_only_backend(monkeypatch, lib, mechanism="ce_batch")
-    code = CudaBackend._enqueued.__wrapped__.__code__
-    lines, first = inspect.getsourcelines(code)
-    target = first + next(i for i, text in enumerate(lines) if text.strip().startswith(line))
-
-    def tracer(frame, event, arg):
-        if event != "call" or frame.f_code is not code:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and frame.f_lineno == target:
-                sys.settrace(None)
-                raise KeyboardInterrupt
-            return local
-
-        return local
-
     dst, src, sizes = arrays(3)
     stream = SimpleNamespace(cuda_stream=9)
-    sys.settrace(tracer)
+    ctrl_c_before_line(CudaBackend._enqueued.__wrapped__, line)
     try:
         with pytest.raises(KeyboardInterrupt):
             backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, stream)

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 from ctrl_c_sweep import sweep
-from helpers import SignalPoints, compiled_or_skip
+from helpers import SignalPoints, compiled_or_skip, ctrl_c_before_line
 
 import offload_core
 from offload_core import (
@@ -53,31 +53,6 @@ def ctrl_c_at(function: str, caller: str, caller_file: str) -> None:
             sys.settrace(None)
             raise KeyboardInterrupt
         return None
-
-    sys.settrace(tracer)
-
-
-def ctrl_c_before_line(function, starts_with: str) -> None:
-    """Raise KeyboardInterrupt once, as `function` (a Python function) is about to run its first
-    line that starts with `starts_with`: where a signal's handler runs between two steps with
-    no call between them, which a tracer's "call" event cannot reach."""
-    import inspect
-
-    lines, first = inspect.getsourcelines(function)
-    target = first + next(i for i, line in enumerate(lines) if line.strip().startswith(starts_with))
-    code = function.__code__
-
-    def tracer(frame, event, arg):
-        if event != "call" or frame.f_code is not code:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and frame.f_lineno == target:
-                sys.settrace(None)
-                raise KeyboardInterrupt
-            return local
-
-        return local
 
     sys.settrace(tracer)
 
