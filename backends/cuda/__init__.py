@@ -355,9 +355,8 @@ class CudaBackend(TorchDeviceBackend):
                 continue
             try:
                 self._settle_entry(entry, self._marker())
-            except (
-                Exception
-            ):  # its stream or a side is gone (released): once the device has run everything, nothing reads
+            except Exception:
+                # its stream or a side is gone (released): once the device has run everything, nothing reads
                 if self._poster is not None:
                     self._poster.drain()
                 self.synchronize()
