@@ -374,7 +374,7 @@ class Driver:
                     else f"in copies {start}..{start + count - 1}"
                 )
                 raise CudaDriverError(f"cuMemcpyBatchAsync failed {where}: {self.error_name(code)}", code)
-        return (dst, src, sizes, attrs, first, fail)
+        return keep  # `fail` is written during each call: it need not outlive them
 
     def _batch_attrs(self, order: int) -> tuple:
         """The attribute set of a batch that reads its sources in `order`, and its index array
