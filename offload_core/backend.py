@@ -82,8 +82,11 @@ class Backend(abc.ABC):
 
     def release_stream(self, stream: Stream) -> None:
         """The core is done with `stream` (from `new_stream`): every job enqueued on it has
-        finished, and nothing will be again (a worker's shutdown calls it once per lane).
-        Free what this backend keeps per stream, such as staging buffers. Default: nothing."""
+        finished, and nothing will be again (a worker's shutdown calls it once per lane, and
+        again where a Ctrl-C cut the call short). Return only once no work this backend
+        enqueued for the stream, on it or beside it, can still run: the worker then lets the
+        host memory go. Free what this backend keeps per stream, such as staging buffers.
+        Default: nothing."""
 
     @abc.abstractmethod
     def new_event(self) -> Event:

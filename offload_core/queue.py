@@ -199,7 +199,7 @@ class TransferQueue:
         self.backend = backend
         self.direction = direction
         self._stream = backend.new_stream()
-        self._stream_released = False  # by `close`, once: `release_stream`
+        self._stream_released = False  # by `close`, once (again where a Ctrl-C cut it short): `release_stream`
         self._enqueue = enqueue_lock(backend)
         # Re-entrant for its C-level release and restore in `Condition.wait`: a Ctrl-C there
         # can then not leave the lock released by a `with` block that still holds it.
@@ -490,6 +490,10 @@ class TransferQueue:
                 self.backend.release_stream(self._stream)
             except Exception:  # what the backend keeps for the stream stays kept; shutdown goes on
                 log.exception("%s could not release the %s stream", self.backend.name, self.direction.value)
+            except BaseException:  # a Ctrl-C (the release may wait for the device): the next close releases it
+                with self._lock:
+                    self._stream_released = False
+                raise
         return results
 
     def _event(self) -> Event:

@@ -787,6 +787,30 @@ def test_an_enqueue_a_ctrl_c_cut_short_is_held_until_an_event_on_its_own_stream(
     assert not backend._cut_short
 
 
+def test_releasing_a_stream_waits_for_what_an_enqueue_cut_short_left_on_a_side_stream(monkeypatch):
+    """The worker frees its host memory once its lanes' streams are released: the release
+    settles an enqueue a Ctrl-C cut short (its side stream joined) and waits for every event
+    kept for that stream, and for no other stream's."""
+    lib = FakeLib()
+    backend = host_only_backend(monkeypatch, lib, mechanism="ce_batch")
+    stream, other = _Stream(cuda_stream=5, waited=[]), _Stream(cuda_stream=9, waited=[])
+    dst, src, sizes = arrays(3)
+    lib.codes["query"] = [600] * 4  # CUDA_ERROR_NOT_READY: the enqueues' events are kept
+    backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, other)
+    backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, stream)
+    cut = backend._enqueued(stream)
+    held = cut.__enter__()
+    held.sides.append(SimpleNamespace(cuda_stream=6))  # a join the interrupt cut short
+    lib.calls.clear()
+    backend.release_stream(stream)
+    records = [c[2] for c in lib.calls if c[0] == "record"]
+    assert records == [6, 5] and not backend._cut_short
+    kept = [e[0].handle for e in backend._keepalive if e[2] is stream]
+    waited = [c[1] for c in lib.calls if c[0] == "synchronize"]
+    assert len(kept) == 2 and waited == kept
+    cut.__exit__(None, None, None)
+
+
 @pytest.mark.parametrize("line", ["keepalive.append(entry)", "self._cut_short[id(entry)] = entry"])
 def test_a_ctrl_c_as_an_enqueue_lists_its_entry_leaves_nothing_kept_for_ever(line, monkeypatch):
     """A Ctrl-C before either step that records an enqueue's entry (kept, and listed to be

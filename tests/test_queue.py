@@ -134,6 +134,28 @@ def test_shutdown_releases_each_lanes_stream_once_after_its_last_job(worker, fak
     assert all(unfinished == 0 for _, _, unfinished in released)
 
 
+def test_a_ctrl_c_inside_a_streams_release_leaves_it_to_the_next_shutdown(worker, fake, monkeypatch):
+    """A backend's release may wait for the device (cuda: work a Ctrl-C left on side streams),
+    so a Ctrl-C can land in it: the next shutdown releases that stream again, and the others once."""
+    release = fake.release_stream
+    cut = []
+
+    def interrupted_once(stream):
+        if not cut:
+            cut.append(stream.name)
+            raise KeyboardInterrupt
+        release(stream)
+
+    monkeypatch.setattr(fake, "release_stream", interrupted_once)
+    store(worker, 1, block=1, host=1)
+    with pytest.raises(KeyboardInterrupt):
+        worker.shutdown()
+    worker.shutdown()
+    worker.shutdown()
+    released = sorted(x[1] for x in fake.log if x[0] == "release_stream")
+    assert cut and released == sorted(s.name for s in fake.streams)
+
+
 def test_a_device_fault_fails_that_job_only(worker, fake):
     store(worker, 1, block=1, host=1)
     store(worker, 2, block=2, host=2)

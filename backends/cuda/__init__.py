@@ -230,6 +230,20 @@ class CudaBackend(TorchDeviceBackend):
         return RawStream(self.runtime.current_stream(self.device_index).cuda_stream, self.new_event)
 
     def release_stream(self, stream) -> None:
+        # The queue waited for its jobs' end events; an enqueue a Ctrl-C cut short may have
+        # left work on a side stream (a staging gather, a split's direct part) outside them,
+        # and the worker lets its host memory go once this returns: settle and wait for
+        # everything still kept for the stream first.
+        from offload_core.queue import enqueue_lock  # the lock every enqueue on this backend takes
+
+        with enqueue_lock(self):
+            if self._cut_short:
+                with self._context():
+                    self._finish_cut_short(stream)
+            handle = stream.cuda_stream
+            ends = [e[0] for e in self._keepalive if e[0] is not None and e[2].cuda_stream == handle]
+        for end in ends:
+            end.synchronize()
         # The staging buffers go; the stream itself (driver state of a few kilobytes) stays,
         # so that its handle, the key of these tables, is never another stream's.
         self._staged_buffers.discard(stream)
