@@ -63,6 +63,14 @@ def _allocated(backend) -> int:
     return torch.cuda.memory_allocated(backend.device) if backend.device.type == "cuda" else 0
 
 
+def _last_writers(dst: list[np.ndarray], src: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Each block that jobs wrote (`dst`, per job in submission order) once, with the block the
+    last of them copied into it (`src`)."""
+    d, s = np.concatenate(dst)[::-1], np.concatenate(src)[::-1]
+    written, last = np.unique(d, return_index=True)
+    return written, s[last]
+
+
 def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int = 0, host_runs: bool = False) -> dict:
     """One page size and job size over `count` KV tensors on one backend: stores, then loads,
     J jobs back to back. Host blocks are random, or with `host_runs` each job's a run of
@@ -126,14 +134,18 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
                     # the copy stream's busy time (each launch's start to end event) over the wall
                     # time: near 1, the device bounds the jobs; lower, the host leaves it waiting
                     out[f"{direction}_device_busy"] = sum(r.transfer_time for r in results) / wall
-                    # the last job's bytes: host rows after the stores, device pages after the loads
-                    last_dev, last_host = specs[-1]
-                    host_rows = torch.stack([h[last_host] for h in worker.host_tensors]).to(device)
-                    pages = specs[-1][0] if direction == "store" else specs[0][0]
-                    out[f"{direction}_verified"] = torch.equal(
-                        host_rows, torch.stack([t.tensor[pages] for t in tensors])
+                    # every job's bytes: the host rows after the stores, the device pages after
+                    # the loads (each as its last writer left it); its memory is not the backend's
+                    if direction == "store":
+                        host_ids, dev_ids = _last_writers([h for _, h in specs], [d for d, _ in specs])
+                    else:
+                        dev_ids, host_ids = _last_writers(
+                            [specs[(j + 1) % jobs][0] for j in range(jobs)], [h for _, h in specs]
+                        )
+                    out[f"{direction}_verified"] = all(
+                        torch.equal(h[host_ids].to(device), t.tensor[dev_ids])
+                        for h, t in zip(worker.host_tensors, tensors)
                     )
-                    del host_rows  # a job's size of device memory: not the backend's
         out["verified"] = out.pop("store_verified") and out.pop("load_verified")
         out["device_bytes_beyond_kv"] = _allocated(backend) - before
         total = jobs * job_bytes

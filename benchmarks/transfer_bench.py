@@ -5,7 +5,8 @@ One command, one run, on a GPU:
     python benchmarks/transfer_bench.py --out DIR
 
 writes DIR/transfer.json, DIR/transfer.md (the tables for docs/dev/cuda-tuning-log.md) and
-DIR/transfer.png (GB/s against fragment size per mechanism). Sections:
+DIR/transfer.png (GB/s against fragment size per mechanism). `--mechanisms auto --parts
+fragments` measures auto's per-job ratios and both directions at once alone. Sections:
 
 1. the limit: one 256 MiB pinned copy each way, and both ways at once;
 2. fragments of 256 B .. 2 MiB, device side scattered, host side in 2 MiB rows: GB/s of each
@@ -36,6 +37,7 @@ from offload_core.backends.cuda import CudaBackend, measure
 KIB, MIB = 1024, 1 << 20
 SIZES = [256, KIB, 4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 2 * MIB]
 SPAN = 256 * MIB
+PARTS = ("fragments", "end-to-end", "interference")
 
 
 def gbps(nbytes, seconds):
@@ -45,10 +47,19 @@ def gbps(nbytes, seconds):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".", help="folder for transfer.json, transfer.md, transfer.png")
+    parser.add_argument("--mechanisms", help="comma-separated mechanisms (default: every available one and auto)")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help="sections after the limit, comma-separated (default: %(default)s)"
+    )
     args = parser.parse_args()
     out = pathlib.Path(args.out)
+    parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        parser.error(f"--parts takes {', '.join(PARTS)}")
     be = CudaBackend()
     mechs = [m for m in ("ce_batch", "sm_gather", "staged", "ce_loop") if m in be.available_mechanisms] + ["auto"]
+    if args.mechanisms:
+        mechs = args.mechanisms.split(",")
     dev_a = torch.zeros(2 * SPAN, dtype=torch.uint8, device=be.device)
     dev_b = torch.zeros(2 * SPAN, dtype=torch.uint8, device=be.device)
     host_a, host_b = be.alloc_host(SPAN), be.alloc_host(SPAN)
@@ -84,7 +95,7 @@ def main() -> None:
 
     # 2. fragments
     rows = []
-    for size in SIZES:
+    for size in SIZES if "fragments" in parts else ():
         n = min(SPAN // size, 65536)
         nbytes = n * size
         dev_s, host_s, sizes = measure.fragments(n, size, dev_a.data_ptr(), host_a.data_ptr(), seed=1)
@@ -119,7 +130,8 @@ def main() -> None:
 
     # 3. end to end through OffloadWorker
     e2e = []
-    for preset, blocks, per_job in (("llama-8b", 256, 64), ("llama-8b-cross-layer", 256, 64)):
+    presets = (("llama-8b", 256, 64), ("llama-8b-cross-layer", 256, 64)) if "end-to-end" in parts else ()
+    for preset, blocks, per_job in presets:
         for mech in mechs:
             if mech == "ce_loop" and preset == "llama-8b":
                 continue
@@ -163,11 +175,11 @@ def main() -> None:
         torch.cuda.synchronize()
         return s.elapsed_time(e)
 
-    for _ in range(10):
+    for _ in range(10 if "interference" in parts else 0):
         matmuls()
     stream = measure.streams(be)[0]
     cases, alone = [], []
-    for size in (256, 4 * KIB, 16 * KIB):
+    for size in (256, 4 * KIB, 16 * KIB) if "interference" in parts else ():
         n = min(65536, SPAN // size)
         dev_s, host_s, sizes = measure.fragments(n, size, dev_a.data_ptr(), host_a.data_ptr(), seed=3)
         jobs = -(-(1 << 30) // (n * size))  # 1 GiB: longer than the loop at the link's speed
@@ -193,7 +205,7 @@ def main() -> None:
                     alone.append(matmul_ms())
                     with_copies.append(matmul_ms(copies))
                 cases.append((size, mech, direction.value, min(with_copies)))
-    baseline = min(alone)
+    baseline = min(alone, default=float("nan"))
     interference = [
         {
             "size": z,
@@ -205,7 +217,7 @@ def main() -> None:
         }
         for z, m, d, t in cases
     ]
-    report["matmul_alone_ms_spread"] = [min(alone), max(alone)]
+    report["matmul_alone_ms_spread"] = [baseline, max(alone, default=float("nan"))]
     print(interference, flush=True)
     report["interference"] = interference
 

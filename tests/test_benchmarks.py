@@ -3,12 +3,15 @@ figure the docs quote, and the bytes of the jobs it ran arrived."""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from offload_core import get_backend
+from offload_core import Direction, get_backend
+from offload_core.backends.cpu import CpuBackend, memmove_all
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -24,3 +27,33 @@ def test_an_engine_bench_row_holds_its_figures_and_its_bytes_arrived():
         for figure in ("ratio", "submit_us_median", "jobs_per_launch", "buffer_waits", "device_busy"):
             assert f"{direction}_{figure}" in row
         assert row[f"{direction}_buffer_waits"] == 0  # the cpu backend never waits for a full buffer
+
+
+def test_every_jobs_bytes_are_checked_not_only_the_last_ones():
+    """One byte of one middle job's copies (the measured pass's second store) goes wrong."""
+
+    class OneWrongByte(CpuBackend):
+        stores = 0
+
+        def copy_batch(self, src, dst, sizes, direction, stream):
+            OneWrongByte.stores += direction is Direction.STORE
+            wrong = direction is Direction.STORE and OneWrongByte.stores == 8  # the warm-up pass takes 6
+
+            def copy():
+                memmove_all(src, dst, sizes)
+                if wrong:
+                    ctypes.c_uint8.from_address(int(dst[0])).value ^= 0xFF
+
+            stream.launch(copy)
+            return "memmove"
+
+    row = engine_bench.run_shape(OneWrongByte(), page=256, per_job=4, count=2, jobs=6)
+    assert OneWrongByte.stores >= 12 and row["store_ok"] and row["load_ok"]
+    assert not row["verified"]
+
+
+def test_the_last_writer_of_each_block_is_the_one_compared():
+    written, source = engine_bench._last_writers(
+        [np.array([3, 1]), np.array([1, 2]), np.array([3])], [np.array([10, 11]), np.array([12, 13]), np.array([14])]
+    )
+    assert written.tolist() == [1, 2, 3] and source.tolist() == [12, 13, 14]
