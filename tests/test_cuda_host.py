@@ -1498,6 +1498,7 @@ def test_a_torch_stream_waits_for_a_raw_streams_position_and_back():
         ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "2.5", "a positive integer"),
         ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "1e3", "a positive integer"),
         ("OFFLOAD_CORE_CUDA_STAGING_MB", "-24", "a positive integer"),
+        ("OFFLOAD_CORE_CUDA_RING_MB", "0", "a positive integer"),
         ("OFFLOAD_CORE_CUDA_MAX_BATCH", "-1", "a non-negative integer"),
         ("OFFLOAD_CORE_CUDA_MAX_BATCH", "many", "a non-negative integer"),
     ],
@@ -1513,18 +1514,19 @@ def test_a_setting_outside_its_values_is_refused_by_name(monkeypatch, name, text
 def test_settings_come_from_the_environment_and_default_where_unset_or_empty(monkeypatch):
     backend = host_only_backend(monkeypatch, FakeLib())
     assert backend.sm_programs == {Direction.STORE: 8, Direction.LOAD: 32}
-    assert (backend.staging_bytes, backend.max_batch) == (16 << 20, 0)
+    assert (backend.staging_bytes, backend.max_batch, backend._ring.entries) == (16 << 20, 0, 2 << 20)
     assert backend.cost.sm_penalty == CostModel().sm_penalty
     for name, text in [
         ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "16"),
         ("OFFLOAD_CORE_CUDA_STAGING_MB", "8"),
         ("OFFLOAD_CORE_CUDA_MAX_BATCH", " 5 "),
         ("OFFLOAD_CORE_CUDA_SM_PENALTY", "3.5"),
+        ("OFFLOAD_CORE_CUDA_RING_MB", "4"),
     ]:
         monkeypatch.setenv(name, text)
     backend = host_only_backend(monkeypatch, FakeLib())
     assert backend.sm_programs == {Direction.STORE: 16, Direction.LOAD: 16}
-    assert (backend.staging_bytes, backend.max_batch) == (8 << 20, 5)
+    assert (backend.staging_bytes, backend.max_batch, backend._ring.entries) == (8 << 20, 5, 1 << 19)
     assert backend.cost.sm_penalty == 3.5
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PENALTY", "")
     assert host_only_backend(monkeypatch, FakeLib()).cost.sm_penalty == CostModel().sm_penalty
@@ -1582,6 +1584,7 @@ def test_expand_direct_takes_the_programs_of_its_direction(monkeypatch):
         ("max_programs", 2.5, "a positive integer"),
         ("max_programs", True, "a positive integer"),
         ("staging_bytes", -1, "a positive integer"),
+        ("ring_bytes", 0, "a positive integer"),
         ("max_batch", -7, "a non-negative integer"),
     ],
 )
@@ -1598,9 +1601,12 @@ def test_a_constructor_setting_wins_over_the_environment(monkeypatch):
 
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "4")
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_MAX_BATCH", "9")
-    backend = CudaBackend(driver=drv.Driver(FakeLib()), runtime=FakeCudaRuntime(), max_programs=12, max_batch=0)
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_RING_MB", "4")
+    backend = CudaBackend(
+        driver=drv.Driver(FakeLib()), runtime=FakeCudaRuntime(), max_programs=12, max_batch=0, ring_bytes=800
+    )
     assert backend.sm_programs == {Direction.STORE: 12, Direction.LOAD: 12}
-    assert backend.max_batch == 0
+    assert backend.max_batch == 0 and backend._ring.entries == 100
 
 
 def host_prepared(layout):

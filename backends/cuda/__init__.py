@@ -59,6 +59,7 @@ ENV_SM_PROGRAMS = "OFFLOAD_CORE_CUDA_SM_PROGRAMS"
 ENV_MAX_BATCH = "OFFLOAD_CORE_CUDA_MAX_BATCH"
 ENV_STAGING_MB = "OFFLOAD_CORE_CUDA_STAGING_MB"
 ENV_SM_PENALTY = "OFFLOAD_CORE_CUDA_SM_PENALTY"
+ENV_RING_MB = "OFFLOAD_CORE_CUDA_RING_MB"
 # Programs of the kernels that copy across the link: each holds an SM the model's kernels cannot
 # use while the bytes cross. On an H200, 8 keep the link as busy with stores (posted writes) as 32
 # did; loads wait for every read to come back and need more in flight (docs/dev/cuda-tuning-log.md,
@@ -85,6 +86,10 @@ class CudaBackend(TorchDeviceBackend):
         staging_bytes: the largest piece of a staged job; the compact path keeps two buffers of
             this per copy stream (a worker has three: stores, loads, expedited loads), ``staged``
             two of 1.25 times this; default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 16 MiB.
+        ring_bytes: the descriptor ring's device memory (and as much pinned host memory), one
+            per GPU: jobs' block ids and tables go through it; a job whose table is larger
+            takes one-off memory of its size until it has run, and a full ring makes the
+            next enqueue wait for its oldest job; default ``$OFFLOAD_CORE_CUDA_RING_MB`` or 16 MiB.
         max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 for no limit; default
             ``$OFFLOAD_CORE_CUDA_MAX_BATCH`` or 0.
         cost_model: the selection model; default the calibrated profile of this GPU model if
@@ -101,7 +106,7 @@ class CudaBackend(TorchDeviceBackend):
 
     Raises:
         ConfigError: an unknown or unavailable forced mechanism, or an argument or environment
-            variable outside its values (programs and staging: positive integers; batch: a
+            variable outside its values (programs, staging and ring: positive integers; batch: a
             non-negative integer; SM penalty: a positive number).
         OSError: no NVIDIA driver library.
     """
@@ -134,6 +139,7 @@ class CudaBackend(TorchDeviceBackend):
         mechanism: str | None = None,
         max_programs: int | None = None,
         staging_bytes: int | None = None,
+        ring_bytes: int | None = None,
         max_batch: int | None = None,
         cost_model: CostModel | None = None,
         driver: Driver | None = None,
@@ -148,6 +154,7 @@ class CudaBackend(TorchDeviceBackend):
         self.staging_bytes = _setting(
             ENV_STAGING_MB, 16 << 20, given=staging_bytes, argument="staging_bytes", scale=1 << 20
         )
+        ring_bytes = _setting(ENV_RING_MB, 16 << 20, given=ring_bytes, argument="ring_bytes", scale=1 << 20)
         self.max_batch = _setting(ENV_MAX_BATCH, 0, given=max_batch, argument="max_batch", zero=True)
         self.cost = cost_model or calibration.saved_profile(runtime.get_device_name(self._device))
         penalty = _setting(ENV_SM_PENALTY, None, kind=float)
@@ -182,7 +189,9 @@ class CudaBackend(TorchDeviceBackend):
             # another backend posts through stays unposted here: events ask their driver's poster
             if self.driver.poster is None:
                 self._poster = self.driver.poster = posting.make(self.driver, self._ctx)
-        self._ring = DescriptorRing(self._torch, self._device, self._table_copy, launch=table_launch, join=join_launch)
+        self._ring = DescriptorRing(
+            self._torch, self._device, self._table_copy, -(-ring_bytes // 8), launch=table_launch, join=join_launch
+        )
         # what Triton reads too; only torch's own runtime has it
         self._raw_stream = (
             getattr(self._torch._C, "_cuda_getCurrentRawStream", None) if isinstance(runtime, TorchRuntime) else None
