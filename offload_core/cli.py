@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from offload_core import __version__, native, registry
-from offload_core.errors import OffloadError
+from offload_core.errors import InvalidSpecError, OffloadError
 from offload_core.hostmem import gib
 
 
@@ -95,12 +95,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     native.load()  # a malformed $OFFLOAD_CORE_NATIVE is refused here as in `backends`, used or not
 
+    # 16 per job, but a short run is still one job rather than an error
+    per_job = args.blocks_per_job or min(DEFAULT_BLOCKS_PER_JOB, args.blocks)
+    # `bench.run` checks these too, naming its arguments: here they are the options
+    for (whole, name), (part, part_name), unit in (
+        ((args.blocks, "--blocks"), (per_job, "--blocks-per-job"), "whole jobs"),
+        ((per_job, "--blocks-per-job"), (args.blocks_per_chunk, "--blocks-per-chunk"), "whole host blocks"),
+    ):
+        if whole % part:
+            raise InvalidSpecError(
+                f"{name} must be a multiple of {part_name} ({unit}), got {name} {whole}, {part_name} {part}"
+            )
     result = bench.run(
         args.backend,
         preset=args.preset,
         blocks=args.blocks,
-        # 16 per job, but a short run is still one job rather than an error
-        blocks_per_job=args.blocks_per_job or min(DEFAULT_BLOCKS_PER_JOB, args.blocks),
+        blocks_per_job=per_job,
         blocks_per_chunk=args.blocks_per_chunk,
         iters=args.iters,
         progress=_progress(not args.json and sys.stderr.isatty()),

@@ -189,11 +189,11 @@ def test_bench_refuses_sizes_that_are_not_positive_integers(capsys, option, valu
     [
         (
             ["--blocks", "10", "--blocks-per-job", "4"],
-            "blocks must be a multiple of blocks_per_job (whole jobs), got blocks=10, blocks_per_job=4",
+            "--blocks must be a multiple of --blocks-per-job (whole jobs), got --blocks 10, --blocks-per-job 4",
         ),
         (
             ["--blocks", "8", "--blocks-per-job", "4", "--blocks-per-chunk", "3"],
-            "blocks_per_job must be a multiple of blocks_per_chunk",
+            "--blocks-per-job must be a multiple of --blocks-per-chunk (whole host blocks)",
         ),
         (["--backend", "nosuch"], "unknown offload backend 'nosuch'"),
     ],
