@@ -213,11 +213,10 @@ def test_wait_for_a_job_not_yet_launched_returns_once_it_has_landed(held):
 
 
 def test_wait_launches_the_named_job_with_those_before_it_and_none_after(monkeypatch):
-    """Jobs 1-8 wait for a launch while job 0's is under way; `wait([3])` launches jobs 1-3 at
-    once, by itself, and leaves 4-8 to the launcher, which waits for the submits to pause."""
+    """Job 0 launches at once (the device idle), jobs 1-7 wait for a launch in a burst;
+    `wait([3])` launches jobs 1-3 at once, by itself, and leaves 4-7 to the launcher, which
+    waits for the submits to pause."""
     import offload_core.queue as queue_module
-
-    monkeypatch.setattr(queue_module, "MAX_QUIET_S", 2.0)  # the launcher would take 4-8 only after it
 
     class Launches(ExpandingCpuBackend):
         sizes: list = []
@@ -226,21 +225,21 @@ def test_wait_launches_the_named_job_with_those_before_it_and_none_after(monkeyp
             self.sizes.append(job.jobs)
             return super().copy_blocks(job, prepared, stream, after)
 
+    # Launches taken to last a minute: every submit is part of a burst, which the launcher
+    # leaves to its submits until they pause for MAX_QUIET_S.
+    monkeypatch.setattr(queue_module, "MAX_QUIET_S", 30.0)
     backend = Launches()
-    lock = enqueue_lock(backend)
-    lock.acquire()
     kv = small_kv(pages=(64,), blocks=32)
     with OffloadWorker(kv, 16, backend=backend) as worker:
-        first = first_in_flight(worker)
-        for j in range(1, 9):
+        for queue in worker._queues.values():
+            queue._launch_s = 60.0
+        for j in range(8):
             store(worker, j, [j], [j])
-        threading.Timer(0.3, lock.release).start()  # job 0's launch takes long: later ones wait in a burst
         worker.wait([3])
-        first.join()
         assert backend.sizes == [1, 3]
         assert [r.job_id for r in worker.get_finished()] == [0, 1, 2, 3]
-        worker.wait(range(9))
-    assert backend.sizes == [1, 3, 5]
+        worker.wait(range(8))
+    assert backend.sizes == [1, 3, 4]
 
 
 def test_shutdown_launches_what_waits_and_stops_the_launchers(held):
