@@ -25,7 +25,7 @@ def main() -> None:
         raise SystemExit("plot_engine.py needs matplotlib: pip install matplotlib") from None
     rows = json.load(open(args.json))["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 5.2), sharey=True)
-    styles = {}  # line style per mechanism, colour per page size
+    styles = {}  # line style and marker per mechanism, colour per page size
     colours = {page: f"C{i}" for i, page in enumerate(sorted({r["page"] for r in rows}))}
     for direction, ax in zip(("store", "load"), axes):
         for mech, page in sorted({(r["mechanism"], r["page"]) for r in rows}):
@@ -34,8 +34,8 @@ def main() -> None:
                 for r in rows
                 if (r["mechanism"], r["page"]) == (mech, page)
             )
-            style = styles.setdefault(mech, ["-", "--", ":", "-."][len(styles) % 4])
-            ax.plot(*zip(*pts), style, color=colours[page], marker="o", label=f"{mech}, {page} B pages")
+            style, marker = styles.setdefault(mech, (["-", "--", ":", "-."][len(styles) % 4], "osD^v"[len(styles) % 5]))
+            ax.plot(*zip(*pts), style, color=colours[page], marker=marker, label=f"{mech}, {page} B pages")
         ax.set_xscale("log")
         ax.set_xlabel("job size (MiB)")
         ax.set_title(direction)
