@@ -482,18 +482,20 @@ class TransferQueue:
         with self._lock:
             self._closed = True
         results = self.drain()
-        with self._lock:
-            self._launched.notify_all()  # the launcher sees `_closed` with nothing left, and ends
-            release, self._stream_released = not self._stream_released, True
-        if release:
-            try:
+        release = False
+        try:  # the flag taken inside: a Ctrl-C as the lock is let go leaves the release to the next close
+            with self._lock:
+                self._launched.notify_all()  # the launcher sees `_closed` with nothing left, and ends
+                release, self._stream_released = not self._stream_released, True
+            if release:
                 self.backend.release_stream(self._stream)
-            except Exception:  # what the backend keeps for the stream stays kept; shutdown goes on
-                log.exception("%s could not release the %s stream", self.backend.name, self.direction.value)
-            except BaseException:  # a Ctrl-C (the release may wait for the device): the next close releases it
+        except Exception:  # what the backend keeps for the stream stays kept; shutdown goes on
+            log.exception("%s could not release the %s stream", self.backend.name, self.direction.value)
+        except BaseException:  # a Ctrl-C (the release may wait for the device): the next close releases it
+            if release:
                 with self._lock:
                     self._stream_released = False
-                raise
+            raise
         return results
 
     def _event(self) -> Event:

@@ -691,6 +691,10 @@ class FakeCudaRuntime:
 
         return torch.zeros(nbytes, dtype=torch.uint8)
 
+    def synchronize(self, index):
+        if self._lib is not None:
+            self._lib.calls.append(("device_synchronize", index))
+
 
 def host_only_backend(monkeypatch, lib, triton=True, mechanism="auto", cost=None):
     """A CudaBackend over a stand-in libcuda and runtime: the table decides what is available."""
@@ -787,27 +791,34 @@ def test_an_enqueue_a_ctrl_c_cut_short_is_held_until_an_event_on_its_own_stream(
     assert not backend._cut_short
 
 
-def test_releasing_a_stream_waits_for_what_an_enqueue_cut_short_left_on_a_side_stream(monkeypatch):
-    """The worker frees its host memory once its lanes' streams are released: the release
-    settles an enqueue a Ctrl-C cut short (its side stream joined) and waits for every event
-    kept for that stream, and for no other stream's."""
+def test_releasing_a_stream_waits_for_the_gpu_only_where_an_enqueue_was_cut_short(monkeypatch):
+    """The worker frees its host memory once its lanes' streams are released: where an enqueue
+    a Ctrl-C cut short may have left work on a side stream, the release waits for the whole
+    GPU first, even on a thread that holds the enqueue lock (a collected worker's release)."""
+    from offload_core.queue import enqueue_lock
+
     lib = FakeLib()
     backend = host_only_backend(monkeypatch, lib, mechanism="ce_batch")
-    stream, other = _Stream(cuda_stream=5, waited=[]), _Stream(cuda_stream=9, waited=[])
+    stream = _Stream(cuda_stream=5, waited=[])
     dst, src, sizes = arrays(3)
-    lib.codes["query"] = [600] * 4  # CUDA_ERROR_NOT_READY: the enqueues' events are kept
-    backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, other)
     backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, stream)
+    backend.release_stream(stream)
+    assert ("device_synchronize", 0) not in lib.calls  # the jobs' end events covered everything
     cut = backend._enqueued(stream)
     held = cut.__enter__()
     held.sides.append(SimpleNamespace(cuda_stream=6))  # a join the interrupt cut short
     lib.calls.clear()
-    backend.release_stream(stream)
-    records = [c[2] for c in lib.calls if c[0] == "record"]
-    assert records == [6, 5] and not backend._cut_short
-    kept = [e[0].handle for e in backend._keepalive if e[2] is stream]
-    waited = [c[1] for c in lib.calls if c[0] == "synchronize"]
-    assert len(kept) == 2 and waited == kept
+    released = threading.Event()
+
+    def release_inside_an_enqueue():
+        with enqueue_lock(backend):
+            backend.release_stream(stream)
+            released.set()
+
+    thread = threading.Thread(target=release_inside_an_enqueue, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert released.is_set() and lib.calls == [("device_synchronize", 0)]
     cut.__exit__(None, None, None)
 
 

@@ -239,20 +239,19 @@ class CudaBackend(TorchDeviceBackend):
         return RawStream(self.runtime.current_stream(self.device_index).cuda_stream, self.new_event)
 
     def release_stream(self, stream) -> None:
-        # The queue waited for its jobs' end events; an enqueue a Ctrl-C cut short may have
-        # left work on a side stream (a staging gather, a split's direct part) outside them,
-        # and the worker lets its host memory go once this returns: settle and wait for
-        # everything still kept for the stream first.
-        from offload_core.queue import enqueue_lock  # the lock every enqueue on this backend takes
-
-        with enqueue_lock(self):
-            if self._cut_short:
-                with self._context():
-                    self._finish_cut_short(stream)
-            handle = stream.cuda_stream
-            ends = [e[0] for e in self._keepalive if e[0] is not None and e[2].cuda_stream == handle]
-        for end in ends:
-            end.synchronize()
+        # The queue waited for its jobs' end events, and the worker lets its host memory go
+        # once this returns. An enqueue a Ctrl-C cut short (still listed, or another lane's
+        # under way) may have left work on a side stream (a staging gather, a split's direct
+        # part) outside them: then the whole GPU is waited for. Without the enqueue lock and
+        # the enqueues' state: a collected worker's release may run on a thread inside an
+        # enqueue. The entries themselves are settled by the next enqueue.
+        if self._cut_short:
+            try:
+                if self._poster is not None:
+                    self._poster.drain()
+                self.synchronize()
+            except Exception as exc:  # the GPU failed: none of its work runs any more
+                log.warning("releasing a %s stream: waiting for the GPU failed: %s", self.name, exc)
         # The staging buffers go; the stream itself (driver state of a few kilobytes) stays,
         # so that its handle, the key of these tables, is never another stream's.
         self._staged_buffers.discard(stream)
@@ -456,7 +455,7 @@ class CudaBackend(TorchDeviceBackend):
 
     def buffer_waits(self) -> tuple[int, float]:
         """Reservations of descriptor-ring room that waited for an earlier table's job (`ring`),
-        and their seconds: the host ahead of the device by a ring's worth of tables (16 MiB of
+        and their seconds: the host ahead of the device by a ring's worth of tables (`ring_bytes` of
         them; a million-block job's narrow table is 8 MiB)."""
         return self._ring.waits, self._ring.wait_s
 
