@@ -474,6 +474,7 @@ def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
     pending = []  # (event, [(device address, expected values, width)])
     for j, (n, k, split, narrow, finish_oldest) in enumerate(jobs):
         columns = [np.arange(n, dtype=np.int64) + 1000 * (j * 4 + c) for c in range(k)]
+        regions = ring.open()
         tables, keep = _upload(ring, columns, stream, split, narrow=narrow)
         parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
         assert len(tables) == len(parts)
@@ -484,7 +485,7 @@ def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
             for c, col in enumerate(columns)
         ]
         event = FakeEvent()
-        ring.retire(event)
+        ring.retire(event, regions)
         pending = [p for p in pending if not p[0].done] + [(event, expect, keep)]
         for _, exp, _ in pending:  # every pending job's tables still hold its descriptors
             for address, values, w in exp:
@@ -511,10 +512,12 @@ def test_a_full_descriptor_ring_waits_for_its_oldest_job_and_falls_back_only_wit
     fake = RingDevice()
     ring = DescriptorRing(fake.torch, None, fake.memcpy, entries=100)
     stream = SimpleNamespace(cuda_stream=1)
+    regions = ring.open()
     (first,), keep = _upload(ring, [np.arange(60)], stream)
     assert keep == [] and (ring.waits, ring.wait_s) == (0, 0.0)
     busy = FakeEvent()
-    ring.retire(busy)
+    ring.retire(busy, regions)
+    regions = ring.open()
     (second,), keep = _upload(ring, [np.arange(60)], stream)
     assert keep == [] and second == first and busy.waited == 1  # waited for the first job, then took its memory
     assert ring.waits == 1 and ring.wait_s >= 0
@@ -522,7 +525,7 @@ def test_a_full_descriptor_ring_waits_for_its_oldest_job_and_falls_back_only_wit
     assert keep != [] and ring.waits == 1
     (big,), keep = _upload(ring, [np.arange(101)], stream)
     assert keep != [] and ring.waits == 1  # larger than the ring: never waits
-    ring.retire(FakeEvent())
+    ring.retire(FakeEvent(), regions)
     (fourth,), keep = _upload(ring, [np.arange(30)], stream)
     assert keep == [] and ring.waits == 1  # room beside the pending one: no wait
 

@@ -187,18 +187,11 @@ class DescriptorRing:
         self._opened = []
         return self._opened
 
-    def retire(self, event, regions: list | None = None) -> None:
-        """`regions` (a list `open` returned) are free once `event` has passed; without them,
-        the regions reserved since the last call."""
-        if regions is not None:
-            # `_opened` stays: only `open` replaces it (a late retire from another thread, an
-            # enqueue's `finally` run at collection, must not unlist the enqueue under way)
-            for region in regions:
-                region[2] = event
-            return
-        for region in reversed(self._regions):
-            if region[2] is not None:
-                break
+    def retire(self, event, regions: list) -> None:
+        """`regions` (a list `open` returned) are free once `event` has passed."""
+        # `_opened` stays: only `open` replaces it (a late retire from another thread, an
+        # enqueue's `finally` run at collection, must not unlist the enqueue under way)
+        for region in regions:
             region[2] = event
 
     def _allocate(self) -> None:

@@ -99,10 +99,12 @@ def main() -> None:
 
         ring = be._ring
         for cols, count in ((3, n), (1, n), (1, (4 * MIB) // size)):
+            regions = ring.open()
             row[f"upload_{cols}col_{count}_us"] = us(
                 busy_time(lambda: ring.upload((d_addr[:count],) * cols, s1, []), s1)  # noqa: B023
             )
-            ring.retire(_recorded(s1))
+            ring.retire(_recorded(s1), regions)
+        regions = ring.open()
         (table,) = ring.upload((d_addr, stage, sizes), s1, [])
         desc = [table + 8 * j * n for j in range(3)]
         torch.cuda.synchronize()
@@ -115,7 +117,7 @@ def main() -> None:
                 row[f"gather_affine_p{programs}_{piece >> 10}KiB_us"] = us(
                     busy_time(lambda: kernels.run(desc[0], (int(stage[0]), size), (size, 0), k, size, s1, programs), s1)
                 )
-        ring.retire(_recorded(s1))
+        ring.retire(_recorded(s1), regions)
 
         starts, run_bytes = host_runs(h_addr, sizes)
         for d, order in (("store", SRC_ACCESS_ORDER_STREAM), ("load", SRC_ACCESS_ORDER_ANY)):
