@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -489,3 +490,35 @@ def test_no_kv_bytes_per_block_is_named_as_such():
     spec = OffloadCoreOffloadingSpec(offloading_config(kv_bytes_per_block=0))
     with pytest.raises(InvalidSpecError, match="worker_kv_bytes_per_block=0"):
         spec.get_worker(None)
+
+
+def test_the_serve_benchmark_notes_what_the_engine_submits(monkeypatch):
+    """benchmarks/vllm/recording_spec.py as vLLM's factory loads it by module path: each job's
+    lane, blocks and bytes, expedited loads, the results, and offload-core's own counters."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / "vllm"))
+    import recording_spec
+
+    recording_spec.reset()
+    tensors, _, _ = kv("cpu", [256, 256], 32, seed=6)
+    refs = [[CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(1, 256)]]
+    extra = {"spec_name": "RecordingOffloadCoreSpec", "spec_module_path": "recording_spec"}
+    worker = spec_worker("cpu", tensors, refs, 8, 1, extra=extra)
+    assert worker.submit_store(1, GPULoadStoreSpec([0, 1, 2], [3], [0]), CPULoadStoreSpec([0, 1, 2]))
+    assert worker.submit_store(2, GPULoadStoreSpec([3], [1], [0]), CPULoadStoreSpec([3]))
+    worker.wait({1, 2})
+    assert worker.submit_load(3, CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([10, 11], [2], [0]), expedited=True)
+    worker.wait({3})
+    assert sorted(r.job_id for r in worker.get_finished()) == [1, 2, 3]
+    s = recording_spec.summary()
+    store, load = s["directions"]["store"], s["directions"]["load"]
+    assert (store["jobs"], store["blocks_hist"], store["bytes_total"], store["threads"]) == (
+        2,
+        {"1": 1, "2-3": 1},
+        4 * 512,
+        1,
+    )
+    assert (load["jobs"], load["expedited"], load["bytes_total"]) == (1, 1, 2 * 512)
+    assert s["results"] == {"finished": 3, "failed": 0, "failed_ids": []}
+    assert (s["backend"], s["offload_core_stats"]["expedited_load"]["jobs"]) == ("cpu", 1)
+    assert torch.equal(tensors[1].tensor[11], tensors[1].tensor[1])
+    worker.shutdown()

@@ -89,9 +89,10 @@ class RecordingCPUSpec(CPUOffloadingSpec):
 
 
 def reset() -> None:
-    """Forget the jobs noted so far (the results' counts stay)."""
+    """Forget the jobs and results noted so far."""
     with _lock:
         _jobs.clear()
+        _results.update(finished=0, failed=0, failed_ids=[])
 
 
 def _hist(values: np.ndarray) -> dict[str, int]:
