@@ -300,7 +300,7 @@ class DeviceBlocks:
             size, index = ids.size, 0
         else:
             size, index = _single(group_sizes), 0 if block_indices is None else _single(block_indices)
-        if size == ids.size and index is not None and index >= 0:
+        if size == ids.size and index is not None and 0 <= index < 1 << 63:
             indices = _ZEROS[1] if index == 0 else _one_index(index)
             # the fields at once (a frozen dataclass's own way, object.__setattr__, takes a call each)
             self.__dict__.update(block_ids=ids, group_sizes=_one_group(ids.size), block_indices=indices)

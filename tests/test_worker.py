@@ -258,6 +258,7 @@ def test_ids_may_come_as_lists_arrays_or_tensors():
         (lambda: OffloadWorker(small_kv(), 4, host_region=object()), "host_region must be a SharedHostRegion"),
         (lambda: DeviceBlocks([1], [2**63 - 1, 2**63 - 1, 3]), "add up to 18446744073709551617"),
         (lambda: DeviceBlocks(np.array([2**64 - 1], dtype=np.uint64)), "beyond any block id"),
+        (lambda: DeviceBlocks([1, 2], [2], [2**63]), "block_indices holds 9223372036854775808, beyond any block id"),
     ],
 )
 def test_invalid_layouts_are_rejected(make, message):
