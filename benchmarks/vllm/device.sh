@@ -3,8 +3,11 @@
 # this repository. vLLM comes as the two parts ../shared/tools/vllm-gpu-bundle.sh builds, carried
 # in two calls (the machine stays warm for 30 s between them); vLLM's test files as a folder.
 #
+#   bash benchmarks/vllm/device.sh wheels                    # here, with registry access: what the bundle lacks
+#                                                            # to serve a model, as wheels in .whl/ (carry it in call 2)
 #   bash benchmarks/vllm/device.sh stage PART00              # call 1: keep the first part in /tmp/vb
 #   bash benchmarks/vllm/device.sh install PART01            # call 2: unpack vLLM into /tmp/site, install offload-core
+#                                                            # (and the wheels in .whl/: what the bundle lacks to serve)
 #   bash benchmarks/vllm/device.sh tests VLLM_TESTS OUT      # vLLM's GPU worker tests against offload-core's worker,
 #                                                            # and tests/test_vllm.py on cuda
 #   bash benchmarks/vllm/device.sh serve OUT [serve.py's options]
@@ -16,12 +19,19 @@ cmd=$1; shift
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 case $cmd in
+wheels)
+  # vLLM 0.33.0's requirements/common.txt pins, for what loading and serving a dense model imports
+  mkdir -p .whl && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    compressed-tensors==0.17.0 loguru blake3 setproctitle depyf==0.20.0 astor dill ijson jsonschema \
+    jsonschema-specifications referencing rpds-py lark==1.2.2 python-json-logger interegular \
+    outlines_core==0.2.14 lm-format-enforcer==0.11.3 ;;
 stage)
   mkdir -p /tmp/vb && cp "$1" /tmp/vb/part00
   nvidia-smi -L; df -h /dev/shm /tmp | tail -2; free -g | head -2 ;;
 install)
   cat /tmp/vb/part00 "$1" | tar xf - -C /tmp/vb && mkdir -p /tmp/site && tar xJf /tmp/vb/vllm.tar.xz -C /tmp/site &&
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/vb/deps/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/vb/deps/*.whl $(ls .whl/*.whl 2>/dev/null) || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | grep -v WARNING | tail -2
   python3 -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" ;;
