@@ -22,7 +22,7 @@ from offload_core.integrations.vllm import OffloadCoreOffloadingSpec
 _lock = threading.Lock()
 _jobs: list[tuple] = []  # (direction, expedited, device blocks, host chunks, bytes, t, submit seconds, thread)
 _results = {"finished": 0, "failed": 0, "failed_ids": []}
-_workers: list = []
+_worker: list = [None]  # the worker wrapped last: the engine process has one
 
 
 def _wrap(spec, worker):
@@ -70,7 +70,7 @@ def _wrap(spec, worker):
 
     worker.submit_store, worker.submit_load, worker.get_finished = submit_store, submit_load, get_finished
     worker._recorded = True
-    _workers.append(worker)
+    _worker[0] = worker
     return worker
 
 
@@ -144,12 +144,11 @@ def summary() -> dict:
             "submit_us_p99": float(np.percentile(submit_us, 99)),
             "threads": len({r[7] for r in rows}),
         }
-    for w in _workers:
-        inner = getattr(w, "worker", None)  # offload-core's OffloadWorker behind the adapter
-        if inner is not None and hasattr(inner, "stats"):
-            out["offload_core_stats"] = {
-                lane: {f.name: _plain(getattr(s, f.name)) for f in dataclasses.fields(s)}
-                for lane, s in inner.stats().items()
-            }
-            out["backend"] = inner.backend.name
+    inner = getattr(_worker[0], "worker", None)  # offload-core's OffloadWorker behind the adapter
+    if inner is not None and hasattr(inner, "stats"):
+        out["offload_core_stats"] = {
+            lane: {f.name: _plain(getattr(s, f.name)) for f in dataclasses.fields(s)}
+            for lane, s in inner.stats().items()
+        }
+        out["backend"] = inner.backend.name
     return out
