@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -278,7 +279,10 @@ def child(cfg: dict) -> dict:
 
     shape = SHAPES[cfg["shape"]]
     model_dir = tempfile.mkdtemp(prefix="vllm-serve-model-")
-    LlamaConfig(**shape["config"], tie_word_embeddings=False).save_pretrained(model_dir)
+    # without architectures vLLM resolves the bare LlamaModel, a pooling model that cannot generate
+    LlamaConfig(**shape["config"], architectures=["LlamaForCausalLM"], tie_word_embeddings=False).save_pretrained(
+        model_dir
+    )
     kv_transfer = None
     if cfg["spec"] != "off":
         extra = {
@@ -456,13 +460,17 @@ def main() -> None:
             ap.error(f"unknown shape or spec {s!r}: shapes {list(SHAPES)}, specs {list(SPECS)}")
     results = {"meta": _meta(), "runs": []}
     env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # apply_model and collective_rpc take functions
+    # greedy sampling needs no FlashInfer, which vLLM otherwise imports to probe (the GPU bundle has none)
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
     end = time.perf_counter() + (args.budget or 1e9)
+    missing = None  # a module the environment lacks fails every engine alike: the rest are skipped
     for cfg in runs(args):
         cfg["result"] = str(out / f"{cfg['name']}.json")
         t = time.perf_counter()
-        if end - t < 60:
-            results["runs"].append({**cfg, "rc": "skipped", "result": {"error": "skipped: --budget spent"}})
+        if end - t < 60 or missing:
+            why = f"skipped: {missing}" if missing else "skipped: --budget spent"
+            results["runs"].append({**cfg, "rc": "skipped", "result": {"error": why}})
             continue
         with open(out / f"{cfg['name']}.log", "w") as log:
             # a session of its own: whatever the engine leaves (its core process) goes with it
@@ -482,7 +490,14 @@ def main() -> None:
             except ProcessLookupError:
                 pass
             proc.wait()
-        res = json.loads(Path(cfg["result"]).read_text()) if Path(cfg["result"]).exists() else {"error": f"rc={rc}"}
+        if Path(cfg["result"]).exists():
+            res = json.loads(Path(cfg["result"]).read_text())
+        else:
+            found = re.findall(
+                r"ModuleNotFoundError: No module named '[^']+'", (out / f"{cfg['name']}.log").read_text()
+            )
+            missing = found[-1] if found else None
+            res = {"error": f"rc={rc}" + (f" ({missing})" if missing else "")}
         results["meta"]["gpu"] = res.get("gpu", results["meta"].get("gpu"))
         results["runs"].append({**cfg, "rc": rc, "seconds": time.perf_counter() - t, "result": res})
         path.write_text(json.dumps(results, indent=1))
@@ -493,6 +508,11 @@ def main() -> None:
 
 def _meta() -> dict:
     meta = {"date": time.strftime("%Y-%m-%d"), "host": platform.node()}
+    try:  # not through torch: a CUDA context here would hold GPU memory the engines need
+        smi = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        meta["gpu"] = subprocess.run(smi, capture_output=True, text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
     try:
         import torch
         import vllm
