@@ -80,8 +80,6 @@ class NullBackend(Backend):
 class NullExpandingBackend(NullBackend):
     """`NullBackend` taking compact jobs (block ids), as the cuda backend does."""
 
-    expands_blocks = True
-
     def prepare_layout(self, layout):
         return layout
 

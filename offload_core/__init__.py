@@ -16,8 +16,7 @@ from offload_core.errors import (
     UnknownBackendError,
 )
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
-from offload_core.plan import CopyBatch, Geometry, Planner, PlanRef
-from offload_core.queue import TransferQueue, TransferResult
+from offload_core.queue import TransferResult
 from offload_core.region import SharedHostRegion
 from offload_core.registry import availability, backend_names, get_backend, register_backend
 from offload_core.worker import OffloadWorker
@@ -30,11 +29,9 @@ __all__ = [
     "ConfigError",
     "CanonicalPageMapping",
     "CopyRun",
-    "CopyBatch",
     "DeviceBlocks",
     "Direction",
     "Event",
-    "Geometry",
     "HostBlocks",
     "InvalidSpecError",
     "KVCacheRef",
@@ -42,13 +39,10 @@ __all__ = [
     "KVCaches",
     "OffloadError",
     "OffloadWorker",
-    "PlanRef",
-    "Planner",
     "RegionError",
     "ResourceInUseError",
     "SharedHostRegion",
     "Stream",
-    "TransferQueue",
     "TransferResult",
     "UnknownBackendError",
     "availability",

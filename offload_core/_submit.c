@@ -1,5 +1,5 @@
 /* A simple compact job's submit in one call: `OffloadWorker._submit`, `CompactLayout._job_single`
- * and `TransferQueue._submit_compact` (offload_core/worker.py, compact.py, queue.py) for the common
+ * and `TransferQueue.submit` (offload_core/worker.py, compact.py, queue.py) for the common
  * case, which stays their twin: the Python path is the reference, and takes every other case.
  *
  * `submit_simple` returns NotImplemented, having changed nothing, wherever the Python path would
@@ -37,7 +37,7 @@ enum { DEVICE_BLOCKS, HOST_BLOCKS, COMPACT_JOB, PENDING, QUEUE, STORE, PERF_COUN
 static PyObject *given[GIVEN];
 /* CompactJob's slots, every one of which the job gets */
 static const char *const JOB_SLOTS[] = {"layout", "direction", "dev_ids", "host_ids", "groups",
-                                        "nbytes", "items",     "_blocks", "jobs"};
+                                        "nbytes", "items",     "_blocks", "jobs",    "_copies"};
 
 #define NAMES(X)                                                                                                   \
     X(_pid) X(_region) X(_next_region_check) X(_layout) X(_prepared) X(_lock) X(_closed) X(_in_flight)               \
@@ -45,7 +45,7 @@ static const char *const JOB_SLOTS[] = {"layout", "direction", "dev_ids", "host_
     X(group_sizes) X(direction) X(backend) X(current_stream) X(new_event) X(_pending) X(max_pending) X(_launcher)    \
     X(_free_events) X(record) X(_pending_bytes) X(_ids) X(_last_submit) X(_launch_s) X(_launching) X(burst_jobs)     \
     X(burst_bytes) X(_device_idle) X(_take) X(_launched) X(notify_all) X(acquire) X(release) X(append) X(layout)     \
-    X(dev_ids) X(host_ids) X(groups) X(nbytes) X(items) X(_blocks) X(jobs)
+    X(dev_ids) X(host_ids) X(groups) X(nbytes) X(items) X(_blocks) X(jobs) X(_copies)
 #define DECLARE(name) static PyObject *s_##name;
 NAMES(DECLARE)
 
@@ -182,7 +182,7 @@ static PyObject *compact_job(PyObject *layout, PyObject *direction, PyObject *de
               PyObject_SetAttr(job, s_dev_ids, dev_ids) < 0 || PyObject_SetAttr(job, s_host_ids, host_ids) < 0 ||
               PyObject_SetAttr(job, s_groups, groups) < 0 || PyObject_SetAttr(job, s_nbytes, nb) < 0 ||
               PyObject_SetAttr(job, s_items, it) < 0 || PyObject_SetAttr(job, s__blocks, Py_None) < 0 ||
-              PyObject_SetAttr(job, s_jobs, one) < 0;
+              PyObject_SetAttr(job, s_jobs, one) < 0 || PyObject_SetAttr(job, s__copies, Py_None) < 0;
     Py_XDECREF(groups);
     Py_XDECREF(nb);
     Py_XDECREF(it);
@@ -386,7 +386,7 @@ static PyObject *submit_simple(PyObject *self, PyObject *const *args, Py_ssize_t
     item = pack == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)given[PENDING], pack, NULL);
     Py_XDECREF(pack);
     if (item == NULL) goto raise;
-    /* The launch decision (`_submit_compact`'s): a burst follows the last submit closer than a
+    /* The launch decision (`TransferQueue._queue`'s): a burst follows the last submit closer than a
      * launch takes; this submit launches if nothing is launching and either a burst's worth
      * waits or, outside a burst, the device is idle. */
     if ((now = seconds(given[PERF_COUNTER])) == -1.0 && PyErr_Occurred()) goto raise;

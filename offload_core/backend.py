@@ -52,8 +52,6 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     priority: ClassVar[int] = 0
     install_hint: ClassVar[str] = ""
-    # Whether this backend expands compact jobs on the device (`prepare_layout`, `copy_blocks`).
-    expands_blocks: ClassVar[bool] = False
     # Whether this backend measures its copy costs (`calibrate`, `offload-core calibrate`).
     calibrates: ClassVar[bool] = False
 
@@ -153,27 +151,32 @@ class Backend(abc.ABC):
         benchmark or a test checking freed memory."""
 
     def prepare_layout(self, layout: CompactLayout) -> Any:
-        """Take a worker's layout once, for `copy_blocks` (upload its tables, say).
+        """Take a worker's layout once, for `copy_blocks` (upload its tables to the device, say).
 
-        Called only where `expands_blocks` is True, once per worker, before its first job.
+        Called once per worker, before its first job. Default: nothing to take (None).
 
         Returns:
-            What `copy_blocks` receives with each job of this layout (held by the worker
-            until its last job has finished), or None if this backend cannot expand this
-            layout: the worker then plans descriptors on the host for every job.
+            What `copy_blocks` receives with each job of this layout, held by the worker until
+            its last job has finished.
+
+        Raises:
+            Exception: this backend cannot copy this layout's jobs; the worker is not made.
         """
         return None
 
     def copy_blocks(self, job: CompactJob, prepared: Any, stream: Stream, after: list[Event]) -> str | None:
-        """Enqueue a compact job (see `offload_core.compact`) on `stream`: copy every entry of
-        every block, as `CompactLayout.descriptors` expands them, and nothing else.
+        """Enqueue a job (see `offload_core.compact`) on `stream`: copy every entry of every
+        block, as `CompactLayout.descriptors` expands them, and nothing else.
 
         Enqueue only, as `copy_batch`. The job's arrays stay alive and unchanged until an event
-        recorded after this call completes; the ids are validated against the layout. Every
-        device access of the job must follow the events `after` (recorded on the compute
-        streams of the jobs in it; `stream` already waits for them): this call may run on
-        another thread than the submit, so the current stream is not the compute stream.
-        The job may be several submitted jobs in one (`CompactJob.concat`).
+        recorded after this call completes; the ids are validated against the layout. `stream`
+        already waits for the events `after` (recorded on the compute streams of the jobs in
+        it); a backend that copies on other streams of its own must make them wait too. This
+        call may run on another thread than the submit, so the current stream is not the
+        compute stream. The job may be several submitted jobs in one (`CompactJob.concat`).
+
+        Default: the job expanded on the host, runs merged (`CompactLayout.copies`, kept with
+        the job), as one `copy_batch`; a backend that expands jobs on the device overrides it.
 
         Returns:
             The mechanism's name, as `copy_batch`.
@@ -181,7 +184,10 @@ class Backend(abc.ABC):
         Raises:
             Exception: anything that stops the copies from being enqueued.
         """
-        raise NotImplementedError(f"backend {self.name!r} does not expand compact jobs")
+        src, dst, sizes = job.layout.copies(job)
+        if not sizes.size:
+            return None
+        return self.copy_batch(src, dst, sizes, job.direction, stream)
 
     def copy_jobs(self, jobs: list[CompactJob], prepared: Any, stream: Stream, after: list[Event]) -> str | None:
         """Enqueue consecutive compact jobs of one launch as `copy_blocks` of them joined

@@ -1,9 +1,7 @@
-"""Compact jobs: a transfer as block ids against a layout computed once per worker.
+"""Jobs: a transfer as block ids against a table computed once per worker.
 
-The planner's descriptors cost host time per page: a job of 16 blocks over 64 layer tensors
-is 1024 descriptors to compute, hand over and enqueue. A backend that expands descriptors on
-the device (`Backend.expands_blocks`) is instead handed, per job, one entry per device block
-(`CompactJob`) and, once per worker, a table of what every block copies (`CompactLayout`):
+The worker hands every backend, per job, one entry per device block (`CompactJob`) and, once
+per worker, a table of what every block copies (`CompactLayout`):
 
 * an **entry** is one contiguous copy a block makes: one ref's page, or one fragment of it
   where a canonical mapping scatters the page. Entry ``e`` of a block ``b`` copies
@@ -16,9 +14,10 @@ the device (`Backend.expands_blocks`) is instead handed, per job, one entry per 
 * a **segment** is a contiguous range of host bytes a job touches: where staging mirrors host
   rows, one copy per segment moves the whole job over the link (`CompactLayout.segments`).
 
-`CompactLayout.descriptors` expands a job on the host, exactly as a device kernel must: it is
-the reference the device expansions are tested against, and the path of backends whose
-kernels cannot handle a job.
+A backend that copies descriptors expands each job on the host (`CompactLayout.copies`, runs
+merged; the default `Backend.copy_blocks`); one that expands jobs on the device (cuda) takes
+the table once (`Backend.prepare_layout`). `CompactLayout.descriptors` is the reference both
+are tested against.
 """
 
 from __future__ import annotations
@@ -59,7 +58,18 @@ class CompactJob:
             backend that sizes its launch by their average size (1 for a job as submitted).
     """
 
-    __slots__ = ("layout", "direction", "dev_ids", "host_ids", "groups", "nbytes", "items", "_blocks", "jobs")
+    __slots__ = (
+        "layout",
+        "direction",
+        "dev_ids",
+        "host_ids",
+        "groups",
+        "nbytes",
+        "items",
+        "_blocks",
+        "jobs",
+        "_copies",
+    )
 
     def __init__(
         self,
@@ -78,6 +88,7 @@ class CompactJob:
         self._blocks = blocks
         self.dev_ids = blocks[0] if dev_ids is None else dev_ids
         self.jobs = jobs
+        self._copies: tuple | None = None  # `CompactLayout.copies`, once asked for
 
     @property
     def simple(self) -> bool:
@@ -372,6 +383,28 @@ class CompactLayout:
             ``(device, host, sizes)`` addresses and byte counts, block by block, entry by entry;
             on store, only the entries the block is elected to write.
         """
+        return self._expand(job, row_base, by_entry=False)
+
+    def copies(self, job: CompactJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`job` as the copies a backend that copies on the host enqueues (`Backend.copy_batch`):
+        ``(src, dst, sizes)`` in the job's direction, entry by entry, block by block, and copies
+        that continue each other on both sides merged into one (consecutive blocks whose pages
+        follow each other on the device and in a host block).
+
+        Computed once per job and kept with it: the queue holds a launched job until its copies
+        have run, and so the arrays that `copy_batch` was handed.
+        """
+        found = job._copies
+        if found is None:
+            dev, host, sizes = self._expand(job, None, by_entry=True)
+            if sizes.size > 1:
+                (dev, host), sizes = merge_runs((dev, host), sizes)
+            found = job._copies = (dev, host, sizes) if job.direction is Direction.STORE else (host, dev, sizes)
+        return found
+
+    def _expand(
+        self, job: CompactJob, row_base: int | None, by_entry: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         dev, side, size = [], [], []
         store = job.direction is Direction.STORE
         for g, b0, b1, *_ in job.groups:
@@ -385,8 +418,11 @@ class CompactLayout:
             d = b[0][:, None] * e[1] + (e[0] + e[2])
             h = (rows[:, None] + b[2][:, None] * e[4]) + e[3]
             s = np.broadcast_to(e[5], d.shape)
-            if store and self._periods[g] > 1:
-                mine = elected(b[3][:, None], e[6], e[7])
+            mine = elected(b[3][:, None], e[6], e[7]) if store and self._periods[g] > 1 else None
+            if by_entry:  # a tensor's pages of consecutive blocks side by side, where runs form
+                d, h, s = d.T, h.T, s.T
+                mine = None if mine is None else mine.T
+            if mine is not None:
                 d, h, s = d[mine], h[mine], s[mine]
             dev.append(d.ravel())
             side.append(h.ravel())

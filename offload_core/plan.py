@@ -1,4 +1,5 @@
-"""The planner: block ids in, copy descriptors out. Pure numpy, no device code.
+"""The planner: a worker's geometry in plain integers, and the validation of each transfer
+against it. Pure numpy, no device code.
 
 Addressing (the data model of vLLM's offloading worker):
 
@@ -10,14 +11,9 @@ Addressing (the data model of vLLM's offloading worker):
   host id ``q // blocks_per_chunk`` of the group's host ids, sub-page ``q % blocks_per_chunk``;
 * each ref of the group copies its ``copy_bytes`` from the start of the page.
 
-The refs of a group are split once, at construction, into parts that share a page
-geometry (usually one part: every layer alike). Descriptors are laid out group by group,
-part by part, block by block, ref by ref: the order of the host rows, so that a backend can
-find host-contiguous runs (a block's pages of all layers) among neighbours. Where a part
-copies whole pages, runs of blocks that are contiguous on both sides become one descriptor
-(`offload_core.runs`), decided on the block offsets
-before any per-ref array exists. One `plan` call does a fixed number of numpy operations
-per group and part, whatever the number of blocks or layers.
+The refs of a group are split once, at construction, into parts that share a page geometry
+(usually one part: every layer alike); `offload_core.compact` builds a worker's table of
+copies from them.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ import numpy as np
 from offload_core.backend import Direction
 from offload_core.errors import InvalidSpecError
 from offload_core.layout import DeviceBlocks, HostBlocks
-from offload_core.runs import run_starts
 
 if TYPE_CHECKING:
     from offload_core.canonical import CanonicalPageMapping
@@ -52,18 +47,6 @@ class PlanRef(NamedTuple):
     tensor: int
     copy_bytes: int
     mapping: CanonicalPageMapping | None = None
-
-
-class CopyBatch(NamedTuple):
-    """The descriptors of one transfer: copy ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]``."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    sizes: np.ndarray
-    nbytes: int
-
-    def __len__(self) -> int:
-        return len(self.sizes)
 
 
 @dataclass(frozen=True)
@@ -103,14 +86,12 @@ class _Part(NamedTuple):
     device_page: int
     host_page: int
     copy_bytes: int
-    full_pages: bool  # copies whole pages on both sides, so consecutive blocks may merge
     mapping: CanonicalPageMapping | None  # its fragments scatter the page into the host page
 
 
 class _Group(NamedTuple):
     parts: tuple[_Part, ...]
     device_limit: int  # device block ids must be below this
-    descriptors_per_block: int
 
 
 class _Checked(NamedTuple):
@@ -127,7 +108,7 @@ class _Checked(NamedTuple):
 
 
 class Planner:
-    """Turns (DeviceBlocks, HostBlocks) into a `CopyBatch` for one KV-cache geometry.
+    """Checks (DeviceBlocks, HostBlocks) against one KV-cache geometry (`_check`).
 
     Args:
         geometry: addresses and sizes of the device tensors and the host buffer.
@@ -191,7 +172,6 @@ class Planner:
                     device_page=dev_page,
                     host_page=host_page,
                     copy_bytes=size,
-                    full_pages=mapping is None and size == dev_page == host_page,
                     mapping=mapping,
                 )
                 for (dev_page, host_page, size, mapping), ts in by_shape.items()
@@ -201,9 +181,6 @@ class Planner:
                     parts=parts,
                     device_limit=min(
                         (g.device_blocks[r.tensor] for r in refs), default=min(g.device_blocks, default=0)
-                    ),
-                    descriptors_per_block=sum(
-                        len(p.device_base) * (1 if p.mapping is None else p.mapping.fragments[2].size) for p in parts
                     ),
                 )
             )
@@ -220,76 +197,6 @@ class Planner:
     @property
     def num_groups(self) -> int:
         return len(self._groups)
-
-    def max_descriptors(self, device: DeviceBlocks) -> int:
-        """Descriptors `plan` writes at most (the scratch size it needs).
-
-        Raises:
-            InvalidSpecError: a group names more blocks than any valid transfer can (each
-                destination page at most once), so no scratch is sized from a wild count.
-        """
-        if device.group_sizes.size != self.num_groups:
-            return 0
-        sizes = device.group_sizes.tolist()
-        for g, (n, grp) in enumerate(zip(sizes, self._groups)):
-            if n > max(grp.device_limit, self.host_blocks * self.blocks_per_chunk):
-                raise InvalidSpecError(
-                    f"group {g} names {n} blocks, more than any transfer can move (device blocks "
-                    f"{grp.device_limit}, host pages {self.host_blocks * self.blocks_per_chunk})"
-                )
-        return self._descriptors(sizes)
-
-    def _descriptors(self, sizes: list[int]) -> int:
-        return sum(n * grp.descriptors_per_block for n, grp in zip(sizes, self._groups))
-
-    def plan(
-        self, direction: Direction, device: DeviceBlocks, host: HostBlocks, out: np.ndarray | None = None
-    ) -> CopyBatch:
-        """Validate a transfer and compute its copy descriptors.
-
-        Args:
-            direction: STORE reads the device and writes the host; LOAD the reverse.
-            device: the device blocks, in group order.
-            host: the host blocks, in group order.
-            out: optional int64 scratch of shape ``(3, >= max_descriptors(device))``; the
-                returned arrays may be views into it.
-
-        Returns:
-            The descriptors; runs of consecutive blocks that are contiguous on both sides
-            are merged into one descriptor.
-
-        Raises:
-            InvalidSpecError: wrong group count, host ids that do not add up, a block id out
-                of range on either side, or a destination page named twice in one transfer.
-        """
-        checked, sizes = self._check(direction, device, host)
-        total = self._descriptors(sizes)
-        if out is None or out.shape[1] < total:
-            out = np.empty((3, total), dtype=np.int64)
-        store = direction is Direction.STORE
-        dev_row, host_row = (0, 1) if store else (1, 0)
-        row = self.host_row_bytes
-        pos = nbytes = 0
-        for _, grp, n, dev_ids, hids, sub, _, _ in checked:
-            host_rows = hids * row
-            for part in grp.parts:
-                dev_off = dev_ids * part.device_page
-                host_off = host_rows if sub is None else host_rows + sub * part.host_page
-                if part.mapping is not None:
-                    pos, moved = self._plan_mapped(part, dev_off, host_off, hids, sub, store, out, pos)
-                    nbytes += moved
-                    continue
-                nbytes += n * len(part.device_base) * part.copy_bytes
-                run_bytes = part.copy_bytes
-                if part.full_pages and n > 1:
-                    dev_off, host_off, run_bytes = _merge_blocks(dev_off, host_off, part.copy_bytes)
-                m = dev_off.size
-                end = pos + part.device_base.size * m
-                np.add.outer(dev_off, part.device_base, out=out[dev_row, pos:end].reshape(m, -1))
-                np.add.outer(host_off, part.host_base, out=out[host_row, pos:end].reshape(m, -1))
-                out[2, pos:end].reshape(m, -1)[:] = np.reshape(run_bytes, (-1, 1))
-                pos = end
-        return CopyBatch(out[0, :pos], out[1, :pos], out[2, :pos], nbytes)
 
     def _check(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> tuple[list, list[int]]:
         """Validate a transfer (see `plan`'s Raises) before anything is computed from it.
@@ -348,45 +255,6 @@ class Planner:
                 else:
                     _check_unique(np.concatenate(keys), "device block id", self.device_limit)
         return checked, sizes
-
-    def _plan_mapped(self, part, dev_off, host_off, hids, sub, store, out, pos) -> tuple[int, int]:
-        """Descriptors of a part whose pages go through a canonical mapping: one per (block, ref,
-        fragment). On store, only the pages this rank is elected to write.
-
-        Returns:
-            The next free descriptor position and the bytes planned.
-        """
-        mapping = part.mapping
-        if store and mapping.num_writers > 1:
-            # the global canonical page id: every rank computes the same election for a page
-            page_ids = hids * self.blocks_per_chunk + (0 if sub is None else sub)
-            mine = mapping.is_writer(page_ids)
-            dev_off, host_off = dev_off[mine], host_off[mine]
-        local, canon, sizes = mapping.fragments
-        m, r, f = dev_off.size, part.device_base.size, sizes.size
-        end = pos + m * r * f
-        dev_row, host_row = (0, 1) if store else (1, 0)
-        np.add.outer(np.add.outer(dev_off, part.device_base), local, out=out[dev_row, pos:end].reshape(m, r, f))
-        np.add.outer(np.add.outer(host_off, part.host_base), canon, out=out[host_row, pos:end].reshape(m, r, f))
-        out[2, pos:end].reshape(m, r, f)[:] = sizes
-        return end, m * r * part.copy_bytes
-
-
-def _merge_blocks(dev_off: np.ndarray, host_off: np.ndarray, page: int):
-    """Merge runs of blocks that follow each other on both sides (whole-page copies only).
-
-    Decided once per group from block offsets, not per descriptor: every ref of a part
-    shares the page geometry, so they merge at the same places.
-
-    Returns:
-        Offsets of each run's first block, and each run's length in bytes (or `page` when
-        nothing merges).
-    """
-    starts = run_starts((dev_off, host_off), page)
-    if starts.size == dev_off.size:
-        return dev_off, host_off, page
-    run_blocks = np.diff(np.append(starts, dev_off.size))
-    return dev_off[starts], host_off[starts], run_blocks * page
 
 
 _FEW = 64  # up to this many ids, Python's min, max and set beat numpy's per-call overhead (4x at 16)

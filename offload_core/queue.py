@@ -6,15 +6,15 @@ one has finished on the device; every job first waits for the caller's compute s
 pending work on its destination blocks, such as zeroing of fresh blocks). Completions
 are reported from the head of the queue, so in submission order.
 
-Compact jobs (`offload_core.compact`, for backends that expand them on the device) are
-coalesced: `submit` records where the caller's compute stream is and appends the job to the
-pending list. It launches the pending jobs itself where nothing else would keep the device
-busy: no launch is under way and either the device is idle and this submit is not part of a
-burst (it follows the previous one by more than a launch's host time), or `burst_jobs` jobs
-or `burst_bytes` wait. Otherwise the queue's launcher thread sends every job waiting at that
-moment to the device as one launch. So jobs arriving faster than one launch takes go
-together, and results stay per job. `wait` on a job that has not been launched yet launches
-it, with the jobs before it and none after it (after the launch under way, if any).
+Jobs (`offload_core.compact`: block ids against a worker's table) are coalesced: `submit`
+records where the caller's compute stream is and appends the job to the pending list. It
+launches the pending jobs itself where nothing else would keep the device busy: no launch is
+under way and either the device is idle and this submit is not part of a burst (it follows
+the previous one by more than a launch's host time), or `burst_jobs` jobs or `burst_bytes`
+wait. Otherwise the queue's launcher thread sends every job waiting at that moment to the
+device as one launch. So jobs arriving faster than one launch takes go together, and results
+stay per job. `wait` on a job that has not been launched yet launches it, with the jobs
+before it and none after it (after the launch under way, if any).
 
 Latency bound: a job waits at most for the launch under way plus its own, except in a burst,
 where it waits until `burst_jobs` jobs or `burst_bytes` wait, or for the launcher thread once
@@ -28,7 +28,7 @@ its next compute) then waits for part of a launch at most, not for a switch inte
 
 Threads: every method may be called from any thread. A queue's bookkeeping is guarded by
 its own lock, held only for list and set operations and non-blocking event queries; the
-enqueue itself (`Backend.copy_batch` and the events around it) runs under one lock per
+enqueue itself (`Backend.copy_blocks` and the events around it) runs under one lock per
 backend, because a backend's staging and descriptor memory is shared by all its streams;
 waiting on the device holds no lock.
 """
@@ -51,13 +51,11 @@ from offload_core.backend import Backend, Direction, Event
 from offload_core.compact import CompactJob
 from offload_core.errors import InvalidSpecError, OffloadError
 from offload_core.layout import integer
-from offload_core.plan import CopyBatch
 
 log = logging.getLogger(__name__)
 
-_POOLED = 16  # descriptor buffers a queue keeps for reuse
-MAX_PENDING = 1024  # compact jobs waiting for a launch before submit waits (back-pressure)
-MAX_LAUNCH = 256  # compact jobs in one launch at most
+MAX_PENDING = 1024  # jobs waiting for a launch before submit waits (back-pressure)
+MAX_LAUNCH = 256  # jobs in one launch at most
 BURST_JOBS = 16  # jobs of a burst that wait for the launcher before a submit launches them itself
 BURST_BYTES = 128 << 20  # or bytes: about 2.4 ms of a PCIe 5 link, several launches' host time
 MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
@@ -71,20 +69,6 @@ GIL_YIELD_S = 20e-6
 
 _enqueue_locks: weakref.WeakKeyDictionary[Backend, threading.Lock] = weakref.WeakKeyDictionary()
 _enqueue_locks_guard = threading.Lock()
-
-
-def _check_batch(batch: object) -> None:
-    """A descriptor job's shape (`TransferQueue.submit`): what a planner guarantees, checked for
-    callers of the queue itself."""
-    if not isinstance(batch, CopyBatch):
-        raise InvalidSpecError(f"a job is a CopyBatch or a CompactJob, got {type(batch).__name__}")
-    if not all(isinstance(c, np.ndarray) and c.ndim == 1 and c.dtype.kind in "iu" for c in batch[:3]):
-        raise InvalidSpecError("a CopyBatch's src, dst and sizes must be 1-D integer numpy arrays")
-    n = len(batch.sizes)
-    if len(batch.src) != n or len(batch.dst) != n:
-        raise InvalidSpecError(f"a CopyBatch's columns differ in length: {len(batch.src)}, {len(batch.dst)}, {n}")
-    if n and int(batch.sizes.min()) < 0:
-        raise InvalidSpecError(f"a CopyBatch holds a negative size, {int(batch.sizes.min())}")
 
 
 def job_id_set(job_ids: Iterable[int]) -> set[int]:
@@ -152,11 +136,11 @@ class QueueStats:
     failed: int = 0
     mechanisms: Counter = field(default_factory=Counter)  # jobs per mechanism
     launches: int = 0  # times the device was given work: jobs / launches is how much coalescing did
-    launch_s: float = 0.0  # host seconds spent enqueueing compact launches (on any thread)
+    launch_s: float = 0.0  # host seconds spent enqueueing launches (on any thread)
     backpressure_waits: int = 0  # submits that waited because MAX_PENDING jobs were waiting for a launch
     backpressure_s: float = 0.0  # seconds those submits waited
     buffer_waits: int = 0  # enqueues that waited for the device: a buffer of the backend was full
-    buffer_wait_s: float = 0.0  # seconds they waited (part of `launch_s` for compact launches)
+    buffer_wait_s: float = 0.0  # seconds they waited (part of `launch_s`)
 
 
 class _Job(NamedTuple):
@@ -164,7 +148,7 @@ class _Job(NamedTuple):
     start: Event | None  # None: the launch failed to enqueue
     end: Event | None
     nbytes: int
-    scratch: np.ndarray | None  # descriptor memory the device may still read
+    held: object  # what the device may still read (the launched jobs, with their copies), until `end`
     mechanism: str
     share: float = 1.0  # of the launch's time, this job's part (by bytes)
     last: bool = True  # the last job of its launch: its events go back to the pool with it
@@ -180,7 +164,7 @@ class _Pending(NamedTuple):
 
 
 class TransferQueue:
-    """Runs copy batches of one direction in submission order.
+    """Runs the jobs of one direction (one lane) in submission order.
 
     Safe to call from several threads (see the module docstring).
 
@@ -189,8 +173,8 @@ class TransferQueue:
         direction: STORE or LOAD; recorded in results and passed to the backend.
     """
 
-    max_pending = MAX_PENDING  # compact jobs waiting for a launch before a submit waits
-    burst_jobs = BURST_JOBS  # compact jobs of a burst that a submit launches itself
+    max_pending = MAX_PENDING  # jobs waiting for a launch before a submit waits
+    burst_jobs = BURST_JOBS  # jobs of a burst that a submit launches itself
     burst_bytes = BURST_BYTES  # or their bytes
 
     def __init__(self, backend: Backend, direction: Direction):
@@ -207,9 +191,8 @@ class TransferQueue:
         self._jobs: deque[_Job] = deque()
         self._ids: set[int] = set()
         self._free_events: list[Event] = []
-        self._free_scratch: list[np.ndarray] = []
         self.stats = QueueStats()
-        self._pending: deque[_Pending] = deque()  # compact jobs waiting for a launch
+        self._pending: deque[_Pending] = deque()  # jobs waiting for a launch
         self._pending_bytes = 0  # their bytes
         self._launching: frozenset[int] | set[int] = _NOTHING  # ids of the launch being enqueued
         self._taken: list | None = None  # that launch's batch, as `_take` returned it
@@ -219,7 +202,8 @@ class TransferQueue:
         self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
         self._launcher: threading.Thread | None = None
         self._last_end: Event | None = None  # of the last launch: is the device still busy with it?
-        self._last_submit = float("-inf")  # perf_counter when the last compact submit returned
+        self._last_events: tuple = ()  # its start and end once reported: pooled when a launch replaces it
+        self._last_submit = float("-inf")  # perf_counter when the last submit returned
         self._launch_s = 0.0  # host seconds a launch takes (a moving average)
         self._closed = False
 
@@ -233,118 +217,26 @@ class TransferQueue:
     def __len__(self) -> int:
         return len(self._jobs) + len(self._pending) + len(self._launching)
 
-    def scratch(self, descriptors: int) -> np.ndarray:
-        """A pooled int64 ``(3, >= descriptors)`` buffer for the planner to write into.
-
-        It comes from the backend's host memory (pinned where the backend pins), so a
-        backend may read descriptors from the device or upload them asynchronously. Pass it
-        to `submit`, or back to `release_scratch` if the job is not submitted.
-        """
-        with self._lock:
-            for i, buf in enumerate(self._free_scratch):
-                if buf.shape[1] >= descriptors:
-                    return self._free_scratch.pop(i)
-        n = max(descriptors, 256)
-        return self.backend.alloc_host(3 * n * 8).numpy().view(np.int64).reshape(3, n)
-
-    def release_scratch(self, scratch: np.ndarray) -> None:
-        """Return a buffer from `scratch` that no job was submitted with."""
-        with self._lock:
-            self._pool(scratch)
-
-    def _pool(self, scratch: np.ndarray) -> None:
-        """Keep `scratch` for reuse; past `_POOLED` buffers, the smallest is let go (pinned
-        memory is scarce, and a few sizes serve an engine's jobs)."""
-        pool = self._free_scratch
-        pool.append(scratch)
-        if len(pool) > _POOLED:  # by position: list.remove would compare arrays with ==
-            del pool[min(range(len(pool)), key=lambda i: pool[i].shape[1])]
-
-    def submit(
-        self,
-        job_id: int,
-        batch: CopyBatch | CompactJob,
-        scratch: np.ndarray | None = None,
-        prepared: Any = None,
-        *,
-        planned: bool = False,
-    ) -> None:
-        """Enqueue one job behind every earlier one and behind the compute stream.
+    def submit(self, job_id: int, job: CompactJob, prepared: Any = None) -> None:
+        """Queue one job behind every earlier one and behind the caller's compute stream; it is
+        launched (enqueued on the device), alone or with others, by this call, a later one, or
+        the launcher thread (see the module docstring).
 
         Args:
-            job_id: reported back in the job's `TransferResult`.
-            batch: the descriptors, or a compact job for a backend that expands them; `scratch`
-                (if descriptors live in it) is held until the job completes.
-            prepared: for a compact job, what `Backend.prepare_layout` returned for its layout.
-            planned: the caller (a worker) checked the id and planned the batch: the checks of
-                their shape below are its already, and are not made twice on its hot path.
+            job_id: reported back in the job's `TransferResult`; the caller (a worker) made sure
+                it is not in flight.
+            job: the validated job (`CompactLayout.job`).
+            prepared: what `Backend.prepare_layout` returned for the job's layout.
 
         Raises:
-            Exception: whatever the backend raised while enqueueing; the job is then not queued.
-                A compact job is enqueued later, by the launcher: if that fails, its result says so.
-            OffloadError: the queue is closed.
-            InvalidSpecError: a descriptor job whose id is not an integer or is still in this
-                queue, that is not a `CopyBatch`, or whose columns differ in length or hold a
-                negative size (the addresses themselves are the caller's: a worker plans them).
+            OffloadError: the queue is closed, or its launcher thread cannot be started.
         """
-        if isinstance(batch, CompactJob):
-            self._submit_compact(job_id, batch, prepared)
-            return
-        if not planned:
-            job_id = integer(job_id, "job_id")
-            _check_batch(batch)
-        with self._lock:
-            if self._closed:  # its stream may be released already
-                raise OffloadError(f"the {self.direction.value} queue is closed")
-            if job_id in self._ids:
-                raise InvalidSpecError(f"job id {job_id} is still in the {self.direction.value} queue")
-            start, end = self._event(), self._event()
-        stream = self._stream
-        failed = None
-        with self._enqueue:
-            waited = self.backend.buffer_waits()
-            try:
-                stream.wait_stream(self.backend.current_stream())
-                start.record(stream)
-                mechanism = None
-                if len(batch):
-                    mechanism = self.backend.copy_batch(batch.src, batch.dst, batch.sizes, self.direction, stream)
-                end.record(stream)
-            except BaseException as exc:  # a Ctrl-C too: what it enqueued is waited for below
-                failed = exc
-                try:
-                    end.record(stream)
-                except Exception:
-                    end = None
-            if failed is None:
-                mechanism = mechanism or ""
-                try:
-                    queued = _Job(job_id, start, end, batch.nbytes, scratch, mechanism)
-                except BaseException as exc:  # a Ctrl-C: not recorded, so raised below once its copies ran
-                    failed = exc
-            if failed is None:
-                # appended under the enqueue lock, so the deque's order is the stream's order
-                with self._lock:
-                    # the id as an operator, then the job: no Ctrl-C can land between the two
-                    self._ids |= {job_id}
-                    self._jobs.append(queued)
-                    self._count_buffer_waits(waited)
-                    self.stats.jobs += 1
-                    self.stats.bytes += batch.nbytes
-                    self.stats.descriptors += len(batch)
-                    self.stats.launches += 1
-                    self.stats.mechanisms[mechanism] += 1
-                return
-        # Part of the batch may be queued already: keep the descriptors until the stream has
-        # passed them, waiting outside the enqueue lock that every queue on the backend shares.
-        # If even that fails, the device is lost: drop them all.
-        try:
-            end.synchronize()  # None when even recording failed
-        except Exception:
-            scratch = None
-        if scratch is not None:
-            self.release_scratch(scratch)
-        raise failed
+        compute = self.backend.current_stream()  # the caller's: the launcher thread has its own
+        try:  # the take and the launch in one `try`, as in `wait`
+            self._queue(job_id, job, prepared, compute)
+        except BaseException:  # Ctrl-C after the take, before the launch began
+            self.heal()
+            raise
 
     def poll(self, into: list | None = None) -> list[TransferResult]:
         """Results of the jobs completed so far, from the head of the queue, without blocking.
@@ -378,10 +270,11 @@ class TransferQueue:
                 results += (result,)  # an operator, not a call: no Ctrl-C lands between it and the next line
                 self._jobs.popleft()
                 self.stats.failed += not ok
-                if ok and job.last and job.end is not self._last_end:  # events that saw a fault are not trusted
-                    self._free_events += (job.start, job.end)  # again; the last launch's end tells if the device idles
-                if job.scratch is not None:
-                    self._pool(job.scratch)
+                if ok and job.last:  # events that saw a fault are not trusted again
+                    if job.end is self._last_end:  # it tells whether the device idles: pooled once replaced
+                        self._last_events = (job.start, job.end)
+                    else:
+                        self._free_events += (job.start, job.end)
             if into is not None:
                 into += results  # operators, not calls: no Ctrl-C lands between the two
                 results = into
@@ -434,7 +327,7 @@ class TransferQueue:
             _settle(last.end)
 
     def drain(self) -> list[TransferResult]:
-        """Wait for every queued job (compact ones launched first, by this thread where no launch
+        """Wait for every queued job (those not launched yet launched first, by this thread where no launch
         is under way) and return all pending results."""
         self.finish()
         return self.poll()
@@ -501,21 +394,13 @@ class TransferQueue:
     def _event(self) -> Event:
         return self._free_events.pop() if self._free_events else self.backend.new_event()
 
-    # ---- compact jobs: coalesced launches -------------------------------------
+    # ---- coalesced launches ------------------------------------------------------
 
     def waiting_for_launch(self) -> bool:
-        """Whether compact jobs wait for a launch, or one is being enqueued."""
+        """Whether jobs wait for a launch, or one is being enqueued."""
         return bool(self._pending or self._launching)
 
-    def _submit_compact(self, job_id: int, job: CompactJob, prepared: Any) -> None:
-        compute = self.backend.current_stream()  # the caller's: the launcher thread has its own
-        try:  # the take and the launch in one `try`, as in `wait`
-            self._queue_compact(job_id, job, prepared, compute)
-        except BaseException:  # Ctrl-C after the take, before the launch began
-            self.heal()
-            raise
-
-    def _queue_compact(self, job_id: int, job: CompactJob, prepared: Any, compute) -> None:
+    def _queue(self, job_id: int, job: CompactJob, prepared: Any, compute) -> None:
         with self._lock:
             if self._closed:
                 raise OffloadError(f"the {self.direction.value} queue is closed")
@@ -630,7 +515,7 @@ class TransferQueue:
                     end.record(self._stream)
                 except Exception:
                     end = None  # the device is lost
-            entries = [_Job(p.job_id, None, end, p.job.nbytes, None, "", failed=True) for p in batch]
+            entries = [_Job(p.job_id, None, end, p.job.nbytes, batch, "", failed=True) for p in batch]
             # recorded and released with no call between (where a Ctrl-C may land)
             self._jobs += entries
             self._launching, self._taken, self._taker, self._enqueued = _NOTHING, None, None, None
@@ -697,10 +582,11 @@ class TransferQueue:
                     stream.wait_event(ready)
                 start.record(stream)
                 prepared = batch[0].prepared
+                held = jobs
                 mechanism = self.backend.copy_jobs(jobs, prepared, stream, after)
                 if mechanism is None:
                     # in host-block order where that joins host rows: copies within a launch run in any order
-                    job = CompactJob.concat(jobs).in_host_order()
+                    held = job = CompactJob.concat(jobs).in_host_order()
                     mechanism = self.backend.copy_blocks(job, prepared, stream, after) if len(job) else None
                 end.record(stream)
             except Exception as exc:
@@ -722,11 +608,11 @@ class TransferQueue:
                     last = len(batch) - 1
                     mechanism = mechanism or ""
                     entries = [
-                        _Job(p.job_id, start, end, p.job.nbytes, None, mechanism, p.job.nbytes / total, i == last)
+                        _Job(p.job_id, start, end, p.job.nbytes, held, mechanism, p.job.nbytes / total, i == last)
                         for i, p in enumerate(batch)
                     ]
                 else:
-                    entries = [_Job(p.job_id, None, end, p.job.nbytes, None, "", failed=True) for p in batch]
+                    entries = [_Job(p.job_id, None, end, p.job.nbytes, batch, "", failed=True) for p in batch]
                 # Recorded and released in one step: `_run` fails a batch still marked launching, so
                 # nothing that can raise (a backend's odd mechanism in the stats, say) or take a
                 # Ctrl-C (a call) comes between.
@@ -736,6 +622,8 @@ class TransferQueue:
                 self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
                 if failed is None:
                     self._last_end = end
+                    self._free_events += self._last_events
+                    self._last_events = ()
                     self.stats.launches += 1
                     self.stats.jobs += len(batch)
                     self.stats.bytes += nbytes

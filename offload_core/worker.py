@@ -123,13 +123,9 @@ class OffloadWorker:
         for t in kv_caches.tensors:
             backend.register_buffer(t.tensor)
         backend.register_buffer(self._host)
-        # A backend that expands jobs on the device gets them as block ids (offload_core.compact).
-        self._layout = self._prepared = None
-        if backend.expands_blocks:
-            layout = CompactLayout(self._planner)
-            self._prepared = backend.prepare_layout(layout)
-            if self._prepared is not None:
-                self._layout = layout
+        # Jobs go to the backend as block ids against this table (offload_core.compact).
+        self._layout = CompactLayout(self._planner)
+        self._prepared = backend.prepare_layout(self._layout)
         # simple compact jobs' submits in one compiled call, where built (`_compiled_submit`)
         self._submit_simple = _compiled_submit(self._layout)
         if host_region is not None:  # last: nothing after it can fail and leave it registered
@@ -259,17 +255,9 @@ class OffloadWorker:
             if self._region is not None and time.monotonic() >= self._next_region_check:
                 self._region.check()
                 self._next_region_check = time.monotonic() + _REGION_CHECK_S
-            if self._layout is not None:
-                batch, scratch = self._layout.job(direction, device, host), None
-            else:
-                scratch = queue.scratch(self._planner.max_descriptors(device))
-                try:
-                    batch = self._planner.plan(direction, device, host, out=scratch)
-                except BaseException:
-                    queue.release_scratch(scratch)
-                    raise
+            job = self._layout.job(direction, device, host)
             try:
-                queue.submit(job_id, batch, scratch, self._prepared, planned=True)
+                queue.submit(job_id, job, self._prepared)
             except Exception:
                 log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
                 return False

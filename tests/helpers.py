@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,6 +43,32 @@ def compiled_or_skip(compiled: bool):
             pytest.fail(why)
         pytest.skip(why)
     return module
+
+
+class Copies(NamedTuple):
+    """A transfer as the copies a backend that copies on the host enqueues."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    sizes: np.ndarray
+    nbytes: int
+
+    def __len__(self) -> int:
+        return self.sizes.size
+
+
+def host_copies(geometry_or_planner, direction, device, host) -> Copies:
+    """Validate a transfer and expand it on the host (`CompactLayout.job`, then `.copies`), as
+    `Backend.copy_blocks` does by default."""
+    from offload_core.compact import CompactLayout
+    from offload_core.plan import Planner
+
+    planner = geometry_or_planner
+    if not isinstance(planner, Planner):
+        planner = Planner(geometry_or_planner)
+    layout = CompactLayout(planner)
+    job = layout.job(direction, device, host)
+    return Copies(*layout.copies(job), job.nbytes)
 
 
 def compact_layout(planner, compiled: bool):

@@ -35,16 +35,19 @@ def test_every_jobs_bytes_are_checked_not_only_the_last_ones():
     class OneWrongByte(CpuBackend):
         stores = 0
 
-        def copy_batch(self, src, dst, sizes, direction, stream):
-            OneWrongByte.stores += direction is Direction.STORE
-            wrong = direction is Direction.STORE and OneWrongByte.stores == 8  # the warm-up pass takes 6
+        def copy_jobs(self, jobs, prepared, stream, after):  # each launch's jobs as submitted
+            for job in jobs:
+                src, dst, sizes = job.layout.copies(job)
+                store = job.direction is Direction.STORE
+                wrong = store and OneWrongByte.stores == 7  # the warm-up pass stores 6 jobs
+                OneWrongByte.stores += store
 
-            def copy():
-                memmove_all(src, dst, sizes)
-                if wrong:
-                    ctypes.c_uint8.from_address(int(dst[0])).value ^= 0xFF
+                def copy(src=src, dst=dst, sizes=sizes, wrong=wrong):
+                    memmove_all(src, dst, sizes)
+                    if wrong:
+                        ctypes.c_uint8.from_address(int(dst[0])).value ^= 0xFF
 
-            stream.launch(copy)
+                stream.launch(copy)
             return "memmove"
 
     row = engine_bench.run_shape(OneWrongByte(), page=256, per_job=4, count=2, jobs=6)

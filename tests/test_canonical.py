@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import tp_ranks as tp
+from helpers import host_copies
 from hypothesis import given
 from hypothesis import strategies as st
 from tp_ranks import BLOCKS, full_model, latent_kv, rank_kv, region
@@ -212,7 +213,7 @@ def test_replicated_heads_are_written_exactly_once(tmp_path, tp_size, heads):
                 canonical_layout=True,
                 host_region=regions[r],
             ) as w:
-                batch = w._planner.plan(Direction.STORE, DeviceBlocks(dev_ids), HostBlocks(host_ids))
+                batch = host_copies(w._planner, Direction.STORE, DeviceBlocks(dev_ids), HostBlocks(host_ids))
                 for d, n in zip((batch.dst - base).tolist(), batch.sizes.tolist()):
                     writes[d : d + n] += 1
         stored = writes.reshape(num_host, -1)[host_ids, : tp.row_bytes(full, bpc)]

@@ -437,7 +437,7 @@ def test_a_worker_collected_while_its_backend_enqueues_does_not_deadlock():
         gc.enable()
 
 
-def test_a_backend_that_refuses_the_layout_gets_planned_descriptors():
+def test_a_backend_that_prepares_nothing_gets_its_jobs_expanded_on_the_host():
     backend = ExpandingCpuBackend(refuse=True)
     kv = small_kv(pages=(64,), blocks=16)
     with OffloadWorker(kv, 8, backend=backend) as worker:

@@ -1,9 +1,11 @@
-"""Compact jobs against the planner and the page-at-a-time reference model, on numpy buffers.
+"""Jobs expanded as a device does, against the host path and the reference model, on numpy buffers.
 
-A compact job expanded on the host (`CompactLayout.descriptors`), straight into the host rows
-or into staging that mirrors them and then out by segments, must move exactly the bytes the
-planner's descriptors move: every layout feature (blocks per chunk, partial first chunks,
-several groups, groups sharing tensors, padded pages, canonical mappings with writer election).
+A job expanded as a device kernel is specified to (`CompactLayout.descriptors`), straight into
+the host rows or into staging that mirrors them and then out by segments, must move exactly
+the bytes of the host path (`CompactLayout.copies`, itself checked against the page-at-a-time
+reference model in test_plan.py): every layout feature (blocks per chunk, partial first
+chunks, several groups, groups sharing tensors, padded pages, canonical mappings with writer
+election).
 """
 
 from __future__ import annotations
@@ -13,23 +15,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import compact_layout, compiled_or_skip
+from helpers import compact_layout, compiled_or_skip, host_copies
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_plan import Model, plan_refs, transfers
 
-from offload_core import (
-    CanonicalPageMapping,
-    CopyRun,
-    DeviceBlocks,
-    Direction,
-    Geometry,
-    HostBlocks,
-    InvalidSpecError,
-    Planner,
-)
+from offload_core import CanonicalPageMapping, CopyRun, DeviceBlocks, Direction, HostBlocks, InvalidSpecError
 from offload_core.canonical import attention_mappings
 from offload_core.compact import CompactJob, CompactLayout
+from offload_core.plan import Geometry, Planner
 from offload_core.testing.expanding import POISON, steps
 
 
@@ -49,19 +43,19 @@ def run_compact(layout, job, staged: bool) -> None:
         assert (np.sort(stage) == stage).all(), "segments come in staging order"
 
 
-def check_against_planner(model, direction, device, host, staged):
+def check_against_host_copies(model, direction, device, host, staged):
     planner = Planner(model.geometry)
     layout = CompactLayout(planner)
     devices, rows = model.snapshot()
     gaps = model.gaps()
-    batch = planner.plan(direction, device, host)
+    batch = host_copies(planner, direction, device, host)
     execute(batch.src, batch.dst, batch.sizes)
     want_dev, want_host = model.snapshot()
     for a, b in zip(model.device, devices):
         a[:] = b
     model.host[:] = rows
     job = layout.job(direction, device, host)
-    assert job.nbytes == batch.nbytes
+    assert job.nbytes == int(batch.sizes.sum())
     keys = job.destinations()
     assert not keys.size or 0 <= keys.min() <= keys.max() < job.destination_limit  # what _first_clash counts on
     assert job.items == sum(int(layout.group_entries[1, g]) * (b1 - b0) for g, b0, b1, *_ in job.groups)
@@ -74,9 +68,9 @@ def check_against_planner(model, direction, device, host, staged):
 
 
 @given(case=transfers(), staged=st.booleans())
-def test_compact_jobs_move_what_the_planner_moves(case, staged):
+def test_expanded_jobs_move_what_the_host_path_moves(case, staged):
     model, direction, device, host = case
-    check_against_planner(model, direction, device, host, staged)
+    check_against_host_copies(model, direction, device, host, staged)
 
 
 @st.composite
@@ -129,7 +123,7 @@ def canonical_transfers(draw):
 @given(case=canonical_transfers(), staged=st.booleans())
 def test_canonical_compact_jobs_move_what_the_planner_moves(case, staged):
     model, direction, device, host = case
-    check_against_planner(model, direction, device, host, staged)
+    check_against_host_copies(model, direction, device, host, staged)
 
 
 @given(case=st.one_of(transfers(), canonical_transfers()), limit=st.sampled_from([0, 8, 24, 1 << 20]))

@@ -1675,10 +1675,11 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
     ids or the block index, and the five columns of the others."""
     from test_plan import Model
 
-    from offload_core import DeviceBlocks, HostBlocks, Planner
+    from offload_core import DeviceBlocks, HostBlocks
     from offload_core.backends.cuda import blocks as cuda_blocks
     from offload_core.canonical import CanonicalPageMapping, CopyRun
     from offload_core.compact import CompactLayout
+    from offload_core.plan import Planner
 
     bpc = 2 if shape == "chunks of two" else 1
     if shape == "two groups":
@@ -1732,8 +1733,9 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
     idle. `prepare` must launch every build a job will use, so that no job waits for that."""
     from test_plan import Model
 
-    from offload_core import DeviceBlocks, HostBlocks, Planner
+    from offload_core import DeviceBlocks, HostBlocks
     from offload_core.compact import CompactLayout
+    from offload_core.plan import Planner
 
     launched = []
 
@@ -1776,9 +1778,10 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
     backwards go in host order (`CompactJob.in_host_order`), as the queue's launch sends them."""
     from test_plan import Model
 
-    from offload_core import DeviceBlocks, HostBlocks, Planner
+    from offload_core import DeviceBlocks, HostBlocks
     from offload_core.backends.cuda import blocks as cuda_blocks
     from offload_core.compact import CompactLayout
+    from offload_core.plan import Planner
 
     model = Model([16, 8], [[(0, 16), (1, 8)]], bpc, 32, 24, seed=bpc)
     layout = CompactLayout(Planner(model.geometry))
@@ -1906,9 +1909,10 @@ def test_staging_halves_hand_over_through_driver_markers(monkeypatch, direction)
     way round."""
     from test_plan import Model
 
-    from offload_core import DeviceBlocks, HostBlocks, Planner
+    from offload_core import DeviceBlocks, HostBlocks
     from offload_core.backends.cuda import blocks as cuda_blocks
     from offload_core.compact import CompactLayout
+    from offload_core.plan import Planner
 
     class Stream:  # what a torch stream's wait_event does with any event
         def __init__(self, handle):

@@ -16,11 +16,12 @@ from test_cuda_host import FakeCudaRuntime, LaunchingLib
 from test_cuda_posting import Stream, comparable, posted_backend
 from test_plan import Model
 
-from offload_core import DeviceBlocks, HostBlocks, Planner
+from offload_core import DeviceBlocks, HostBlocks
 from offload_core.backend import Direction
 from offload_core.backends.cuda import blocks
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.compact import CompactJob, CompactLayout
+from offload_core.plan import Planner
 
 DEVICE_BLOCKS, HOST_BLOCKS = 64, 48
 RING = 1 << 40  # the ring's device address: 64-bit, as the hand launch needs

@@ -150,8 +150,9 @@ class CompactLaunch:
     def __init__(self, monkeypatch, lib, direction, mechanism, half_rows=3):
         from test_plan import Model
 
-        from offload_core import DeviceBlocks, HostBlocks, Planner
+        from offload_core import DeviceBlocks, HostBlocks
         from offload_core.compact import CompactLayout
+        from offload_core.plan import Planner
 
         handles = iter(range(0x100, 0x200))
         monkeypatch.setattr(FakeCudaRuntime, "ExternalStream", lambda self, handle, device=None: Stream(next(handles)))
@@ -295,8 +296,9 @@ def test_a_queue_reports_a_failed_posted_launch_as_failed_jobs_and_goes_on(monke
     in order, and the caller's loop never sees an exception."""
     from test_plan import Model
 
-    from offload_core import DeviceBlocks, HostBlocks, Planner
+    from offload_core import DeviceBlocks, HostBlocks
     from offload_core.compact import CompactLayout
+    from offload_core.plan import Planner
     from offload_core.queue import TransferQueue
 
     handles = iter(range(0x100, 0x200))

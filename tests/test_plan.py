@@ -6,10 +6,12 @@ import ctypes
 
 import numpy as np
 import pytest
+from helpers import host_copies
 from hypothesis import given
 from hypothesis import strategies as st
 
-from offload_core import DeviceBlocks, Direction, Geometry, HostBlocks, InvalidSpecError, Planner, PlanRef
+from offload_core import DeviceBlocks, Direction, HostBlocks, InvalidSpecError
+from offload_core.plan import Geometry, Planner, PlanRef
 from offload_core.testing.reference import merge_contiguous, reference_transfer
 
 
@@ -118,7 +120,7 @@ def test_plan_moves_the_same_bytes_as_the_reference(case):
     model, direction, device, host = case
     expected_dev, expected_host = model.expected(direction, device, host)
     gaps = model.gaps()
-    batch = Planner(model.geometry).plan(direction, device, host)
+    batch = host_copies(model.geometry, direction, device, host)
 
     spans = model.buffers()
     for s, d, n in zip(batch.src.tolist(), batch.dst.tolist(), batch.sizes.tolist()):
@@ -143,8 +145,7 @@ def test_plan_moves_the_same_bytes_as_the_reference(case):
 def test_block_merging_finds_the_runs_within_each_ref(case):
     model, direction, device, host = case
     planner = Planner(model.geometry)
-    batch = planner.plan(direction, device, host)
-    assert len(batch) <= planner.max_descriptors(device)
+    batch = host_copies(planner, direction, device, host)
     src, dst, sizes = merge_contiguous(batch.src, batch.dst, batch.sizes)
     assert int(sizes.sum()) == batch.nbytes
     # Merging again may only join the last run of one ref to the first of the next
@@ -165,8 +166,7 @@ def test_worked_example_from_vllm_load():
     device = DeviceBlocks([105, 9, 33, 34, 71, 72, 300, 301], group_sizes=(6, 2), block_indices=(6, 10))
     host = HostBlocks([40, 17, 55])
     planner = Planner(model.geometry)
-    batch = planner.plan(Direction.LOAD, device, host)
-    assert planner.max_descriptors(device) == 14
+    batch = host_copies(planner, Direction.LOAD, device, host)
     assert batch.nbytes == 416 * kib
     # 33,34 and 71,72 land in consecutive sub-pages of host block 17; 300,301 in block 55
     assert len(batch) == 9
@@ -181,14 +181,14 @@ def test_worked_example_from_vllm_load():
 
 def test_contiguous_blocks_of_one_tensor_become_one_copy():
     model = Model([64], [[(0, 64)]], 4, device_blocks=16, host_blocks=8)
-    batch = Planner(model.geometry).plan(Direction.STORE, DeviceBlocks(range(2, 10)), HostBlocks([5, 6]))
+    batch = host_copies(model.geometry, Direction.STORE, DeviceBlocks(range(2, 10)), HostBlocks([5, 6]))
     assert len(batch) == 1 and batch.sizes[0] == 8 * 64
     assert batch.dst[0] == model.host.ctypes.data + 5 * model.host.shape[1]
 
 
 def test_padding_is_never_copied():
     model = Model([64, 64], [[(0, 60), (1, 64)]], 2)
-    batch = Planner(model.geometry).plan(Direction.STORE, DeviceBlocks([0, 1]), HostBlocks([3]))
+    batch = host_copies(model.geometry, Direction.STORE, DeviceBlocks([0, 1]), HostBlocks([3]))
     assert sorted(batch.sizes.tolist()) == [60, 60, 128]
 
 
@@ -208,16 +208,16 @@ def test_padding_is_never_copied():
 def test_bad_specs_are_rejected(device, host, message):
     model = Model([32], [[(0, 32)]], 2)
     with pytest.raises(InvalidSpecError, match=message):
-        Planner(model.geometry).plan(Direction.STORE, device, host)
+        host_copies(model.geometry, Direction.STORE, device, host)
 
 
 def test_duplicate_load_destination_is_rejected_but_duplicate_source_is_not():
     model = Model([32], [[(0, 32)]], 1)
     planner = Planner(model.geometry)
     with pytest.raises(InvalidSpecError, match="device block id 3 is the destination of two copies"):
-        planner.plan(Direction.LOAD, DeviceBlocks([3, 3]), HostBlocks([0, 1]))
-    planner.plan(Direction.LOAD, DeviceBlocks([3, 4]), HostBlocks([0, 0]))
-    planner.plan(Direction.STORE, DeviceBlocks([3, 3]), HostBlocks([0, 1]))
+        host_copies(planner, Direction.LOAD, DeviceBlocks([3, 3]), HostBlocks([0, 1]))
+    host_copies(planner, Direction.LOAD, DeviceBlocks([3, 4]), HostBlocks([0, 0]))
+    host_copies(planner, Direction.STORE, DeviceBlocks([3, 3]), HostBlocks([0, 1]))
 
 
 @pytest.mark.parametrize(
@@ -310,34 +310,34 @@ def test_specs_hold_a_read_only_copy_of_the_ids(make):
 
 def test_empty_transfer_plans_nothing():
     model = Model([32], [[(0, 32)], [(0, 16)]], 3)
-    batch = Planner(model.geometry).plan(Direction.STORE, DeviceBlocks([], [0, 0]), HostBlocks([]))
+    batch = host_copies(model.geometry, Direction.STORE, DeviceBlocks([], [0, 0]), HostBlocks([]))
     assert len(batch) == 0 and batch.nbytes == 0
 
 
 def test_groups_collide_only_through_a_shared_tensor():
     disjoint = Planner(Model([32, 32], [[(0, 32)], [(1, 32)]], 2).geometry)
-    disjoint.plan(Direction.LOAD, DeviceBlocks([3, 3], [1, 1]), HostBlocks([0, 1]))
+    host_copies(disjoint, Direction.LOAD, DeviceBlocks([3, 3], [1, 1]), HostBlocks([0, 1]))
     shared = Planner(Model([32, 32], [[(0, 32)], [(0, 32), (1, 32)]], 2).geometry)
     with pytest.raises(InvalidSpecError, match="device block id 3 is the destination of two copies"):
-        shared.plan(Direction.LOAD, DeviceBlocks([3, 3], [1, 1]), HostBlocks([0, 1]))
+        host_copies(shared, Direction.LOAD, DeviceBlocks([3, 3], [1, 1]), HostBlocks([0, 1]))
     # the same host block, different sub-pages: no collision
-    shared.plan(Direction.STORE, DeviceBlocks([3, 4], [1, 1], [0, 1]), HostBlocks([0, 0]))
+    host_copies(shared, Direction.STORE, DeviceBlocks([3, 4], [1, 1], [0, 1]), HostBlocks([0, 0]))
     with pytest.raises(InvalidSpecError, match="host sub-page 2 is the destination of two copies"):
-        shared.plan(Direction.STORE, DeviceBlocks([3, 4], [1, 1], [0, 0]), HostBlocks([1, 1]))
+        host_copies(shared, Direction.STORE, DeviceBlocks([3, 4], [1, 1], [0, 0]), HostBlocks([1, 1]))
 
 
 def test_groups_that_share_no_tensor_stay_apart_when_others_do():
     # groups 0 and 2 share tensor 0; group 1 has tensor 1 to itself
     planner = Planner(Model([32, 32], [[(0, 32)], [(1, 32)], [(0, 32)]], 2).geometry)
-    planner.plan(Direction.LOAD, DeviceBlocks([5, 5], [1, 1, 0]), HostBlocks([1, 2]))
-    planner.plan(Direction.LOAD, DeviceBlocks([5, 5], [0, 1, 1]), HostBlocks([1, 2]))
+    host_copies(planner, Direction.LOAD, DeviceBlocks([5, 5], [1, 1, 0]), HostBlocks([1, 2]))
+    host_copies(planner, Direction.LOAD, DeviceBlocks([5, 5], [0, 1, 1]), HostBlocks([1, 2]))
     with pytest.raises(InvalidSpecError, match="device block id 5 is the destination of two copies"):
-        planner.plan(Direction.LOAD, DeviceBlocks([5, 5], [1, 0, 1]), HostBlocks([1, 2]))
-    planner.plan(Direction.STORE, DeviceBlocks([3, 4], [1, 1, 0]), HostBlocks([0, 0]))
+        host_copies(planner, Direction.LOAD, DeviceBlocks([5, 5], [1, 0, 1]), HostBlocks([1, 2]))
+    host_copies(planner, Direction.STORE, DeviceBlocks([3, 4], [1, 1, 0]), HostBlocks([0, 0]))
     with pytest.raises(InvalidSpecError, match="host sub-page 0 is the destination of two copies"):
-        planner.plan(Direction.STORE, DeviceBlocks([3, 4], [1, 0, 1]), HostBlocks([0, 0]))
+        host_copies(planner, Direction.STORE, DeviceBlocks([3, 4], [1, 0, 1]), HostBlocks([0, 0]))
     with pytest.raises(InvalidSpecError, match="device block id 5 is the destination of two copies"):
-        planner.plan(Direction.LOAD, DeviceBlocks([5, 5, 6], [2, 0, 1]), HostBlocks([1, 3]))  # within a group
+        host_copies(planner, Direction.LOAD, DeviceBlocks([5, 5, 6], [2, 0, 1]), HostBlocks([1, 3]))  # within a group
 
 
 @st.composite
@@ -394,7 +394,7 @@ def test_canonical_plan_matches_the_reference(case):
     model, direction, device, host, canon = case
     expected_dev, expected_host = model.expected(direction, device, host, host_pages=[canon] * len(model.device))
     gaps = model.gaps()
-    batch = Planner(model.geometry).plan(direction, device, host)
+    batch = host_copies(model.geometry, direction, device, host)
     spans = model.buffers()
     for s, d, n in zip(batch.src.tolist(), batch.dst.tolist(), batch.sizes.tolist()):
         assert inside(s, n, spans) and inside(d, n, spans)

@@ -221,10 +221,12 @@ def test_a_dropped_worker_keeps_its_buffers_until_its_jobs_finish():
 
 @pytest.mark.cpu
 def test_one_planner_from_several_threads():
-    """Workers plan on the caller's thread: the planner's shared buffers must not race."""
+    """Workers check and expand jobs on the caller's thread: the planner's shared buffers must not race."""
     import sys
 
-    from offload_core import Direction, Geometry, Planner, PlanRef
+    from offload_core import Direction
+    from offload_core.compact import CompactLayout
+    from offload_core.plan import Geometry, Planner, PlanRef
 
     planner = Planner(
         Geometry(
@@ -241,6 +243,8 @@ def test_one_planner_from_several_threads():
         )
     )
 
+    layout = CompactLayout(planner)
+
     def plans(t):
         def run():
             rng = np.random.default_rng(t)
@@ -248,8 +252,8 @@ def test_one_planner_from_several_threads():
                 n = int(rng.integers(1, 4000))
                 device = DeviceBlocks(rng.permutation(8192)[:n], [n], [int(rng.integers(0, 4))])
                 hosts = -(-(n + int(device.block_indices[0]) % 4) // 4)
-                batch = planner.plan(Direction.STORE, device, HostBlocks(rng.permutation(4096)[:hosts]))
-                assert batch.nbytes == 64 * n and int(batch.sizes.sum()) == 64 * n
+                job = layout.job(Direction.STORE, device, HostBlocks(rng.permutation(4096)[:hosts]))
+                assert job.nbytes == 64 * n and int(layout.copies(job)[2].sum()) == 64 * n
 
         return run
 

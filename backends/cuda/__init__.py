@@ -115,7 +115,6 @@ class CudaBackend(TorchDeviceBackend):
     module_name = "cuda"
     priority = 100
     install_hint = "needs an NVIDIA GPU, its driver, and a CUDA build of torch"
-    expands_blocks = True
     calibrates = True
 
     @classmethod
@@ -291,14 +290,16 @@ class CudaBackend(TorchDeviceBackend):
             self.driver.check(self.driver.host_unregister(tensor.data_ptr()), "cuMemHostUnregister")
 
     def prepare_layout(self, layout):
-        """The layout's tables on the GPU, or None where its jobs go as descriptors: a forced
-        descriptor mechanism, or no Triton."""
+        """The layout's tables on the GPU, or None where its jobs are expanded on the host and go
+        as descriptors (`copy_batch`): a forced descriptor mechanism, or no Triton."""
         forced = TABLE.get(self.mechanism)
         if (forced is not None and forced.takes_batches) or kernels.why_unavailable() is not None:
             return None
         return self._blocks.prepare(layout)
 
     def copy_blocks(self, job, prepared, stream, after) -> str:
+        if prepared is None:  # expanded on the host (`prepare_layout`)
+            return super().copy_blocks(job, prepared, stream, after)
         forced = TABLE.get(self.mechanism)
         if forced is not None and forced.takes_batches:
             forced = None  # a layout was prepared under another mechanism: its jobs go as auto
@@ -315,7 +316,7 @@ class CudaBackend(TorchDeviceBackend):
         # Only where copy_blocks would choose for itself, its calls unposted: small simple jobs
         # then go to expand_direct joined by one compiled call (`BlockCopier.join_plan`).
         forced = TABLE.get(self.mechanism)
-        if (forced is not None and not forced.takes_batches) or self._poster is not None:
+        if prepared is None or (forced is not None and not forced.takes_batches) or self._poster is not None:
             return None
         plan = self._blocks.join_plan(jobs, prepared)
         if plan is None:

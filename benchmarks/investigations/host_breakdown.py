@@ -92,7 +92,7 @@ def instrument(backend_name: str) -> None:
     timed(worker.OffloadWorker, "submit_store", "submit")
     timed(worker.OffloadWorker, "submit_load", "submit")
     timed(compact.CompactLayout, "job", "submit: CompactLayout.job")
-    timed(queue.TransferQueue, "_submit_compact", "submit: queue (launches inline included)")
+    timed(queue.TransferQueue, "submit", "submit: queue (launches inline included)")
     timed(queue.TransferQueue, "_run", "launch")
     timed(queue.TransferQueue, "_take", "launch: _take (clash check)")
     timed(compact.CompactJob, "concat", "launch: CompactJob.concat")

@@ -1,4 +1,4 @@
-"""The cpu backend with the compact path, for testing the core's second path without a GPU.
+"""The cpu backend expanding jobs as a device backend does, for testing that without a GPU.
 
 It expands each compact job exactly as the cuda kernel is specified to (`CompactLayout.descriptors`),
 on its streams, through a staging buffer that mirrors host rows (the device path's shape:
@@ -24,13 +24,12 @@ class ExpandingCpuBackend(CpuBackend):
     Args:
         staged: expand through a staging buffer and copy segments (True), or expand straight
             into the host rows (False).
-        refuse: `prepare_layout` returns None, as a backend that cannot expand a layout does.
+        refuse: `prepare_layout` returns None, and its jobs go the default way (expanded on the
+            host, `Backend.copy_blocks`), as the cuda backend's do where it cannot expand them.
         joins: take a launch of simple jobs in `copy_jobs` (each job's descriptors, one batch:
             joined another way than the queue joins them), as the cuda backend takes small
             ones; other launches are declined, and go to `copy_blocks`.
     """
-
-    expands_blocks = True
 
     def __init__(self, device_index: int = 0, *, staged: bool = True, refuse: bool = False, joins: bool = False):
         super().__init__(device_index)
@@ -44,6 +43,8 @@ class ExpandingCpuBackend(CpuBackend):
         return None if self.refuse else layout
 
     def copy_blocks(self, job: CompactJob, prepared, stream: CpuStream, after) -> str:
+        if prepared is None:
+            return super().copy_blocks(job, prepared, stream, after)
         assert prepared is job.layout, "copy_blocks got another layout's tables"
         self.jobs += 1
         for event in after:
@@ -61,7 +62,7 @@ class ExpandingCpuBackend(CpuBackend):
         return "expand_staged" if self.staged else "expand_direct"
 
     def copy_jobs(self, jobs: list[CompactJob], prepared, stream: CpuStream, after) -> str | None:
-        if not self.joins or not all(job.simple for job in jobs):
+        if prepared is None or not self.joins or not all(job.simple for job in jobs):
             return None
         assert all(prepared is job.layout for job in jobs), "copy_jobs got another layout's tables"
         self.jobs += 1

@@ -41,7 +41,7 @@ class FaultyCpuBackend(CpuBackend):
 
     Args:
         enqueue_faults: share of `copy_batch` calls that raise after enqueueing a random
-            prefix of the copies (the job is not queued; its destination is part written).
+            prefix of the copies (the launch's jobs fail; their destinations are part written).
         device_faults: share of batches whose copies stop part way with an error on the
             stream (the job completes as failed).
         seed: for the choices above.
@@ -82,8 +82,9 @@ class SoakReport:
     submitted: int = 0
     accepted: int = 0
     refused_after_shutdown: int = 0
-    enqueue_failures: int = 0
-    device_failures: int = 0
+    refused_submits: int = 0  # submits that returned False
+    failed_jobs: int = 0  # results with success False: a fault at enqueue or on the device
+    injected: dict = field(default_factory=dict)  # faults the default backend injected, by kind
     reported: int = 0
     lost: int = 0
     duplicated: int = 0
@@ -145,6 +146,7 @@ def soak(
             report,
         )
         report.rounds += 1
+    report.injected = dict(getattr(backend, "injected", {}))
     return report
 
 
@@ -207,7 +209,7 @@ def _round(kv, backend, per_thread, submitters, pollers, lifetime, seed, report:
                     counts["refused_after_shutdown"] += 1
                     return
                 if not queued:
-                    counts["enqueue_failures"] += 1
+                    counts["refused_submits"] += 1
                     ok[direction] = False
                     break
                 with tally:
@@ -218,7 +220,7 @@ def _round(kv, backend, per_thread, submitters, pollers, lifetime, seed, report:
                 if res is None:
                     return  # counted as lost at the end of the round
                 ok[direction] = res.success
-                counts["device_failures"] += not res.success
+                counts["failed_jobs"] += not res.success
                 if not res.success:
                     break
             if ok.get("store") and ok.get("load"):
