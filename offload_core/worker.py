@@ -165,10 +165,10 @@ class OffloadWorker:
         """Start copying device blocks to host blocks (device -> host).
 
         Returns:
-            True if queued; False if the backend failed to enqueue it (logged; nothing of
-            the job stays in flight). On a backend that expands jobs on the device, jobs are
-            enqueued by the queue's launcher, coalesced (see `offload_core.queue`): there an
-            enqueue failure is reported as a failed result instead.
+            True if queued; False if it could not be queued (logged; nothing of the job stays
+            in flight): the lane's launcher thread could not be started, say. Jobs are
+            enqueued on the device by launches, coalesced (see `offload_core.queue`): a
+            failure there is reported as the job's failed result.
 
         Raises:
             InvalidSpecError: bad specs or a job id still in flight; nothing was enqueued.
@@ -186,7 +186,7 @@ class OffloadWorker:
                 loads. Results, waiting and shutdown are the same.
 
         Returns:
-            True if queued; False if the backend failed to enqueue it (as `submit_store`).
+            True if queued; False if it could not be queued (as `submit_store`).
 
         Raises:
             InvalidSpecError: bad specs, a job id still in flight, or an `expedited` that is not
@@ -288,8 +288,8 @@ class OffloadWorker:
         )
 
     def stats(self) -> dict[str, QueueStats]:
-        """Counters per lane (``"store"``, ``"load"``, ``"expedited_load"``): jobs, bytes, descriptors after merging
-        (copies expanded, for compact jobs), failures, jobs per mechanism, launches (jobs /
+        """Counters per lane (``"store"``, ``"load"``, ``"expedited_load"``): jobs, bytes, the
+        copies they expand to (``descriptors``), failures, jobs per mechanism, launches (jobs /
         launches: how much coalescing did) and the host seconds they took (``launch_s``), and
         back-pressure: submits that waited because `TransferQueue.max_pending` jobs were waiting
         for a launch, and for how long. Expedited loads count under ``"expedited_load"``."""
