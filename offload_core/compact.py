@@ -273,6 +273,19 @@ class CompactLayout:
         self.smallest = int(self.entries[5].min()) if self.entries.shape[1] else 0
         self._entry_bytes = [int(c[5].sum()) for c in columns]
         self._periods = periods  # per group: the pattern of writer elections repeats every this many pages
+        # per group, its entries in runs (start, end, page): a run of entries that copy whole pages
+        # of one size on both sides (device page, host sub-page and copy alike, no election) has
+        # that size, and `copies` merges runs of consecutive blocks there; others have 0
+        self._runs_of_entries = []
+        self._dev_entry = self.entries[0] + self.entries[2]  # an entry's device address less the block's offset
+        self._host_entry = self.entries[3] + self.host_base  # its host address less the chunk's and sub-page's
+        for e0, count in self.group_entries.T.tolist():
+            e = self.entries[:, e0 : e0 + count]
+            whole = np.where((e[1] == e[4]) & (e[1] == e[5]) & (e[2] == 0) & (e[6] == 1), e[1], 0)
+            cuts = [0, *(np.flatnonzero(whole[1:] != whole[:-1]) + 1).tolist(), count]
+            self._runs_of_entries.append(
+                [(e0 + a, e0 + b, int(whole[a])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+            )
         self._templates: dict = {}
         # Most engines' caches: one group, one block per host chunk. Their jobs skip the general
         # per-group bookkeeping (`_job_single`), which is most of a small job's submit.
@@ -383,28 +396,6 @@ class CompactLayout:
             ``(device, host, sizes)`` addresses and byte counts, block by block, entry by entry;
             on store, only the entries the block is elected to write.
         """
-        return self._expand(job, row_base, by_entry=False)
-
-    def copies(self, job: CompactJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`job` as the copies a backend that copies on the host enqueues (`Backend.copy_batch`):
-        ``(src, dst, sizes)`` in the job's direction, entry by entry, block by block, and copies
-        that continue each other on both sides merged into one (consecutive blocks whose pages
-        follow each other on the device and in a host block).
-
-        Computed once per job and kept with it: the queue holds a launched job until its copies
-        have run, and so the arrays that `copy_batch` was handed.
-        """
-        found = job._copies
-        if found is None:
-            dev, host, sizes = self._expand(job, None, by_entry=True)
-            if sizes.size > 1:
-                (dev, host), sizes = merge_runs((dev, host), sizes)
-            found = job._copies = (dev, host, sizes) if job.direction is Direction.STORE else (host, dev, sizes)
-        return found
-
-    def _expand(
-        self, job: CompactJob, row_base: int | None, by_entry: bool
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         dev, side, size = [], [], []
         store = job.direction is Direction.STORE
         for g, b0, b1, *_ in job.groups:
@@ -418,11 +409,8 @@ class CompactLayout:
             d = b[0][:, None] * e[1] + (e[0] + e[2])
             h = (rows[:, None] + b[2][:, None] * e[4]) + e[3]
             s = np.broadcast_to(e[5], d.shape)
-            mine = elected(b[3][:, None], e[6], e[7]) if store and self._periods[g] > 1 else None
-            if by_entry:  # a tensor's pages of consecutive blocks side by side, where runs form
-                d, h, s = d.T, h.T, s.T
-                mine = None if mine is None else mine.T
-            if mine is not None:
+            if store and self._periods[g] > 1:
+                mine = elected(b[3][:, None], e[6], e[7])
                 d, h, s = d[mine], h[mine], s[mine]
             dev.append(d.ravel())
             side.append(h.ravel())
@@ -431,6 +419,64 @@ class CompactLayout:
             empty = np.zeros(0, np.int64)
             return empty, empty, empty
         return np.concatenate(dev), np.concatenate(side), np.concatenate(size)
+
+    def copies(self, job: CompactJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`job` as the copies a backend that copies on the host enqueues (`Backend.copy_batch`):
+        ``(src, dst, sizes)`` in the job's direction, group by group, entry by entry, block by
+        block; in a group whose entries all copy whole pages of one size (every layer alike),
+        consecutive blocks whose pages follow each other on the device and in a host block go
+        as one copy per entry.
+
+        Computed once per job and kept with it: the queue holds a launched job until its copies
+        have run, and so the arrays that `copy_batch` was handed.
+        """
+        found = job._copies
+        if found is not None:
+            return found
+        store = job.direction is Direction.STORE
+        dev_parts, host_parts, size_parts = [], [], []
+        for g, b0, b1, *_ in job.groups:
+            if job.simple:  # block i in chunk i, sub-page 0, page id = host id
+                dev, chunks, sub, pages = job.dev_ids, job.host_ids, None, job.host_ids
+            else:
+                b = job.blocks[:, b0:b1]
+                dev, chunks, sub, pages = b[0], job.host_ids[b[1]], b[2], b[3]
+            rows = chunks * self.row_bytes
+            for lo, hi, page in self._runs_of_entries[g]:
+                if page:
+                    dev_off = dev * page
+                    host_off = rows if sub is None else rows + sub * page
+                    sizes = None  # page, for every copy
+                    # Consecutive blocks continue each other on the host only within a chunk, or
+                    # where a row is one page: the run decision on the blocks, once for all entries.
+                    if dev.size > 1 and (sub is not None or page == self.row_bytes):
+                        starts = run_starts((dev_off, host_off), page)
+                        if starts.size < dev_off.size:
+                            sizes = np.diff(np.append(starts, dev_off.size)) * page
+                            dev_off, host_off = dev_off[starts], host_off[starts]
+                    d = np.add.outer(self._dev_entry[lo:hi], dev_off).ravel()
+                    h = np.add.outer(self._host_entry[lo:hi], host_off).ravel()
+                    size = np.full(d.size, page) if sizes is None else np.tile(sizes, hi - lo)
+                else:
+                    e = self.entries[:, lo:hi]
+                    d = np.multiply.outer(e[1], dev) + self._dev_entry[lo:hi, None]
+                    h = (rows if sub is None else rows + np.multiply.outer(e[4], sub)) + self._host_entry[lo:hi, None]
+                    size = np.broadcast_to(e[5][:, None], d.shape)
+                    if store and self._periods[g] > 1:
+                        mine = elected(pages[None, :], e[6][:, None], e[7][:, None])
+                        d, h, size = d[mine], h[mine], size[mine]
+                    d, h, size = d.ravel(), h.ravel(), size.ravel()
+                dev_parts.append(d)
+                host_parts.append(h)
+                size_parts.append(size)
+        if len(dev_parts) == 1:
+            dev, host, sizes = dev_parts[0], host_parts[0], size_parts[0]
+        elif dev_parts:
+            dev, host, sizes = (np.concatenate(p) for p in (dev_parts, host_parts, size_parts))
+        else:
+            dev = host = sizes = np.zeros(0, np.int64)
+        found = job._copies = (dev, host, sizes) if store else (host, dev, sizes)
+        return found
 
     def segments(self, job: CompactJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The host bytes `job` touches, as contiguous ranges, for staging that mirrors host rows.
