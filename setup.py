@@ -14,7 +14,6 @@ setup(
             [
                 "offload_core/_native.c",
                 "offload_core/_posting.c",
-                "offload_core/_submit.c",
                 "offload_core/_frozen.c",
                 "offload_core/_spread.c",
             ],

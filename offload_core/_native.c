@@ -6,8 +6,7 @@
  * launch's blocks in host order), `row_runs` what `compact._row_runs` does (a job's
  * host-contiguous runs, for the cuda backend's choice of mechanism), `frozen` (_frozen.c) what a
  * large array's `tobytes` does (`layout._frozen`, a spec's private copy of its ids), and
- * `frozen_widened` the same of int32 ids widened to int64; `submit_simple`
- * (_submit.c) what a simple compact job's whole submit does. `context_call` calls a
+ * `frozen_widened` the same of int32 ids widened to int64. `context_call` calls a
  * driver entry point without ctypes, in a given context (the cuda backend's events, stream
  * waits and descriptor-table uploads), `table_launch` a kernel's launch with its table's upload
  * (the cuda backend's expansion kernel), `join_launch` the same for simple jobs joined and put in
@@ -200,9 +199,9 @@ static int as_limit(PyObject *obj, int64_t *out) {
     return 0;
 }
 
-/* `single_check`'s rule, for _submit.c too: 1 where a one-group job of these ids may go as it is,
+/* `single_check`'s rule: 1 where a one-group job of these ids may go as it is,
  * 0 where not, -1 with an exception. */
-int offload_single_fit(PyObject *dev_ids, PyObject *host_ids, int64_t dev_limit, int64_t host_limit,
+static int single_fit(PyObject *dev_ids, PyObject *host_ids, int64_t dev_limit, int64_t host_limit,
                        int unique_dev) {
     Py_buffer dev, host;
     if (int64_buffer(dev_ids, &dev, 0, "dev_ids") < 0) return -1;
@@ -228,12 +227,6 @@ int offload_single_fit(PyObject *dev_ids, PyObject *host_ids, int64_t dev_limit,
     return fit;
 }
 
-int offload_as_limit(PyObject *obj, int64_t *out) { return as_limit(obj, out); }
-
-int offload_arity(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most) {
-    return arity(name, nargs, least, most);
-}
-
 PyDoc_STRVAR(single_check_doc,
              "single_check(dev_ids, host_ids, dev_limit, host_limit, unique_dev) -> bool\n\n"
              "Whether a one-group job may go as it is: False where the counts differ or are zero,\n"
@@ -246,7 +239,7 @@ static PyObject *single_check(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (as_limit(args[2], &dev_limit) < 0 || as_limit(args[3], &host_limit) < 0) return NULL;
     int unique_dev = PyObject_IsTrue(args[4]);
     if (unique_dev < 0) return NULL;
-    int fit = offload_single_fit(args[0], args[1], dev_limit, host_limit, unique_dev);
+    int fit = single_fit(args[0], args[1], dev_limit, host_limit, unique_dev);
     if (fit < 0) return NULL;
     return PyBool_FromLong(fit);
 }
@@ -1077,11 +1070,10 @@ static struct PyModuleDef module = {
 };
 
 int add_poster(PyObject *module); /* _posting.c */
-int add_submit(PyObject *module); /* _submit.c */
 int add_frozen(PyObject *module); /* _frozen.c */
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (add_poster(m) < 0 || add_submit(m) < 0 || add_frozen(m) < 0)) Py_CLEAR(m);
+    if (m != NULL && (add_poster(m) < 0 || add_frozen(m) < 0)) Py_CLEAR(m);
     return m;
 }

@@ -11,13 +11,13 @@ from collections.abc import Iterable
 
 from offload_core import native
 from offload_core.backend import Backend, Direction
-from offload_core.compact import CompactJob, CompactLayout
+from offload_core.compact import CompactLayout
 from offload_core.errors import InvalidSpecError, OffloadError, RegionError
 from offload_core.host_layout import HostLayout
 from offload_core.hostmem import check_host_bytes
 from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches, flag, integer, positive_int
 from offload_core.plan import Planner
-from offload_core.queue import QueueStats, TransferQueue, TransferResult, _Pending, job_id_set
+from offload_core.queue import QueueStats, TransferQueue, TransferResult, job_id_set
 from offload_core.region import SharedHostRegion
 from offload_core.registry import get_backend
 
@@ -126,8 +126,6 @@ class OffloadWorker:
         # Jobs go to the backend as block ids against this table (offload_core.compact).
         self._layout = CompactLayout(self._planner)
         self._prepared = backend.prepare_layout(self._layout)
-        # simple compact jobs' submits in one compiled call, where built (`_compiled_submit`)
-        self._submit_simple = _compiled_submit(self._layout)
         if host_region is not None:  # last: nothing after it can fail and leave it registered
             self._registered = _pin(backend, self._host)
         self._lock = threading.RLock()  # as the queue's: `Condition.wait` restores it in C, which Ctrl-C cannot split
@@ -199,36 +197,6 @@ class OffloadWorker:
     def _submit(
         self, direction: Direction, job_id: int, device: DeviceBlocks, host: HostBlocks, expedited: bool = False
     ) -> bool:
-        compiled = self._submit_simple
-        if compiled is not None:
-            queue = self._expedited if expedited else self._queues[direction]
-            try:
-                batch = compiled(self, queue, job_id, device, host)
-            except Exception:  # as on the Python path: the job queued or not as there
-                log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
-                return False
-            except BaseException:  # Ctrl-C as the call returned a launch it took: its jobs fail
-                if queue.heal():
-                    # Inline, as below: a Ctrl-C at a method's entry would leave the count up.
-                    with self._lock:
-                        self._submitting -= 1
-                        if not self._submitting and self._closed:
-                            self._idle.notify_all()
-                raise
-            if batch is not NotImplemented:
-                if batch is not None:  # a launch the submit took, counted as a submit under way
-                    # Here, not in a method: a Ctrl-C at a call's entry would come before its `try`.
-                    try:
-                        queue.launch_taken(batch)
-                    except BaseException:  # Ctrl-C before the launch began: its jobs fail rather than hang
-                        queue.abandon(batch)
-                        raise
-                    finally:
-                        with self._lock:  # the count first, as on the Python path
-                            self._submitting -= 1
-                            if not self._submitting and self._closed:  # only `shutdown` waits for it
-                                self._idle.notify_all()
-                return True
         self._same_process()
         job_id = integer(job_id, "job_id")
         if not isinstance(device, DeviceBlocks) or not isinstance(host, HostBlocks):
@@ -379,17 +347,6 @@ class OffloadWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _compiled_submit(layout: CompactLayout | None):
-    """`_native.submit_simple` for a layout whose jobs are all simple, where the compiled steps
-    were built and are on (`CompactLayout.native`); None otherwise: the Python path, its twin."""
-    compiled = None if layout is None or not layout.simple_jobs else layout.native
-    if compiled is None or not hasattr(compiled, "submit_simple"):
-        return None
-    clocks = (time.perf_counter, time.monotonic)
-    compiled.submit_setup(DeviceBlocks, HostBlocks, CompactJob, _Pending, TransferQueue, Direction.STORE, *clocks)
-    return compiled.submit_simple
 
 
 def _drain(queues, backend: Backend, host, registered: list[bool], kept) -> list[list[TransferResult]]:

@@ -21,9 +21,8 @@ pytestmark = pytest.mark.cpu
 
 @pytest.fixture(autouse=True, params=["compiled", "numpy"])
 def core_steps(request, monkeypatch):
-    """Every test on both paths of the core: the compiled steps (the whole submit of a simple job
-    among them, `_native.submit_simple`; skipped where they were not built) and their twins,
-    numpy's and Python's (``OFFLOAD_CORE_NATIVE=0``)."""
+    """Every test on both kinds of the core's steps: the compiled ones (skipped where they were not
+    built) and their twins, numpy's (``OFFLOAD_CORE_NATIVE=0``)."""
     if request.param == "compiled":
         compiled_or_skip(True)
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -429,3 +430,134 @@ def test_a_malformed_native_setting_is_named_by_any_worker(monkeypatch, name, va
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=name):
         OffloadWorker(small_kv(), 4, backend="cpu")
+
+
+# ---- the submit's checks, which other paths would otherwise hide --------------------------------
+
+
+def test_a_shut_down_worker_refuses_submits_by_raising():
+    """Not a False answer (what the closed queue underneath would give): the engine must see it."""
+    worker = OffloadWorker(small_kv(), 4, backend="cpu")
+    worker.shutdown()
+    with pytest.raises(OffloadError, match="OffloadWorker is shut down"):
+        worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1]))
+    with pytest.raises(OffloadError, match="OffloadWorker is shut down"):
+        worker.submit_load(2, HostBlocks([1]), DeviceBlocks([1]), expedited=True)
+
+
+def test_submits_racing_shutdown_are_each_accepted_and_reported_once_or_refused():
+    for trial in range(20):
+        worker = OffloadWorker(small_kv(blocks=8), 8, backend="cpu")
+        accepted, answers, go = [], [], threading.Barrier(3)
+
+        def submitter(t):
+            go.wait()
+            for i in range(100_000):  # until refused: some submits come after the shutdown
+                job = t * 1_000_000 + i
+                try:
+                    ok = worker.submit_store(job, DeviceBlocks([t * 4 + i % 4]), HostBlocks([t * 4 + i % 4]))
+                except OffloadError as exc:
+                    answers.append(str(exc))
+                    return
+                except Exception as exc:  # what a closed lane underneath would raise, say
+                    answers.append(repr(exc))
+                    return
+                answers.append(ok)
+                if ok:
+                    accepted.append(job)
+
+        threads = [threading.Thread(target=submitter, args=(t,)) for t in (0, 1)]
+        for t in threads:
+            t.start()
+        go.wait()
+        worker.shutdown()
+        for t in threads:
+            t.join()
+        reported = [r.job_id for r in worker.get_finished()]
+        assert sorted(reported) == sorted(accepted), f"trial {trial}"
+        assert all(a is True or "OffloadWorker is shut down" in a for a in answers), f"trial {trial}: {answers}"
+
+
+class _FailingEvent:
+    def __init__(self, event, error):
+        self.event, self.error = event, error
+
+    def record(self, stream):
+        raise self.error
+
+    def __getattr__(self, name):
+        return getattr(self.event, name)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("the device is lost"), KeyboardInterrupt()])
+def test_a_ready_event_that_cannot_be_recorded_queues_nothing(monkeypatch, error):
+    """An Exception: the submit logs it and returns False; anything else (Ctrl-C) is raised.
+    Either way the job id is free again."""
+    from offload_core.backends.cpu import CpuBackend
+
+    backend = CpuBackend()
+    with OffloadWorker(small_kv(), 4, backend=backend) as worker:
+        assert worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))  # the lane's launcher starts
+        worker.wait([0])
+        worker.get_finished()
+        queue = worker._queues[Direction.STORE]
+        made = backend.new_event
+        monkeypatch.setattr(queue, "_free_events", [])
+        monkeypatch.setattr(backend, "new_event", lambda: _FailingEvent(made(), error))
+        if isinstance(error, Exception):
+            assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1])) is False
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1]))
+        monkeypatch.setattr(backend, "new_event", made)
+        assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1]))
+        worker.wait([1])
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+
+
+def test_a_launch_bookkeeping_failure_after_the_job_is_queued_still_reports_it():
+    """`_take` failing once: the submit logs it and returns False, yet the job is queued and its
+    result comes; no submit stays counted as under way, so shutdown returns."""
+    worker = OffloadWorker(small_kv(), 4, backend="cpu")
+    queue = worker._queues[Direction.STORE]
+    assert worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))  # starts the launcher
+    worker.wait([0])
+    take = queue._take
+    calls = []
+
+    def fail_once(*args):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("bookkeeping")
+        return take(*args)
+
+    queue._take = fail_once
+    queue._launch_s = 0.0  # no burst: the submit launches itself, the device being idle
+    assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1])) is False
+    queue._take = take
+    worker.wait([1])
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(0, True), (1, True)]
+    assert worker._submitting == 0
+    worker.shutdown()
+
+
+def test_a_submit_checks_the_shared_region_once_its_check_is_due(tmp_path):
+    """A rank's submits notice, within `_REGION_CHECK_S`, that the region file was removed or
+    replaced (another rank restarted it): writing on would split the ranks' host memory."""
+    from offload_core.errors import RegionError
+    from offload_core.region import SharedHostRegion
+
+    region = SharedHostRegion("due", num_blocks=4, slot_bytes=[64 * 16], directory=tmp_path)
+    worker = OffloadWorker(small_kv(pages=(64,), blocks=16), 4, blocks_per_chunk=16, backend="cpu", host_region=region)
+    try:
+        assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([0]))
+        region.path.unlink()
+        assert worker.submit_store(2, DeviceBlocks([1]), HostBlocks([1]))  # not due yet: no file system call per job
+        worker._next_region_check = 0.0  # as if `_REGION_CHECK_S` had passed
+        with pytest.raises(RegionError, match="removed or replaced"):
+            worker.submit_store(3, DeviceBlocks([2]), HostBlocks([2]))
+        worker.wait([1, 2])
+        assert [r.job_id for r in worker.get_finished()] == [1, 2]
+    finally:
+        worker.shutdown()
+        region.close()

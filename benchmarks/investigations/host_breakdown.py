@@ -187,8 +187,6 @@ def main() -> None:
     ]
     walls, unjoined = [], []  # per round, store and load wall per job (`unjoined`: --alternate-join's other rounds)
     with OffloadWorker(kv, blocks, backend=backend) as w:
-        if not args.profile and w._submit_simple is not None:
-            w._submit_simple = timed_call(w._submit_simple, "submit: the compiled submit")
         for r in range(args.rounds + 1):
             if r == 1:  # the first round compiles and allocates
                 TIMES.clear()
