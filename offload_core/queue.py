@@ -145,6 +145,7 @@ class QueueStats:
 
 class _Job(NamedTuple):
     job_id: int
+    seq: int  # the worker's submit order, across lanes (`TransferQueue.end_of`)
     start: Event | None  # None: the launch failed to enqueue
     end: Event | None
     nbytes: int
@@ -161,6 +162,8 @@ class _Pending(NamedTuple):
     prepared: Any
     ready: Event  # recorded on the caller's compute stream at submit
     stream: Any  # that stream
+    seq: int = 0  # the worker's submit order, across lanes
+    waits: tuple = ()  # end events of other lanes' jobs this one must follow on the device (hazards)
 
 
 class TransferQueue:
@@ -204,6 +207,9 @@ class TransferQueue:
         self._last_end: Event | None = None  # of the last launch: is the device still busy with it?
         self._last_events: tuple = ()  # its start and end once reported: pooled when a launch replaces it
         self._last_submit = float("-inf")  # perf_counter when the last submit returned
+        self._lent: dict[int, Event] = {}  # ends handed out by `end_of`, by id: never pooled
+        self.added_seq = 0  # the submit order of the last job added
+        self.reported_seq = 0  # the submit order of the last job `poll` reported: every earlier one has been
         self._launch_s = 0.0  # host seconds a launch takes (a moving average)
         self._closed = False
 
@@ -217,26 +223,79 @@ class TransferQueue:
     def __len__(self) -> int:
         return len(self._jobs) + len(self._pending) + len(self._launching)
 
-    def submit(self, job_id: int, job: CompactJob, prepared: Any = None) -> None:
+    def submit(self, job_id: int, job: CompactJob, prepared: Any = None, seq: int = 0, waits: tuple = ()) -> None:
         """Queue one job behind every earlier one and behind the caller's compute stream; it is
         launched (enqueued on the device), alone or with others, by this call, a later one, or
-        the launcher thread (see the module docstring).
+        the launcher thread (see the module docstring): `add`, then `launch_taken` where it says so.
+
+        Raises:
+            OffloadError: as `add`.
+        """
+        try:  # the take and the launch in one `try`, as in `wait`
+            batch = self.add(job_id, job, prepared, seq, waits)
+            if batch is not None:
+                self.launch_taken(batch)
+        except BaseException:  # Ctrl-C after the take, before the launch began
+            self.heal()
+            raise
+
+    def add(
+        self, job_id: int, job: CompactJob, prepared: Any = None, seq: int = 0, waits: tuple = ()
+    ) -> list[_Pending] | None:
+        """Queue one job (`submit`'s first half): recorded behind the caller's compute stream,
+        waiting for a launch. Never enqueues on the device.
 
         Args:
             job_id: reported back in the job's `TransferResult`; the caller (a worker) made sure
                 it is not in flight.
             job: the validated job (`CompactLayout.job`).
             prepared: what `Backend.prepare_layout` returned for the job's layout.
+            seq: the job's place in the worker's submit order (increasing in each lane).
+            waits: end events (of other lanes' launches) the job's copies must follow.
+
+        Returns:
+            The jobs the caller must launch now (`launch_taken`; call `heal` if it is cut short
+            before): nothing else keeps the device busy, or a burst's worth waits. Else None:
+            the launcher thread will.
 
         Raises:
             OffloadError: the queue is closed, or its launcher thread cannot be started.
         """
         compute = self.backend.current_stream()  # the caller's: the launcher thread has its own
-        try:  # the take and the launch in one `try`, as in `wait`
-            self._queue(job_id, job, prepared, compute)
-        except BaseException:  # Ctrl-C after the take, before the launch began
-            self.heal()
-            raise
+        with self._lock:
+            if self._closed:
+                raise OffloadError(f"the {self.direction.value} queue is closed")
+            self._heal()
+            if len(self._pending) >= self.max_pending:
+                t0 = time.perf_counter()
+                while len(self._pending) >= self.max_pending and not self._closed:
+                    self._ensure_launcher()  # someone must launch what waits
+                    self._launched.wait(IDLE_POLL_S)
+                self.stats.backpressure_waits += 1
+                self.stats.backpressure_s += time.perf_counter() - t0
+                if self._closed:
+                    raise OffloadError(f"the {self.direction.value} queue was closed while the job waited")
+            self._ensure_launcher()
+            ready = self._event()
+            # Recorded under the lock: per compute stream, the pending order is the recording
+            # order, so a launch waits for the last event of each stream only (`_after`).
+            ready.record(compute)
+            pending = _Pending(job_id, job, prepared, ready, compute, seq, waits)
+            self._ids |= {job_id}  # as above: the id, then the job, with no call between
+            self._pending.append(pending)
+            self.added_seq = seq
+            self._pending_bytes += job.nbytes
+            # A burst: this submit follows the last one closer than a launch takes. Launching
+            # each job alone would keep the device waiting for the host, so they wait for the
+            # launcher thread, or until `burst_jobs` of them or `burst_bytes` wait, and go as one.
+            burst = time.perf_counter() - self._last_submit < self._launch_s
+            go = not self._launching and (self._burst_full() or (not burst and self._device_idle()))
+            if go:  # waiting for the launcher (it may not get the GIL for a while) would idle the device
+                return self._take()
+            self._last_submit = time.perf_counter()
+            if len(self._pending) == 1:  # the launcher takes it; with more, it already knows of some
+                self._launched.notify_all()
+            return None
 
     def poll(self, into: list | None = None) -> list[TransferResult]:
         """Results of the jobs completed so far, from the head of the queue, without blocking.
@@ -267,14 +326,17 @@ class TransferQueue:
                     ok, elapsed = False, 0.0
                 result = TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism)
                 self._ids.discard(job.job_id)
+                self.reported_seq = job.seq
                 results += (result,)  # an operator, not a call: no Ctrl-C lands between it and the next line
                 self._jobs.popleft()
                 self.stats.failed += not ok
                 if ok and job.last:  # events that saw a fault are not trusted again
+                    # an end another lane's job waits for (`end_of`) is not recorded again under it
+                    events = (job.start, job.end) if self._lent.pop(id(job.end), None) is None else (job.start,)
                     if job.end is self._last_end:  # it tells whether the device idles: pooled once replaced
-                        self._last_events = (job.start, job.end)
+                        self._last_events = events
                     else:
-                        self._free_events += (job.start, job.end)
+                        self._free_events += events
             if into is not None:
                 into += results  # operators, not calls: no Ctrl-C lands between the two
                 results = into
@@ -325,6 +387,34 @@ class TransferQueue:
                 raise
         if last is not None:
             _settle(last.end)
+
+    def end_of(self, seq: int) -> Event | None:
+        """The end event of the launch that carries the job of submit order `seq`, launching it
+        first (with the jobs before it, on this thread) where it still waits; None where it has
+        been reported or its launch recorded no end (the device is lost), or it was never in
+        this queue: nothing to wait for."""
+        while True:  # the lock taken anew each round, and the take and the launch in one `try`, as in `wait`
+            try:
+                with self._lock:
+                    self._heal()
+                    pos = next((i for i, p in enumerate(self._pending) if p.seq == seq), -1)
+                    taken = self._taken is not None and any(p.seq == seq for p in self._taken)
+                    if pos < 0 and not taken:
+                        for job in reversed(self._jobs):  # launched: the recent end, usually
+                            if job.seq <= seq:
+                                if job.seq != seq or job.end is None:
+                                    return None
+                                self._lent[id(job.end)] = job.end
+                                return job.end
+                        return None
+                    if taken or self._launching:  # launching on another thread, or another launch first
+                        self._launched.wait(IDLE_POLL_S)
+                        continue
+                    batch = self._take(pos + 1)
+                self._run_quietly(batch)
+            except BaseException:
+                self.heal()
+                raise
 
     def drain(self) -> list[TransferResult]:
         """Wait for every queued job (those not launched yet launched first, by this thread where no launch
@@ -400,49 +490,9 @@ class TransferQueue:
         """Whether jobs wait for a launch, or one is being enqueued."""
         return bool(self._pending or self._launching)
 
-    def _queue(self, job_id: int, job: CompactJob, prepared: Any, compute) -> None:
-        with self._lock:
-            if self._closed:
-                raise OffloadError(f"the {self.direction.value} queue is closed")
-            self._heal()
-            if len(self._pending) >= self.max_pending:
-                t0 = time.perf_counter()
-                while len(self._pending) >= self.max_pending and not self._closed:
-                    self._ensure_launcher()  # someone must launch what waits
-                    self._launched.wait(IDLE_POLL_S)
-                self.stats.backpressure_waits += 1
-                self.stats.backpressure_s += time.perf_counter() - t0
-                if self._closed:
-                    raise OffloadError(f"the {self.direction.value} queue was closed while the job waited")
-            self._ensure_launcher()
-            ready = self._event()
-            # Recorded under the lock: per compute stream, the pending order is the recording
-            # order, so a launch waits for the last event of each stream only (`_after`).
-            ready.record(compute)
-            pending = _Pending(job_id, job, prepared, ready, compute)
-            self._ids |= {job_id}  # as above: the id, then the job, with no call between
-            self._pending.append(pending)
-            self._pending_bytes += job.nbytes
-            # A burst: this submit follows the last one closer than a launch takes. Launching
-            # each job alone would keep the device waiting for the host, so they wait for the
-            # launcher thread, or until `burst_jobs` of them or `burst_bytes` wait, and go as one.
-            burst = time.perf_counter() - self._last_submit < self._launch_s
-            go = not self._launching and (self._burst_full() or (not burst and self._device_idle()))
-            batch = self._take() if go else None
-            if batch is None:
-                self._last_submit = time.perf_counter()
-                if len(self._pending) == 1:  # the launcher takes it; with more, it already knows of some
-                    self._launched.notify_all()
-                return
-        # Nothing for the device to do (or a burst's worth waits): waiting for the launcher (it
-        # may not get the GIL for a while) would only leave the device idle, so this thread
-        # launches. The job is queued from here on: whatever happens to the launch, its result
-        # says so.
-        self.launch_taken(batch)
-
     def launch_taken(self, batch: list[_Pending]) -> None:
-        """Launch `batch`, which a submit took to launch itself (`_take`); its failures are left
-        to the jobs' results (and the log)."""
+        """Launch `batch`, which this thread took to launch (`_take`); its failures are left to
+        the jobs' results (and the log)."""
         try:
             self._run_quietly(batch)
         finally:
@@ -515,7 +565,7 @@ class TransferQueue:
                     end.record(self._stream)
                 except Exception:
                     end = None  # the device is lost
-            entries = [_Job(p.job_id, None, end, p.job.nbytes, batch, "", failed=True) for p in batch]
+            entries = [_Job(p.job_id, p.seq, None, end, p.job.nbytes, batch, "", failed=True) for p in batch]
             # recorded and released with no call between (where a Ctrl-C may land)
             self._jobs += entries
             self._launching, self._taken, self._taker, self._enqueued = _NOTHING, None, None, None
@@ -608,11 +658,13 @@ class TransferQueue:
                     last = len(batch) - 1
                     mechanism = mechanism or ""
                     entries = [
-                        _Job(p.job_id, start, end, p.job.nbytes, held, mechanism, p.job.nbytes / total, i == last)
+                        _Job(
+                            p.job_id, p.seq, start, end, p.job.nbytes, held, mechanism, p.job.nbytes / total, i == last
+                        )
                         for i, p in enumerate(batch)
                     ]
                 else:
-                    entries = [_Job(p.job_id, None, end, p.job.nbytes, batch, "", failed=True) for p in batch]
+                    entries = [_Job(p.job_id, p.seq, None, end, p.job.nbytes, batch, "", failed=True) for p in batch]
                 # Recorded and released in one step: `_run` fails a batch still marked launching, so
                 # nothing that can raise (a backend's odd mechanism in the stats, say) or take a
                 # Ctrl-C (a call) comes between.
@@ -723,14 +775,15 @@ def _first_clash(jobs: list[CompactJob]) -> int:
 def _after(batch: list[_Pending]) -> list[Event]:
     """The events a launch of `batch` waits for: the last job's of each compute stream (each
     stream's events were recorded in pending order), or every job's where a backend's streams
-    cannot be told apart by hashing."""
+    cannot be told apart by hashing; and the other lanes' launches its jobs must follow."""
     last: dict = {}
+    hazards = [w for p in batch for w in p.waits]
     try:
         for p in batch:
             last[p.stream] = p.ready
     except TypeError:  # an unhashable stream
-        return [p.ready for p in batch]
-    return list(last.values())
+        return [p.ready for p in batch] + hazards
+    return list(last.values()) + hazards
 
 
 def _settle(event: Event) -> None:

@@ -9,6 +9,8 @@ import time
 import weakref
 from collections.abc import Iterable
 
+import numpy as np
+
 from offload_core import native
 from offload_core.backend import Backend, Direction
 from offload_core.compact import CompactLayout
@@ -128,6 +130,12 @@ class OffloadWorker:
         self._prepared = backend.prepare_layout(self._layout)
         if host_region is not None:  # last: nothing after it can fail and leave it registered
             self._registered = _pin(backend, self._host)
+        # Hazards between lanes (`_hazards`): per host block, the submit order of the last store
+        # into it and of the last load from it in each load lane (regular, expedited).
+        self._order = threading.Lock()  # a submit's hazard check and its place in its lane, together
+        self._seq = 0
+        self._written_by = np.zeros(self.num_host_blocks, dtype=np.int64)
+        self._read_by = tuple(np.zeros(self.num_host_blocks, dtype=np.int64) for _ in range(2))
         self._lock = threading.RLock()  # as the queue's: `Condition.wait` restores it in C, which Ctrl-C cannot split
         self._idle = threading.Condition(self._lock)  # notified when the last submit under way ends
         self._in_flight: set[int] = set()  # job ids reserved or queued, both directions
@@ -225,11 +233,21 @@ class OffloadWorker:
                 self._next_region_check = time.monotonic() + _REGION_CHECK_S
             job = self._layout.job(direction, device, host)
             try:
-                queue.submit(job_id, job, self._prepared)
+                # The hazard check and the job's entry in its lane together, so that a later
+                # job's check finds it there; its launch, which may wait for the device, after.
+                with self._order:
+                    self._seq += 1
+                    waits = self._hazards(direction, expedited, job.host_ids, self._seq)
+                    batch = queue.add(job_id, job, self._prepared, self._seq, waits)
+                queued = True
+                if batch is not None:  # this submit launches, on the caller's thread
+                    queue.launch_taken(batch)
             except Exception:
                 log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
-                return False
-            queued = True
+                return queued  # queued: a failed launch is reported as the job's result
+            except BaseException:  # Ctrl-C after the take, before the launch began: its jobs fail, not hang
+                queue.heal()
+                raise
             return True
         finally:
             if reserved:
@@ -244,6 +262,33 @@ class OffloadWorker:
                         self._in_flight.discard(job_id)
                     if not self._submitting and self._closed:  # only `shutdown` waits for it
                         self._idle.notify_all()
+
+    def _hazards(self, direction: Direction, expedited: bool, hosts: np.ndarray, seq: int) -> tuple:
+        """The end events a job's copies must follow on the device, and the job recorded as the
+        last of its direction on its host blocks. A load follows the last store into any of its
+        host blocks that may still run (else it could read the old bytes); a store follows the
+        last load from any of them in each load lane (else it could overwrite bytes that load is
+        still to read). Call under `_order`: the job then enters its lane before another job
+        looks for it there. A numpy step or two, and none to look where the other lanes have
+        reported every job; only a real hazard asks another lane, which launches the job waited
+        for if it has not been yet."""
+        if not hosts.size:
+            return ()
+        if direction is Direction.STORE:
+            self._written_by[hosts] = seq
+            found = zip((self._queues[Direction.LOAD], self._expedited), self._read_by)
+        else:
+            self._read_by[int(expedited)][hosts] = seq
+            found = ((self._queues[Direction.STORE], self._written_by),)
+        waits = ()
+        for lane, last_by in found:
+            if lane.added_seq > lane.reported_seq:  # it may have jobs still to run
+                last = int(last_by[hosts].max())
+                if last > lane.reported_seq:
+                    end = lane.end_of(last)
+                    if end is not None:
+                        waits += (end,)
+        return waits
 
     def _held(self, job_id: int) -> bool:
         """Whether an id in `_in_flight` is still taken: by a submit under way, a queued job, or

@@ -77,7 +77,7 @@ def test_ctrl_c_before_a_submit_launches_its_jobs_fails_them_instead_of_hanging(
     worker = make_worker(ExpandingCpuBackend(), native, monkeypatch)
     worker.submit_store(0, DeviceBlocks([0]), HostBlocks([0]))
     worker.wait([0])
-    ctrl_c_at("launch_taken", "_queue", ".py")
+    ctrl_c_at("launch_taken", "_submit", ".py")
     try:
         with pytest.raises(KeyboardInterrupt):
             worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1]))
@@ -560,7 +560,7 @@ def test_a_signal_handler_that_waits_between_a_take_and_its_launch_gets_each_res
     lane = worker._queues[Direction.STORE]
     with lane._lock:  # the submit launches the job itself, never the launcher thread
         lane._launcher, lane.burst_jobs = threading.current_thread(), 1
-    caller, handled = "_queue", []
+    caller, handled = "_submit", []
 
     def tracer(frame, event, arg):
         if event == "call" and frame.f_code.co_name == "launch_taken" and frame.f_back.f_code.co_name == caller:

@@ -67,7 +67,7 @@ def test_directions_are_independent_and_each_stays_ordered(worker, fake):
 
 def test_every_job_waits_for_the_compute_stream_then_the_previous_job(worker, fake):
     store(worker, 1, block=1)
-    load(worker, 2, block=2)
+    load(worker, 2, host=1, block=2)  # another host block: no hazard between the lanes
     ops = [(op, s) for op, s, *_ in fake.log]
     # per job: an event on the compute stream at submit; at its launch, on the lane's stream, a
     # wait for that event, a start event, the copy, an end event

@@ -561,3 +561,90 @@ def test_a_submit_checks_the_shared_region_once_its_check_is_due(tmp_path):
     finally:
         worker.shutdown()
         region.close()
+
+
+# ---- hazards between lanes: stores and loads of one host block ---------------------------------
+
+
+class _SlowLane:
+    """A cpu backend whose copies of one direction start late on their stream (a long job
+    ahead of them, say), so that the other lane would run first if nothing ordered them."""
+
+    def __new__(cls, slow: Direction, seconds: float = 0.05):
+        from offload_core.backends.cpu import CpuBackend
+
+        class Slow(CpuBackend):
+            def copy_batch(self, src, dst, sizes, direction, stream):
+                if direction is slow:
+                    stream.launch(lambda: time.sleep(seconds))
+                return super().copy_batch(src, dst, sizes, direction, stream)
+
+        return Slow()
+
+
+@pytest.mark.parametrize("expedited", [False, True])
+def test_a_load_of_a_host_block_waits_for_the_store_into_it(expedited):
+    kv = small_kv(pages=(64,), blocks=8)
+    with OffloadWorker(kv, 4, backend=_SlowLane(Direction.STORE)) as worker:
+        before = worker.host_tensors[0][2].clone()
+        assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([2]))
+        assert worker.submit_load(2, HostBlocks([2]), DeviceBlocks([5]), expedited=expedited)
+        worker.wait([1, 2])
+        assert all(r.success for r in worker.get_finished())
+        assert not torch.equal(before, kv.tensors[0].tensor[0])  # the old bytes would show
+        assert torch.equal(kv.tensors[0].tensor[5], kv.tensors[0].tensor[0])  # the stored ones, not the old
+
+
+@pytest.mark.parametrize("expedited", [False, True])
+def test_a_store_into_a_host_block_waits_for_the_load_that_reads_it(expedited):
+    kv = small_kv(pages=(64,), blocks=8)
+    with OffloadWorker(kv, 4, backend=_SlowLane(Direction.LOAD)) as worker:
+        assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([2]))
+        worker.wait([1])
+        old = kv.tensors[0].tensor[0].clone()
+        assert worker.submit_load(2, HostBlocks([2]), DeviceBlocks([5]), expedited=expedited)
+        assert worker.submit_store(3, DeviceBlocks([1]), HostBlocks([2]))  # overwrites what job 2 reads
+        worker.wait([2, 3])
+        assert all(r.success for r in worker.get_finished())
+        assert not torch.equal(old, kv.tensors[0].tensor[1])
+        assert torch.equal(kv.tensors[0].tensor[5], old)  # what the host block held at job 2's submit
+
+
+def test_a_load_of_a_host_block_whose_store_waits_for_a_launch_launches_that_store_first():
+    from offload_core.testing.fake import FakeBackend
+
+    fake = FakeBackend()
+    with OffloadWorker(small_kv(), 8, backend=fake) as worker:
+        stores = worker._queues[Direction.STORE]
+        with stores._lock:  # no launcher thread and no launch by the submit: the store waits
+            stores._launcher, stores.burst_jobs, stores._launch_s = threading.current_thread(), 10**6, 60.0
+        stores._last_end = fake.new_event()
+        stores._last_end.record(fake.streams[0])  # the device is busy: a submit does not launch
+        assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([3]))
+        assert stores.waiting_for_launch()
+        assert worker.submit_load(2, HostBlocks([3]), DeviceBlocks([4]))
+        assert not stores.waiting_for_launch()  # launched by the load's submit
+        store_end = stores._jobs[-1].end
+        waits = [e for op, s, e, *_ in fake.log if op == "wait_event" and s == fake.streams[1].name]
+        assert store_end in waits
+        with stores._lock:
+            stores._launcher = None
+        fake.complete_all()
+
+
+def test_jobs_of_other_host_blocks_and_reported_stores_wait_for_nothing():
+    from offload_core.testing.fake import FakeBackend
+
+    fake = FakeBackend()
+    with OffloadWorker(small_kv(), 8, backend=fake) as worker:
+        for lane in worker._lanes:
+            lane.burst_jobs = 1  # each submit launches its job at once
+        assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([3]))
+        assert worker.submit_load(2, HostBlocks([4]), DeviceBlocks([4]))  # another host block
+        fake.complete_all()
+        worker.get_finished()
+        assert worker.submit_load(3, HostBlocks([3]), DeviceBlocks([5]))  # its store was reported
+        lane_waits = [e for op, s, e, *_ in fake.log if op == "wait_event" and s == fake.streams[1].name]
+        computed = [e for op, s, e, *_ in fake.log if op == "record" and s == "compute"]
+        assert all(e in computed for e in lane_waits)  # the compute stream's events only
+        fake.complete_all()
