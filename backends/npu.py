@@ -23,7 +23,7 @@ import numpy as np
 from offload_core.backend import Direction
 from offload_core.backends.torch_device import Runtime, TorchDeviceBackend
 from offload_core.errors import InvalidSpecError
-from offload_core.layout import KVCacheRef, KVCaches, KVCacheTensor
+from offload_core.spec import KVCacheRef, KVCaches, KVCacheTensor
 
 # aclrtMemcpyKind
 ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST = 1, 2

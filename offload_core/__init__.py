@@ -15,10 +15,10 @@ from offload_core.errors import (
     ResourceInUseError,
     UnknownBackendError,
 )
-from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
 from offload_core.queue import TransferResult
 from offload_core.region import SharedHostRegion
 from offload_core.registry import availability, backend_names, get_backend, register_backend
+from offload_core.spec import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
 from offload_core.worker import OffloadWorker
 
 __version__ = "0.1.0"

@@ -15,8 +15,8 @@ import numpy as np
 from offload_core import hostmem
 from offload_core.backend import Backend, Direction
 from offload_core.errors import InvalidSpecError, OffloadError
-from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, positive_int
 from offload_core.registry import get_backend
+from offload_core.spec import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, positive_int
 from offload_core.worker import OffloadWorker
 
 

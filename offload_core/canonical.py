@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from offload_core.errors import InvalidSpecError
-from offload_core.layout import integer, positive_int
 from offload_core.runs import merge_runs
+from offload_core.spec import integer, positive_int
 
 log = logging.getLogger(__name__)
 

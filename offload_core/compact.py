@@ -30,9 +30,9 @@ import numpy as np
 from offload_core import native
 from offload_core.backend import Direction
 from offload_core.canonical import elected
-from offload_core.layout import DeviceBlocks, HostBlocks
 from offload_core.plan import Planner, any_outside, has_duplicates
 from offload_core.runs import merge_runs, run_starts
+from offload_core.spec import DeviceBlocks, HostBlocks
 
 ENTRY_COLUMNS = ("dev_base", "dev_page", "dev_off", "host_off", "host_sub", "size", "writers", "writer")
 BLOCK_COLUMNS = ("dev_id", "chunk", "sub", "page", "group")

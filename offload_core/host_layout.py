@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from offload_core.errors import InvalidSpecError
-from offload_core.layout import KVCaches
 from offload_core.plan import Geometry, PlanRef
+from offload_core.spec import KVCaches
 
 if TYPE_CHECKING:
     from offload_core.region import SharedHostRegion

@@ -26,7 +26,7 @@ import numpy as np
 
 from offload_core.backend import Direction
 from offload_core.errors import InvalidSpecError
-from offload_core.layout import DeviceBlocks, HostBlocks
+from offload_core.spec import DeviceBlocks, HostBlocks
 
 if TYPE_CHECKING:
     from offload_core.canonical import CanonicalPageMapping

@@ -50,7 +50,7 @@ import numpy as np
 from offload_core.backend import Backend, Direction, Event
 from offload_core.compact import CompactJob
 from offload_core.errors import InvalidSpecError, OffloadError
-from offload_core.layout import integer
+from offload_core.spec import integer
 
 log = logging.getLogger(__name__)
 

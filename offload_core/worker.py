@@ -17,11 +17,11 @@ from offload_core.compact import CompactLayout
 from offload_core.errors import InvalidSpecError, OffloadError, RegionError
 from offload_core.host_layout import HostLayout
 from offload_core.hostmem import check_host_bytes
-from offload_core.layout import DeviceBlocks, HostBlocks, KVCaches, flag, integer, positive_int
 from offload_core.plan import Planner
 from offload_core.queue import QueueStats, TransferQueue, TransferResult, job_id_set
 from offload_core.region import SharedHostRegion
 from offload_core.registry import get_backend
+from offload_core.spec import DeviceBlocks, HostBlocks, KVCaches, flag, integer, positive_int
 
 log = logging.getLogger(__name__)
 

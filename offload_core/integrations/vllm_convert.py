@@ -20,7 +20,8 @@ from typing import Any
 from offload_core.canonical import CanonicalPageMapping, CopyRun
 from offload_core.errors import InvalidSpecError
 from offload_core.host_layout import HostLayout
-from offload_core.layout import (
+from offload_core.region import SharedHostRegion
+from offload_core.spec import (
     DeviceBlocks,
     HostBlocks,
     KVCacheRef,
@@ -30,7 +31,6 @@ from offload_core.layout import (
     integer,
     positive_int,
 )
-from offload_core.region import SharedHostRegion
 from offload_core.worker import OffloadWorker
 
 log = logging.getLogger("offload_core.integrations.vllm")

@@ -32,7 +32,7 @@ import torch
 from offload_core.backend import Backend, Direction
 from offload_core.backends.cpu import CpuBackend
 from offload_core.errors import OffloadError
-from offload_core.layout import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
+from offload_core.spec import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
 from offload_core.worker import OffloadWorker
 
 
