@@ -314,9 +314,8 @@ def test_compact_small_jobs_joined_by_one_compiled_call_are_bit_exact(monkeypatc
     import torch
 
     from offload_core import native
-    from offload_core.backends.cuda import posting
 
-    monkeypatch.setenv(posting.ENV_POSTED, "0")  # posted calls do not take this path
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "posted:0")  # posted calls do not take this path
     backend = CudaBackend(mechanism="auto")
     pages, blocks, jobs, per_job = (1024, 256, 512), 128, 40, 3
     kv = small_kv(pages=pages, blocks=blocks, device=backend.device)
@@ -368,7 +367,7 @@ def test_compact_jobs_auto_sends_past_staging_are_bit_exact(pages, per_job, expe
     import torch
 
     if penalty:
-        monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PENALTY", penalty)
+        monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", f"sm_penalty:{penalty}")
     backend = CudaBackend(mechanism="auto")
     blocks, jobs = 4 * per_job, 4
     kv = small_kv(pages=pages, blocks=blocks, device=backend.device)
@@ -518,7 +517,7 @@ def test_a_workers_staging_and_ring_stay_within_128_mib_by_default(mechanism, mo
     sizes: the device memory it takes, the KV tensors aside, is at most 128 MiB."""
     import torch
 
-    monkeypatch.delenv("OFFLOAD_CORE_CUDA_STAGING_MB", raising=False)
+    monkeypatch.delenv("OFFLOAD_CORE_CUDA_CONF", raising=False)
     kv = small_kv(pages=(4096, 1024), blocks=64, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -540,9 +539,9 @@ def test_a_workers_staging_and_ring_stay_within_128_mib_by_default(mechanism, mo
 
 
 def test_the_sm_penalty_comes_from_the_environment(monkeypatch):
-    monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PENALTY", "3.5")
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "sm_penalty:3.5")
     backend = CudaBackend()
     assert backend.cost.sm_penalty == 3.5
-    monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PENALTY", "0")
-    with pytest.raises(ValueError, match="OFFLOAD_CORE_CUDA_SM_PENALTY must be a positive number, got '0'"):
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "sm_penalty:0")
+    with pytest.raises(ValueError, match="OFFLOAD_CORE_CUDA_CONF sm_penalty must be a positive number, got '0'"):
         CudaBackend()

@@ -32,7 +32,7 @@ def _no_cuda_settings(monkeypatch):
     have tests of their own (`test_posting_*`)."""
     for name in [n for n in os.environ if n.startswith("OFFLOAD_CORE_CUDA_")]:
         monkeypatch.delenv(name)
-    monkeypatch.setenv("OFFLOAD_CORE_CUDA_POSTED", "0")
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "posted:0")
 
 
 def test_memcpy_attributes_has_the_driver_layout():
@@ -1500,49 +1500,68 @@ def test_a_torch_stream_waits_for_a_raw_streams_position_and_back():
 
 
 @pytest.mark.parametrize(
-    "name, text, rule",
+    "key, text, rule",
     [
-        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "0", "a positive number"),
-        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "-1", "a positive number"),
-        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "inf", "a positive number"),
-        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "nan", "a positive number"),
-        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "two", "a positive number"),
-        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "1e400", "a positive number"),
-        ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "0", "a positive integer"),
-        ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "2.5", "a positive integer"),
-        ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "1e3", "a positive integer"),
-        ("OFFLOAD_CORE_CUDA_STAGING_MB", "-24", "a positive integer"),
-        ("OFFLOAD_CORE_CUDA_RING_MB", "0", "a positive integer"),
-        ("OFFLOAD_CORE_CUDA_MAX_BATCH", "-1", "a non-negative integer"),
-        ("OFFLOAD_CORE_CUDA_MAX_BATCH", "many", "a non-negative integer"),
+        ("sm_penalty", "0", "a positive number"),
+        ("sm_penalty", "-1", "a positive number"),
+        ("sm_penalty", "inf", "a positive number"),
+        ("sm_penalty", "nan", "a positive number"),
+        ("sm_penalty", "two", "a positive number"),
+        ("sm_penalty", "1e400", "a positive number"),
+        ("sm_programs", "0", "a positive integer"),
+        ("sm_programs", "2.5", "a positive integer"),
+        ("sm_programs", "1e3", "a positive integer"),
+        ("staging_mb", "-24", "a positive integer"),
+        ("ring_mb", "0", "a positive integer"),
+        ("max_batch", "-1", "a non-negative integer"),
+        ("max_batch", "many", "a non-negative integer"),
     ],
 )
-def test_a_setting_outside_its_values_is_refused_by_name(monkeypatch, name, text, rule):
+def test_a_setting_outside_its_values_is_refused_by_name(monkeypatch, key, text, rule):
     from offload_core import ConfigError
 
-    monkeypatch.setenv(name, text)
-    with pytest.raises(ConfigError, match=f"{name} must be {rule}, got {text!r}"):
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", f"{key}:{text}")
+    with pytest.raises(ConfigError, match=f"OFFLOAD_CORE_CUDA_CONF {key} must be {rule}, got {text!r}"):
         host_only_backend(monkeypatch, FakeLib())
 
 
-def test_settings_come_from_the_environment_and_default_where_unset_or_empty(monkeypatch):
+@pytest.mark.parametrize(
+    "conf, message",
+    [
+        ("staging_mb=8", "'staging_mb=8' is not key:value"),
+        ("staging:8", "'staging:8' has an unknown key; keys: mechanism, sm_programs"),
+        ("ring_mb:4, ring_mb:8", "'ring_mb:8' names a key twice"),
+    ],
+)
+def test_a_malformed_conf_is_refused_by_name(monkeypatch, conf, message):
+    from offload_core import ConfigError
+
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", conf)
+    with pytest.raises(ConfigError, match=f"OFFLOAD_CORE_CUDA_CONF: {message}"):
+        host_only_backend(monkeypatch, FakeLib())
+
+
+def test_a_variable_of_earlier_versions_is_refused_rather_than_ignored(monkeypatch):
+    from offload_core import ConfigError
+
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_STAGING_MB", "8")
+    with pytest.raises(ConfigError, match="OFFLOAD_CORE_CUDA_STAGING_MB is no longer read: set OFFLOAD_CORE_CUDA_CONF"):
+        host_only_backend(monkeypatch, FakeLib())
+
+
+def test_settings_come_from_the_conf_and_default_where_unset_or_empty(monkeypatch):
     backend = host_only_backend(monkeypatch, FakeLib())
     assert backend.sm_programs == {Direction.STORE: 8, Direction.LOAD: 32}
     assert (backend.staging_bytes, backend.max_batch, backend._ring.entries) == (16 << 20, 0, 2 << 20)
     assert backend.cost.sm_penalty == CostModel().sm_penalty
-    for name, text in [
-        ("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "16"),
-        ("OFFLOAD_CORE_CUDA_STAGING_MB", "8"),
-        ("OFFLOAD_CORE_CUDA_MAX_BATCH", " 5 "),
-        ("OFFLOAD_CORE_CUDA_SM_PENALTY", "3.5"),
-        ("OFFLOAD_CORE_CUDA_RING_MB", "4"),
-    ]:
-        monkeypatch.setenv(name, text)
+    monkeypatch.setenv(
+        "OFFLOAD_CORE_CUDA_CONF", "sm_programs:16, staging_mb:8,max_batch: 5 ,sm_penalty:3.5,ring_mb:4,posted:0"
+    )
     backend = host_only_backend(monkeypatch, FakeLib())
     assert backend.sm_programs == {Direction.STORE: 16, Direction.LOAD: 16}
     assert (backend.staging_bytes, backend.max_batch, backend._ring.entries) == (8 << 20, 5, 1 << 19)
     assert backend.cost.sm_penalty == 3.5
-    monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PENALTY", "")
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "sm_penalty:,posted:0")
     assert host_only_backend(monkeypatch, FakeLib()).cost.sm_penalty == CostModel().sm_penalty
 
 
@@ -1613,9 +1632,7 @@ def test_a_constructor_setting_outside_its_values_is_refused_by_name(monkeypatch
 def test_a_constructor_setting_wins_over_the_environment(monkeypatch):
     from offload_core.backends.cuda import CudaBackend
 
-    monkeypatch.setenv("OFFLOAD_CORE_CUDA_SM_PROGRAMS", "4")
-    monkeypatch.setenv("OFFLOAD_CORE_CUDA_MAX_BATCH", "9")
-    monkeypatch.setenv("OFFLOAD_CORE_CUDA_RING_MB", "4")
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "sm_programs:4,max_batch:9,ring_mb:4")
     backend = CudaBackend(
         driver=drv.Driver(FakeLib()), runtime=FakeCudaRuntime(), max_programs=12, max_batch=0, ring_bytes=800
     )

@@ -65,7 +65,7 @@ class EveryKey(dict):
 def posted_backend(monkeypatch, lib, posted: bool):
     import torch
 
-    monkeypatch.setenv(posting.ENV_POSTED, "1" if posted else "0")
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "posted:1" if posted else "posted:0")
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())  # a GPU's torch too
     monkeypatch.setattr(kernels, "_fast", True)
     monkeypatch.setattr(kernels, "_compiled", EveryKey(TritonLike(lib, lib.types, lib.hidden)))
@@ -393,15 +393,15 @@ def test_raw_launches_pass_the_parameters_triton_compiled_and_refuse_what_they_c
 def test_posting_is_off_unless_the_environment_asks_and_a_bad_value_is_named(monkeypatch):
     from offload_core.errors import ConfigError
 
-    monkeypatch.delenv(posting.ENV_POSTED, raising=False)
+    monkeypatch.delenv("OFFLOAD_CORE_CUDA_CONF", raising=False)
     assert posting.make(drv.Driver(LaunchingLib()), 0xC0) is None
     assert host_only_backend(monkeypatch, LaunchingLib()).posting_stats() is None
-    monkeypatch.setenv(posting.ENV_POSTED, "0")
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "posted:0")
     assert posting.make(drv.Driver(LaunchingLib()), 0xC0) is None
-    monkeypatch.setenv(posting.ENV_POSTED, "1")
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "posted:1")
     assert posting.make(drv.Driver(LaunchingLib()), 0xC0) is not None
-    monkeypatch.setenv(posting.ENV_POSTED, "yes")
-    with pytest.raises(ConfigError, match="OFFLOAD_CORE_CUDA_POSTED must be 0 .* or 1, got 'yes'"):
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "posted:yes")
+    with pytest.raises(ConfigError, match="OFFLOAD_CORE_CUDA_CONF posted must be 0 .* or 1, got 'yes'"):
         posting.make(drv.Driver(LaunchingLib()), 0xC0)
 
 

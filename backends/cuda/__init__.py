@@ -17,7 +17,7 @@
 
 ``mechanism="auto"`` (the default) asks the cost model per job; a profile saved by
 ``offload-core calibrate`` replaces its H200 defaults. Force a mechanism with
-``CudaBackend(mechanism=...)`` or ``OFFLOAD_CORE_CUDA_MECHANISM``; run one without forcing
+``CudaBackend(mechanism=...)`` or ``OFFLOAD_CORE_CUDA_CONF=mechanism:...``; run one without forcing
 it with `CudaBackend.enqueue_with`.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import threading
 import weakref
 from collections import deque
@@ -37,6 +36,7 @@ import numpy as np
 from offload_core.backend import Direction
 from offload_core.backends.cuda import calibration, kernels, posting, select
 from offload_core.backends.cuda.blocks import EXPAND_DIRECT, BlockCopier
+from offload_core.backends.cuda.config import ENV_CONF, conf
 from offload_core.backends.cuda.driver import (
     ERROR_HOST_MEMORY_ALREADY_REGISTERED,
     HOST_REGISTER_PORTABLE_DEVICEMAP,
@@ -54,12 +54,6 @@ __all__ = ["BLOCK_MECHANISMS", "MECHANISMS", "CudaBackend"]
 
 log = logging.getLogger(__name__)
 
-ENV_MECHANISM = "OFFLOAD_CORE_CUDA_MECHANISM"
-ENV_SM_PROGRAMS = "OFFLOAD_CORE_CUDA_SM_PROGRAMS"
-ENV_MAX_BATCH = "OFFLOAD_CORE_CUDA_MAX_BATCH"
-ENV_STAGING_MB = "OFFLOAD_CORE_CUDA_STAGING_MB"
-ENV_SM_PENALTY = "OFFLOAD_CORE_CUDA_SM_PENALTY"
-ENV_RING_MB = "OFFLOAD_CORE_CUDA_RING_MB"
 # Programs of the kernels that copy across the link: each holds an SM the model's kernels cannot
 # use while the bytes cross. On an H200, 8 keep the link as busy with stores (posted writes) as 32
 # did; loads wait for every read to come back and need more in flight (docs/dev/cuda-tuning-log.md,
@@ -77,23 +71,23 @@ class CudaBackend(TorchDeviceBackend):
             ``expand_direct``, ``expand_split`` (a worker's jobs; other batches as auto;
             ``expand_split`` splits stores between the two others, for more of the link at
             the cost of two SMs, and stages loads); default
-            ``$OFFLOAD_CORE_CUDA_MECHANISM`` or ``"auto"``.
+            ``mechanism`` of ``$OFFLOAD_CORE_CUDA_CONF`` (`conf`) or ``"auto"``.
         max_programs: the programs of the kernels that copy across the link (the SMs they
-            may occupy), both directions, every launch; default ``$OFFLOAD_CORE_CUDA_SM_PROGRAMS``.
+            may occupy), both directions, every launch; default ``sm_programs`` of the conf.
             Unset: at most 8 for stores (``expand_direct`` stores of pages from 1 KiB take one
             per 512 KiB of their jobs' average, at least 2; of smaller pages, 4 where their jobs
             average more than 1 MiB) and 32 for loads.
         staging_bytes: the largest piece of a staged job; the compact path keeps two buffers of
             this per copy stream (a worker has three: stores, loads, expedited loads), ``staged``
-            two of 1.25 times this; default ``$OFFLOAD_CORE_CUDA_STAGING_MB`` or 16 MiB.
+            two of 1.25 times this; default ``staging_mb`` of the conf or 16 MiB.
         ring_bytes: the descriptor ring's device memory (and as much pinned host memory), one
             per GPU: jobs' block ids and tables go through it; a job whose table is larger
             takes one-off memory of its size until it has run, and a full ring makes the
-            next enqueue wait for its oldest job; default ``$OFFLOAD_CORE_CUDA_RING_MB`` or 16 MiB.
+            next enqueue wait for its oldest job; default ``ring_mb`` of the conf or 16 MiB.
         max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 for no limit; default
-            ``$OFFLOAD_CORE_CUDA_MAX_BATCH`` or 0.
+            ``max_batch`` of the conf or 0.
         cost_model: the selection model; default the calibrated profile of this GPU model if
-            one is saved, else H200 defaults. ``$OFFLOAD_CORE_CUDA_SM_PENALTY`` replaces its
+            one is saved, else H200 defaults. ``sm_penalty`` of the conf replaces its
             `sm_penalty`, also in a model passed here (an operator's setting wins over the
             engine's): how many times auto counts the time copies hold SMs (default 2;
             higher protects the model's compute, lower favours the copies' speed). Above 2,
@@ -105,9 +99,10 @@ class CudaBackend(TorchDeviceBackend):
             Tests inject both to build the backend without a GPU.
 
     Raises:
-        ConfigError: an unknown or unavailable forced mechanism, or an argument or environment
-            variable outside its values (programs, staging and ring: positive integers; batch: a
-            non-negative integer; SM penalty: a positive number).
+        ConfigError: an unknown or unavailable forced mechanism, an argument or a conf value
+            outside its values (programs, staging and ring: positive integers; batch: a
+            non-negative integer; SM penalty: a positive number), a malformed conf or one with
+            an unknown key, or a variable this backend no longer reads.
         OSError: no NVIDIA driver library.
     """
 
@@ -147,21 +142,22 @@ class CudaBackend(TorchDeviceBackend):
         super().__init__(device_index, runtime=runtime)
         runtime = self.runtime
         self.driver = driver if driver is not None else Driver.load()
-        programs = _setting(ENV_SM_PROGRAMS, None, given=max_programs, argument="max_programs")
+        settings = conf()
+        programs = _setting(settings, "sm_programs", None, given=max_programs, argument="max_programs")
         self.sm_programs = {d: programs or SM_PROGRAMS[d] for d in Direction}
         self.programs_given = programs is not None  # else expand_direct sizes its stores' programs by their jobs
         self.staging_bytes = _setting(
-            ENV_STAGING_MB, 16 << 20, given=staging_bytes, argument="staging_bytes", scale=1 << 20
+            settings, "staging_mb", 16 << 20, given=staging_bytes, argument="staging_bytes", scale=1 << 20
         )
-        ring_bytes = _setting(ENV_RING_MB, 16 << 20, given=ring_bytes, argument="ring_bytes", scale=1 << 20)
-        self.max_batch = _setting(ENV_MAX_BATCH, 0, given=max_batch, argument="max_batch", zero=True)
+        ring_bytes = _setting(settings, "ring_mb", 16 << 20, given=ring_bytes, argument="ring_bytes", scale=1 << 20)
+        self.max_batch = _setting(settings, "max_batch", 0, given=max_batch, argument="max_batch", zero=True)
         self.cost = cost_model or calibration.saved_profile(runtime.get_device_name(self._device))
-        penalty = _setting(ENV_SM_PENALTY, None, kind=float)
+        penalty = _setting(settings, "sm_penalty", None, kind=float)
         if penalty is not None:
             self.cost = dataclasses.replace(self.cost, sm_penalty=penalty)
         self.available_mechanisms = tuple(name for name, m in TABLE.items() if m.why_unavailable(self) is None)
         self._contenders = contenders(self.available_mechanisms)  # auto's, in order of preference on a tie
-        self.mechanism = mechanism or os.environ.get(ENV_MECHANISM) or "auto"
+        self.mechanism = mechanism or settings.get("mechanism") or "auto"
         if self.mechanism != "auto":
             reason = self.why_unavailable(self.mechanism)
             if reason:
@@ -517,25 +513,33 @@ class CudaBackend(TorchDeviceBackend):
 
 
 def _setting(
-    name: str, default, *, given=None, argument: str = "", kind: type = int, zero: bool = False, scale: int = 1
+    settings: dict[str, str],
+    key: str,
+    default,
+    *,
+    given=None,
+    argument: str = "",
+    kind: type = int,
+    zero: bool = False,
+    scale: int = 1,
 ):
-    """A setting: `given` (the constructor's `argument`) where it is not None, else the
-    environment variable `name` times `scale`, else `default`. Integers (`kind` int) or finite
-    numbers (float), positive, or with `zero` non-negative.
+    """A setting: `given` (the constructor's `argument`) where it is not None, else the conf's
+    `key` (`conf`) times `scale`, else `default`. Integers (`kind` int) or finite numbers
+    (float), positive, or with `zero` non-negative.
 
     Raises:
-        ConfigError: a value of another kind or out of range, named with its argument or variable.
+        ConfigError: a value of another kind or out of range, named with its argument or key.
     """
     if given is not None:
         return _checked(given, argument, kind, zero, repr(given))
-    text = os.environ.get(name, "").strip()
+    text = settings.get(key, "")
     if not text:
         return default
     try:
         value = kind(text)
     except ValueError:
         value = None
-    return _checked(value, name, kind, zero, repr(text)) * scale
+    return _checked(value, f"{ENV_CONF} {key}", kind, zero, repr(text)) * scale
 
 
 def _checked(value, what: str, kind: type, zero: bool, shown: str):

@@ -294,7 +294,7 @@ class BlockCopier:
         the host, and each program holds an SM while its bytes cross the link). Where its pages
         are smaller: for stores of jobs averaging more than `HOST_BOUND_BYTES` into whole host rows
         of `LONG_ROW_BYTES` and more, `SMALL_PAGE_STORE_PROGRAMS`. Otherwise, and where programs
-        were set (`max_programs`, ``OFFLOAD_CORE_CUDA_SM_PROGRAMS``), the backend's."""
+        were set (`max_programs`, ``sm_programs`` of ``OFFLOAD_CORE_CUDA_CONF``), the backend's."""
         layout = job.layout
         rows = layout.row_bytes if prepared.whole_rows[job.direction] else 0
         return self._programs(job.direction, layout, job.nbytes, job.jobs, rows)
@@ -539,7 +539,8 @@ class ExpandStaged(_Expansion):
             return None
         return (
             f"expand_staged needs a host row ({row} bytes) to fit a staging half ({copier.half_bytes} bytes): "
-            f"raise OFFLOAD_CORE_CUDA_STAGING_MB to at least {-(-row // (1 << 20))}, or let auto choose"
+            f"raise staging_mb of OFFLOAD_CORE_CUDA_CONF (or staging_bytes) to at least {-(-row // (1 << 20))}, "
+            "or let auto choose"
         )
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:

@@ -21,7 +21,7 @@ What the Python side must keep to:
 * what a posted call reads (argument arrays, ring regions) is held until an event recorded after
   it has passed, which, with tickets, includes having been issued.
 
-Off unless ``OFFLOAD_CORE_CUDA_POSTED=1`` (it needs the compiled extension, and is not built on
+Off unless ``OFFLOAD_CORE_CUDA_CONF=posted:1`` (it needs the compiled extension, and is not built on
 Windows): the driver serializes a process's calls, so while the poster thread is inside a long
 one (a batch of a few hundred copies) other threads' driver calls wait, most likely the engine's too.
 What that costs and buys is in docs/performance.md.
@@ -35,10 +35,9 @@ import os
 import weakref
 from contextlib import contextmanager
 
+from offload_core.backends.cuda import config
 from offload_core.backends.cuda.driver import CudaDriverError, Driver
 from offload_core.errors import ConfigError
-
-ENV_POSTED = "OFFLOAD_CORE_CUDA_POSTED"
 
 # what each posted call is, for failures (1 marks a record: earlier failures attach to it)
 CALL, RECORD, WAIT, MEMCPY, BATCH, LAUNCH, DESTROY = range(7)
@@ -57,14 +56,16 @@ _live: weakref.WeakSet = weakref.WeakSet()
 
 
 def enabled() -> bool:
-    """Whether ``OFFLOAD_CORE_CUDA_POSTED`` asks for posting (unset: no).
+    """Whether ``posted`` of ``$OFFLOAD_CORE_CUDA_CONF`` asks for posting (unset: no).
 
     Raises:
-        ConfigError: it is set to anything but 0 or 1.
+        ConfigError: it is set to anything but 0 or 1, or the conf is malformed (`config.conf`).
     """
-    setting = os.environ.get(ENV_POSTED, "0").strip() or "0"
+    setting = config.conf().get("posted") or "0"
     if setting not in ("0", "1"):
-        raise ConfigError(f"{ENV_POSTED} must be 0 (every driver call on the enqueuing thread) or 1, got {setting!r}")
+        raise ConfigError(
+            f"{config.ENV_CONF} posted must be 0 (every driver call on the enqueuing thread) or 1, got {setting!r}"
+        )
     return setting == "1"
 
 
