@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import abc
 import enum
+import threading
+import weakref
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
@@ -234,3 +236,18 @@ def span_bytes(tensor: torch.Tensor) -> int:
     if tensor.numel() == 0:
         return 0
     return (1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
+
+
+_enqueue_locks: weakref.WeakKeyDictionary[Backend, threading.Lock] = weakref.WeakKeyDictionary()
+_enqueue_locks_guard = threading.Lock()
+
+
+def enqueue_lock(backend: Backend) -> threading.Lock:
+    """The lock every enqueue on `backend` is made under, across all its workers' lanes (the core
+    holds it around `copy_jobs`/`copy_blocks`): a backend that enqueues work of its own (a
+    calibration, say) takes it too, so that its buffers are never shared with a launch."""
+    with _enqueue_locks_guard:
+        lock = _enqueue_locks.get(backend)
+        if lock is None:
+            lock = _enqueue_locks[backend] = threading.Lock()
+        return lock

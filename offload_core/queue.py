@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from offload_core.backend import Backend, Direction, Event
+from offload_core.backend import Backend, Direction, Event, enqueue_lock
 from offload_core.compact import CompactJob
 from offload_core.errors import InvalidSpecError, OffloadError
 from offload_core.spec import integer
@@ -67,9 +67,6 @@ SETTLE_POLL_S = 0.001  # how often a drain asks an event whose wait failed wheth
 # release, as time.sleep(0) makes, is usually won back by the launcher before the waiter runs).
 GIL_YIELD_S = 20e-6
 
-_enqueue_locks: weakref.WeakKeyDictionary[Backend, threading.Lock] = weakref.WeakKeyDictionary()
-_enqueue_locks_guard = threading.Lock()
-
 
 def job_id_set(job_ids: Iterable[int]) -> set[int]:
     """`job_ids` as a set of ints.
@@ -81,15 +78,6 @@ def job_id_set(job_ids: Iterable[int]) -> set[int]:
     if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable) or getattr(job_ids, "ndim", 1) == 0:
         raise InvalidSpecError(f"wait takes an iterable of job ids, got {job_ids!r}; for one job: wait([job_id])")
     return {integer(j, "a job id passed to wait") for j in job_ids}
-
-
-def enqueue_lock(backend: Backend) -> threading.Lock:
-    """The lock that serialises every enqueue on `backend`, across all its queues and workers."""
-    with _enqueue_locks_guard:
-        lock = _enqueue_locks.get(backend)
-        if lock is None:
-            lock = _enqueue_locks[backend] = threading.Lock()
-        return lock
 
 
 @dataclass(frozen=True, init=False)

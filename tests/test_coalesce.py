@@ -12,8 +12,8 @@ import torch
 from helpers import compiled_or_skip, small_kv
 
 from offload_core import DeviceBlocks, HostBlocks, OffloadWorker
+from offload_core.backend import enqueue_lock
 from offload_core.backends.cpu import CpuEvent
-from offload_core.queue import enqueue_lock
 from offload_core.testing.expanding import ExpandingCpuBackend
 
 pytestmark = pytest.mark.cpu

@@ -798,7 +798,7 @@ def test_releasing_a_stream_waits_for_the_gpu_only_where_an_enqueue_was_cut_shor
     """The worker frees its host memory once its lanes' streams are released: where an enqueue
     a Ctrl-C cut short may have left work on a side stream, the release waits for the whole
     GPU first, even on a thread that holds the enqueue lock (a collected worker's release)."""
-    from offload_core.queue import enqueue_lock
+    from offload_core.backend import enqueue_lock
 
     lib = FakeLib()
     backend = host_only_backend(monkeypatch, lib, mechanism="ce_batch")
@@ -907,8 +907,8 @@ def test_enqueue_with_refuses_what_cannot_run_before_enqueueing(monkeypatch, mec
 def test_calibration_holds_the_backends_enqueue_lock(monkeypatch):
     """Calibrating uploads through the backend's descriptor ring and stages through its buffers,
     which every enqueue shares: a worker's launch on the same backend must wait for it."""
+    from offload_core.backend import enqueue_lock
     from offload_core.backends.cuda import calibration
-    from offload_core.queue import enqueue_lock
 
     backend = host_only_backend(monkeypatch, FakeLib())
     seen = []

@@ -264,7 +264,7 @@ def test_ctrl_c_as_a_condition_retakes_a_queues_lock_leaves_the_lock_as_it_was(m
     on the backend's enqueue lock) waits on the queue's condition."""
     import time
 
-    from offload_core.queue import enqueue_lock
+    from offload_core.backend import enqueue_lock
 
     backend = ExpandingCpuBackend()
     worker = make_worker(backend, "0", monkeypatch)

@@ -475,7 +475,7 @@ class CudaBackend(TorchDeviceBackend):
             ConfigError: the driver lacks the batch API that measures the link.
             Exception: anything the GPU, its driver or the profile's folder raises.
         """
-        from offload_core.queue import enqueue_lock  # the lock every enqueue on this backend takes
+        from offload_core.backend import enqueue_lock  # the lock every enqueue on this backend takes
 
         with enqueue_lock(self):
             if self._poster is not None:
