@@ -143,8 +143,8 @@ class Backend(abc.ABC):
             stats), or None for a backend with only one.
 
         Raises:
-            Exception: anything that stops the copies from being enqueued; the core turns it
-                into a failed submission.
+            Exception: anything that stops the copies from being enqueued; the core reports the
+                launch's jobs as failed.
         """
 
     def synchronize(self) -> None:

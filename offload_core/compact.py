@@ -69,6 +69,7 @@ class CompactJob:
         "_blocks",
         "jobs",
         "_copies",
+        "host_after",
     )
 
     def __init__(
@@ -89,6 +90,10 @@ class CompactJob:
         self.dev_ids = blocks[0] if dev_ids is None else dev_ids
         self.jobs = jobs
         self._copies: tuple | None = None  # `CompactLayout.copies`, once asked for
+        # At a launch: end events of other lanes' jobs that write or read this job's host blocks
+        # (hazards, set by the queue). The launch's stream waits for them; a backend's side stream
+        # that touches host rows must wait for them too.
+        self.host_after: tuple = ()
 
     @property
     def simple(self) -> bool:
@@ -303,10 +308,11 @@ class CompactLayout:
         return int(self.group_entries[1].max()) if self.group_entries.size else 0
 
     def job(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> CompactJob:
-        """Validate a transfer, as `Planner.plan` does, and describe it by blocks.
+        """Validate a transfer (`Planner._check`) and describe it by blocks.
 
         Raises:
-            InvalidSpecError: as `Planner.plan`.
+            InvalidSpecError: wrong group count, host ids that do not add up, a block id out of
+                range on either side, or a destination page named twice in one transfer.
         """
         if self._single_limit is not None:
             job = self._job_single(direction, device, host)

@@ -199,7 +199,7 @@ class Planner:
         return len(self._groups)
 
     def _check(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> tuple[list, list[int]]:
-        """Validate a transfer (see `plan`'s Raises) before anything is computed from it.
+        """Validate a transfer (see `CompactLayout.job`'s Raises) before anything is computed from it.
 
         Returns:
             A `_Checked` per group that moves blocks, and the group sizes.

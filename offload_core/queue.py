@@ -318,9 +318,10 @@ class TransferQueue:
                 results += (result,)  # an operator, not a call: no Ctrl-C lands between it and the next line
                 self._jobs.popleft()
                 self.stats.failed += not ok
+                # an end another lane's job waits for (`end_of`) is never recorded again under it
+                lent = job.last and self._lent.pop(id(job.end), None) is not None
                 if ok and job.last:  # events that saw a fault are not trusted again
-                    # an end another lane's job waits for (`end_of`) is not recorded again under it
-                    events = (job.start, job.end) if self._lent.pop(id(job.end), None) is None else (job.start,)
+                    events = (job.start,) if lent else (job.start, job.end)
                     if job.end is self._last_end:  # it tells whether the device idles: pooled once replaced
                         self._last_events = events
                     else:
@@ -377,22 +378,27 @@ class TransferQueue:
             _settle(last.end)
 
     def end_of(self, seq: int) -> Event | None:
-        """The end event of the launch that carries the job of submit order `seq`, launching it
-        first (with the jobs before it, on this thread) where it still waits; None where it has
-        been reported or its launch recorded no end (the device is lost), or it was never in
-        this queue: nothing to wait for."""
+        """The end event of the launch that carries this lane's last job of submit order up to
+        `seq` not reported yet, launching it first (with the jobs before it, on this thread)
+        where it still waits; None where there is none, or its launch recorded no end (the
+        device is lost): nothing to wait for. The lane runs in order, so waiting for that job
+        waits for every earlier one, whatever became of job `seq` itself (a submit refused after
+        it was recorded, say)."""
         while True:  # the lock taken anew each round, and the take and the launch in one `try`, as in `wait`
             try:
                 with self._lock:
                     self._heal()
-                    pos = next((i for i, p in enumerate(self._pending) if p.seq == seq), -1)
-                    taken = self._taken is not None and any(p.seq == seq for p in self._taken)
+                    pos = -1
+                    for i, p in enumerate(self._pending):  # in submit order
+                        if p.seq > seq:
+                            break
+                        pos = i
+                    taken = self._taken is not None and self._taken[0].seq <= seq
                     if pos < 0 and not taken:
                         for job in reversed(self._jobs):  # launched: the recent end, usually
                             if job.seq <= seq:
-                                if job.seq != seq or job.end is None:
-                                    return None
-                                self._lent[id(job.end)] = job.end
+                                if job.end is not None:
+                                    self._lent[id(job.end)] = job.end
                                 return job.end
                         return None
                     if taken or self._launching:  # launching on another thread, or another launch first
@@ -553,7 +559,8 @@ class TransferQueue:
                     end.record(self._stream)
                 except Exception:
                     end = None  # the device is lost
-            entries = [_Job(p.job_id, p.seq, None, end, p.job.nbytes, batch, "", failed=True) for p in batch]
+            held = self._enqueued[2] if end is not None else batch
+            entries = [_Job(p.job_id, p.seq, None, end, p.job.nbytes, held, "", failed=True) for p in batch]
             # recorded and released with no call between (where a Ctrl-C may land)
             self._jobs += entries
             self._launching, self._taken, self._taker, self._enqueued = _NOTHING, None, None, None
@@ -605,26 +612,30 @@ class TransferQueue:
         with self._lock:
             start, end = self._event(), self._event()
         jobs = [p.job for p in batch]
+        for p in batch:
+            p.job.host_after = p.waits
         nbytes, items = sum(j.nbytes for j in jobs), sum(j.items for j in jobs)
         stream = self._stream
         after = _after(batch)
+        held = [jobs]  # what the device may read, until `end` has passed: the joined job joins it
         failed = None
         if background:
             time.sleep(GIL_YIELD_S)
         with self._enqueue:
             t_locked = time.perf_counter()  # waiting for another lane's enqueue is not the host's cost
             waited = self.backend.buffer_waits()
-            self._enqueued = (batch, end)  # from here a failed batch waits for `end` (`abandon`)
+            self._enqueued = (batch, end, held)  # from here a failed batch waits for `end` (`abandon`)
             try:
                 for ready in after:
                     stream.wait_event(ready)
                 start.record(stream)
                 prepared = batch[0].prepared
-                held = jobs
                 mechanism = self.backend.copy_jobs(jobs, prepared, stream, after)
                 if mechanism is None:
                     # in host-block order where that joins host rows: copies within a launch run in any order
-                    held = job = CompactJob.concat(jobs).in_host_order()
+                    job = CompactJob.concat(jobs).in_host_order()
+                    job.host_after = tuple(w for p in batch for w in p.waits)
+                    held.append(job)
                     mechanism = self.backend.copy_blocks(job, prepared, stream, after) if len(job) else None
                 end.record(stream)
             except Exception as exc:
@@ -652,7 +663,7 @@ class TransferQueue:
                         for i, p in enumerate(batch)
                     ]
                 else:
-                    entries = [_Job(p.job_id, p.seq, None, end, p.job.nbytes, batch, "", failed=True) for p in batch]
+                    entries = [_Job(p.job_id, p.seq, None, end, p.job.nbytes, held, "", failed=True) for p in batch]
                 # Recorded and released in one step: `_run` fails a batch still marked launching, so
                 # nothing that can raise (a backend's odd mechanism in the stats, say) or take a
                 # Ctrl-C (a call) comes between.

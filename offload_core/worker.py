@@ -244,7 +244,8 @@ class OffloadWorker:
                     queue.launch_taken(batch)
             except Exception:
                 log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
-                return queued  # queued: a failed launch is reported as the job's result
+                queued = queued or job_id in queue  # in its lane (a launch failed after): its result will come
+                return queued
             except BaseException:  # Ctrl-C after the take, before the launch began: its jobs fail, not hang
                 queue.heal()
                 raise
@@ -302,7 +303,7 @@ class OffloadWorker:
 
     def stats(self) -> dict[str, QueueStats]:
         """Counters per lane (``"store"``, ``"load"``, ``"expedited_load"``): jobs, bytes, the
-        copies they expand to (``descriptors``), failures, jobs per mechanism, launches (jobs /
+        copies they expand to before any merging (``descriptors``), failures, jobs per mechanism, launches (jobs /
         launches: how much coalescing did) and the host seconds they took (``launch_s``), and
         back-pressure: submits that waited because `TransferQueue.max_pending` jobs were waiting
         for a launch, and for how long. Expedited loads count under ``"expedited_load"``."""

@@ -2094,3 +2094,59 @@ def test_a_lowered_penalty_keeps_launches_it_would_split_from_the_joined_direct_
         plans[penalty] = (copier.choose(job, prepared).name, copier.join_plan([job, job], prepared))
     assert plans[2.0][0] == "expand_direct" and plans[2.0][1] is not None
     assert plans[1.0] == ("expand_split", None)
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_staged_copies_of_host_rows_wait_for_the_hazards_ends(monkeypatch, direction):
+    """A hazard's end (another lane's job on the same host blocks, `TransferQueue.end_of`) is in
+    `after` and in `job.host_after`: `expand_staged`'s first copy between host rows and staging
+    follows it on whatever stream it runs (a load's go on the side stream)."""
+    import contextlib
+
+    import torch
+    from test_plan import Model
+
+    from offload_core import DeviceBlocks, HostBlocks
+    from offload_core.backends.cuda import blocks as cuda_blocks
+    from offload_core.backends.cuda.staging import Held
+    from offload_core.compact import CompactLayout
+    from offload_core.plan import Planner
+
+    class Stream:  # what a torch stream's wait_event does with any event
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+        def wait_event(self, event):
+            event.wait(self)
+
+    monkeypatch.setattr(FakeCudaRuntime, "ExternalStream", lambda self, handle, device=None: Stream(handle))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    lib = FakeLib()
+    backend = host_only_backend(monkeypatch, lib)
+    monkeypatch.setattr(kernels, "expand", lambda *args, **kwargs: lib.calls.append(("kernel",)))
+    model = Model([16, 8], [[(0, 16), (1, 8)]], 1, 32, 24)
+    layout = CompactLayout(Planner(model.geometry))
+    backend._blocks.half_bytes = 3 * layout.row_bytes
+    ring = 1 << 40
+    backend._ring = SimpleNamespace(
+        device_address=lambda: ring,
+        upload=lambda cols, stream, held, split=0, narrow=False: [ring],
+        retire=lambda event, regions=None: None,
+        open=lambda: [],
+    )
+    prepared = backend._blocks.prepare(layout)
+    stream = backend.new_stream()
+    job = layout.job(direction, DeviceBlocks([5, 9, 2, 30, 17, 11, 0, 22]), HostBlocks([3, 4, 5, 6, 7, 20, 21, 9]))
+    hazard = backend.new_event()
+    hazard.record(backend.new_stream())
+    job.host_after = (hazard,)
+    lib.calls.clear()
+    cuda_blocks.EXPAND_STAGED.enqueue_job(
+        backend._blocks, job, prepared, layout.segments(job), stream, [hazard], Held()
+    )
+    first = next(i for i, c in enumerate(lib.calls) if c[0] == "batch")
+    on = lib.calls[first][-1]  # the stream of the first copy between host rows and staging
+    # (the fake driver gives every stream one handle: a wait on the hazard after the queue's own
+    # is the side stream's)
+    waited = [c for c in lib.calls[1:first] if c[0] == "wait" and c[2] == hazard.handle and c[1] == on]
+    assert waited, f"{direction.value}: the first host copy does not follow the hazard"

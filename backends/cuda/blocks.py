@@ -319,8 +319,9 @@ class BlockCopier:
     def copy(
         self, job: CompactJob, prepared: Prepared, stream, after: list, held: list, forced: JobMechanism | None = None
     ) -> str:
-        """Enqueue `job` on `stream` (the queue's, which waits for `after` already: the compute
-        streams' events) by `forced`, or by what `choose` picks; returns the mechanism used."""
+        """Enqueue `job` on `stream` (the queue's, which waits already for `after`: the compute
+        streams' events and the hazards' ends, which are also `job.host_after`) by `forced`, or by
+        what `choose` picks; returns the mechanism used."""
         mechanism = forced or self.choose(job, prepared)
         if mechanism is EXPAND_SPLIT and not self.split_at(job):
             mechanism = EXPAND_STAGED
@@ -560,6 +561,9 @@ class ExpandStaged(_Expansion):
         chunk_of = None if job.simple else job.blocks[1]  # a simple job's block i is in chunk i
         if store:  # the gather reads what the compute streams wrote; the queue's stream already waits for them
             for event in after:
+                st.side.wait_event(event)
+        else:  # the copies into staging read host rows that another lane's job may still write (hazards)
+            for event in job.host_after:
                 st.side.wait_event(event)
         held.sides.append(st.side)  # each piece joins it; `_enqueued` does if a failure or a Ctrl-C cuts a piece short
         for j0, j1 in zip(cuts[:-1], cuts[1:]):
