@@ -1918,16 +1918,14 @@ def test_segments_split_at_piece_cuts_cover_the_same_bytes_and_cross_none(gaps_a
     assert not any(a < c < a + k for a, k in zip(s.tolist(), n.tolist()) for c in cuts.tolist())
 
 
-@pytest.mark.parametrize("direction", list(Direction))
-def test_staging_halves_hand_over_through_driver_markers(monkeypatch, direction):
-    """`expand_staged`'s pieces hand a staging half from the kernel to the copies and back through
-    the backend's untimed driver events, alternating halves: a store's piece waits until its
-    half's last copies passed, gathers, and its copies wait for the gather; a load's the other
-    way round."""
+def staged_job(monkeypatch, direction):
+    """A backend over the stand-in driver, with a layout of 3-row staging halves, a job of eight
+    blocks over host rows in runs and apart, its prepared tables and a queue stream: what
+    `expand_staged`'s tests enqueue. Returns (lib, backend, layout, prepared, stream, job)."""
+    import torch
     from test_plan import Model
 
     from offload_core import DeviceBlocks, HostBlocks
-    from offload_core.backends.cuda import blocks as cuda_blocks
     from offload_core.compact import CompactLayout
     from offload_core.plan import Planner
 
@@ -1937,8 +1935,6 @@ def test_staging_halves_hand_over_through_driver_markers(monkeypatch, direction)
 
         def wait_event(self, event):
             event.wait(self)
-
-    import torch
 
     monkeypatch.setattr(FakeCudaRuntime, "ExternalStream", lambda self, handle, device=None: Stream(handle))
     # staging is allocated under torch's stream context, which a CUDA build of torch would apply
@@ -1959,6 +1955,18 @@ def test_staging_halves_hand_over_through_driver_markers(monkeypatch, direction)
     prepared = backend._blocks.prepare(layout)
     stream = backend.new_stream()
     job = layout.job(direction, DeviceBlocks([5, 9, 2, 30, 17, 11, 0, 22]), HostBlocks([3, 4, 5, 6, 7, 20, 21, 9]))
+    return lib, backend, layout, prepared, stream, job
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_staging_halves_hand_over_through_driver_markers(monkeypatch, direction):
+    """`expand_staged`'s pieces hand a staging half from the kernel to the copies and back through
+    the backend's untimed driver events, alternating halves: a store's piece waits until its
+    half's last copies passed, gathers, and its copies wait for the gather; a load's the other
+    way round."""
+    from offload_core.backends.cuda import blocks as cuda_blocks
+
+    lib, backend, layout, prepared, stream, job = staged_job(monkeypatch, direction)
     lib.calls.clear()
     cuda_blocks.EXPAND_STAGED.enqueue_job(backend._blocks, job, prepared, layout.segments(job), stream, [], Held())
     halves = backend._blocks.staging.for_stream(stream)
@@ -2101,42 +2109,10 @@ def test_staged_copies_of_host_rows_wait_for_the_hazards_ends(monkeypatch, direc
     """A hazard's end (another lane's job on the same host blocks, `TransferQueue.end_of`) is in
     `after` and in `job.host_after`: `expand_staged`'s first copy between host rows and staging
     follows it on whatever stream it runs (a load's go on the side stream)."""
-    import contextlib
-
-    import torch
-    from test_plan import Model
-
-    from offload_core import DeviceBlocks, HostBlocks
     from offload_core.backends.cuda import blocks as cuda_blocks
     from offload_core.backends.cuda.staging import Held
-    from offload_core.compact import CompactLayout
-    from offload_core.plan import Planner
 
-    class Stream:  # what a torch stream's wait_event does with any event
-        def __init__(self, handle):
-            self.cuda_stream = handle
-
-        def wait_event(self, event):
-            event.wait(self)
-
-    monkeypatch.setattr(FakeCudaRuntime, "ExternalStream", lambda self, handle, device=None: Stream(handle))
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    lib = FakeLib()
-    backend = host_only_backend(monkeypatch, lib)
-    monkeypatch.setattr(kernels, "expand", lambda *args, **kwargs: lib.calls.append(("kernel",)))
-    model = Model([16, 8], [[(0, 16), (1, 8)]], 1, 32, 24)
-    layout = CompactLayout(Planner(model.geometry))
-    backend._blocks.half_bytes = 3 * layout.row_bytes
-    ring = 1 << 40
-    backend._ring = SimpleNamespace(
-        device_address=lambda: ring,
-        upload=lambda cols, stream, held, split=0, narrow=False: [ring],
-        retire=lambda event, regions=None: None,
-        open=lambda: [],
-    )
-    prepared = backend._blocks.prepare(layout)
-    stream = backend.new_stream()
-    job = layout.job(direction, DeviceBlocks([5, 9, 2, 30, 17, 11, 0, 22]), HostBlocks([3, 4, 5, 6, 7, 20, 21, 9]))
+    lib, backend, layout, prepared, stream, job = staged_job(monkeypatch, direction)
     hazard = backend.new_event()
     hazard.record(backend.new_stream())
     job.host_after = (hazard,)
