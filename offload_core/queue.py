@@ -343,39 +343,27 @@ class TransferQueue:
         wanted = job_id_set(job_ids)
         with self._lock:
             wanted &= self._ids
-        last = None
-        # The lock is taken anew each round, never let go by hand inside a `with`: a Ctrl-C
-        # while taking it back would leave the `with` to release a lock it does not hold. The
-        # take and the launch share one `try`: a Ctrl-C between them fails the jobs (`_heal`).
-        while wanted:
-            try:
-                with self._lock:
-                    self._heal()
-                    # A named job not launched yet is launched now, by this thread, with the jobs
-                    # before it and none after it (unless a launch is under way: then after that).
-                    pos = max((i for i, p in enumerate(self._pending) if p.job_id in wanted), default=-1)
-                    if pos < 0 and self._launching.isdisjoint(wanted):
-                        # The newest named job's result comes once every job before it has
-                        # ended: the last end recorded up to it (a launch that failed before
-                        # enqueuing has none). From the newest, since an engine waits for recent
-                        # jobs, and results it has not taken yet may be thousands.
-                        named = False
-                        for job in reversed(self._jobs):
-                            named = named or job.job_id in wanted
-                            if named and job.end is not None:
-                                last = job
-                                break
-                        break
-                    if pos < 0 or self._launching:
-                        self._launched.wait(IDLE_POLL_S)  # a notify that Ctrl-C cut short is not waited for forever
-                        continue
-                    batch = self._take(pos + 1)
-                self._run_quietly(batch)
-            except BaseException:
-                self.heal()
-                raise
+
+        def through() -> tuple:
+            # A named job not launched yet is launched now, by this thread, with the jobs before
+            # it and none after it (unless a launch is under way: then after that).
+            pos = max((i for i, p in enumerate(self._pending) if p.job_id in wanted), default=-1)
+            if pos >= 0 or not self._launching.isdisjoint(wanted):
+                return pos + 1, None
+            # The newest named job's result comes once every job before it has ended: the last
+            # end recorded up to it (a launch that failed before enqueuing has none). From the
+            # newest, since an engine waits for recent jobs, and results it has not taken yet
+            # may be thousands.
+            named = False
+            for job in reversed(self._jobs):
+                named = named or job.job_id in wanted
+                if named and job.end is not None:
+                    return None, job.end
+            return None, None
+
+        last = self._launch_through(through) if wanted else None
         if last is not None:
-            _settle(last.end)
+            _settle(last)
 
     def end_of(self, seq: int) -> Event | None:
         """The end event of the launch that carries this lane's last job of submit order up to
@@ -384,27 +372,45 @@ class TransferQueue:
         device is lost): nothing to wait for. The lane runs in order, so waiting for that job
         waits for every earlier one, whatever became of job `seq` itself (a submit refused after
         it was recorded, say)."""
-        while True:  # the lock taken anew each round, and the take and the launch in one `try`, as in `wait`
+
+        def through() -> tuple:
+            pos = -1
+            for i, p in enumerate(self._pending):  # in submit order
+                if p.seq > seq:
+                    break
+                pos = i
+            if self._taken is not None and self._taken[0].seq <= seq:
+                return 0, None  # launching on another thread: wait for it
+            if pos >= 0:
+                return pos + 1, None
+            for job in reversed(self._jobs):  # launched: the recent end, usually
+                if job.seq <= seq:
+                    if job.end is not None:
+                        self._lent[id(job.end)] = job.end
+                    return None, job.end
+            return None, None
+
+        return self._launch_through(through)
+
+    def _launch_through(self, through) -> Any:
+        """Launch waiting jobs on this thread until `through` says it is done, and return what
+        it says then. `through()`, called under the lock each round, returns ``(n, None)``: the
+        first n waiting jobs must be launched (after the launch under way, if any; n 0: wait for
+        that launch), or ``(None, result)``: done."""
+        # The lock is taken anew each round, never let go by hand inside a `with`: a Ctrl-C
+        # while taking it back would leave the `with` to release a lock it does not hold. The
+        # take and the launch share one `try`: a Ctrl-C between them fails the jobs (`_heal`).
+        while True:
             try:
                 with self._lock:
                     self._heal()
-                    pos = -1
-                    for i, p in enumerate(self._pending):  # in submit order
-                        if p.seq > seq:
-                            break
-                        pos = i
-                    taken = self._taken is not None and self._taken[0].seq <= seq
-                    if pos < 0 and not taken:
-                        for job in reversed(self._jobs):  # launched: the recent end, usually
-                            if job.seq <= seq:
-                                if job.end is not None:
-                                    self._lent[id(job.end)] = job.end
-                                return job.end
-                        return None
-                    if taken or self._launching:  # launching on another thread, or another launch first
-                        self._launched.wait(IDLE_POLL_S)
+                    n, result = through()
+                    if n is None:
+                        return result
+                    if not n or self._launching:
+                        self._launched.wait(IDLE_POLL_S)  # a notify that Ctrl-C cut short is not waited for forever
                         continue
-                    batch = self._take(pos + 1)
+                    batch = self._take(n)
                 self._run_quietly(batch)
             except BaseException:
                 self.heal()
@@ -418,21 +424,13 @@ class TransferQueue:
 
     def finish(self) -> None:
         """Wait for every queued job, as `drain` does, leaving the results for `poll`."""
-        while True:  # the lock taken anew each round, and the take and the launch in one `try`, as in `wait`
-            try:
-                with self._lock:
-                    self._heal()
-                    if not (self._pending or self._launching):
-                        ends = [job.end for job in self._jobs if job.end is not None]
-                        break
-                    if self._launching:
-                        self._launched.wait(IDLE_POLL_S)
-                        continue
-                    batch = self._take()
-                self._run_quietly(batch)
-            except BaseException:
-                self.heal()
-                raise
+
+        def through() -> tuple:
+            if self._pending or self._launching:
+                return len(self._pending), None
+            return None, [job.end for job in self._jobs if job.end is not None]
+
+        ends = self._launch_through(through)
         if ends:
             _settle(ends[-1])
         for end in ends:  # a fault on one event may not have waited for the rest

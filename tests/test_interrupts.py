@@ -174,7 +174,13 @@ def test_ctrl_c_as_wait_or_shutdown_launches_waiting_jobs_leaves_them_free(where
         hit = []
 
         def tracer(frame, event, arg):
-            if event == "call" and frame.f_code.co_name == "_run_quietly" and frame.f_back.f_code.co_name == where:
+            caller = frame.f_back
+            if (
+                event == "call"
+                and frame.f_code.co_name == "_run_quietly"
+                and caller.f_code.co_name == "_launch_through"
+                and caller.f_back.f_code.co_name == where
+            ):
                 sys.settrace(None)
                 hit.append(True)
                 raise KeyboardInterrupt
@@ -328,7 +334,7 @@ def test_ctrl_c_between_taking_jobs_and_launching_them_fails_them(where, monkeyp
     for job_id in range(3):
         assert worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
     assert len(queue._pending) == 3
-    ctrl_c_before_line(getattr(TransferQueue, where), "self._run_quietly(batch)")
+    ctrl_c_before_line(TransferQueue._launch_through, "self._run_quietly(batch)")  # under `where`
     try:
         with pytest.raises(KeyboardInterrupt):
             worker.wait([2]) if where == "wait" else worker.shutdown()
@@ -366,7 +372,7 @@ def test_a_wait_for_a_job_failed_before_its_launch_waits_for_the_jobs_before_it(
         queue.burst_jobs, queue._launch_s, queue._last_submit = 1 << 30, 10.0, time.perf_counter()
     assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1]))
     assert len(queue._pending) == 1
-    ctrl_c_before_line(TransferQueue.wait, "self._run_quietly(batch)")
+    ctrl_c_before_line(TransferQueue._launch_through, "self._run_quietly(batch)")  # under `wait`
     try:
         with pytest.raises(KeyboardInterrupt):
             worker.wait([1])
