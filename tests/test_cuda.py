@@ -259,8 +259,12 @@ def test_jobs_launched_on_threads_that_made_no_cuda_call_yet_move_their_bytes(fo
         torch.cuda._sleep(20_000_000)  # the next loads wait for the compute stream: they coalesce
         for j in range(4):
             assert worker.submit_load(10 + j, HostBlocks([9 - j]), DeviceBlocks([4 + j]))
-        time.sleep(0.2)  # the launcher thread enqueues what waits
-        assert not worker._queues[Direction.LOAD].waiting_for_launch()  # it did, before `wait` could
+        # The launcher thread enqueues what waits, before `wait` could (no fixed sleep: its first
+        # launch of a kernel may compile it, which takes longer than any fixed pause)
+        deadline = time.monotonic() + 60
+        while worker._queues[Direction.LOAD].waiting_for_launch() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not worker._queues[Direction.LOAD].waiting_for_launch()
         worker.wait(range(10, 14))
         results = worker.get_finished()
         assert [r.success for r in results] == [True] * 6, results

@@ -519,6 +519,12 @@ def test_the_serve_benchmark_notes_what_the_engine_submits(monkeypatch):
     )
     assert (load["jobs"], load["expedited"], load["bytes_total"]) == (1, 1, 2 * 512)
     assert s["results"] == {"finished": 3, "failed": 0, "failed_ids": []}
+    # every job was seen by the one get_finished, after its submit; the engine thread's time
+    # covers the submits and that call
+    assert s["get_finished_calls"] == 1
+    assert 0 < store["done_ms_median"] <= store["done_ms_p99"] and load["done_ms_median"] > 0
+    submits_ms = 1e-3 * (2 * store["submit_us_median"] + load["submit_us_median"])
+    assert s["engine_thread_ms"] > submits_ms * 0.99
     assert (s["backend"], s["offload_core_stats"]["expedited_load"]["jobs"]) == ("cpu", 1)
     assert torch.equal(tensors[1].tensor[11], tensors[1].tensor[1])
     worker.shutdown()

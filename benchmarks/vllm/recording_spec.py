@@ -2,7 +2,9 @@
 
 `RecordingOffloadCoreSpec` is offload-core's spec and `RecordingCPUSpec` vLLM's own; each wraps
 its worker's ``submit_store``, ``submit_load`` and ``get_finished`` to note every job (blocks,
-host chunks, bytes, when, from which thread, how long the submit took) and every result. Both
+host chunks, bytes, when, from which thread, how long the submit took), every result and how
+long after its submit the engine saw it, and the time both calls took on the engine's thread
+(what offloading costs a step there). Both
 specs are wrapped the same way, so the comparison between them stays fair. vLLM imports this
 module by name (``spec_module_path: "recording_spec"``) in its engine process; `serve.py` reads
 the notes back with `summary` through ``LLM.collective_rpc``.
@@ -22,6 +24,9 @@ from offload_core.integrations.vllm import OffloadCoreOffloadingSpec
 _lock = threading.Lock()
 _jobs: list[tuple] = []  # (direction, expedited, device blocks, host chunks, bytes, t, submit seconds, thread)
 _results = {"finished": 0, "failed": 0, "failed_ids": []}
+_submitted: dict = {}  # job id -> (direction, submit time), until its result is seen
+_seen: list[tuple] = []  # (direction, seconds from the submit to the get_finished that returned it)
+_calls = {"get_finished": 0, "get_finished_s": 0.0}
 _worker: list = [None]  # the worker wrapped last: the engine process has one
 
 
@@ -31,11 +36,12 @@ def _wrap(spec, worker):
     per_block = int(spec.config.worker_kv_bytes_per_block)
     store, load, finished = worker.submit_store, worker.submit_load, worker.get_finished
 
-    def note(direction, expedited, src, dst, t0, ok):
+    def note(job_id, direction, expedited, src, dst, t0, ok):
         dev = src if direction == "store" else dst
         host = dst if direction == "store" else src
         n = len(dev.block_ids)
         with _lock:
+            _submitted[job_id] = (direction, t0)
             _jobs.append(
                 (
                     direction,
@@ -52,17 +58,26 @@ def _wrap(spec, worker):
 
     def submit_store(job_id, src_spec, dst_spec):
         t0 = time.perf_counter()
-        return note("store", False, src_spec, dst_spec, t0, store(job_id, src_spec, dst_spec))
+        return note(job_id, "store", False, src_spec, dst_spec, t0, store(job_id, src_spec, dst_spec))
 
     def submit_load(job_id, src_spec, dst_spec, expedited=False):
         t0 = time.perf_counter()
-        return note("load", expedited, src_spec, dst_spec, t0, load(job_id, src_spec, dst_spec, expedited=expedited))
+        return note(
+            job_id, "load", expedited, src_spec, dst_spec, t0, load(job_id, src_spec, dst_spec, expedited=expedited)
+        )
 
     def get_finished():
+        t0 = time.perf_counter()
         results = finished()
+        now = time.perf_counter()
         with _lock:
+            _calls["get_finished"] += 1
+            _calls["get_finished_s"] += now - t0
             _results["finished"] += len(results)
             for r in results:
+                sub = _submitted.pop(r.job_id, None)
+                if sub is not None:
+                    _seen.append((sub[0], now - sub[1]))
                 if not r.success:
                     _results["failed"] += 1
                     _results["failed_ids"].append(r.job_id)
@@ -92,7 +107,9 @@ def reset() -> None:
     """Forget the jobs and results noted so far."""
     with _lock:
         _jobs.clear()
+        _seen.clear()
         _results.update(finished=0, failed=0, failed_ids=[])
+        _calls.update(get_finished=0, get_finished_s=0.0)
 
 
 def _hist(values: np.ndarray) -> dict[str, int]:
@@ -116,12 +133,19 @@ def _plain(value):
 def summary() -> dict:
     """The jobs noted since `reset`, per direction: how many, expedited ones, device blocks and
     bytes (histogram, median, total), jobs per second over the span they were submitted in,
-    submit time (median, p99, in microseconds), threads that submitted; the results (finished,
-    failed); and offload-core's `OffloadWorker.stats()` where its worker ran."""
+    submit time (median, p99, in microseconds), threads that submitted, time from a submit to
+    the ``get_finished`` that returned its result (median, p99, in milliseconds); the results
+    (finished, failed); the engine thread's time in submits and ``get_finished`` together
+    (``engine_thread_ms``, and ``get_finished`` calls); and offload-core's
+    `OffloadWorker.stats()` where its worker ran."""
     with _lock:
         jobs = list(_jobs)
+        seen = list(_seen)
         results = dict(_results, failed_ids=list(_results["failed_ids"][:20]))
+        calls = dict(_calls)
     out: dict = {"results": results, "directions": {}}
+    out["get_finished_calls"] = calls["get_finished"]
+    out["engine_thread_ms"] = 1e3 * (calls["get_finished_s"] + sum(j[6] for j in jobs))
     for direction in ("store", "load"):
         rows = [j for j in jobs if j[0] == direction]
         if not rows:
@@ -144,6 +168,10 @@ def summary() -> dict:
             "submit_us_p99": float(np.percentile(submit_us, 99)),
             "threads": len({r[7] for r in rows}),
         }
+        done_ms = np.array([s for d, s in seen if d == direction]) * 1e3
+        if done_ms.size:
+            out["directions"][direction]["done_ms_median"] = float(np.median(done_ms))
+            out["directions"][direction]["done_ms_p99"] = float(np.percentile(done_ms, 99))
     inner = getattr(_worker[0], "worker", None)  # offload-core's OffloadWorker behind the adapter
     if inner is not None and hasattr(inner, "stats"):
         out["offload_core_stats"] = {

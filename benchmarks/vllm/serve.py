@@ -25,7 +25,7 @@ every token depends on the KV bytes it attends to; prompts are token ids, so not
 downloaded.
 
     python benchmarks/vllm/serve.py [--shapes llama8b,small] [--host-blocks 16,64]
-        [--specs offload-core,vllm-cpu,off] [--iters 10] [--out DIR] [--report-only]
+        [--specs offload-core,vllm-cpu,off] [--iters 10] [--rounds 1] [--out DIR] [--report-only]
 
 Writes DIR/results.json (every run's figures), DIR/report.md (the tables) and a log per run.
 """
@@ -345,14 +345,31 @@ def child(cfg: dict) -> dict:
 
 
 def runs(args) -> list[dict]:
+    """The engines to run, in order. With ``--rounds N`` each shape's engines run N times, the
+    order reversed every other round: engines of one machine differ from run to run (a first
+    engine pays cold caches), so each spec's rounds surround the others'."""
     out = []
     for shape in args.shapes:
-        for hb in args.host_blocks:
-            for spec in args.specs:
-                if spec == "off" and hb != args.host_blocks[0]:
-                    continue  # without offloading the host block changes nothing
-                name = f"{shape}-{spec}" + (f"-hb{hb}" if spec != "off" else "")
-                out.append({"name": name, "shape": shape, "spec": spec, "host_block": hb, "iters": args.iters})
+        for r in range(args.rounds):
+            for hb in args.host_blocks:
+                specs = args.specs if r % 2 == 0 else args.specs[::-1]
+                for spec in specs:
+                    if spec == "off" and hb != args.host_blocks[0]:
+                        continue  # without offloading the host block changes nothing
+                    name = (
+                        f"{shape}-{spec}"
+                        + (f"-hb{hb}" if spec != "off" else "")
+                        + (f"-r{r}" if args.rounds > 1 else "")
+                    )
+                    cfg = {
+                        "name": name,
+                        "shape": shape,
+                        "spec": spec,
+                        "host_block": hb,
+                        "iters": args.iters,
+                        "round": r,
+                    }
+                    out.append(cfg)
     return out
 
 
@@ -408,8 +425,9 @@ def report(results: dict) -> str:
                 lines.append(f"| {r['name']} {p} failed: {res[p]['error'][:200]} |")
     lines += ["", "What the engine submitted (per phase and direction):", ""]
     lines += [
-        "| run | phase | dir | jobs | expedited | blocks/job (histogram) | MiB/job median | jobs/s | submit us p50/p99 | threads | mechanisms (offload-core) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | phase | dir | jobs | expedited | blocks/job (histogram) | MiB/job median | jobs/s | submit us p50/p99 "
+        "| seen after ms p50/p99 | engine thread ms | threads | mechanisms (offload-core) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         res = r.get("result") or {}
@@ -426,10 +444,50 @@ def report(results: dict) -> str:
                 hist = " ".join(f"{k}:{v}" for k, v in j["blocks_hist"].items())
                 lines.append(
                     f"| {r['name']} | {p} | {d} | {j['jobs']} | {j['expedited']} | {hist} | {j['bytes_median'] / 2**20:.2f} "
-                    f"| {_fmt(j['jobs_per_s'], 0)} | {j['submit_us_median']:.0f}/{j['submit_us_p99']:.0f} | {j['threads']} "
+                    f"| {_fmt(j['jobs_per_s'], 0)} | {j['submit_us_median']:.0f}/{j['submit_us_p99']:.0f} "
+                    f"| {_fmt(j.get('done_ms_median'))}/{_fmt(j.get('done_ms_p99'))} | {_fmt(jobs.get('engine_thread_ms'))} "
+                    f"| {j['threads']} "
                     f"| {' '.join(f'{k}:{v}' for k, v in mech.items()) or '-'} |"
                 )
+    lines += _medians(results["runs"])
     return "\n".join(lines) + "\n"
+
+
+def _medians(runs: list[dict]) -> list[str]:
+    """Per shape, spec and host block, the median over rounds of the figures that vary from
+    engine to engine (empty with one round)."""
+    groups: dict = {}
+    for r in runs:
+        res = r.get("result") or {}
+        if "latency" in res or "mix" in res:
+            key = (r["shape"], r["spec"], r["host_block"] if r["spec"] != "off" else None)
+            groups.setdefault(key, []).append(res)
+    if not any(len(g) > 1 for g in groups.values()):
+        return []
+    picks = (
+        ("host hit ms", ("latency", "host_hit", "ttft_ms_median")),
+        ("mix req/s", ("mix", "requests_per_s")),
+        ("mix TTFT p50 ms", ("mix", "ttft_ms_p50")),
+        ("mix TPOT ms", ("mix", "tpot_ms_median")),
+        ("decode TPOT ms", ("decode", "tpot_ms_median")),
+    )
+
+    def get(res, path):
+        for k in path:
+            res = res.get(k) if isinstance(res, dict) else None
+        return res
+
+    lines = ["", "Median over rounds (each round's figure in brackets):", ""]
+    lines += ["| shape | spec | host block | rounds | " + " | ".join(n for n, _ in picks) + " |"]
+    lines += ["|---|---|---|---|" + "---|" * len(picks)]
+    for (shape, spec, hb), rs in groups.items():
+        cells = []
+        for _, path in picks:
+            v = [x for x in (get(res, path) for res in rs) if x is not None]
+            nd = 2 if "req" in path[-1] or "tpot" in path[-1] else 1
+            cells.append(f"{_fmt(float(np.median(v)), nd)} [{', '.join(_fmt(x, nd) for x in v)}]" if v else "-")
+        lines.append(f"| {shape} | {spec} | {hb or '-'} | {len(rs)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
@@ -438,6 +496,9 @@ def main() -> None:
     ap.add_argument("--host-blocks", default="16,64", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--specs", default="offload-core,vllm-cpu,off", type=lambda s: s.split(","))
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="runs of each shape's engines, the order reversed every other"
+    )
     ap.add_argument("--out", default="vllm-serve")
     ap.add_argument("--timeout", type=int, default=400, help="seconds per engine")
     ap.add_argument("--budget", type=int, default=0, help="seconds for every engine together (0: no limit)")
