@@ -4,7 +4,7 @@ One command, one run, on a GPU:
 
     python benchmarks/transfer_bench.py --out DIR
 
-writes DIR/transfer.json, DIR/transfer.md (the tables for docs/dev/cuda-tuning-log.md) and
+writes DIR/transfer.json, DIR/transfer.md (its tables) and
 DIR/transfer.png (GB/s against fragment size per mechanism). `--mechanisms auto --parts
 fragments` measures auto's per-job ratios and both directions at once alone. Sections:
 
