@@ -6,14 +6,13 @@ import sys
 
 from setuptools import Extension, setup
 
-threads = [] if sys.platform == "win32" else ["-pthread"]  # _posting.c's, _spread.c's; Windows builds go without them
+threads = [] if sys.platform == "win32" else ["-pthread"]  # _spread.c's; Windows builds go without them
 setup(
     ext_modules=[
         Extension(
             "offload_core._native",
             [
                 "offload_core/_native.c",
-                "offload_core/_posting.c",
                 "offload_core/_frozen.c",
                 "offload_core/_spread.c",
             ],

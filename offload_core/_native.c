@@ -10,7 +10,7 @@
  * driver entry point without ctypes, in a given context (the cuda backend's events, stream
  * waits and descriptor-table uploads), `table_launch` a kernel's launch with its table's upload
  * (the cuda backend's expansion kernel), `join_launch` the same for simple jobs joined and put in
- * host order on the way (what `CompactJob.concat` and `in_host_order` do); `Poster` (_posting.c) issues driver calls on a thread of its own.
+ * host order on the way (what `CompactJob.concat` and `in_host_order` do).
  * Built where a C compiler is found (setup.py); offload_core works the same without it.
  *
  * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
@@ -1069,11 +1069,10 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "offload_core._native", "Compiled steps of offload-core's hot path.", -1, methods,
 };
 
-int add_poster(PyObject *module); /* _posting.c */
 int add_frozen(PyObject *module); /* _frozen.c */
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (add_poster(m) < 0 || add_frozen(m) < 0)) Py_CLEAR(m);
+    if (m != NULL && add_frozen(m) < 0) Py_CLEAR(m);
     return m;
 }

@@ -319,7 +319,7 @@ def test_compact_small_jobs_joined_by_one_compiled_call_are_bit_exact(monkeypatc
 
     from offload_core import native
 
-    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "posted:0")  # posted calls do not take this path
+    monkeypatch.delenv("OFFLOAD_CORE_CUDA_CONF", raising=False)  # the defaults, whatever the shell set
     backend = CudaBackend(mechanism="auto")
     pages, blocks, jobs, per_job = (1024, 256, 512), 128, 40, 3
     kv = small_kv(pages=pages, blocks=blocks, device=backend.device)

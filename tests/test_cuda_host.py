@@ -27,12 +27,9 @@ from offload_core.backends.cuda.staging import Held
 
 @pytest.fixture(autouse=True)
 def _no_cuda_settings(monkeypatch):
-    """Each test starts from the defaults, whatever the shell that runs it has set, except that
-    the driver's calls are made on the calling thread: tests read them in order. Posted calls
-    have tests of their own (`test_posting_*`)."""
+    """Each test starts from the defaults, whatever the shell that runs it has set."""
     for name in [n for n in os.environ if n.startswith("OFFLOAD_CORE_CUDA_")]:
         monkeypatch.delenv(name)
-    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "posted:0")
 
 
 def test_memcpy_attributes_has_the_driver_layout():
@@ -50,7 +47,7 @@ class FakeLib:
     """A libcuda stand-in whose entry points are Python callbacks behind real C function pointers.
 
     `contexts` is the calling thread's context stack (top last): the creating thread starts with
-    the GPU's context current, any other thread (a poster's) with none."""
+    the GPU's context current, any other thread (a queue's launcher thread) with none."""
 
     @property
     def contexts(self) -> list:
@@ -1427,7 +1424,7 @@ def test_the_compiled_table_launch_takes_its_arguments_as_they_were_given():
 def test_one_off_table_memory_is_held_when_the_launch_fails(monkeypatch, compiled_launch):
     """A ring full of pending tables gives a table one-off memory; a launch that fails after its
     upload was enqueued still leaves that memory to `held`, which outlives the copies."""
-    from test_cuda_posting import EveryKey, TritonLike
+    from test_cuda_launch import EveryKey, TritonLike
 
     from offload_core.backends.cuda.ring import DescriptorRing
 
@@ -1465,7 +1462,6 @@ def test_one_off_table_memory_is_held_when_the_launch_fails(monkeypatch, compile
             SimpleNamespace(cuda_stream=7),
             4,
             (1 << 43, 64, True),
-            None,
             False,
             held,
         )
@@ -1530,6 +1526,7 @@ def test_a_setting_outside_its_values_is_refused_by_name(monkeypatch, key, text,
     [
         ("staging_mb=8", "'staging_mb=8' is not key:value"),
         ("staging:8", "'staging:8' has an unknown key; keys: mechanism, sm_programs"),
+        ("posted:1", "'posted:1' has an unknown key; keys: "),  # posted mode was removed
         ("ring_mb:4, ring_mb:8", "'ring_mb:8' names a key twice"),
     ],
 )
@@ -1554,14 +1551,12 @@ def test_settings_come_from_the_conf_and_default_where_unset_or_empty(monkeypatc
     assert backend.sm_programs == {Direction.STORE: 8, Direction.LOAD: 32}
     assert (backend.staging_bytes, backend.max_batch, backend._ring.entries) == (16 << 20, 0, 2 << 20)
     assert backend.cost.sm_penalty == CostModel().sm_penalty
-    monkeypatch.setenv(
-        "OFFLOAD_CORE_CUDA_CONF", "sm_programs:16, staging_mb:8,max_batch: 5 ,sm_penalty:3.5,ring_mb:4,posted:0"
-    )
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "sm_programs:16, staging_mb:8,max_batch: 5 ,sm_penalty:3.5,ring_mb:4")
     backend = host_only_backend(monkeypatch, FakeLib())
     assert backend.sm_programs == {Direction.STORE: 16, Direction.LOAD: 16}
     assert (backend.staging_bytes, backend.max_batch, backend._ring.entries) == (8 << 20, 5, 1 << 19)
     assert backend.cost.sm_penalty == 3.5
-    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "sm_penalty:,posted:0")
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "sm_penalty:")
     assert host_only_backend(monkeypatch, FakeLib()).cost.sm_penalty == CostModel().sm_penalty
 
 
@@ -1721,13 +1716,13 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
     monkeypatch.setattr(cuda_blocks.kernels, "expand", expand)
     copier = cuda_blocks.BlockCopier.__new__(cuda_blocks.BlockCopier)
     ring = object()
-    copier.backend = SimpleNamespace(_ring=ring, _poster=None, device_index=0)
+    copier.backend = SimpleNamespace(_ring=ring, device_index=0)
     prepared = host_prepared(layout)
     copier.expand(job, prepared, 0, len(job), None, [], 4, stage)
     (args,) = launched
-    uploaded = [_as_uploaded(a[1], a[14]) for a in launched]
+    uploaded = [_as_uploaded(a[1], a[13]) for a in launched]
     assert args[0] is ring and args[2] == len(job) and args[8] == (direction is Direction.STORE)
-    assert args[14] == job.simple  # simple jobs' ids go up as int32 (this layout's counts allow it)
+    assert args[13] == job.simple  # simple jobs' ids go up as int32 (this layout's counts allow it)
     got = kernel_reading(uploaded[0], len(job), args[12], layout, direction is Direction.STORE)
     want = layout.descriptors(job, stage)
     for g, w in zip(got, want):
@@ -1737,7 +1732,7 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
         chunk = 2 // bpc
         copier.expand(job, prepared, 2, 5, None, [], 4, stage - chunk * layout.row_bytes)
         second = launched[1]
-        got = kernel_reading(_as_uploaded(second[1], second[14]), 3, second[12], layout, direction is Direction.STORE)
+        got = kernel_reading(_as_uploaded(second[1], second[13]), 3, second[12], layout, direction is Direction.STORE)
         per = int(layout.group_entries[1, 0])
         for g, w in zip(got, layout.descriptors(job, stage - chunk * layout.row_bytes)):
             np.testing.assert_array_equal(g, w[2 * per : 5 * per])
@@ -1756,7 +1751,7 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
 
     launched = []
 
-    def launch(kernel, programs, args, constexprs, stream, poster=None, key_args=None, device=0, warps=4):
+    def launch(kernel, programs, args, constexprs, stream, key_args=None, device=0, warps=4):
         key_args = args if key_args is None else key_args  # what the build is found by
         launched.append((warps, tuple(constexprs.items()), tuple(-(1 << 31) <= a < (1 << 31) for a in key_args)))
 
@@ -1830,7 +1825,6 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
         stream,
         programs,
         rows,
-        poster,
         narrow,
         held,
         device,
@@ -1858,7 +1852,6 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
     copier.half_bytes = half_bytes
     copier.staging = SimpleNamespace(for_stream=lambda s: st)
     copier.backend = SimpleNamespace(
-        _poster=None,
         _ring=None,
         device_index=0,
         gather_programs=4,

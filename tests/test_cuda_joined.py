@@ -2,7 +2,7 @@
 `_native.join_launch`) against what the queue does without it, `copy_blocks` of the jobs joined
 and put in host order: the same choice, the same driver calls with the same arguments, the same
 table bytes; and where the joined launch declines, nothing enqueued. Without a GPU: the
-stand-in libcuda of `test_cuda_host`, Triton's compiled kernel as `test_cuda_posting` stands it
+stand-in libcuda of `test_cuda_host`, Triton's compiled kernel as `test_cuda_launch` stands it
 in, the real descriptor ring over numpy memory."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from helpers import compiled_or_skip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cuda_host import FakeCudaRuntime, LaunchingLib
-from test_cuda_posting import Stream, comparable, posted_backend
+from test_cuda_launch import Stream, comparable, compiled_backend
 from test_plan import Model
 
 from offload_core import DeviceBlocks, HostBlocks
@@ -51,7 +51,7 @@ class Launches:
         handles = iter(range(0x100, 0x400))
         monkeypatch.setattr(FakeCudaRuntime, "ExternalStream", lambda self, handle, device=None: Stream(next(handles)))
         self.lib = LaunchingLib()
-        self.backend = b = posted_backend(monkeypatch, self.lib, False)
+        self.backend = b = compiled_backend(monkeypatch, self.lib)
         b._ring = numpy_ring(b)
         model = Model([16, 8], [[(0, 16), (1, 8)]], 1, DEVICE_BLOCKS, HOST_BLOCKS)
         planner = Planner(model.geometry)
@@ -166,14 +166,11 @@ def test_the_joined_launch_follows_the_rules_for_mid_sized_stores_and_copies_sta
     assert launches.queued(loads)[0] == "ce_batch"
 
 
-def test_a_forced_or_posted_backend_leaves_its_jobs_to_copy_blocks(monkeypatch):
+def test_a_forced_backend_leaves_its_jobs_to_copy_blocks(monkeypatch):
     launches = Launches(monkeypatch)
     jobs = launches.jobs(Direction.STORE, [([5, 9], [30, 3])])
     b = launches.backend
     b.mechanism = "expand_staged"
-    assert launches.joined(jobs)[:2] == (None, [])
-    b.mechanism = "auto"
-    b._poster = object()  # stands for a poster: its calls are posted, not made by the compiled call
     assert launches.joined(jobs)[:2] == (None, [])
 
 

@@ -34,7 +34,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from offload_core.backend import Direction
-from offload_core.backends.cuda import calibration, kernels, posting, select
+from offload_core.backends.cuda import calibration, kernels, select
 from offload_core.backends.cuda.blocks import EXPAND_DIRECT, BlockCopier
 from offload_core.backends.cuda.config import ENV_CONF, conf
 from offload_core.backends.cuda.driver import (
@@ -173,17 +173,12 @@ class CudaBackend(TorchDeviceBackend):
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
         # the hot path's events and compute stream through the driver, where it has them all
         self._driver_events = self.driver.has_events
-        self._poster = None
         table_launch = join_launch = None
         if self._driver_events:
             with self._context():
                 self._ctx = self.driver.current_context()  # this GPU's primary context
             table_launch = self.driver.table_launch_in(self._ctx)
             join_launch = self.driver.join_launch_in(self._ctx)
-            # compact launches' driver calls, made by a thread of their own (`posting`); a driver
-            # another backend posts through stays unposted here: events ask their driver's poster
-            if self.driver.poster is None:
-                self._poster = self.driver.poster = posting.make(self.driver, self._ctx)
         self._ring = DescriptorRing(
             self._torch, self._device, self._table_copy, -(-ring_bytes // 8), launch=table_launch, join=join_launch
         )
@@ -202,12 +197,9 @@ class CudaBackend(TorchDeviceBackend):
             return self.runtime.ExternalStream(self.driver.new_stream(), device=self._device)
 
     def _table_copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        """A descriptor table's upload (`ring.DescriptorRing`): posted on an adopted stream, else
-        a short call in the GPU's context where the driver's events are used."""
-        poster = self._poster
-        if poster is not None and poster.owns(stream):
-            poster.call(posting.MEMCPY, stream, poster.memcpy_fn, dst, src, nbytes, stream)
-        elif self._driver_events:
+        """A descriptor table's upload (`ring.DescriptorRing`): a short call in the GPU's context
+        where the driver's events are used."""
+        if self._driver_events:
             self.driver.call_in(self.driver.memcpy_in, "cuMemcpyAsync", self._ctx, dst, src, nbytes, stream)
         else:
             self.driver.memcpy_async(dst, src, nbytes, stream)
@@ -242,8 +234,6 @@ class CudaBackend(TorchDeviceBackend):
         # enqueue. The entries themselves are settled by the next enqueue.
         if self._cut_short:
             try:
-                if self._poster is not None:
-                    self._poster.drain()
                 self.synchronize()
             except Exception as exc:  # the GPU failed: none of its work runs any more
                 log.warning("releasing a %s stream: waiting for the GPU failed: %s", self.name, exc)
@@ -303,16 +293,14 @@ class CudaBackend(TorchDeviceBackend):
             reason = forced.refuses_layout(self._blocks, prepared)
             if reason:
                 raise ConfigError(reason)
-        if self._poster is not None:
-            self._poster.adopt(stream)
         with self._enqueued(stream) as held:
             return self._blocks.copy(job, prepared, stream, after, held, forced)
 
     def copy_jobs(self, jobs, prepared, stream, after) -> str | None:
-        # Only where copy_blocks would choose for itself, its calls unposted: small simple jobs
-        # then go to expand_direct joined by one compiled call (`BlockCopier.join_plan`).
+        # Only where copy_blocks would choose for itself: small simple jobs then go to
+        # expand_direct joined by one compiled call (`BlockCopier.join_plan`).
         forced = TABLE.get(self.mechanism)
-        if prepared is None or (forced is not None and not forced.takes_batches) or self._poster is not None:
+        if prepared is None or (forced is not None and not forced.takes_batches):
             return None
         plan = self._blocks.join_plan(jobs, prepared)
         if plan is None:
@@ -355,8 +343,7 @@ class CudaBackend(TorchDeviceBackend):
         and set it on the enqueue's keepalive entry and ring regions."""
         held, stream = entry[1], entry[2]
         for side in held.sides:
-            # a marker, as the mechanisms join: with posted calls, its record and wait are posted
-            # behind the side's own work (torch's `wait_stream` records directly)
+            # a marker (never timed: cheaper to record), as the mechanisms join
             joined = self._marker()
             joined.record(side)
             stream.wait_event(joined)
@@ -376,8 +363,6 @@ class CudaBackend(TorchDeviceBackend):
                 self._settle_entry(entry, self._marker())
             except Exception:
                 # its stream or a side is gone (released): once the device has run everything, nothing reads
-                if self._poster is not None:
-                    self._poster.drain()
                 self.synchronize()
                 entry[1].sides.clear()
                 entry[2] = stream
@@ -418,10 +403,7 @@ class CudaBackend(TorchDeviceBackend):
             chosen = TABLE[name]
         else:
             raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
-        # these mechanisms mix driver calls with torch's and Triton's: all made here, in order,
-        # after what was posted on the stream
-        suspended = self._poster.suspended(stream.cuda_stream) if self._poster is not None else nullcontext()
-        with suspended, self._enqueued(stream) as held:
+        with self._enqueued(stream) as held:
             chosen.enqueue(self, src, dst, sizes, direction, stream, held, summary)
         return chosen.name
 
@@ -456,13 +438,6 @@ class CudaBackend(TorchDeviceBackend):
         them; a million-block job's narrow table is 8 MiB)."""
         return self._ring.waits, self._ring.wait_s
 
-    def posting_stats(self) -> dict | None:
-        """Counters of posted enqueues (`posting`), or None where posting is off: calls posted and
-        made, how often a launch waited for room in the poster's FIFO (``room_waits``, the
-        back-pressure of 4096 calls in flight), and how often a caller waited for a posted call
-        to be made (``issue_waits``: event waits and drains). None in a forked child too."""
-        return None if self._poster is None else self._poster.state()
-
     def calibrate(self, save: bool = True) -> dict:
         """Measure this GPU's copy costs (a few seconds), use them, and save them as its
         profile (`calibration.calibrate`). Workers' launches on this backend wait meanwhile:
@@ -478,8 +453,6 @@ class CudaBackend(TorchDeviceBackend):
         from offload_core.backend import enqueue_lock  # the lock every enqueue on this backend takes
 
         with enqueue_lock(self):
-            if self._poster is not None:
-                self._poster.drain()
             return calibration.calibrate(self, save)
 
     # ---- helpers -----------------------------------------------------------

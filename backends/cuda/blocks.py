@@ -140,12 +140,9 @@ class BlockCopier:
 
     def _staging_for(self, stream) -> StagingHalves:
         b = self.backend
-        halves = StagingHalves(
+        return StagingHalves(
             b._torch, b.device, stream, b.new_stream(), half_bytes=self.half_bytes, new_event=b._marker
         )
-        if b._poster is not None:  # the side stream's calls are posted as the queue stream's are
-            b._poster.adopt(halves.side)
-        return halves
 
     def prepare(self, layout: CompactLayout) -> Prepared:
         """Upload the layout's tables, and compile the kernel for it in both directions (a
@@ -431,7 +428,6 @@ class BlockCopier:
             stream,
             programs,
             rows,
-            b._poster,
             job.simple and prepared.narrow,
             held,
             b.device_index,
@@ -453,8 +449,6 @@ class BlockCopier:
         if st.direct is None:
             b = self.backend
             stream = b.new_stream()
-            if b._poster is not None:
-                b._poster.adopt(stream)
             st.direct_go, st.direct_done = b._marker(), b._marker()
             st.direct = stream
         return st.direct

@@ -19,7 +19,6 @@ CONF_KEYS = {
     "ring_mb": "the `ring_bytes` argument, in MiB",
     "max_batch": "the `max_batch` argument",
     "sm_penalty": "the cost model's `sm_penalty` (the operator's wins over the engine's)",
-    "posted": "0 or 1: driver calls made by a thread of their own (`posting`)",
 }
 
 

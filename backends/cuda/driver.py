@@ -113,14 +113,11 @@ class Driver:
     Attributes:
         memcpy_batch: ``cuMemcpyBatchAsync`` (12.8 ABI), or None on drivers before 12.8.
         memcpy: ``cuMemcpyAsync``.
-        poster: the backend's `posting.Poster`, or None: where it adopted a stream, the calls
-            on it below go through the poster thread.
     """
 
     def __init__(self, lib: Any):
         self._attrs: dict = {}
         self._lib = lib
-        self.poster = None
         self._get_proc = GET_PROC_ADDRESS(ctypes.cast(lib.cuGetProcAddress_v2, ctypes.c_void_p).value)
         self._error_name = GET_ERROR_NAME(ctypes.cast(lib.cuGetErrorName, ctypes.c_void_p).value)
         self.memcpy_batch = self.resolve("cuMemcpyBatchAsync", BATCH_ABI_VERSION, MEMCPY_BATCH)
@@ -324,8 +321,8 @@ class Driver:
 
         Returns:
             What the caller must keep alive until the stream has passed the copies (the driver
-            does not promise to have read its argument arrays when it returns, and a posted
-            call reads them later): the caller's `held` holds it from before the first copy.
+            does not promise to have read its argument arrays when it returns): the caller's
+            `held` holds it from before the first copy.
 
         Raises:
             CudaDriverError: naming the index of the failing copy within the whole batch.
@@ -340,18 +337,6 @@ class Driver:
             held.append(keep)
         n = len(sizes)
         step = max_batch if max_batch > 0 else n
-        poster = self.poster
-        if poster is not None and poster.batch_fn is not None and poster.owns(stream):
-            from offload_core.backends.cuda.posting import BATCH
-
-            attrs_at, first_at = ctypes.addressof(attrs), ctypes.addressof(first)
-            for start in range(0, n, step):
-                d, s, z = dst.ctypes.data + 8 * start, src.ctypes.data + 8 * start, sizes.ctypes.data + 8 * start
-                count = min(step, n - start)
-                poster.call(
-                    BATCH, stream, poster.batch_fn, d, s, z, count, attrs_at, first_at, 1, poster.fail_address, stream
-                )
-            return keep
         fail = ctypes.c_size_t(0)
         for start in range(0, n, step):
             count = min(step, n - start)

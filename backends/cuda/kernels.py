@@ -228,16 +228,13 @@ def _launch(
     args: list,
     constexprs: dict,
     stream,
-    poster=None,
     key_args=None,
     device: int = 0,
     warps: int = 4,
 ) -> None:
     """Launch `kernel` on `stream`; from the second launch of a specialization on, through the
     compiled kernel's launcher with the stream handle, which skips Triton's dispatch and
-    torch's stream context (two thirds of a launch's host time). On a stream `poster` adopted,
-    the launch is posted as a plain ``cuLaunchKernel`` where the compiled kernel allows
-    (`_raw_launch`), else it waits until everything posted was issued.
+    torch's stream context (two thirds of a launch's host time).
 
     The arguments are all ints, so the key here covers everything Triton specializes on; it is
     made from `key_args` where given (values a kernel's build does not tell from `args`'), and
@@ -247,20 +244,9 @@ def _launch(
     global _fast
     key = _key(kernel, device, warps, constexprs, args if key_args is None else key_args)
     compiled = _compiled.get(key)
-    handle = stream.cuda_stream
-    posted = poster is not None and poster.owns(handle)
-    if posted and compiled is not None and poster.launch_fn is not None:
-        raw = _raw_for(key, compiled)
-        if raw is not None:
-            function, threads, shared, kept, hidden = raw
-            values = [*args, *constexprs.values()]
-            poster.launch(function, programs, threads, shared, handle, [values[i] for i in kept] + [0] * hidden)
-            return
-    if posted:
-        poster.drain()
     if compiled is not None and _fast:
         try:
-            compiled[(programs, 1, 1)](*args, *constexprs.values(), stream=handle)
+            compiled[(programs, 1, 1)](*args, *constexprs.values(), stream=stream.cuda_stream)
             return
         except (TypeError, IndexError, AttributeError):  # a Triton whose launcher differs: dispatch as usual
             _fast = False
@@ -429,18 +415,17 @@ def expand(
     stream,
     max_programs: int,
     rows: tuple[int, int, bool] | None = None,
-    poster=None,
     narrow: bool = False,
     held: list | None = None,
     device: int = 0,
 ) -> None:
     """Upload the block table of `n` blocks, `columns` (int64 arrays), through `ring` and enqueue
-    its expansion on `stream` (posted where `poster` adopted it); `entries` and `groups` are the
-    device addresses of the entry table (``ENTRY_COLUMNS``, `num_entries` wide) and of the group
-    table (first entry, count; `num_groups` wide); `per_block` is the most entries of any group.
-    `columns` None launches with no table (`n` is 0: a build's warm-up). What must outlive the
-    kernel (see `DescriptorRing.upload`) goes to `held` before the launch, which may fail with
-    the upload enqueued; `device` is the GPU's index.
+    its expansion on `stream`; `entries` and `groups` are the device addresses of the entry
+    table (``ENTRY_COLUMNS``, `num_entries` wide) and of the group table (first entry, count;
+    `num_groups` wide); `per_block` is the most entries of any group. `columns` None launches
+    with no table (`n` is 0: a build's warm-up). What must outlive the kernel (see
+    `DescriptorRing.upload`) goes to `held` before the launch, which may fail with the upload
+    enqueued; `device` is the GPU's index.
 
     The block table is `offload_core.compact.BLOCK_COLUMNS` with the host row's address in place
     of the chunk where `rows` is None; else it is a simple job's two columns, device and host
@@ -458,8 +443,7 @@ def expand(
     )
     kernel = _compile()[2]
     if columns is not None:
-        posted = poster is not None and poster.owns(stream.cuda_stream)
-        if ring.launches and not posted:
+        if ring.launches:
             raw = _raw_expansion(programs, args, constexprs, warps, device)
             if raw is not None:
                 ring.upload_launch(columns, stream, constexprs["NARROW"], *raw, held)
@@ -468,9 +452,9 @@ def expand(
         same_build = (table < 1 << 31) == (args[0] < 1 << 31)  # else one of 32 bits and one of 64
         key_args = args.copy() if same_build else None
         args[0] = table
-        _launch(kernel, programs, args, constexprs, stream, poster, key_args, device, warps)
+        _launch(kernel, programs, args, constexprs, stream, key_args, device, warps)
         return
-    _launch(kernel, programs, args, constexprs, stream, poster, device=device, warps=warps)
+    _launch(kernel, programs, args, constexprs, stream, device=device, warps=warps)
 
 
 def _expansion(
