@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -25,6 +26,9 @@ _simulations = contextlib.ExitStack()
 
 def pytest_configure(config):
     from offload_core.testing import simulated
+
+    # the cuda backend's saved profile and tuned choices: the suite's own, not the user's
+    os.environ["OFFLOAD_CORE_PROFILE_DIR"] = tempfile.mkdtemp(prefix="offload-core-test-profiles-")
 
     real = registry.availability()
     listed = _listed("OFFLOAD_CORE_SIMULATE") or set()

@@ -172,6 +172,47 @@ def test_auto_reports_its_choice_per_job():
         assert worker.stats()["store"].mechanisms[result.mechanism] == 1
 
 
+def test_auto_tries_its_candidates_and_keeps_one_per_shape_class(tmp_path, monkeypatch):
+    """`tuning` on the device: the first launches of one shape class run more than one
+    mechanism, every byte right whichever ran; once decided, the class keeps one mechanism,
+    saved per GPU model, which a new backend reads back."""
+    import torch
+
+    from offload_core.backends.cuda import tuning
+
+    monkeypatch.setenv("OFFLOAD_CORE_PROFILE_DIR", str(tmp_path))
+    monkeypatch.delenv("OFFLOAD_CORE_CUDA_CONF", raising=False)
+    backend = CudaBackend(mechanism="auto")
+    kv = small_kv(pages=(4096,) * 8, blocks=256, device=backend.device)
+    before = [t.tensor.clone() for t in kv.tensors]
+    rng = np.random.default_rng(5)
+    rounds = 4 * tuning.TRIALS + 4  # more than three candidates' trials, then decided launches
+    with OffloadWorker(kv, 256, backend=backend) as worker:
+        results = []
+        for j in range(rounds):  # one job at a time: each its own launch, all of one class
+            src, host = rng.permutation(256)[:32], rng.permutation(256)[:32]
+            assert worker.submit_store(j, DeviceBlocks(src), HostBlocks(host))
+            worker.wait([j])
+            (r,) = worker.get_finished()
+            results.append(r)
+            assert r.success
+            for t in kv.tensors:
+                t.tensor[src] = 0
+            assert worker.submit_load(1000 + j, HostBlocks(host), DeviceBlocks(src))
+            worker.wait([1000 + j])
+            (r,) = worker.get_finished()
+            assert r.success
+            for t, b in zip(kv.tensors, before):
+                assert torch.equal(t.tensor[src], b[src]), (j, r.mechanism)
+    stores = [r.mechanism for r in results]
+    winners = backend._blocks.tuner.winners()
+    assert winners, "the class was decided"
+    if len(set(stores[: 2 * tuning.TRIALS])) > 1:  # more than one candidate: tried, then one kept
+        assert len(set(stores[-3:])) == 1
+    again = CudaBackend(mechanism="auto")
+    assert again._blocks.tuner.winners() == winners
+
+
 def test_a_store_sees_what_a_running_kernel_writes(forced):
     import torch
 
@@ -372,7 +413,7 @@ def test_compact_jobs_auto_sends_past_staging_are_bit_exact(pages, per_job, expe
 
     if penalty:
         monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", f"sm_penalty:{penalty}")
-    backend = CudaBackend(mechanism="auto")
+    backend = CudaBackend(mechanism="auto", tune=False)  # the cost model's rules, untried
     blocks, jobs = 4 * per_job, 4
     kv = small_kv(pages=pages, blocks=blocks, device=backend.device)
     before = [t.tensor.clone() for t in kv.tensors]

@@ -696,13 +696,19 @@ class FakeCudaRuntime:
             self._lib.calls.append(("device_synchronize", index))
 
 
-def host_only_backend(monkeypatch, lib, triton=True, mechanism="auto", cost=None):
-    """A CudaBackend over a stand-in libcuda and runtime: the table decides what is available."""
+def host_only_backend(monkeypatch, lib, triton=True, mechanism="auto", cost=None, tune=False):
+    """A CudaBackend over a stand-in libcuda and runtime: the table decides what is available.
+    `auto` is the cost model's alone unless `tune` (the tuner has tests of its own:
+    test_cuda_tuning.py)."""
     from offload_core.backends.cuda import CudaBackend
 
     monkeypatch.setattr(kernels, "why_unavailable", (lambda: None) if triton else (lambda: "triton is not importable"))
     return CudaBackend(
-        mechanism=mechanism, cost_model=cost or CostModel(), driver=drv.Driver(lib), runtime=FakeCudaRuntime(lib)
+        mechanism=mechanism,
+        cost_model=cost or CostModel(),
+        driver=drv.Driver(lib),
+        runtime=FakeCudaRuntime(lib),
+        tune=tune,
     )
 
 
@@ -1558,6 +1564,29 @@ def test_settings_come_from_the_conf_and_default_where_unset_or_empty(monkeypatc
     assert backend.cost.sm_penalty == 3.5
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "sm_penalty:")
     assert host_only_backend(monkeypatch, FakeLib()).cost.sm_penalty == CostModel().sm_penalty
+
+
+def test_auto_is_measured_by_default_and_the_conf_can_turn_it_off(monkeypatch, tmp_path):
+    from offload_core import ConfigError
+    from offload_core.backends.cuda import calibration
+    from offload_core.backends.cuda.tuning import ShapeClass
+
+    monkeypatch.setenv("OFFLOAD_CORE_PROFILE_DIR", str(tmp_path))
+    backend = host_only_backend(monkeypatch, FakeLib(), tune=None)
+    tuner = backend._blocks.tuner
+    assert tuner is not None and tuner.path.parent == tmp_path and tuner.path.name.endswith("-tuned.json")
+    # a calibration changes the prior: what was decided under the old one is measured again
+    key = ShapeClass("store", 12, 15, 9, False)
+    tuner._saved[key] = "expand_direct"
+    monkeypatch.setattr(calibration, "calibrate", lambda backend, save: {"saved": save})
+    assert backend.calibrate(save=False) == {"saved": False}
+    assert tuner.decided(key) is None
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "tune:0")
+    assert host_only_backend(monkeypatch, FakeLib(), tune=None)._blocks.tuner is None
+    assert host_only_backend(monkeypatch, FakeLib(), tune=True)._blocks.tuner is not None  # the argument wins
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "tune:2")
+    with pytest.raises(ConfigError, match="must be 0 or 1, got 2"):
+        host_only_backend(monkeypatch, FakeLib(), tune=None)
 
 
 def test_kernels_that_copy_across_the_link_get_the_programs_of_their_direction(monkeypatch):

@@ -45,8 +45,9 @@ from offload_core.backends.cuda.driver import (
 from offload_core.backends.cuda.events import DriverEvent, RawStream
 from offload_core.backends.cuda.mechanisms import BLOCK_MECHANISMS, MECHANISMS, TABLE, contenders
 from offload_core.backends.cuda.ring import DescriptorRing
-from offload_core.backends.cuda.select import CostModel
+from offload_core.backends.cuda.select import CostModel, profile_path
 from offload_core.backends.cuda.staging import Held, PerStream, StagedPair
+from offload_core.backends.cuda.tuning import Tuner
 from offload_core.backends.torch_device import Runtime, TorchDeviceBackend, TorchRuntime
 from offload_core.errors import ConfigError
 
@@ -86,6 +87,10 @@ class CudaBackend(TorchDeviceBackend):
             next enqueue wait for its oldest job; default ``ring_mb`` of the conf or 16 MiB.
         max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 for no limit; default
             ``max_batch`` of the conf or 0.
+        tune: whether auto measures its choices (`tuning`): the first launches of each shape
+            class try the mechanisms the cost model rates near its pick, and the class keeps
+            the fastest, saved per GPU model beside its profile; False: the cost model's
+            rules alone. Default ``tune`` of the conf (0 or 1) or True.
         cost_model: the selection model; default the calibrated profile of this GPU model if
             one is saved, else H200 defaults. ``sm_penalty`` of the conf replaces its
             `sm_penalty`, also in a model passed here (an operator's setting wins over the
@@ -135,6 +140,7 @@ class CudaBackend(TorchDeviceBackend):
         staging_bytes: int | None = None,
         ring_bytes: int | None = None,
         max_batch: int | None = None,
+        tune: bool | None = None,
         cost_model: CostModel | None = None,
         driver: Driver | None = None,
         runtime: Runtime | None = None,
@@ -168,7 +174,13 @@ class CudaBackend(TorchDeviceBackend):
         self._threads = threading.local()  # `in_context`: the GPU's context was made current on this thread
         self._spare_events: list = []
         self._staged_buffers = PerStream(lambda stream: StagedPair(self, stream))
-        self._blocks = BlockCopier(self, self.staging_bytes)
+        tune = _setting(settings, "tune", 1, given=None if tune is None else int(tune), argument="tune", zero=True)
+        if tune not in (0, 1):
+            raise ConfigError(f"tune ({ENV_CONF} tune, or the argument) must be 0 or 1, got {tune!r}")
+        # auto's choices measured per shape class, kept per GPU model beside its profile
+        path = profile_path(runtime.get_device_name(self._device))
+        tuner = Tuner(path.with_name(path.stem + "-tuned.json")) if tune else None
+        self._blocks = BlockCopier(self, self.staging_bytes, tuner)
         sms = runtime.get_device_properties(self._device).multi_processor_count
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
         # the hot path's events and compute stream through the driver, where it has them all
@@ -453,7 +465,10 @@ class CudaBackend(TorchDeviceBackend):
         from offload_core.backend import enqueue_lock  # the lock every enqueue on this backend takes
 
         with enqueue_lock(self):
-            return calibration.calibrate(self, save)
+            measured = calibration.calibrate(self, save)
+            if self._blocks.tuner is not None:  # measured under the old prior: measure again
+                self._blocks.tuner.forget()
+            return measured
 
     # ---- helpers -----------------------------------------------------------
 

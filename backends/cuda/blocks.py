@@ -32,12 +32,13 @@ mechanisms, which says whether they can run.
 from __future__ import annotations
 
 import abc
+import time
 from typing import ClassVar
 
 import numpy as np
 
 from offload_core.backend import Direction
-from offload_core.backends.cuda import kernels
+from offload_core.backends.cuda import kernels, tuning
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 from offload_core.backends.cuda.select import CostModel
 from offload_core.backends.cuda.staging import PerStream, StagingHalves
@@ -131,12 +132,15 @@ class BlockCopier:
     Args:
         backend: the backend (its driver, ring, streams and host ranges).
         half_bytes: bytes of each staging half.
+        tuner: where auto's choices are measured (`tuning`), or None: the cost model's rules alone.
     """
 
-    def __init__(self, backend, half_bytes: int):
+    def __init__(self, backend, half_bytes: int, tuner: tuning.Tuner | None = None):
         self.backend = backend
         self.half_bytes = half_bytes
         self.staging = PerStream(self._staging_for)
+        self.tuner = tuner
+        self.timings = tuning.Timings(tuner) if tuner is not None else None
 
     def _staging_for(self, stream) -> StagingHalves:
         b = self.backend
@@ -190,7 +194,7 @@ class BlockCopier:
             prepared.direct_ok = span > 0 and self.backend.addressable(np.array([layout.host_base]), np.array([span]))
         return prepared.direct_ok
 
-    def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
+    def choose(self, job: CompactJob, prepared: Prepared, summary: tuple[int, int] | None = None) -> JobMechanism:
         """``expand_direct`` for small jobs (`HOST_BOUND_BYTES` on average; stores of pages from
         `SIZED_PAGE` to `DIRECT_STORE_PAGE` up to `DIRECT_STORE_BYTES`) whose host rows stay
         mostly apart (segments at least half the rows), where the rows are addressable and the
@@ -202,7 +206,8 @@ class BlockCopier:
         on loads, mostly small enough that the batch call moves them through the CPU (ties go to
         staging, which leaves the SMs alone). Where a host row does not fit a staging half:
         ``expand_direct`` if it is addressable and cheaper, else ``ce_batch`` (host-expanded);
-        where staging's gather would join nothing (`GATHER_PIECES`), ``ce_batch`` too."""
+        where staging's gather would join nothing (`GATHER_PIECES`), ``ce_batch`` too.
+        `summary`: the job's `CompactLayout.segment_summary`, where the caller has it."""
         cost, d = self.backend.cost, job.direction.value
         if prepared.layout.row_bytes > self.half_bytes:  # staging cannot hold a row
             if self.direct_ok(prepared) and (
@@ -211,7 +216,7 @@ class BlockCopier:
             ):
                 return EXPAND_DIRECT
             return HOST_EXPANDED
-        count, small = prepared.layout.segment_summary(job, self._small_limit(job.direction))
+        count, small = summary or prepared.layout.segment_summary(job, self._small_limit(job.direction))
         if self._host_bound(job, count) and self.direct_ok(prepared):
             return EXPAND_DIRECT
         if self._splits(job, count) and self.direct_ok(prepared):
@@ -318,13 +323,60 @@ class BlockCopier:
     ) -> str:
         """Enqueue `job` on `stream` (the queue's, which waits already for `after`: the compute
         streams' events and the hazards' ends, which are also `job.host_after`) by `forced`, or by
-        what `choose` picks; returns the mechanism used."""
-        mechanism = forced or self.choose(job, prepared)
+        what auto picks (`choose`, measured by the tuner where there is one: `_tuned`);
+        returns the mechanism used."""
+        key = timed = None
+        if forced is not None:
+            mechanism = forced
+        elif self.tuner is not None:
+            mechanism, key, timed = self._tuned(job, prepared)
+        else:
+            mechanism = self.choose(job, prepared)
         if mechanism is EXPAND_SPLIT and not self.split_at(job):
             mechanism = EXPAND_STAGED
         segments = prepared.layout.segments(job) if mechanism.needs_segments else None
+        if not timed:
+            mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
+            return mechanism.name
+        # a trial: the launch between two events on the stream (every side stream of the job
+        # is joined into it before `enqueue_job` returns), and the host's clock around it
+        b = self.backend
+        start, end = b.new_event(), b.new_event()
+        start.record(stream)
+        t0 = time.perf_counter()
         mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
+        host_s = time.perf_counter() - t0
+        end.record(stream)
+        self.timings.add(key, mechanism.name, job.nbytes, host_s, start, end)
         return mechanism.name
+
+    def _tuned(self, job: CompactJob, prepared: Prepared) -> tuple[JobMechanism, tuning.ShapeClass, bool]:
+        """Auto's mechanism for `job` by measurement: its shape class's winner where one is
+        decided and can run here, else the tuner's pick among the candidates the cost model
+        rates near its own choice (`tuning.candidates`); and whether to time the launch.
+        ``expand_split`` (the operator lowered the SM penalty) is never put on trial."""
+        self.timings.collect()
+        layout = prepared.layout
+        summary = layout.segment_summary(job, self._small_limit(job.direction))
+        count, small = summary
+        per_job, d = job.nbytes // max(1, job.jobs), job.direction.value
+        key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids.size, count)
+        prior = self.choose(job, prepared, summary)
+        if prior is EXPAND_SPLIT:
+            return prior, key, False
+        estimates = self._estimates(job, prepared, count, small)
+        name, timed = self.tuner.pick(key, tuning.candidates(estimates, prior.name))
+        return _BY_NAME[name], key, timed and self.timings.room()
+
+    def _estimates(self, job: CompactJob, prepared: Prepared, count: int, small: int) -> dict[str, float]:
+        """The cost model's seconds for `job` by each mechanism that can move it here."""
+        cost, d = self.backend.cost, job.direction.value
+        out = {HOST_EXPANDED.name: cost.estimate("ce_batch", d, max(1, job.items), job.nbytes)}
+        if prepared.layout.row_bytes <= self.half_bytes:
+            out[EXPAND_STAGED.name] = cost.estimate_job("expand_staged", d, job.items, job.nbytes, count, small)
+        if self.direct_ok(prepared):
+            out[EXPAND_DIRECT.name] = cost.estimate_job("expand_direct", d, job.items, job.nbytes, count)
+        return out
 
     def join_plan(self, jobs: list[CompactJob], prepared: Prepared | None) -> tuple | None:
         """How to enqueue consecutive simple jobs as `copy` would enqueue them joined, in host
@@ -353,6 +405,12 @@ class BlockCopier:
             n, nbytes, count, items = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs, items + job.items
         if self._split_sized(direction, layout, nbytes, count):  # `choose` may split them: not here
             return None
+        if self.tuner is not None:
+            # joined launches are not timed: they go direct only once the class (rows apart, as
+            # the join takes them) has been decided for it, the trials through `copy` meanwhile
+            key = tuning.shape_class(direction.value, layout.smallest, layout.row_bytes, nbytes // max(1, count), n, n)
+            if self.tuner.decided(key) != EXPAND_DIRECT.name:
+                return None
         row = layout.row_bytes
         short = int(self._small_limit(direction)) // row  # rows in a segment small enough to count
         host_bound = self._small_jobs(direction, layout, nbytes, count)
@@ -649,6 +707,7 @@ HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT = (
     ExpandDirect(),
     ExpandSplit(),
 )
+_BY_NAME = {m.name: m for m in (HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT)}
 
 
 def _mid_sized_store(direction: Direction, layout: CompactLayout) -> bool:

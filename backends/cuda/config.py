@@ -19,6 +19,7 @@ CONF_KEYS = {
     "ring_mb": "the `ring_bytes` argument, in MiB",
     "max_batch": "the `max_batch` argument",
     "sm_penalty": "the cost model's `sm_penalty` (the operator's wins over the engine's)",
+    "tune": "the `tune` argument: 1 measures auto's choices per shape class, 0 keeps the cost model's",
 }
 
 

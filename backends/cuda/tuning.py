@@ -1,0 +1,214 @@
+"""`auto` by measurement: the first launches of each shape class try the mechanisms the cost
+model rates close to its own pick, timed on the host and the device, and the class keeps the
+fastest (as cuDNN's benchmark mode and Triton's autotune do). The cost model stays the prior:
+it names the candidates and wins ties, so its sparing of the SMs holds where measurements
+cannot tell the candidates apart. Winners persist per GPU model beside its calibration profile
+(`select.profile_path`), so later processes on that GPU model start from them.
+
+A shape class is what decides between the mechanisms and stays put over an engine's life: the
+direction, the layout's smallest entry and host row (powers of two), the bytes per job (powers
+of four), and whether the host rows come in runs. Each launch of a class under trial is timed
+by two events around its enqueue on the copy stream (its device time, from the moment the
+stream reaches it) and by the host's clock around the enqueue; its cost is the larger of the
+two per byte, since the host prepares the next launch while the device moves this one.
+
+Every setting of the search is a module constant here; tests inject timings, not thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+from pathlib import Path
+from typing import NamedTuple
+
+log = logging.getLogger(__name__)
+
+TRIALS = 3  # timed launches per candidate; the median decides
+WITHIN = 2.0  # the candidates: mechanisms the cost model rates at most this many times its pick
+MARGIN = 0.05  # another candidate replaces the cost model's pick only if this much faster
+MAX_PENDING = 64  # timed launches whose events have not passed yet, at most (more go untimed)
+
+
+class ShapeClass(NamedTuple):
+    direction: str  # "store" or "load"
+    entry: int  # log2 of the layout's smallest entry (page or head fragment)
+    row: int  # log2 of a host row
+    job: int  # log4 of the bytes per job
+    runs: bool  # host rows mostly in runs (fewer segments than half the rows)
+
+    def name(self) -> str:
+        return f"{self.direction}:{self.entry}:{self.row}:{self.job}:{int(self.runs)}"
+
+    @classmethod
+    def parse(cls, text: str) -> ShapeClass:
+        d, e, r, j, runs = text.split(":")
+        return cls(d, int(e), int(r), int(j), runs == "1")
+
+
+def shape_class(direction: str, smallest: int, row_bytes: int, job_bytes: int, rows: int, segments: int) -> ShapeClass:
+    """The class of a launch: `job_bytes` per job, over `rows` host rows that merge into
+    `segments` host-contiguous segments."""
+    return ShapeClass(
+        direction,
+        max(0, int(math.log2(max(1, smallest)))),
+        max(0, int(math.log2(max(1, row_bytes)))),
+        max(0, int(math.log(max(1, job_bytes), 4))),
+        2 * segments < rows,
+    )
+
+
+def candidates(estimates: dict[str, float], prior: str) -> list[str]:
+    """The mechanisms to try for a class, the cost model's pick `prior` first: those whose
+    estimated cost (`estimates`, seconds by name) is at most `WITHIN` times the prior's."""
+    limit = WITHIN * estimates.get(prior, math.inf)
+    rest = sorted((cost, name) for name, cost in estimates.items() if name != prior and cost <= limit)
+    return [prior] + [name for _, name in rest]
+
+
+class _Trial:
+    __slots__ = ("candidates", "costs", "winner")
+
+    def __init__(self, names: list[str]):
+        self.candidates = names
+        self.costs: dict[str, list[float]] = {n: [] for n in names}
+        self.winner: str | None = names[0] if len(names) == 1 else None
+
+
+class Tuner:
+    """The winners per shape class, and the trials still under way. Safe to call from any
+    thread (the backend's enqueues are serialized, but results are read where they pass).
+
+    Args:
+        path: where the winners persist (a JSON file), or None to keep them in memory.
+    """
+
+    def __init__(self, path: Path | None = None):
+        self.path = path
+        self._lock = threading.Lock()
+        self._trials: dict[ShapeClass, _Trial] = {}
+        self._saved: dict[ShapeClass, str] = {}
+        if path is not None:
+            self._saved = _load(path)
+
+    def pick(self, key: ShapeClass, names: list[str]) -> tuple[str, bool]:
+        """The mechanism for a launch of class `key` among `names` (the cost model's pick
+        first: `candidates`), and whether to time it (a trial)."""
+        with self._lock:
+            saved = self._saved.get(key)
+            if saved is not None and saved in names:
+                return saved, False
+            trial = self._trials.get(key)
+            if trial is None or trial.candidates != names:
+                trial = self._trials[key] = _Trial(names)
+            if trial.winner is not None:
+                return trial.winner, False
+            name = min(names, key=lambda n: len(trial.costs[n]))  # the least tried, the prior first
+            return name, True
+
+    def decided(self, key: ShapeClass) -> str | None:
+        """The winner of class `key`, or None while it is undecided."""
+        with self._lock:
+            return self._saved.get(key)
+
+    def observe(self, key: ShapeClass, name: str, nbytes: int, host_s: float, device_s: float) -> None:
+        """Record a timed launch of class `key` by `name`: `nbytes` moved, `host_s` of enqueue
+        and `device_s` on the stream. Decides the class once every candidate has `TRIALS`."""
+        with self._lock:
+            trial = self._trials.get(key)
+            if trial is None or trial.winner is not None or name not in trial.costs:
+                return
+            trial.costs[name].append(max(host_s, device_s) / max(1, nbytes))
+            if any(len(c) < TRIALS for c in trial.costs.values()):
+                return
+            medians = {n: sorted(c)[len(c) // 2] for n, c in trial.costs.items()}
+            prior = trial.candidates[0]
+            best = min(medians, key=medians.get)
+            trial.winner = best if medians[best] < (1 - MARGIN) * medians[prior] else prior
+            self._saved[key] = trial.winner
+            winners = dict(self._saved)
+        log.info(
+            "cuda auto: %s -> %s (seconds per GiB: %s)",
+            key.name(),
+            trial.winner,
+            {n: round(m * (1 << 30), 4) for n, m in medians.items()},
+        )
+        if self.path is not None:
+            _save(self.path, winners)
+
+    def winners(self) -> dict[str, str]:
+        """The decided classes, by name (`ShapeClass.name`)."""
+        with self._lock:
+            return {k.name(): v for k, v in self._saved.items()}
+
+    def forget(self) -> None:
+        """Drop every winner and trial (after a calibration: the prior changed)."""
+        with self._lock:
+            self._saved.clear()
+            self._trials.clear()
+        if self.path is not None:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", self.path, exc)
+
+
+class Timings:
+    """Timed launches whose events have not passed yet: each is `(key, name, nbytes, host_s,
+    start, end)`, handed to the tuner once `end` has passed (asked without blocking, at the
+    next launch), or dropped where its events report a fault."""
+
+    def __init__(self, tuner: Tuner):
+        self.tuner = tuner
+        self._pending: list[tuple] = []
+
+    def room(self) -> bool:
+        return len(self._pending) < MAX_PENDING
+
+    def add(self, key, name, nbytes, host_s, start, end) -> None:
+        self._pending.append((key, name, nbytes, host_s, start, end))
+
+    def collect(self) -> None:
+        """Hand every timed launch that has passed to the tuner, in order."""
+        done = 0
+        for key, name, nbytes, host_s, start, end in self._pending:
+            try:
+                if not end.query():
+                    break
+                device_s = start.elapsed_time(end) / 1e3
+            except Exception:  # a fault: the queue reports it with the jobs; no timing from it
+                done += 1
+                continue
+            done += 1
+            self.tuner.observe(key, name, nbytes, host_s, device_s)
+        del self._pending[:done]
+
+
+def _load(path: Path) -> dict[ShapeClass, str]:
+    try:
+        raw = json.loads(path.read_text())
+        return {ShapeClass.parse(k): str(v) for k, v in raw.get("winners", {}).items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("ignoring unreadable cuda tuning file %s: %s", path, exc)
+        return {}
+
+
+def _save(path: Path, winners: dict[ShapeClass, str]) -> None:
+    """Merge `winners` into the file (other processes on this GPU model write it too), by
+    writing a new file and renaming it over the old one."""
+    merged = {k.name(): v for k, v in _load(path).items()}
+    merged.update({k.name(): v for k, v in winners.items()})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(json.dumps({"winners": merged}, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot save cuda tuning to %s: %s", path, exc)

@@ -1,0 +1,240 @@
+"""`auto` by measurement (`backends/cuda/tuning.py`): the choosing logic against injected
+timings. No GPU: the tuner sees only names, bytes and seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from offload_core import DeviceBlocks, Direction, HostBlocks
+from offload_core.backends.cuda import tuning
+from offload_core.backends.cuda.tuning import ShapeClass, Timings, Tuner, candidates, shape_class
+
+KEY = shape_class("store", 4096, 4096 * 64, 4 << 20, rows=1024, segments=1000)
+
+
+def run_trial(tuner: Tuner, key: ShapeClass, names: list[str], seconds: dict[str, float], nbytes: int = 1 << 20):
+    """Launch until the class is decided, each launch of `name` taking `seconds[name]` on the
+    device (and a tenth of it on the host); returns the picks in order."""
+    picks = []
+    for _ in range(10 * len(names) * tuning.TRIALS):
+        name, timed = tuner.pick(key, names)
+        picks.append((name, timed))
+        if not timed:
+            return picks
+        tuner.observe(key, name, nbytes, seconds[name] / 10, seconds[name])
+    raise AssertionError(f"no decision after {len(picks)} launches")
+
+
+def test_the_class_tries_each_candidate_then_keeps_the_fastest():
+    tuner = Tuner()
+    names = ["expand_staged", "expand_direct", "ce_batch"]
+    picks = run_trial(tuner, KEY, names, {"expand_staged": 2.0, "expand_direct": 1.0, "ce_batch": 3.0})
+    timed = [n for n, t in picks if t]
+    assert timed[0] == "expand_staged"  # the cost model's pick goes first
+    assert sorted(timed) == sorted(names * tuning.TRIALS)
+    assert picks[-1] == ("expand_direct", False)
+    assert tuner.pick(KEY, names) == ("expand_direct", False)
+    assert tuner.winners() == {KEY.name(): "expand_direct"}
+
+
+def test_a_challenger_within_the_margin_leaves_the_prior():
+    tuner = Tuner()
+    names = ["expand_staged", "expand_direct"]
+    near = 1.0 - tuning.MARGIN / 2
+    run_trial(tuner, KEY, names, {"expand_staged": 1.0, "expand_direct": near})
+    assert tuner.pick(KEY, names) == ("expand_staged", False)
+
+
+def test_the_host_time_counts_where_it_exceeds_the_device_time():
+    tuner = Tuner()
+    names = ["expand_staged", "expand_direct"]
+    for _ in range(tuning.TRIALS):
+        for name in names:
+            assert tuner.pick(KEY, names)[1]
+            # staged: fast on the device, slow on the host (a batched copy per host row)
+            host, device = (5.0, 1.0) if name == "expand_staged" else (2.0, 2.0)
+            tuner.observe(KEY, name, 1 << 20, host, device)
+    assert tuner.pick(KEY, names) == ("expand_direct", False)
+
+
+def test_the_median_decides_not_one_slow_launch():
+    tuner = Tuner()
+    names = ["expand_staged", "expand_direct"]
+    costs = {"expand_staged": iter([1.0, 9.0, 1.0]), "expand_direct": iter([2.0, 2.0, 2.0])}
+    while True:
+        name, timed = tuner.pick(KEY, names)
+        if not timed:
+            break
+        tuner.observe(KEY, name, 1 << 20, 0.0, next(costs[name]))
+    assert name == "expand_staged"
+
+
+def test_one_candidate_is_never_timed():
+    assert Tuner().pick(KEY, ["ce_batch"]) == ("ce_batch", False)
+
+
+def test_classes_are_decided_apart():
+    tuner = Tuner()
+    names = ["expand_staged", "expand_direct"]
+    other = KEY._replace(direction="load")
+    run_trial(tuner, KEY, names, {"expand_staged": 2.0, "expand_direct": 1.0})
+    assert tuner.pick(other, names) == ("expand_staged", True)
+
+
+def test_a_saved_winner_that_is_no_candidate_here_is_tried_again():
+    tuner = Tuner()
+    run_trial(tuner, KEY, ["expand_staged", "expand_direct"], {"expand_staged": 2.0, "expand_direct": 1.0})
+    # the host rows of another worker are not addressable: expand_direct is no candidate there
+    assert tuner.pick(KEY, ["expand_staged", "ce_batch"]) == ("expand_staged", True)
+
+
+def test_winners_persist_per_file_and_merge(tmp_path):
+    path = tmp_path / "tuned.json"
+    first = Tuner(path)
+    run_trial(first, KEY, ["expand_staged", "expand_direct"], {"expand_staged": 2.0, "expand_direct": 1.0})
+    other = KEY._replace(job=KEY.job + 1)
+    second = Tuner(path)  # another process, started before the first decided its class
+    run_trial(second, other, ["expand_staged", "ce_batch"], {"expand_staged": 1.0, "ce_batch": 3.0})
+    saved = json.loads(path.read_text())["winners"]
+    assert saved == {KEY.name(): "expand_direct", other.name(): "expand_staged"}
+    third = Tuner(path)
+    assert third.pick(KEY, ["expand_staged", "expand_direct"]) == ("expand_direct", False)
+    third.forget()
+    assert not path.exists()
+    assert third.pick(KEY, ["expand_staged", "expand_direct"]) == ("expand_staged", True)
+
+
+def test_an_unreadable_file_is_ignored(tmp_path, caplog):
+    path = tmp_path / "tuned.json"
+    path.write_text("{not json")
+    tuner = Tuner(path)
+    assert tuner.pick(KEY, ["expand_staged", "expand_direct"]) == ("expand_staged", True)
+    assert "unreadable" in caplog.text
+
+
+def test_candidates_are_those_the_cost_model_rates_near_its_pick():
+    estimates = {"expand_staged": 1.0, "expand_direct": 1.5, "ce_batch": tuning.WITHIN * 1.01, "expand_split": 0.9}
+    assert candidates(estimates, "expand_staged") == ["expand_staged", "expand_split", "expand_direct"]
+
+
+def test_shape_classes_bucket_what_decides():
+    a = shape_class("load", 4096, 1 << 18, 4 << 20, rows=64, segments=64)
+    assert a == ShapeClass("load", 12, 18, 11, False)
+    assert shape_class("load", 4096, 1 << 18, 5 << 20, rows=64, segments=64) == a  # same power of four
+    assert shape_class("load", 4096, 1 << 18, 4 << 20, rows=64, segments=8).runs
+    assert ShapeClass.parse(a.name()) == a
+
+
+class Event:
+    def __init__(self, passed=True, fault=False, ms=1.0):
+        self.passed, self.fault, self.ms = passed, fault, ms
+
+    def query(self):
+        if self.fault:
+            raise RuntimeError("device fault")
+        return self.passed
+
+    def elapsed_time(self, end):
+        return end.ms
+
+
+def test_timings_reach_the_tuner_once_their_events_passed():
+    seen = []
+
+    class Recorder(Tuner):
+        def observe(self, key, name, nbytes, host_s, device_s):
+            seen.append((name, nbytes, host_s, device_s))
+
+    timings = Timings(Recorder())
+    late = Event(passed=False, ms=4.0)
+    timings.add(KEY, "a", 1, 0.5, Event(), Event(ms=2.0))
+    timings.add(KEY, "b", 2, 0.5, Event(), Event(fault=True))  # no timing from a fault
+    timings.add(KEY, "c", 3, 0.5, Event(), late)
+    timings.add(KEY, "d", 4, 0.5, Event(), Event(ms=1.0))  # after c, in order
+    timings.collect()
+    assert seen == [("a", 1, 0.5, 0.002)]
+    late.passed = True
+    timings.collect()
+    assert seen == [("a", 1, 0.5, 0.002), ("c", 3, 0.5, 0.004), ("d", 4, 0.5, 0.001)]
+
+
+def test_timings_room_is_bounded():
+    timings = Timings(Tuner())
+    for _ in range(tuning.MAX_PENDING):
+        assert timings.room()
+        timings.add(KEY, "a", 1, 0.0, Event(), Event(passed=False))
+    assert not timings.room()
+
+
+@pytest.mark.parametrize("seconds", [{"expand_staged": 1.0, "expand_direct": 1.0}])
+def test_a_tie_keeps_the_prior(seconds):
+    tuner = Tuner()
+    run_trial(tuner, KEY, ["expand_staged", "expand_direct"], seconds)
+    assert tuner.pick(KEY, ["expand_staged", "expand_direct"])[0] == "expand_staged"
+
+
+# ---- wired into the copier: `BlockCopier.copy` under auto -----------------------------------
+
+
+class Clock:
+    """The device's clock as the stub mechanisms advance it; events read it when recorded."""
+
+    now = 0.0
+
+
+class TimedEvent:
+    def record(self, stream):
+        self.t = Clock.now
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def copier_over_stubs(monkeypatch, seconds: dict[str, float]):
+    """A BlockCopier whose mechanisms note their name and take `seconds[name]` of device time,
+    over a real worker layout (8 tensors of 4 KiB pages, host rows addressable)."""
+    from types import SimpleNamespace
+
+    from helpers import small_kv
+
+    from offload_core import OffloadWorker
+    from offload_core.backends.cuda import blocks
+    from offload_core.backends.cuda.select import CostModel
+
+    ran = []
+    for mechanism in (blocks.EXPAND_STAGED, blocks.EXPAND_DIRECT, blocks.HOST_EXPANDED):
+
+        def enqueue_job(copier, job, prepared, segments, stream, after, held, name=mechanism.name):
+            ran.append(name)
+            Clock.now += seconds[name]
+
+        monkeypatch.setattr(mechanism, "enqueue_job", enqueue_job)
+    backend = SimpleNamespace(cost=CostModel(), new_event=TimedEvent, addressable=lambda *a: True)
+    copier = blocks.BlockCopier(backend, 16 << 20, Tuner())
+    worker = OffloadWorker(small_kv(pages=(4096,) * 8, blocks=64), 64, backend="cpu")
+    layout = worker._layout
+    prepared = SimpleNamespace(layout=layout, direct_ok=True, whole_rows={d: True for d in Direction})
+    return copier, layout, prepared, ran, worker
+
+
+@pytest.mark.parametrize("fast", ["expand_staged", "expand_direct"])
+def test_auto_runs_the_trials_then_the_winner(monkeypatch, fast):
+    seconds = {"expand_staged": 3e-3, "expand_direct": 3e-3, "ce_batch": 2e-3, fast: 1e-3}
+    copier, layout, prepared, ran, worker = copier_over_stubs(monkeypatch, seconds)
+    with worker:
+        job = layout.job(Direction.STORE, DeviceBlocks(list(range(16))), HostBlocks(list(range(0, 32, 2))))
+        prior = copier.choose(job, prepared).name
+        for _ in range(12):
+            assert copier.copy(job, prepared, "stream", [], []) == ran[-1]
+    assert ran[0] == prior  # the cost model's pick goes first
+    tried = set(ran[: len(ran) - 1])
+    assert prior in tried and len(tried) >= 2
+    # once decided, every launch of the class goes to the fastest candidate tried
+    winner = min(tried, key=seconds.get)
+    assert winner == fast and ran[-3:] == [winner] * 3
+    assert copier.tuner.winners() == {next(iter(copier.tuner._saved)).name(): winner}
