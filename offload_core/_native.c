@@ -468,7 +468,7 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
     int code = 0, result = 0;
     /* keep_gil for an event's record and query, once or twice a job: letting go of the GIL
      * there handed it to the queue's launcher thread and back, 15-20 us more CPU a job at 1 MiB
-     * jobs on the H200 (docs/dev/cuda-tuning-log.md). Such a call can still wait for the device
+     * jobs on the H200. Such a call can still wait for the device
      * where a stream's command queue is full; other threads then wait too, for as long. */
     PyThreadState *saved = keep_gil ? NULL : PyEval_SaveThread();
     int pushed = enter_context(v[0], v[1], v[4], &code);

@@ -57,8 +57,7 @@ log = logging.getLogger(__name__)
 
 # Programs of the kernels that copy across the link: each holds an SM the model's kernels cannot
 # use while the bytes cross. On an H200, 8 keep the link as busy with stores (posted writes) as 32
-# did; loads wait for every read to come back and need more in flight (docs/dev/cuda-tuning-log.md,
-# 2026-12-01 (5)).
+# did; loads wait for every read to come back and need more in flight.
 SM_PROGRAMS = {Direction.STORE: 8, Direction.LOAD: 32}
 
 

@@ -96,7 +96,7 @@ JOIN_BACKOFF = 64  # launches that go to `BlockCopier.copy` at most after a decl
 # `expand_split`'s share of a store's blocks sent direct. 4 MiB stores of 1-4 KiB pages over 64
 # tensors on the H200, device time: half to 5/8 direct (on 2 programs) moved 0.91-0.96 of the
 # link, against 0.76-0.85 direct alone and 0.84-0.90 staged alone; loads gained nothing over
-# staging (docs/dev/cuda-tuning-log.md, 2026-12-03 (21)).
+# staging.
 SPLIT_DIRECT_SHARE = 0.5
 
 

@@ -90,7 +90,7 @@ def time_both(backend, mechanism: str, store_args, load_args, *, released: str, 
     each copy stream then waits for: ``"together"``, that one event (both start at the same
     instant, as when both wait for the same compute), or ``"own"``, a short sleep on its own
     stream, both released by that event (each starts after its own stream's earlier work, at
-    the same time). The H200's copy engines treat the two differently: see docs/dev/cuda-tuning-log.md.
+    the same time). The H200's copy engines treat the two differently.
     An earlier "own" slept each copy stream separately, so the second stream started one
     launch later than the first, and a short job counted that as its own time.
     """

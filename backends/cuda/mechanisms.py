@@ -130,7 +130,7 @@ class Staged(Mechanism):
     straight through the copy engines.
 
     Staging pays where a job's fragments form few host runs, so the bookkeeping per piece
-    and run is plain Python: numpy's fixed cost per call dominated it (docs/dev/cuda-tuning-log.md).
+    and run is plain Python: numpy's fixed cost per call dominated it.
     """
 
     name = "staged"

@@ -22,8 +22,8 @@ other direction, which a one-job estimate cannot see. So it wins only where noth
 moves a job well: small fragments scattered on the host side too (canonical layouts), and
 small jobs, where staging's per-piece host time dominates.
 
-The defaults are an H200's; the measurements behind them and behind these forms are in
-docs/dev/cuda-tuning-log.md. `offload-core calibrate` replaces them with this GPU's.
+The defaults are an H200's (the measurements behind them are in the git history);
+`offload-core calibrate` replaces them with this GPU's.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from offload_core.runs import run_starts
 
 @dataclass
 class CostModel:
-    """Seconds a job takes, per mechanism. Defaults: NVIDIA H200, PCIe Gen5 (docs/dev/cuda-tuning-log.md)."""
+    """Seconds a job takes, per mechanism. Defaults: NVIDIA H200, PCIe Gen5."""
 
     ce_desc_s: dict = field(default_factory=lambda: {"store": 223e-9, "load": 262e-9})  # 256 B copies: 1.1 / 1.0 GB/s
     ce_gbps: dict = field(default_factory=lambda: {"store": 55.3, "load": 55.5})
