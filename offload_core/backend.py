@@ -172,8 +172,10 @@ class Backend(abc.ABC):
 
         Enqueue only, as `copy_batch`. The job's arrays stay alive and unchanged until an event
         recorded after this call completes; the ids are validated against the layout. `stream`
-        already waits for the events `after` (recorded on the compute streams of the jobs in
-        it); a backend that copies on other streams of its own must make them wait too. This
+        already waits for the events `after`: the compute streams' events of the jobs in it, and
+        the ends of other lanes' jobs it must follow (a store still writing host blocks this job
+        loads, or a load still reading host blocks it stores into; also `job.host_after`); a
+        backend that copies on other streams of its own must make them wait too. This
         call may run on another thread than the submit, so the current stream is not the
         compute stream. The job may be several submitted jobs in one (`CompactJob.concat`).
 
