@@ -148,3 +148,43 @@ class BackendConformance:
             np.testing.assert_array_equal(host_rows, rows)
             for b, p, exp in zip(backing, pages, gaps_before):
                 np.testing.assert_array_equal(b[:, p:].cpu().numpy(), exp)
+
+    def test_jobs_back_to_back_match_the_reference(self, backend: Backend) -> None:
+        """Many small jobs submitted back to back, as an engine does (random ids; the queue may
+        join them into launches, `copy_jobs` or `copy_blocks` of the joined job in host order),
+        then loads of what they stored into other blocks: every byte as the reference model
+        moves them, whichever way the launches went."""
+        rng = np.random.default_rng(7)
+        pages, blocks, hosts, jobs = [192, 64, 320], 64, 48, 12
+        tensors = [KVCacheTensor(_random_bytes(rng, blocks * p).view(blocks, p).to(backend.device), p) for p in pages]
+        refs = [[KVCacheRef(0, 192), KVCacheRef(1, 64), KVCacheRef(2, 320)]]
+        kv = KVCaches(tensors, refs)
+        expected = [t.tensor.cpu().numpy().copy() for t in tensors]
+        rows = np.zeros((hosts, sum(pages)), dtype=np.uint8)
+        offsets = np.cumsum([0] + pages)[:-1]
+        plain = [[(r.tensor_idx, r.page_size_bytes) for r in g] for g in refs]
+        host_ids = rng.permutation(hosts)[: 3 * jobs].reshape(jobs, 3)  # no two jobs write one row
+        src_ids = [rng.permutation(blocks // 2)[:3] for _ in range(jobs)]
+        dst_ids = (blocks // 2 + rng.permutation(blocks // 2)[: 2 * jobs]).reshape(jobs, 2)
+        with OffloadWorker(kv, hosts, backend=backend) as worker:
+            for j in range(jobs):
+                assert worker.submit_store(j, DeviceBlocks(src_ids[j]), HostBlocks(host_ids[j]))
+            worker.wait(range(jobs))
+            for j in range(jobs):  # each load takes two of a job's three rows, into fresh blocks
+                assert worker.submit_load(100 + j, HostBlocks(host_ids[j][1:]), DeviceBlocks(dst_ids[j]))
+            worker.wait(range(100, 100 + jobs))
+            results = worker.get_finished()
+            assert sorted(r.job_id for r in results) == [*range(jobs), *range(100, 100 + jobs)]
+            assert all(r.success for r in results)
+            for j in range(jobs):
+                reference_transfer(
+                    Direction.STORE, expected, rows, offsets, plain, 1, src_ids[j], [3], [0], host_ids[j]
+                )
+            for j in range(jobs):
+                reference_transfer(
+                    Direction.LOAD, expected, rows, offsets, plain, 1, dst_ids[j], [2], [0], host_ids[j][1:]
+                )
+            for t, exp in zip(tensors, expected):
+                np.testing.assert_array_equal(t.tensor.cpu().numpy(), exp)
+            host_rows = torch.cat(worker.host_tensors, dim=1).view(torch.uint8).numpy()
+            np.testing.assert_array_equal(host_rows, rows)
