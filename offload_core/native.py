@@ -1,25 +1,32 @@
-"""The optional compiled steps of the hot path (`offload_core._native`, from _native.c).
+"""The optional compiled steps of the hot path (`offload_core._native`, from _native.c), and the
+loader a backend's own compiled module goes through (`load` of its name).
 
-They do what a numpy function next to them does, which stays the reference and the fallback:
-where the extension was not built (no C compiler at install), or ``OFFLOAD_CORE_NATIVE=0`` is
-set, everything runs the same in numpy. Their passes over a large job's ids (a quarter of a
+They do what a numpy (or ctypes) function next to them does, which stays the reference and the
+fallback: where the extension was not built (no C compiler at install), or ``OFFLOAD_CORE_NATIVE=0``
+is set, everything runs the same without it. Their passes over a large job's ids (a quarter of a
 million and more) are spread over a few threads, at most ``OFFLOAD_CORE_NATIVE_THREADS`` (default:
-the CPUs the process may run on, at most 4; 1 keeps them on the calling thread).
+the CPUs the process may run on, at most 4; 1 keeps them on the calling thread), in every compiled
+module loaded.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
 ENV_NATIVE = "OFFLOAD_CORE_NATIVE"
 ENV_THREADS = "OFFLOAD_CORE_NATIVE_THREADS"
 MOST_THREADS = 8  # _spread.c's MOST_PARTS
-_threads_applied: str | None = None  # the setting last handed to the module ("" for the default)
+NATIVE = "offload_core._native"
+_threads_applied: str | None = None  # the setting last handed to the modules ("" for the default)
+_loaded: dict[str, ModuleType] = {}  # the compiled modules loaded, each with threads of its own (_spread.c)
 
 
-def load() -> ModuleType | None:
-    """The compiled module, or None where it is not built or switched off.
+def load(name: str = NATIVE) -> ModuleType | None:
+    """The compiled module `name`: offload_core's own steps, or a backend's module built with
+    _spread.c (its ``spread_threads`` is handed ``OFFLOAD_CORE_NATIVE_THREADS`` as offload_core's
+    is); None where it is not built or switched off.
 
     Raises:
         ConfigError: ``OFFLOAD_CORE_NATIVE`` is set to anything but 0 or 1, or
@@ -27,17 +34,20 @@ def load() -> ModuleType | None:
     """
     if _switched_off():
         return None
-    try:
-        from offload_core import _native
-    except ImportError:
-        return None
-    _apply_threads(_native)
-    return _native
+    module = _loaded.get(name)
+    if module is None:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            return None
+    _apply_threads(module)
+    return module
 
 
 def status() -> str:
     """``"built"``, ``"off"`` (``OFFLOAD_CORE_NATIVE=0``) or ``"not built"`` (no C compiler or
-    Python headers at install: everything runs in numpy), for `offload-core backends`.
+    Python headers at install: everything runs in numpy), for `offload-core backends`: of
+    offload_core's steps (setup.py builds a backend's module beside them, from the same compiler).
 
     Raises:
         ConfigError: as `load`.
@@ -48,10 +58,12 @@ def status() -> str:
 
 
 def _apply_threads(module: ModuleType) -> None:
-    """Hand ``OFFLOAD_CORE_NATIVE_THREADS`` to the module where it changed since last time."""
+    """Hand ``OFFLOAD_CORE_NATIVE_THREADS`` to a module loaded for the first time, and to every
+    module loaded where it changed since last time."""
     global _threads_applied
     setting = os.environ.get(ENV_THREADS, "").strip()
-    if setting == _threads_applied:
+    fresh = _loaded.get(module.__name__) is not module
+    if setting == _threads_applied and not fresh:
         return
     threads = int(setting) if setting.isdigit() else -1
     if setting and not 1 <= threads <= MOST_THREADS:
@@ -59,9 +71,11 @@ def _apply_threads(module: ModuleType) -> None:
 
         rule = f"a whole number from 1 (the calling thread only) to {MOST_THREADS}"
         raise ConfigError(f"{ENV_THREADS} must be {rule}, got {setting!r}")
-    spread = getattr(module, "spread_threads", None)  # an extension built before it lacks it
-    if spread is not None:
-        spread(threads if setting else 0)
+    _loaded[module.__name__] = module
+    for each in _loaded.values() if setting != _threads_applied else (module,):
+        spread = getattr(each, "spread_threads", None)  # an extension built before it lacks it
+        if spread is not None:
+            spread(threads if setting else 0)
     _threads_applied = setting
 
 

@@ -32,13 +32,15 @@ def snapshot(kv: KVCaches) -> list[torch.Tensor]:
     return [t.tensor.cpu().clone() for t in kv.tensors]
 
 
-def compiled_or_skip(compiled: bool):
-    """`offload_core._native` for the compiled path (skipping where it was not built), None for numpy."""
+def compiled_or_skip(compiled: bool, name: str = native.NATIVE):
+    """The compiled module `name` (default `offload_core._native`; the cuda backend's is
+    `driver.COMPILED`) for the compiled path, skipping where it was not built (failing under
+    ``OFFLOAD_CORE_REQUIRE_NATIVE=1``); None for numpy."""
     if not compiled:
         return None
-    module = native.load()
+    module = native.load(name)
     if module is None:
-        why = "offload_core._native was not built here (no C compiler at install) or OFFLOAD_CORE_NATIVE=0"
+        why = f"{name} was not built here (no C compiler at install) or OFFLOAD_CORE_NATIVE=0"
         if os.environ.get("OFFLOAD_CORE_REQUIRE_NATIVE") == "1":
             pytest.fail(why)
         pytest.skip(why)

@@ -353,12 +353,12 @@ def test_compact_canonical_jobs_with_writer_election(expanding, a, b, heads, bpc
 
 def test_compact_small_jobs_joined_by_one_compiled_call_are_bit_exact(monkeypatch):
     """Small simple jobs back to back under auto, scattered host blocks: launches joined, put in
-    host order and launched by `_native.join_launch` (`CudaBackend.copy_jobs`); every byte checked
+    host order and launched by `_driver.join_launch` (`CudaBackend.copy_jobs`); every byte checked
     both ways (device blocks no load wrote unchanged), and those launches counted (not vacuous
     where the extension was built)."""
     import torch
 
-    from offload_core import native
+    from offload_core.backends.cuda import driver
 
     monkeypatch.delenv("OFFLOAD_CORE_CUDA_CONF", raising=False)  # the defaults, whatever the shell set
     backend = CudaBackend(mechanism="auto")
@@ -385,7 +385,7 @@ def test_compact_small_jobs_joined_by_one_compiled_call_are_bit_exact(monkeypatc
             rows = host_ids[j * per_job : (j + 1) * per_job]
             for h, b in zip(worker.host_tensors, before):
                 assert torch.equal(h[rows].to(backend.device), b[src[j]])
-    if native.load() is not None:
+    if driver.compiled() is not None:
         assert any(joined), "some launch went through the compiled join"
     last = {int(d): int(s) for j in range(jobs) for d, s in zip(dst[j], src[j])}  # each block's last load
     untouched = [i for i in range(blocks) if i not in last]

@@ -1188,7 +1188,7 @@ def event_calls(request, monkeypatch):
     built) or through ctypes: both must call the driver alike."""
     from helpers import compiled_or_skip
 
-    compiled_or_skip(request.param)
+    compiled_or_skip(request.param, drv.COMPILED)
     if not request.param:
         monkeypatch.setenv("OFFLOAD_CORE_NATIVE", "0")
     return request.param
@@ -1291,7 +1291,7 @@ def test_a_context_that_cannot_be_made_current_fails_the_call_not_the_process(ev
 def test_the_compiled_context_call_refuses_what_would_crash():
     from helpers import compiled_or_skip
 
-    compiled = compiled_or_skip(True)
+    compiled = compiled_or_skip(True, drv.COMPILED)
     for keep_gil in (True, False):
         with pytest.raises(TypeError, match="7 to 10 arguments"):
             compiled.context_call(keep_gil, 1, 2, 3, 4, 5)
@@ -1308,7 +1308,7 @@ def test_the_compiled_context_call_refuses_what_would_crash():
 def test_the_compiled_context_call_takes_none_for_a_null_context_or_handle():
     from helpers import compiled_or_skip
 
-    compiled = compiled_or_skip(True)
+    compiled = compiled_or_skip(True, drv.COMPILED)
     lib = FakeLib()
     driver = drv.Driver(lib)
     lib.contexts[:] = []  # no context current: a null one is what is asked for, so nothing is pushed
@@ -1324,7 +1324,7 @@ def _table_launch(lib=None, types=("i64", "i32", "i64"), hidden=1):
     """A `LaunchingLib`, and the compiled table launch of its driver in the GPU's context."""
     from helpers import compiled_or_skip
 
-    compiled_or_skip(True)
+    compiled_or_skip(True, drv.COMPILED)
     lib = lib or LaunchingLib(types=types, hidden=hidden)
     return lib, drv.Driver(lib).table_launch_in(GPU_CONTEXT)
 
@@ -1398,12 +1398,10 @@ def test_the_compiled_table_launch_refuses_what_would_overrun_having_called_noth
             call(**kwargs)
     call(room=16, narrow=True)  # int32: 16 bytes fit
     assert [c[0] for c in lib.calls] == ["memcpy", "launch"], "only the last call was made"
-    from offload_core import _native
-
     with pytest.raises(TypeError, match="17 arguments"):
-        _native.table_launch(1, 2, 3)
+        drv.compiled().table_launch(1, 2, 3)
     with pytest.raises(ValueError, match="address is 0"):
-        _native.table_launch(0, *[1] * 16)
+        drv.compiled().table_launch(0, *[1] * 16)
 
 
 def test_the_compiled_table_launch_takes_its_arguments_as_they_were_given():

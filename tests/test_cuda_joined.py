@@ -1,5 +1,5 @@
 """The cuda backend's joined launch of small simple jobs (`CudaBackend.copy_jobs`, through
-`_native.join_launch`) against what the queue does without it, `copy_blocks` of the jobs joined
+`_driver.join_launch`) against what the queue does without it, `copy_blocks` of the jobs joined
 and put in host order: the same choice, the same driver calls with the same arguments, the same
 table bytes; and where the joined launch declines, nothing enqueued. Without a GPU: the
 stand-in libcuda of `test_cuda_host`, Triton's compiled kernel as `test_cuda_launch` stands it
@@ -18,7 +18,7 @@ from test_plan import Model
 
 from offload_core import DeviceBlocks, HostBlocks
 from offload_core.backend import Direction
-from offload_core.backends.cuda import blocks
+from offload_core.backends.cuda import blocks, driver
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.compact import CompactJob, CompactLayout
 from offload_core.plan import Planner
@@ -47,7 +47,7 @@ class Launches:
     one block per host row), and both ways of launching jobs of it."""
 
     def __init__(self, monkeypatch):
-        compiled_or_skip(True)
+        compiled_or_skip(True, driver.COMPILED)
         handles = iter(range(0x100, 0x400))
         monkeypatch.setattr(FakeCudaRuntime, "ExternalStream", lambda self, handle, device=None: Stream(next(handles)))
         self.lib = LaunchingLib()
@@ -208,10 +208,8 @@ def test_the_compiled_join_declines_or_refuses_having_called_nothing(monkeypatch
     assert call(one, least=1, order=False) is None  # as given: 4 5 6 / 9 7 8
     assert host.view(np.int32)[:6].tolist() == [4, 5, 6, 9, 7, 8]
     assert [c[0] for c in lib.calls] == ["memcpy", "launch"]
-    from offload_core import _native
-
     with pytest.raises(TypeError, match="20 or 21 arguments"):
-        _native.join_launch(1, 2, 3)
+        driver.compiled().join_launch(1, 2, 3)
 
 
 def test_the_compiled_join_asks_decide_once_and_launches_only_on_yes(monkeypatch):

@@ -1,6 +1,6 @@
 """The expansion kernel's launches by hand, without a GPU: what `kernels._raw_launch` reads from a
 Triton-compiled kernel, and a compact launch whose tables go up with their kernels in one compiled
-call (`_native.table_launch`) making the calls that uploads and Triton's own launcher make.
+call (`_driver.table_launch`) making the calls that uploads and Triton's own launcher make.
 
 Also the stand-ins the other cuda tests share: Triton's compiled kernel (`TritonLike`), a backend
 that finds it built for every launch (`compiled_backend`), a stream and the driver's enqueueing
@@ -18,6 +18,7 @@ from helpers import compiled_or_skip
 from test_cuda_host import NAMES, WIDE, FakeCudaRuntime, LaunchingLib, _table_launch, host_only_backend
 
 from offload_core.backend import Direction
+from offload_core.backends.cuda import driver as drv
 from offload_core.backends.cuda import kernels
 
 CONSTEXPRS = ("STORE", "SIMPLE", "BY_HOST", "D", "W")
@@ -189,10 +190,10 @@ def test_a_compact_launchs_compiled_calls_are_the_uploads_and_launches_they_repl
     monkeypatch, direction, mechanism, half_rows
 ):
     """Staged jobs cut into pieces (three rows a half) and whole, direct jobs: each table's upload
-    and its kernel's launch are one compiled call (`_native.table_launch`), which makes the driver
+    and its kernel's launch are one compiled call (`_driver.table_launch`), which makes the driver
     calls that an upload and Triton's own launcher make, with the same arguments in the same
     order, and writes the same tables."""
-    compiled_or_skip(True)
+    compiled_or_skip(True, drv.COMPILED)
     launch = CompactLaunch(monkeypatch, LaunchingLib(), direction, mechanism, half_rows)
     launch.run()  # the first makes the staging
     ring = launch.backend._ring

@@ -1,7 +1,8 @@
 """The compiled passes over a large job's ids, split over threads (``OFFLOAD_CORE_NATIVE_THREADS``,
-offload_core/_spread.c): the submit's checks, the specs' private copies and the joined launch's
-run count and table give what one thread gives, whatever the number of parts, with a broken rule
-placed right at a part's bound as well as inside one."""
+offload_core/_spread.c): the submit's checks, the specs' private copies and the cuda backend's
+joined launch's run count and table (backends/cuda/_driver.c, built with a copy of _spread.c)
+give what one thread gives, whatever the number of parts, with a broken rule placed right at a
+part's bound as well as inside one."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from helpers import compiled_or_skip
 from test_cuda_joined import RING, Launches
 
 from offload_core import native
+from offload_core.backends.cuda import driver
 from offload_core.compact import _row_runs
 from offload_core.errors import ConfigError
 
@@ -117,6 +119,7 @@ def test_the_joined_launch_counts_and_writes_the_same_on_any_number_of_threads(t
 
     for k in THREADS:
         threads(k)
+        assert driver.compiled().spread_threads() == k, "the setting reaches the cuda backend's module too"
         for short in (0, 1, 3, 6):
             assert call(N + 1, short) == _row_runs(hosts, 1, short), (k, short)
         lib.calls.clear()

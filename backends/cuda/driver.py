@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, NoReturn
 
 import numpy as np
@@ -93,6 +94,19 @@ HOST_REGISTER_PORTABLE_DEVICEMAP = 0x3  # pinned for every context, mapped for k
 ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 # CUresult cuPointerGetAttribute(void *data, CUpointer_attribute, CUdeviceptr)
 POINTER_GET_ATTRIBUTE = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
+COMPILED = "offload_core.backends.cuda._driver"  # _driver.c: the short calls and launches below, in C
+
+
+def compiled() -> ModuleType | None:
+    """_driver.c's module (`context_call`, `table_launch`, `join_launch`), or None where it was not
+    built (no C compiler at install) or ``OFFLOAD_CORE_NATIVE=0``: the calls then go through ctypes.
+
+    Raises:
+        ConfigError: a malformed ``OFFLOAD_CORE_NATIVE`` or ``OFFLOAD_CORE_NATIVE_THREADS``.
+    """
+    from offload_core import native
+
+    return native.load(COMPILED)
 
 
 class CudaDriverError(RuntimeError):
@@ -146,7 +160,7 @@ class Driver:
         # Short calls of the hot path, ``(context, *args) -> CUresult`` (the negated code where
         # the context could not be made current): an event's record and query (once or twice a
         # job), a stream's wait and an elapsed time (a few a launch), a descriptor table's
-        # upload (one a launch). Compiled where offload_core's extension is built (no ctypes
+        # upload (one a launch). Compiled where _driver.c was built (`compiled`: no ctypes
         # marshalling), else through `in_context`. Compiled, they keep the GIL: each is
         # asynchronous or asks about work already done, and letting go of the GIL hands it to
         # the queue's launcher thread (or the submitting one) and back, 15-20 us of a job on
@@ -161,14 +175,12 @@ class Driver:
     def _context_call(self, fn: Callable | None) -> Callable[..., int] | None:
         if fn is None or not self.has_events:
             return None
-        from offload_core import native
-
-        compiled = native.load()
-        if compiled is None:
+        module = compiled()
+        if module is None:
             return functools.partial(self._in_context_or_code, fn)
         address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
         return functools.partial(
-            compiled.context_call,
+            module.context_call,
             True,  # keep the GIL
             address(self.ctx_get_current),
             address(self.ctx_push_current),
@@ -178,29 +190,24 @@ class Driver:
 
     def table_launch_in(self, context: int) -> Callable[..., None] | None:
         """A descriptor table's upload and a kernel's launch in one compiled call in `context`
-        (`DescriptorRing.upload_launch`'s `launch`), or None where the extension or an entry
-        point is missing.
+        (`DescriptorRing.upload_launch`'s `launch`: `_driver.table_launch`), or None where the
+        module (`compiled`) or an entry point is missing.
 
         The callable raises `CudaDriverError` naming the call that failed.
         """
-        return self._compiled_launch(context, lambda compiled: compiled.table_launch)
+        return self._compiled_launch(context, "table_launch")
 
     def join_launch_in(self, context: int) -> Callable[..., tuple[int, int] | None] | None:
         """`table_launch_in`'s call for simple jobs joined on the way (`DescriptorRing.join_launch`'s
-        `join`: `_native.join_launch`), or None where it cannot be made. The callable returns
+        `join`: `_driver.join_launch`), or None where it cannot be made. The callable returns
         None where it launched, else the runs it counted (it declined, having called nothing)."""
-        # an extension built before join_launch existed has the others: this one is then missing
-        return self._compiled_launch(context, lambda compiled: getattr(compiled, "join_launch", None))
+        return self._compiled_launch(context, "join_launch")
 
-    def _compiled_launch(self, context: int, pick: Callable) -> Callable | None:
-        from offload_core import native
-
-        compiled = native.load()
-        if compiled is None or self.launch_kernel is None or not self.has_events:
+    def _compiled_launch(self, context: int, name: str) -> Callable | None:
+        module = compiled()
+        if module is None or self.launch_kernel is None or not self.has_events:
             return None
-        call = pick(compiled)
-        if call is None:
-            return None
+        call = getattr(module, name)
         entry = [self.address(f) for f in (self.ctx_get_current, self.ctx_push_current, self.ctx_pop_current)]
         bound = functools.partial(call, *entry, self.address(self.memcpy), self.address(self.launch_kernel), context)
 

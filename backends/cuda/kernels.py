@@ -433,7 +433,7 @@ def expand(
     i's host row lies at ``base + step * (its host block if by_host else i)``.
 
     Where the ring `launches` and the compiled kernel allows a plain ``cuLaunchKernel``, the
-    upload and the launch are one compiled call that keeps the GIL (`_native.table_launch`).
+    upload and the launch are one compiled call that keeps the GIL (`_driver.table_launch`).
 
     Raises:
         CudaDriverError: the upload or the launch failed.

@@ -36,7 +36,7 @@ class DescriptorRing:
         join: the same for simple jobs' columns joined on the way (`join_launch`), taking
             ``(devs, hosts)`` for the columns and ``order, least_runs, short, decide`` after the
             params and returning None or the runs it counted where it declined
-            (`_native.join_launch`), or None.
+            (`_driver.join_launch`), or None.
     """
 
     def __init__(self, torch, device, memcpy, entries: int = 1 << 21, launch=None, join=None):
