@@ -25,7 +25,8 @@ every token depends on the KV bytes it attends to; prompts are token ids, so not
 downloaded.
 
     python benchmarks/vllm/serve.py [--shapes llama8b,small] [--host-blocks 16,64]
-        [--specs offload-core,vllm-cpu,off] [--iters 10] [--rounds 1] [--out DIR] [--report-only]
+        [--specs offload-core,vllm-cpu,off] [--iters 10] [--rounds 1] [--phases latency,mix,decode]
+        [--out DIR] [--report-only]
 
 Writes DIR/results.json (every run's figures), DIR/report.md (the tables) and a log per run.
 """
@@ -88,6 +89,7 @@ PROMPT_LEN = 10241  # 10240 tokens: whole 16- and 64-token blocks, plus the one 
 GEN_TOKENS = 8  # greedy tokens compared between the GPU hit and the host hit
 MIX = dict(prefixes=12, prefix_len=6144, suffix_len=256, requests=48, out_tokens=64, concurrency=8)
 DECODE = dict(requests=16, prompt_len=2048, out_tokens=32)
+PHASES = ("latency", "mix", "decode")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +322,8 @@ def child(cfg: dict) -> dict:
         ("mix", lambda: mix(llm, vocab)),
         ("decode", lambda: decode(llm, vocab)),
     ):
+        if name not in cfg.get("phases", PHASES):
+            continue
         if cfg["spec"] != "off":
             llm.collective_rpc(_jobs_reset)
         t = time.perf_counter()
@@ -368,6 +372,7 @@ def runs(args) -> list[dict]:
                         "host_block": hb,
                         "iters": args.iters,
                         "round": r,
+                        "phases": args.phases,
                     }
                     out.append(cfg)
     return out
@@ -496,6 +501,7 @@ def main() -> None:
     ap.add_argument("--host-blocks", default="16,64", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--specs", default="offload-core,vllm-cpu,off", type=lambda s: s.split(","))
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--phases", default=",".join(PHASES), type=lambda s: s.split(","), help="of latency,mix,decode")
     ap.add_argument(
         "--rounds", type=int, default=1, help="runs of each shape's engines, the order reversed every other"
     )
@@ -519,6 +525,8 @@ def main() -> None:
     for s in args.shapes + args.specs:
         if s not in SHAPES and s not in SPECS:
             ap.error(f"unknown shape or spec {s!r}: shapes {list(SHAPES)}, specs {list(SPECS)}")
+    if not set(args.phases) <= set(PHASES):
+        ap.error(f"unknown phase in {args.phases}: phases {list(PHASES)}")
     results = {"meta": _meta(), "runs": []}
     env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # apply_model and collective_rpc take functions
     # greedy sampling needs no FlashInfer, which vLLM otherwise imports to probe (the GPU bundle has none)
