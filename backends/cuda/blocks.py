@@ -44,31 +44,19 @@ from offload_core.backends.cuda.select import CostModel
 from offload_core.backends.cuda.staging import PerStream, StagingHalves
 from offload_core.compact import SORTED_BLOCKS, CompactJob, CompactLayout
 
-# Only where segments average at most twice this does the cost model weigh expand_direct: above
-# it the copy engines move a segment at link speed, and the batch call's host time per segment
-# hides behind the link (16 KiB on the H200), so staging always wins. Twice: rows of exactly
-# this size, a few of them neighbours (merged into one segment), must not flip the choice.
+# The cost model's prior for `auto` (`BlockCopier.choose`), which the tuner then measures
+# against its near rivals (`tuning`). Its rules and their reasons; the H200 measurements behind
+# each number are in the git history of this file and of docs/dev/cuda-tuning-log.md.
+#
+# Segments averaging more than twice this keep the copy engines at link speed, and the batch
+# call's host time per segment hides behind the link: staging wins, expand_direct is not weighed.
 SEGMENT_BYTES = 16384
-# Jobs that average at most this are bound by the host's time per job (on the H200's host about
-# 30 us or more against the link's 19 us for 1 MiB), which `expand_direct` keeps least: no batched
-# copy per host row, no staging pieces. Such jobs go there where their host rows stay mostly
-# apart (segments at least half the rows: rows merged into runs, as host blocks handed out in
-# runs are in host order, cost staging a copy per run and leave the SMs alone; random host
-# blocks have a few neighbours, which do not count), on few programs (`direct_programs`): each
-# holds an SM while its bytes cross the link. Stores of pages large enough are sized by their
-# jobs: two programs move 37-46 GB/s of 1 KiB pages (the kernel alone), enough for that host,
-# and hold 2 of the H200's 132 SMs. Loads read across the link, which takes more requests in flight: eight
-# programs moved 1 MiB jobs of 1 KiB pages at 0.51-0.56 of the link against 0.42-0.43 staged.
-# Smaller pages move slower per program (on two, 1 MiB store jobs of 256 B pages reached
-# 0.34-0.38 of the link against 0.57-0.58 on eight), so host-bound jobs of them keep the
-# backend's programs; larger store jobs of them, bound by the link, take fewer where their host
-# rows are long, which spares the model's kernels: beside 4 MiB stores of 256 B pages over 64
-# tensors (16 KiB rows) a matmul lost 3.5-4.0% on eight programs, 0.4-0.6% on four, at 0.81 of
-# the link against 0.86. Rows of one page scattered over the host (one tensor) need the requests
-# in flight: 256 MiB stores of 256 B pages moved at 0.69 of the link on four programs, 0.86 on
-# eight (rows between 256 B and 16 KiB not measured: from LONG_ROW_BYTES on they take four), and
-# so do pieces of rows (canonical layouts' 128 B heads, 2 MiB jobs: 0.44-0.49 on four, 0.76-0.80
-# on eight): only stores of whole rows, the layouts measured, take four.
+# Jobs averaging at most this are bound by the host's time per job, which expand_direct keeps
+# least (no batched copy per host row, no staging pieces): they go there where their host rows
+# stay mostly apart (rows in runs cost staging one copy per run and leave the SMs alone), on few
+# programs (`direct_programs`), since each holds an SM while its bytes cross the link. Loads
+# need more requests in flight than stores; pages under `SIZED_PAGE` move slower per program and
+# keep the backend's count, but long-row stores of them, bound by the link, take fewer.
 HOST_BOUND_BYTES = 1 << 20
 LONG_ROW_BYTES = 4096
 SIZED_PAGE = 1024  # the smallest entry whose jobs `direct_programs` sizes
@@ -76,27 +64,20 @@ STORE_BYTES_PER_PROGRAM = 512 << 10  # then a store takes one program per this m
 MIN_STORE_PROGRAMS = 2
 SMALL_LOAD_PROGRAMS = 8  # and a small load these
 SMALL_PAGE_STORE_PROGRAMS = 4  # a store of smaller pages averaging more than HOST_BOUND_BYTES a job
-# Stores of jobs up to this, of entries all from SIZED_PAGE to DIRECT_STORE_PAGE, their host rows
-# apart, go there too, on MIN_STORE_PROGRAMS: staging pays a batched copy per host row, 44-123 us
-# of host a 4 MiB job against 76 us of link, where two programs keep up with the link at 19-35 us
-# (4 MiB jobs of 1 KiB pages: 0.79-0.81 of the link against 0.56-0.68 staged; of 4 KiB pages
-# 0.85-0.86 against 0.76-0.85), and a matmul beside them lost 0.3-2.7% against staging's 1.0-3.0%.
+# Stores up to this of entries from SIZED_PAGE to DIRECT_STORE_PAGE, host rows apart, go direct
+# on MIN_STORE_PROGRAMS too: staging pays a batched copy per host row, more host time than the
+# link takes, where two programs keep up with the link.
 DIRECT_STORE_BYTES = 4 << 20
 DIRECT_STORE_PAGE = 4096
-# Where each of a job's copies is large enough for the copy engines (its layout's smallest entry
-# is 2 x SEGMENT_BYTES or more) and a host segment holds few of them (one tensor's pages scattered
-# over the host), staging's gather joins nothing and costs a pass and a piece's host time per
-# half: the copies go host-expanded, straight between the pages and the rows (256 MiB jobs of one
-# tensor's 64 KiB pages: 0.89-0.90 / 0.89-0.94 of the link against 0.86-0.87 / 0.89-0.91 staged;
-# of 2 MiB pages 0.99 against 0.76; less host time).
+# Copies each large enough for the copy engines (the smallest entry at least 2 x SEGMENT_BYTES)
+# with at most this many to a host segment (one tensor's pages scattered over the host): staging
+# would join nothing, so they go host-expanded, straight between pages and rows.
 GATHER_PIECES = 4
 DEFAULT_SM_PENALTY = CostModel.__dataclass_fields__["sm_penalty"].default  # raised: spare the SMs
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
 JOIN_BACKOFF = 64  # launches that go to `BlockCopier.copy` at most after a declined joined launch
-# `expand_split`'s share of a store's blocks sent direct. 4 MiB stores of 1-4 KiB pages over 64
-# tensors on the H200, device time: half to 5/8 direct (on 2 programs) moved 0.91-0.96 of the
-# link, against 0.76-0.85 direct alone and 0.84-0.90 staged alone; loads gained nothing over
-# staging.
+# `expand_split`'s share of a store's blocks sent direct (the rest staged at once): the SMs and
+# the copy engines together beat either alone on mid-sized stores; loads gain nothing.
 SPLIT_DIRECT_SHARE = 0.5
 
 
