@@ -96,7 +96,14 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
         specs = [(take(dev_perm, j), take(host_perm, j)) for j in range(jobs)]
     job_bytes = per_job * page * len(tensors)
     before = _allocated(backend)
-    out = {"page": page, "blocks_per_job": per_job, "tensors": len(tensors), "job_bytes": job_bytes, "jobs": jobs}
+    out = {
+        "page": page,
+        "blocks_per_job": per_job,
+        "tensors": len(tensors),
+        "job_bytes": job_bytes,
+        "jobs": jobs,
+        "host_runs": host_runs,
+    }
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         for warm in (True, False):  # the first pass warms pools, rings, compiled kernels
             for direction in ("store", "load"):

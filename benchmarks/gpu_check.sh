@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything the cuda backend needs checked on a GPU (how docs/performance.md's H200 figures were
-# made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|reliability|all]   (default ./gpu-check, all)
+# made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|reliability|grid|all]   (default ./gpu-check, all)
 # "checks": tests, compute-sanitizer, the canonical benchmark per mechanism (about 5 minutes);
 # "bench": calibrate, offload-core bench, benchmarks/transfer_bench.py, canonical layouts with jobs back to back,
 # benchmarks/engine_bench.py (about 7 minutes);
 # "reliability" (not part of "all"): the whole suite, the lifetime cases under compute-sanitizer,
-# the soak on cuda, submit overhead, offload-core bench (about 6 minutes).
+# the soak on cuda, submit overhead, offload-core bench (about 6 minutes);
+# "grid" (not part of "all"): auto against the forced mechanisms (benchmarks/auto_vs_best.py).
 set +e
 out=${1:-${OUT:-gpu-check}}
 phase=${2:-all}
@@ -16,6 +17,23 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)" | tee -a "$out/env.txt"
 # The device's copy of the tree may carry older git metadata: pass COMMIT=<hash> to record the right one.
 echo "commit ${COMMIT:-$(git log -1 --format='%h %s' 2>/dev/null)}" | tee -a "$out/env.txt"
+if [ "$phase" = grid ]; then
+  # auto against the forced mechanisms over the shapes an engine sends (about 8 minutes). The grid
+  # runs twice: the first run's trials decide auto's choice per shape class (saved per GPU model),
+  # the second measures auto as an engine sees it after its first launches.
+  grid() {
+    B="python3 benchmarks/engine_bench.py --backend cuda --mechanisms $1"
+    timeout 150 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64 --json "$out/grid-$2-64t.json" > "$out/grid-$2-64t.log" 2>&1
+    timeout 90 $B --layers 32 --pages 1024,4096 --blocks-per-job 16,64 --jobs 64 --host-runs --json "$out/grid-$2-runs.json" > "$out/grid-$2-runs.log" 2>&1
+    timeout 90 $B --tensors 1 --pages 256,4096,65536,2097152 --job-mib 4 --jobs 32 --json "$out/grid-$2-1t-4m.json" > "$out/grid-$2-1t-4m.log" 2>&1
+    timeout 120 $B --tensors 1 --pages 1024,65536,2097152 --job-mib 256 --jobs 4 --json "$out/grid-$2-1t-256m.json" > "$out/grid-$2-1t-256m.log" 2>&1
+  }
+  grid auto warm
+  grid auto,expand_staged,expand_direct,ce_batch,sm_gather all
+  python3 benchmarks/auto_vs_best.py "$out"/grid-all-*.json | tee "$out/auto_vs_best.md"
+  cp "${OFFLOAD_CORE_PROFILE_DIR:-$HOME/.cache/offload-core}"/*-tuned.json "$out/" 2>/dev/null
+  exit 0
+fi
 if [ "$phase" = reliability ]; then
   echo "== tests (whole suite)"
   timeout 330 python3 -m pytest -q -p no:cacheprovider tests > "$out/pytest.log" 2>&1

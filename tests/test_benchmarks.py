@@ -60,3 +60,32 @@ def test_the_last_writer_of_each_block_is_the_one_compared():
         [np.array([3, 1]), np.array([1, 2]), np.array([3])], [np.array([10, 11]), np.array([12, 13]), np.array([14])]
     )
     assert written.tolist() == [1, 2, 3] and source.tolist() == [12, 13, 14]
+
+
+def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and_direction():
+    import auto_vs_best
+
+    def row(mechanism, page, store, load, chose=None):
+        return {
+            "mechanism": mechanism,
+            "tensors": 64,
+            "page": page,
+            "job_bytes": 4 << 20,
+            "host_runs": False,
+            "store_ratio": store,
+            "load_ratio": load,
+            "store_mechanisms": [chose or mechanism],
+            "load_mechanisms": [chose or mechanism],
+        }
+
+    rows = [
+        row("auto", 4096, 0.90, 0.50, chose="expand_staged"),
+        row("expand_staged", 4096, 0.90, 0.50),
+        row("expand_direct", 4096, 0.80, 0.75),
+        row("auto", 256, 0.2, 0.2),  # no forced mechanism beside it: not a cell
+    ]
+    cells = auto_vs_best.cells(rows)
+    assert [(c[1], c[2], c[3], c[4], c[5]) for c in cells] == [
+        ("store", 0.90, "expand_staged", "expand_staged", 0.90),
+        ("load", 0.50, "expand_staged", "expand_direct", 0.75),
+    ]

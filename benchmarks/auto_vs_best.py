@@ -1,0 +1,62 @@
+"""`auto` against the best forced mechanism, per shape and direction, from benchmarks/engine_bench.py
+JSON files of one run (every file's rows measured with `auto` and the forced mechanisms beside it).
+
+    python benchmarks/auto_vs_best.py grid-*.json [--target 0.95]
+
+Prints one row per shape and direction: `auto`'s ratio to the link and what it chose, the best
+forced mechanism's, and their quotient; then the worst quotient and how many shapes fall below
+`--target` (exit status 1 where any does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+
+def cells(rows: list[dict]) -> list[tuple]:
+    """(shape, direction, auto ratio, auto's choice, best forced name, its ratio) per shape with `auto`."""
+    shapes: dict = defaultdict(dict)
+    for r in rows:
+        key = (r["tensors"], r["page"], r["job_bytes"], r.get("host_runs", False))
+        shapes[key][r["mechanism"]] = r
+    out = []
+    for key, by in sorted(shapes.items()):
+        if "auto" not in by or len(by) < 2:
+            continue
+        for d in ("store", "load"):
+            forced = {m: r[f"{d}_ratio"] for m, r in by.items() if m != "auto" and r.get(f"{d}_ratio")}
+            if not forced:
+                continue
+            best = max(forced, key=forced.get)
+            chose = "/".join(by["auto"].get(f"{d}_mechanisms") or [])
+            out.append((key, d, by["auto"][f"{d}_ratio"], chose, best, forced[best]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--target", type=float, default=0.95)
+    args = ap.parse_args()
+    rows = [r for path in args.json for r in json.load(open(path))["rows"]]
+    found = cells(rows)
+    print("| tensors | page | MiB/job | host runs | dir | auto (chose) | best forced | auto/best |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (tensors, page, job, runs), d, a, chose, best, b in found:
+        print(
+            f"| {tensors} | {page} | {job / 2**20:.2f} | {runs} | {d} | {a:.2f} ({chose}) | {b:.2f} {best} | {a / b:.2f} |"
+        )
+    if not found:
+        raise SystemExit("no shape measured with auto and a forced mechanism")
+    worst = min(found, key=lambda c: c[2] / c[5])
+    below = sum(c[2] / c[5] < args.target for c in found)
+    print(
+        f"\nworst: {worst[2] / worst[5]:.2f} ({worst[1]} of {worst[0]}); below {args.target}: {below} of {len(found)}"
+    )
+    raise SystemExit(1 if below else 0)
+
+
+if __name__ == "__main__":
+    main()
