@@ -31,6 +31,11 @@ its own lock, held only for list and set operations and non-blocking event queri
 enqueue itself (`Backend.copy_blocks` and the events around it) runs under one lock per
 backend, because a backend's staging and descriptor memory is shared by all its streams;
 waiting on the device holds no lock.
+
+Interrupts: the worker makes each call one step for Ctrl-C (`offload_core.interrupts`); here,
+`wait` and `finish` launch in such steps and wait between them, where a Ctrl-C may stop them
+and changes nothing. Any other exception a launch raises fails its jobs, reported once what it
+enqueued has run (`_fail`).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import numpy as np
 from offload_core.backend import Backend, Direction, Event, enqueue_lock
 from offload_core.compact import CompactJob
 from offload_core.errors import InvalidSpecError, OffloadError
+from offload_core.interrupts import deferred
 from offload_core.spec import integer
 
 log = logging.getLogger(__name__)
@@ -59,7 +65,7 @@ MAX_LAUNCH = 256  # jobs in one launch at most
 BURST_JOBS = 16  # jobs of a burst that wait for the launcher before a submit launches them itself
 BURST_BYTES = 128 << 20  # or bytes: about 2.4 ms of a PCIe 5 link, several launches' host time
 MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
-_NOTHING: frozenset[int] = frozenset()  # `_launching` when nothing launches: set with no call
+_NOTHING: frozenset[int] = frozenset()  # `_launching` when nothing launches
 IDLE_POLL_S = 0.1  # how often an idle launcher looks whether its queue was dropped or the interpreter exits
 SETTLE_POLL_S = 0.001  # how often a drain asks an event whose wait failed whether the work has passed
 # The launcher's hand-over of the GIL: a sleep this short lets it go for about the kernel's timer
@@ -174,10 +180,10 @@ class TransferQueue:
         self.backend = backend
         self.direction = direction
         self._stream = backend.new_stream()
-        self._stream_released = False  # by `close`, once (again where a Ctrl-C cut it short): `release_stream`
+        self._stream_released = False  # by `close`; a release that raised other than an Exception is redone
         self._enqueue = enqueue_lock(backend)
-        # Re-entrant for its C-level release and restore in `Condition.wait`: a Ctrl-C there
-        # can then not leave the lock released by a `with` block that still holds it.
+        # Re-entrant: `Condition.wait` then lets it go and takes it back in C, where a Ctrl-C
+        # cannot come between the two.
         self._lock = threading.RLock()
         self._jobs: deque[_Job] = deque()
         self._ids: set[int] = set()
@@ -186,10 +192,8 @@ class TransferQueue:
         self._pending: deque[_Pending] = deque()  # jobs waiting for a launch
         self._pending_bytes = 0  # their bytes
         self._launching: frozenset[int] | set[int] = _NOTHING  # ids of the launch being enqueued
-        self._taken: list | None = None  # that launch's batch, as `_take` returned it
-        self._taker: int | None = None  # the thread that took it, until its launch begins (`_heal`)
-        self._enqueued: tuple[list, Event] | None = None  # (batch, end event) once its enqueue began
-        self._unreported: list[TransferResult] = []  # taken from `_jobs` by a `poll` not yet returned
+        self._batch: list[_Pending] | None = None  # that launch's jobs, as `_take` took them
+        self._enqueued: tuple[list, Event, list] | None = None  # (batch, end event, held) once its enqueue began
         self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
         self._launcher: threading.Thread | None = None
         self._last_end: Event | None = None  # of the last launch: is the device still busy with it?
@@ -204,28 +208,20 @@ class TransferQueue:
     def __contains__(self, job_id: int) -> bool:
         return job_id in self._ids
 
-    def holds_result(self, job_id: int) -> bool:
-        """Whether a result of `job_id` is kept for the next `poll` (one Ctrl-C cut short)."""
-        return any(r.job_id == job_id for r in self._unreported)
-
     def __len__(self) -> int:
         return len(self._jobs) + len(self._pending) + len(self._launching)
 
     def submit(self, job_id: int, job: CompactJob, prepared: Any = None, seq: int = 0, waits: tuple = ()) -> None:
         """Queue one job behind every earlier one and behind the caller's compute stream; it is
         launched (enqueued on the device), alone or with others, by this call, a later one, or
-        the launcher thread (see the module docstring): `add`, then `launch_taken` where it says so.
+        the launcher thread (see the module docstring): `add`, then `launch` where it says so.
 
         Raises:
             OffloadError: as `add`.
         """
-        try:  # the take and the launch in one `try`, as in `wait`
-            batch = self.add(job_id, job, prepared, seq, waits)
-            if batch is not None:
-                self.launch_taken(batch)
-        except BaseException:  # Ctrl-C after the take, before the launch began
-            self.heal()
-            raise
+        batch = self.add(job_id, job, prepared, seq, waits)
+        if batch is not None:
+            self.launch(batch)
 
     def add(
         self, job_id: int, job: CompactJob, prepared: Any = None, seq: int = 0, waits: tuple = ()
@@ -242,9 +238,8 @@ class TransferQueue:
             waits: end events (of other lanes' launches) the job's copies must follow.
 
         Returns:
-            The jobs the caller must launch now (`launch_taken`; call `heal` if it is cut short
-            before): nothing else keeps the device busy, or a burst's worth waits. Else None:
-            the launcher thread will.
+            The jobs the caller must launch now (`launch`), taken for it: nothing else keeps the
+            device busy, or a burst's worth waits. Else None: the launcher thread will.
 
         Raises:
             OffloadError: the queue is closed, or its launcher thread cannot be started.
@@ -253,23 +248,16 @@ class TransferQueue:
         with self._lock:
             if self._closed:
                 raise OffloadError(f"the {self.direction.value} queue is closed")
-            self._heal()
-            if len(self._pending) >= self.max_pending:
-                t0 = time.perf_counter()
-                while len(self._pending) >= self.max_pending and not self._closed:
-                    self._ensure_launcher()  # someone must launch what waits
-                    self._launched.wait(IDLE_POLL_S)
-                self.stats.backpressure_waits += 1
-                self.stats.backpressure_s += time.perf_counter() - t0
-                if self._closed:
-                    raise OffloadError(f"the {self.direction.value} queue was closed while the job waited")
+            self._wait_for_room()
+            if self._closed:
+                raise OffloadError(f"the {self.direction.value} queue was closed while the job waited")
             self._ensure_launcher()
             ready = self._event()
             # Recorded under the lock: per compute stream, the pending order is the recording
             # order, so a launch waits for the last event of each stream only (`_after`).
             ready.record(compute)
             pending = _Pending(job_id, job, prepared, ready, compute, seq, waits)
-            self._ids |= {job_id}  # as above: the id, then the job, with no call between
+            self._ids.add(job_id)
             self._pending.append(pending)
             self.added_seq = seq
             self._pending_bytes += job.nbytes
@@ -285,18 +273,31 @@ class TransferQueue:
                 self._launched.notify_all()
             return None
 
-    def poll(self, into: list | None = None) -> list[TransferResult]:
-        """Results of the jobs completed so far, from the head of the queue, without blocking.
+    def wait_for_room(self) -> None:
+        """Wait while `max_pending` jobs wait for a launch (back-pressure), as `add` would; it
+        changes nothing, so a caller may wait here where an interrupt should reach it."""
+        if len(self._pending) >= self.max_pending:
+            with self._lock:
+                self._wait_for_room()
 
-        Args:
-            into: a list to extend with them (and return) before they leave the queue: a Ctrl-C
-                as the call returns then loses none.
-        """
+    def _wait_for_room(self) -> None:
+        """`wait_for_room`, with the lock held."""
+        if len(self._pending) < self.max_pending:
+            return
+        t0 = time.perf_counter()
+        try:
+            while len(self._pending) >= self.max_pending and not self._closed:
+                self._ensure_launcher()  # someone must launch what waits
+                self._launched.wait(IDLE_POLL_S)
+        finally:
+            self.stats.backpressure_waits += 1
+            self.stats.backpressure_s += time.perf_counter() - t0
+
+    def poll(self) -> list[TransferResult]:
+        """Results of the jobs completed so far, from the head of the queue, without blocking."""
         passed = None  # (end event, seconds) of the launch of the last job reported: its other jobs share both
+        results = []
         with self._lock:
-            # Results taken from the queue are kept here until returned: a poll that Ctrl-C cut
-            # short leaves them to the next one instead of losing them.
-            results = self._unreported
             while self._jobs:
                 job = self._jobs[0]
                 try:
@@ -315,7 +316,7 @@ class TransferQueue:
                 result = TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism)
                 self._ids.discard(job.job_id)
                 self.reported_seq = job.seq
-                results += (result,)  # an operator, not a call: no Ctrl-C lands between it and the next line
+                results.append(result)
                 self._jobs.popleft()
                 self.stats.failed += not ok
                 # an end another lane's job waits for (`end_of`) is never recorded again under it
@@ -326,10 +327,6 @@ class TransferQueue:
                         self._last_events = events
                     else:
                         self._free_events += events
-            if into is not None:
-                into += results  # operators, not calls: no Ctrl-C lands between the two
-                results = into
-            self._unreported = []
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -379,7 +376,7 @@ class TransferQueue:
                 if p.seq > seq:
                     break
                 pos = i
-            if self._taken is not None and self._taken[0].seq <= seq:
+            if self._batch is not None and self._batch[0].seq <= seq:
                 return 0, None  # launching on another thread: wait for it
             if pos >= 0:
                 return pos + 1, None
@@ -396,25 +393,21 @@ class TransferQueue:
         """Launch waiting jobs on this thread until `through` says it is done, and return what
         it says then. `through()`, called under the lock each round, returns ``(n, None)``: the
         first n waiting jobs must be launched (after the launch under way, if any; n 0: wait for
-        that launch), or ``(None, result)``: done."""
-        # The lock is taken anew each round, never let go by hand inside a `with`: a Ctrl-C
-        # while taking it back would leave the `with` to release a lock it does not hold. The
-        # take and the launch share one `try`: a Ctrl-C between them fails the jobs (`_heal`).
+        that launch), or ``(None, result)``: done. Each launch is one step for Ctrl-C
+        (`deferred`); waiting for another thread's launch is not, and changes nothing."""
         while True:
-            try:
+            with deferred():
                 with self._lock:
-                    self._heal()
                     n, result = through()
                     if n is None:
                         return result
-                    if not n or self._launching:
-                        self._launched.wait(IDLE_POLL_S)  # a notify that Ctrl-C cut short is not waited for forever
-                        continue
-                    batch = self._take(n)
-                self._run_quietly(batch)
-            except BaseException:
-                self.heal()
-                raise
+                    batch = self._take(n) if n and not self._launching else None
+                if batch is not None:
+                    self._run(batch)
+                    continue
+            with self._lock:
+                if self._launching:
+                    self._launched.wait(IDLE_POLL_S)
 
     def drain(self) -> list[TransferResult]:
         """Wait for every queued job (those not launched yet launched first, by this thread where no launch
@@ -436,41 +429,20 @@ class TransferQueue:
         for end in ends:  # a fault on one event may not have waited for the rest
             _settle(end)
 
-    def heal(self) -> bool:
-        """Fail a batch this thread took to launch (`_take`) and has not begun to (`_run`), as
-        after a Ctrl-C between the two: its waiters would otherwise wait for ever. Returns
-        whether there was one. For an `except` around a take and its launch."""
-        with self._lock:
-            return self._heal()
-
-    def _heal(self) -> bool:
-        """`heal`, with the lock held. Also where this thread comes back (a second Ctrl-C may have
-        cut short the `except` that would have done it)."""
-        batch = self._taken
-        if batch is None or self._taker != threading.get_ident():
-            return False
-        self.abandon(batch)
-        return True
-
     def close(self) -> list[TransferResult]:
-        """Refuse further jobs, drain, and stop the launcher thread. Returns all pending results."""
+        """Refuse further jobs, drain, stop the launcher thread and release the stream (once, over
+        any number of calls). Returns all pending results."""
         with self._lock:
             self._closed = True
         results = self.drain()
-        release = False
-        try:  # the flag taken inside: a Ctrl-C as the lock is let go leaves the release to the next close
-            with self._lock:
-                self._launched.notify_all()  # the launcher sees `_closed` with nothing left, and ends
-                release, self._stream_released = not self._stream_released, True
-            if release:
+        with self._lock:
+            self._launched.notify_all()  # the launcher sees `_closed` with nothing left, and ends
+        if not self._stream_released:
+            try:
                 self.backend.release_stream(self._stream)
-        except Exception:  # what the backend keeps for the stream stays kept; shutdown goes on
-            log.exception("%s could not release the %s stream", self.backend.name, self.direction.value)
-        except BaseException:  # a Ctrl-C (the release may wait for the device): the next close releases it
-            if release:
-                with self._lock:
-                    self._stream_released = False
-            raise
+            except Exception:  # what the backend keeps for the stream stays kept; shutdown goes on
+                log.exception("%s could not release the %s stream", self.backend.name, self.direction.value)
+            self._stream_released = True
         return results
 
     def _event(self) -> Event:
@@ -482,11 +454,11 @@ class TransferQueue:
         """Whether jobs wait for a launch, or one is being enqueued."""
         return bool(self._pending or self._launching)
 
-    def launch_taken(self, batch: list[_Pending]) -> None:
-        """Launch `batch`, which this thread took to launch (`_take`); its failures are left to
-        the jobs' results (and the log)."""
+    def launch(self, batch: list[_Pending]) -> None:
+        """Launch `batch`, which `add` took for this thread to launch; failures are left to the
+        jobs' results (and the log)."""
         try:
-            self._run_quietly(batch)
+            self._run(batch)
         finally:
             self._last_submit = time.perf_counter()
 
@@ -511,57 +483,39 @@ class TransferQueue:
             raise OffloadError(f"cannot start the {self.direction.value} launcher thread: {exc}") from exc
         self._launcher = launcher
 
-    def _run_quietly(self, batch: list[_Pending]) -> None:
-        """`_run`, its failures left to the jobs' results (and the log); Ctrl-C still propagates."""
-        try:
-            self._run(batch)
-        except Exception:
-            log.exception("launching %s jobs %s failed", self.direction.value, [p.job_id for p in batch])
-
     def _run(self, batch: list[_Pending], background: bool = False) -> None:
-        """`_launch`, and if even that fails or is interrupted (Ctrl-C), the jobs fail rather
-        than leave waiters hanging."""
-        me = self._taker
+        """Launch `batch`, which this thread took (`_take`). Whatever fails or raises, its jobs are
+        accounted for: recorded by the launch, or failed (`_fail`). Failures are left to the
+        jobs' results and the log; other exceptions (an interrupt outside the worker's steps)
+        propagate."""
         try:
-            with self._lock:
-                # A signal handler on this thread (between `_take` and here) may have failed the
-                # batch (`_heal`): launching it as well would report its jobs twice.
-                if self._taken is not batch:
-                    return
-                self._taker = None  # begun: from here its failures are this `except`'s
             self._launch(batch, background)
+        except Exception:
+            self._fail(batch)
+            log.exception("launching %s jobs %s failed", self.direction.value, [p.job_id for p in batch])
         except BaseException:
-            # Were `abandon` cut short too (a second Ctrl-C), this thread's next `_heal` fails the
-            # batch. Without the lock: while the batch is taken, no other thread changes `_taken`.
-            if self._taken is batch:
-                self._taker = me
-            self.abandon(batch)
+            self._fail(batch)
             raise
 
-    def abandon(self, batch: list[_Pending]) -> None:
-        """Fail `batch`, taken to launch (`_take`), if its launch has not recorded it: its
-        waiters get failed results instead of waiting for ever. Nothing if it was recorded.
-        If its enqueue had begun, the results come once what it enqueued has run."""
+    def _fail(self, batch: list[_Pending]) -> None:
+        """Fail `batch`, whose launch stopped before recording it: its waiters get failed results
+        instead of waiting for ever. Nothing if it was recorded. If its enqueue had begun, the
+        results come once what it enqueued has run, and hold what it may read until then."""
         with self._lock:
-            # The batch itself, not its ids: they may have been returned and queued again since.
-            if self._taken is not batch:
+            if self._batch is not batch:
                 return
-            end = None
+            end, held = None, batch
             if self._enqueued is not None and self._enqueued[0] is batch:
-                # Copies of it may be on the stream (a Ctrl-C during the enqueue, or after it
-                # and before its results were recorded): the engine may reuse the blocks as soon
-                # as it sees a result, so the result waits for them. No launch of this queue
-                # can come between: the batch still holds `_launching`.
-                end = self._enqueued[1]
+                # Copies of it may be on the stream: the engine may reuse the blocks as soon as
+                # it sees a result, so the result waits for them. No launch of this queue can
+                # come between: the batch still holds `_launching`.
                 try:
+                    end, held = self._enqueued[1], self._enqueued[2]
                     end.record(self._stream)
                 except Exception:
-                    end = None  # the device is lost
-            held = self._enqueued[2] if end is not None else batch
-            entries = [_Job(p.job_id, p.seq, None, end, p.job.nbytes, held, "", failed=True) for p in batch]
-            # recorded and released with no call between (where a Ctrl-C may land)
-            self._jobs += entries
-            self._launching, self._taken, self._taker, self._enqueued = _NOTHING, None, None, None
+                    end, held = None, batch  # the device is lost
+            self._jobs += [_Job(p.job_id, p.seq, None, end, p.job.nbytes, held, "", failed=True) for p in batch]
+            self._launching, self._batch, self._enqueued = _NOTHING, None, None
             self._launched.notify_all()
 
     def _burst_full(self) -> bool:
@@ -593,14 +547,9 @@ class TransferQueue:
                 break
             size = min(n, 4 * size)
         batch = list(islice(pending, take))
-        nbytes = sum(p.job.nbytes for p in batch)
-        ids = {p.job_id for p in batch}
-        rest = deque(islice(pending, take, None))
-        me = threading.get_ident()
-        # No Python call from here (where a Ctrl-C may land): the jobs leave `_pending` as they
-        # are marked launching, so `abandon` or a launch always accounts for them.
-        self._pending, self._launching, self._taken, self._taker = rest, ids, batch, me
-        self._pending_bytes -= nbytes
+        self._pending = deque(islice(pending, take, None))
+        self._pending_bytes -= sum(p.job.nbytes for p in batch)
+        self._launching, self._batch = {p.job_id for p in batch}, batch
         return batch
 
     def _launch(self, batch: list[_Pending], background: bool = False) -> None:
@@ -622,7 +571,7 @@ class TransferQueue:
         with self._enqueue:
             t_locked = time.perf_counter()  # waiting for another lane's enqueue is not the host's cost
             waited = self.backend.buffer_waits()
-            self._enqueued = (batch, end, held)  # from here a failed batch waits for `end` (`abandon`)
+            self._enqueued = (batch, end, held)  # from here a failed batch waits for `end` (`_fail`)
             try:
                 for ready in after:
                     stream.wait_event(ready)
@@ -662,11 +611,10 @@ class TransferQueue:
                     ]
                 else:
                     entries = [_Job(p.job_id, p.seq, None, end, p.job.nbytes, held, "", failed=True) for p in batch]
-                # Recorded and released in one step: `_run` fails a batch still marked launching, so
-                # nothing that can raise (a backend's odd mechanism in the stats, say) or take a
-                # Ctrl-C (a call) comes between.
+                # Recorded and released before anything that can raise (a backend's odd mechanism
+                # in the stats, say): `_run` fails a batch still marked launching.
                 self._jobs += entries
-                self._launching, self._taken, self._enqueued = _NOTHING, None, None
+                self._launching, self._batch, self._enqueued = _NOTHING, None, None
                 self._launched.notify_all()
                 self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
                 if failed is None:

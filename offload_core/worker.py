@@ -17,6 +17,7 @@ from offload_core.compact import CompactLayout
 from offload_core.errors import InvalidSpecError, OffloadError, RegionError
 from offload_core.host_layout import HostLayout
 from offload_core.hostmem import check_host_bytes
+from offload_core.interrupts import deferred
 from offload_core.plan import Planner
 from offload_core.queue import QueueStats, TransferQueue, TransferResult, job_id_set
 from offload_core.region import SharedHostRegion
@@ -25,7 +26,6 @@ from offload_core.spec import DeviceBlocks, HostBlocks, KVCaches, flag, integer,
 
 log = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 0.05  # `shutdown`'s wait for submits under way between looks at their count
 _REGION_CHECK_S = 1.0  # how often a submit confirms the shared region is still the one the other ranks use
 
 
@@ -57,6 +57,13 @@ class OffloadWorker:
     Lifetime: the host buffer, the KV tensors' addresses and the descriptors stay valid
     until the last queued copy has finished: `shutdown` drains first, and a worker dropped
     without it hands its jobs in flight to a thread that drains them before anything is freed.
+
+    Interrupts: on the main thread, each call's changes are one step for Ctrl-C
+    (`offload_core.interrupts.deferred`): a KeyboardInterrupt comes before them or after them,
+    never in between. Waits (`wait`, back-pressure in a submit, `shutdown` waiting for submits
+    and for the device) change nothing and may be interrupted. A submit interrupted after its
+    step has queued its job (its result comes); a `get_finished` interrupted after its step
+    keeps its results for the next call.
 
     Raises:
         InvalidSpecError: sizes that are not positive integers, a `canonical_layout` that is
@@ -138,14 +145,12 @@ class OffloadWorker:
         self._read_by = tuple(np.zeros(self.num_host_blocks, dtype=np.int64) for _ in range(2))
         self._lock = threading.RLock()  # as the queue's: `Condition.wait` restores it in C, which Ctrl-C cannot split
         self._idle = threading.Condition(self._lock)  # notified when the last submit under way ends
-        self._in_flight: set[int] = set()  # job ids reserved or queued, both directions
-        # ids of Python-path submits under way, and how many: a queued job's id may be returned
-        # and submitted again before the first submit's clean-up has run
-        self._reserved: dict[int, int] = {}
-        self._submitting = 0
+        self._in_flight: set[int] = set()  # job ids reserved or queued, or results not yet returned
+        self._submitting = 0  # submits under way: `shutdown` waits for them
         self._closed = False
-        # per lane, results `shutdown` collected, in order: returned before what the lane has since
-        self._drained: list[list[TransferResult]] = [[] for _ in self._lanes]
+        # per lane, results taken from it and not returned yet (by `shutdown`, or a `get_finished`
+        # that was interrupted), in order: returned before what the lane has since
+        self._kept: list[list[TransferResult]] = [[] for _ in self._lanes]
         # Holds what queued copies may touch until they have finished, should the worker be
         # dropped without `shutdown`.
         self._pid = os.getpid()
@@ -156,10 +161,9 @@ class OffloadWorker:
             self._lanes,
             backend,
             self._host,
-            [self._registered],  # cleared as it is undone: a shutdown cut short is finished, never repeated
+            [self._registered],  # cleared as it is undone
             (kv_caches, self._prepared),
         )
-        self._release: tuple | None = None  # the finalizer's arguments, once `shutdown` detached it
         self._shutdown_lock = threading.Lock()  # held while draining: a second shutdown waits for it
 
     @property
@@ -212,22 +216,39 @@ class OffloadWorker:
                 f"{direction.value} needs DeviceBlocks and HostBlocks, got "
                 f"{type(device).__name__} and {type(host).__name__}"
             )
-        # Chosen before the count goes up: from there to the `try`, no Python call (where Ctrl-C
-        # may land) that its `finally` would not undo.
         queue = self._expedited if expedited else self._queues[direction]
-        queued = reserved = False
-        try:  # entered before the count goes up: a Ctrl-C as the `with` ends is this `finally`'s
+        queue.wait_for_room()  # back-pressure, where a Ctrl-C may reach it: it changes nothing
+        with deferred():  # from the id's reservation to its launch and clean-up, one step for Ctrl-C
             with self._lock:
                 if self._closed:
                     raise OffloadError("OffloadWorker is shut down")
-                if job_id in self._in_flight and not self._held(job_id):
-                    self._in_flight.discard(job_id)  # left by a submit that Ctrl-C cut short in its clean-up
                 if job_id in self._in_flight:
                     raise InvalidSpecError(f"job id {job_id} is still in flight")
                 self._in_flight.add(job_id)
-                self._reserved[job_id] = self._reserved.get(job_id, 0) + 1
-                self._submitting += 1  # with the flag, no call between
-                reserved = True
+                self._submitting += 1
+            try:
+                queued, batch = self._add(queue, direction, job_id, device, host, expedited)
+                if batch is not None:  # this submit launches, on the caller's thread; failures are the jobs' results
+                    queue.launch(batch)
+            finally:
+                with self._lock:
+                    self._submitting -= 1
+                    if not self._submitting and self._closed:  # only `shutdown` waits for it
+                        self._idle.notify_all()
+        return queued
+
+    def _add(
+        self, queue: TransferQueue, direction: Direction, job_id: int, device: DeviceBlocks, host: HostBlocks, expedited
+    ) -> tuple[bool, list | None]:
+        """Validate a job whose id is reserved and add it to its lane: whether it was added (the
+        lane may refuse it: logged), and the jobs this submit must launch (`TransferQueue.add`).
+        The id is let go unless the job was added.
+
+        Raises:
+            InvalidSpecError, RegionError: as `submit_store`.
+        """
+        added = False
+        try:
             if self._region is not None and time.monotonic() >= self._next_region_check:
                 self._region.check()
                 self._next_region_check = time.monotonic() + _REGION_CHECK_S
@@ -239,30 +260,16 @@ class OffloadWorker:
                     self._seq += 1
                     waits = self._hazards(direction, expedited, job.host_ids, self._seq)
                     batch = queue.add(job_id, job, self._prepared, self._seq, waits)
-                queued = True
-                if batch is not None:  # this submit launches, on the caller's thread
-                    queue.launch_taken(batch)
             except Exception:
                 log.exception("%s job %s could not be enqueued on %s", direction.value, job_id, self.backend.name)
-                queued = queued or job_id in queue  # in its lane (a launch failed after): its result will come
-                return queued
-            except BaseException:  # Ctrl-C after the take, before the launch began: its jobs fail, not hang
-                queue.heal()
-                raise
-            return True
+                added = job_id in queue  # in its lane all the same (its launch failed after): its result will come
+                return added, None
+            added = True
+            return True, batch
         finally:
-            if reserved:
+            if not added:
                 with self._lock:
-                    # The count first: a Ctrl-C in what follows must not leave `shutdown` waiting for it.
-                    self._submitting -= 1
-                    left = self._reserved.pop(job_id) - 1
-                    if left:
-                        self._reserved[job_id] = left
-                    # a compact job interrupted (Ctrl-C) while its submit launched it is queued: its result will come
-                    if not queued and job_id not in queue:
-                        self._in_flight.discard(job_id)
-                    if not self._submitting and self._closed:  # only `shutdown` waits for it
-                        self._idle.notify_all()
+                    self._in_flight.discard(job_id)
 
     def _hazards(self, direction: Direction, expedited: bool, hosts: np.ndarray, seq: int) -> tuple:
         """The end events a job's copies must follow on the device, and the job recorded as the
@@ -291,16 +298,6 @@ class OffloadWorker:
                         waits += (end,)
         return waits
 
-    def _held(self, job_id: int) -> bool:
-        """Whether an id in `_in_flight` is still taken: by a submit under way, a queued job, or
-        a result not yet returned. Called under `_lock`, only when an id is refused, so it may
-        be slow."""
-        return (
-            job_id in self._reserved
-            or any(job_id in queue or queue.holds_result(job_id) for queue in self._lanes)
-            or any(r.job_id == job_id for results in self._drained for r in results)
-        )
-
     def stats(self) -> dict[str, QueueStats]:
         """Counters per lane (``"store"``, ``"load"``, ``"expedited_load"``): jobs, bytes, the
         copies they expand to before any merging (``descriptors``), failures, jobs per mechanism, launches (jobs /
@@ -313,16 +310,25 @@ class OffloadWorker:
         """Results of completed jobs: stores, then loads, then expedited loads, each in submission
         order. Never blocks on the device; each result is returned once, to one caller."""
         self._same_process()
-        # Under the lock, as `shutdown` collects: a lane's results leave it in the order they came.
-        # Nothing is taken from `_drained` until every lane is polled: a Ctrl-C in a poll leaves
-        # every result kept for the next call.
-        with self._lock:
-            for i, queue in enumerate(self._lanes):
-                queue.poll(self._drained[i])
-            results = [r for lane in self._drained for r in lane]
-            ids = [r.job_id for r in results]
-            self._drained = [[] for _ in self._lanes]
-            self._in_flight.difference_update(ids)
+        lanes = None
+        try:
+            # Under the lock, as `shutdown` collects: a lane's results leave it in the order they came.
+            with deferred(), self._lock:
+                for kept, queue in zip(self._kept, self._lanes):
+                    kept += queue.poll()
+                lanes, self._kept = self._kept, [[] for _ in self._lanes]
+                results = [r for lane in lanes for r in lane]
+                self._in_flight.difference_update(r.job_id for r in results)
+        except BaseException:
+            # A Ctrl-C that came during the step, raised as it ends: the results, ids and all,
+            # go back for the next call (none of their ids can have been submitted again: the
+            # caller has not seen them).
+            if lanes is not None:
+                with deferred(), self._lock:
+                    for kept, lane in zip(self._kept, lanes):
+                        kept[:0] = lane
+                    self._in_flight.update(r.job_id for lane in lanes for r in lane)
+            raise
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -354,32 +360,30 @@ class OffloadWorker:
         with self._lock:
             self._closed = True
             while self._submitting:
-                self._idle.wait(_IDLE_WAIT_S)  # a notify that Ctrl-C cut short is not waited for forever
+                self._idle.wait()
         with self._shutdown_lock:
             if self._host is None:
                 return  # an earlier call finished
-            # Drained while the finalizer still holds the memory: an interruption here leaves
-            # it held, and the next call (or the collector) drains again; each queue's results
-            # are kept as soon as it is drained.
-            for i, queue in enumerate(self._lanes):
+            # Waited for while the finalizer still holds the memory: an interruption here leaves
+            # it held, and the next call (or the collector) waits again.
+            for queue in self._lanes:
                 queue.finish()
+            with deferred():  # then let go of it, as one step for Ctrl-C
                 with self._lock:  # as `get_finished` polls: the lane's results stay in order
-                    queue.poll(self._drained[i])
-            # Kept before the finalizer lets go of it: a call cut short after this closes the
-            # lanes on the next call (and a finalizer still alive then drains nothing twice).
-            if self._release is None:
+                    for kept, queue in zip(self._kept, self._lanes):
+                        kept += queue.poll()
+                # The finalizer holds the memory until the lanes are closed: should a close raise,
+                # the next call (or the finalizer) closes them again (`TransferQueue.close`).
                 held = self._finalizer.peek()
-                self._release = None if held is None else held[2][1:]
-            self._finalizer.detach()
-            if self._release is not None:
-                lanes = _drain(*self._release)
-                with self._lock:
-                    for i, results in enumerate(lanes):
-                        self._drained[i] += results
-                self._release = None  # it holds the host memory, a region's view among it
-            self.host_tensors = []
-            self._layout = self._prepared = None
-            self._host = None  # a shared region outlives the worker: its owner closes it
+                if held is not None:
+                    lanes = _drain(*held[2][1:])
+                    with self._lock:
+                        for kept, results in zip(self._kept, lanes):
+                            kept += results
+                self._finalizer.detach()
+                self.host_tensors = []
+                self._layout = self._prepared = None
+                self._host = None  # a shared region outlives the worker: its owner closes it
 
     def _same_process(self) -> None:
         if os.getpid() != self._pid:
@@ -397,11 +401,9 @@ class OffloadWorker:
 
 def _drain(queues, backend: Backend, host, registered: list[bool], kept) -> list[list[TransferResult]]:
     """Wait for every job in `queues` and close them, then undo the host registration if
-    ``registered[0]``; returns each queue's results. Safe to call again after an interruption:
-    closing is, and the flag is cleared before the registration is undone (an unpin cut short
-    leaves memory registered; a second one could unregister a region another worker shares).
-    `host` and `kept` (the KV caches, the backend's prepared layout) are passed only to be held:
-    they may be freed once this returns.
+    ``registered[0]`` (cleared first); returns each queue's results. Again after a close that
+    raised, it closes what is left (`TransferQueue.close`). `host` and `kept` (the KV caches, the backend's prepared
+    layout) are passed only to be held: they may be freed once this returns.
     """
     results = [queue.close() for queue in queues]
     if registered[0]:
@@ -462,7 +464,8 @@ def _dropped(pid: int, *held) -> None:
             return
         except RuntimeError:  # the interpreter is exiting and starts no threads
             pass
-    _drain(*held)
+    with deferred():  # on the main thread: a Ctrl-C must not end the drain, which lets the memory go
+        _drain(*held)
 
 
 def _alloc_host(backend: Backend, nbytes: int):

@@ -1,9 +1,12 @@
 """Small KV caches on the host for worker tests, the compiled steps for tests of both paths, and
-Ctrl-C raised where CPython runs signal handlers (`SignalPoints`, `ctrl_c_before_line`)."""
+Ctrl-C: a real SIGINT sent from inside a call (`CtrlCInside`, `ctrl_c_inside_calls`), or a
+KeyboardInterrupt raised before a given line (`ctrl_c_before_line`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 from typing import NamedTuple
 
@@ -83,25 +86,120 @@ def compact_layout(planner, compiled: bool):
     return layout
 
 
-class SignalPoints:
-    """A profiler that raises KeyboardInterrupt at the k-th point where CPython may run a signal
-    handler on this thread, in code under `roots`: a Python function's entry (counted where its
-    caller is under them), a C call's return. `where` says which point it was; None while the
-    calls it watched had fewer than k points."""
+@contextlib.contextmanager
+def python_sigint():
+    """SIGINT handled by Python's own handler (KeyboardInterrupt) for the block, as in a
+    terminal; the handler before it is put back after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
-    def __init__(self, k: int, roots: tuple[str, ...]):
-        self.k, self.n, self.roots, self.where = k, 0, roots, None
 
-    def __call__(self, frame, event, arg):
-        caller = frame.f_back if event == "call" else frame if event == "c_return" else None
-        if caller is None or not caller.f_code.co_filename.startswith(self.roots):
-            return
-        self.n += 1
-        if self.n == self.k:
-            sys.setprofile(None)
-            name = getattr(arg, "__name__", frame.f_code.co_name)
-            self.where = f"{event} {name} in {caller.f_code.co_name}:{caller.f_lineno}"
-            raise KeyboardInterrupt
+def send_ctrl_c() -> None:
+    """A real SIGINT to this process, as a terminal's Ctrl-C sends. `os.kill` runs the Python
+    handler before it returns: a KeyboardInterrupt not held back comes from this call."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+class CtrlCInside:
+    """Sends a real SIGINT from inside the next call, once `arm`ed, of any of the methods
+    `names` of `obj` (each wrapped on the instance), before the method runs (`after`: once it
+    has returned). `sent`: it was sent; `returned`: that call returned (the interrupt did not
+    cut it short)."""
+
+    def __init__(self, obj, *names: str, after: bool = False):
+        self.armed = self.sent = self.returned = False
+        self.after = after
+        for name in names:
+            setattr(obj, name, self._wrap(getattr(obj, name)))
+
+    def arm(self) -> CtrlCInside:
+        self.armed, self.sent, self.returned = True, False, False
+        return self
+
+    def _wrap(self, method):
+        def wrapper(*args, **kwargs):
+            if not self.armed:
+                return method(*args, **kwargs)
+            self.armed = False
+            if not self.after:
+                self.sent = True
+                send_ctrl_c()
+            result = method(*args, **kwargs)
+            self.returned = True
+            if self.after:
+                self.sent = True
+                send_ctrl_c()
+            return result
+
+        return wrapper
+
+
+def ctrl_c_inside_calls(backend, device: str, store: bool) -> None:
+    """A real Ctrl-C from inside `backend`'s copy as a submit launches its job, as a `wait`
+    launches a job that waited, and from inside a stream's release as `shutdown` closes the
+    worker, on any backend: each call finishes its step, then raises KeyboardInterrupt; every
+    job reports once, successful, with its bytes right, and the worker goes on working.
+    `backend`'s methods are wrapped; call it with SIGINT raising KeyboardInterrupt
+    (`python_sigint`)."""
+    import pytest
+
+    from offload_core import DeviceBlocks, Direction, HostBlocks, KVCacheRef, OffloadWorker
+
+    layers, blocks, page = 4, 16, 4096
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randint(0, 256, (blocks, page), dtype=torch.uint8, generator=gen) for _ in range(layers)]
+    kv = KVCaches([KVCacheTensor(t.to(device), page) for t in tensors], [[KVCacheRef(i, page) for i in range(layers)]])
+    worker = OffloadWorker(kv, blocks, backend=backend)
+    rows = torch.randint(0, 256, (blocks, layers * page), dtype=torch.uint8, generator=gen)
+    for i, view in enumerate(worker.host_tensors):
+        view.view(torch.uint8).copy_(rows[:, i * page : (i + 1) * page])
+    host = list(worker.host_tensors)  # views of the host buffer, for the checks after shutdown
+    lane = worker._queues[Direction.STORE if store else Direction.LOAD]
+    lane._launcher = object()  # no launcher thread: jobs go with a submit or a wait only
+    copy = CtrlCInside(backend, "copy_jobs", "copy_blocks")
+
+    def submit(job_id: int) -> None:
+        if store:
+            worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
+        else:
+            worker.submit_load(job_id, HostBlocks([job_id]), DeviceBlocks([job_id]))
+
+    def check(job_ids) -> None:
+        results = worker.get_finished()
+        assert [(r.job_id, r.success) for r in results] == [(j, True) for j in job_ids]
+        for j in job_ids:
+            device_row = torch.cat([t.tensor[j].cpu() for t in kv.tensors])
+            host_row = torch.cat([v.view(torch.uint8)[j] for v in host])
+            assert torch.equal(device_row, host_row), f"job {j}: wrong bytes"
+
+    lane._launch_s = 0.0  # no burst: the device idle, a submit launches its job itself
+    copy.arm()
+    with pytest.raises(KeyboardInterrupt):
+        submit(1)
+    assert copy.sent and copy.returned, "the interrupt cut the submit's launch short"
+    worker.wait([1])
+    check([1])
+
+    lane._launch_s = 1e9  # every submit part of a burst: the job waits for a launch
+    submit(2)
+    assert lane.waiting_for_launch()
+    copy.arm()
+    with pytest.raises(KeyboardInterrupt):
+        worker.wait([2])
+    assert copy.sent and copy.returned, "the interrupt cut the wait's launch short"
+    worker.wait([2])
+    check([2])
+
+    lane._launch_s = 0.0
+    submit(3)  # the worker goes on
+    release = CtrlCInside(backend, "release_stream").arm()
+    with pytest.raises(KeyboardInterrupt):
+        worker.shutdown()
+    assert release.sent and release.returned and worker.host_tensors == [], "shutdown cut short"
+    check([3])
 
 
 def ctrl_c_before_line(function, starts_with: str) -> None:
