@@ -216,6 +216,10 @@ def copier_over_stubs(monkeypatch, seconds: dict[str, float]):
         monkeypatch.setattr(mechanism, "enqueue_job", enqueue_job)
     backend = SimpleNamespace(cost=CostModel(), new_event=TimedEvent, addressable=lambda *a: True)
     copier = blocks.BlockCopier(backend, 16 << 20, Tuner())
+    side = SimpleNamespace(waited=[])
+    side.wait_event = side.waited.append  # a staged trial's side stream waits for its start event
+    copier.staging = SimpleNamespace(for_stream=lambda stream: SimpleNamespace(side=side))
+    copier.side = side
     worker = OffloadWorker(small_kv(pages=(4096,) * 8, blocks=64), 64, backend="cpu")
     layout = worker._layout
     prepared = SimpleNamespace(layout=layout, direct_ok=True, whole_rows={d: True for d in Direction})
@@ -237,4 +241,39 @@ def test_auto_runs_the_trials_then_the_winner(monkeypatch, fast):
     # once decided, every launch of the class goes to the fastest candidate tried
     winner = min(tried, key=seconds.get)
     assert winner == fast and ran[-3:] == [winner] * 3
+    # each timed expand_staged launch made its side stream wait for its start; no other did
+    assert "expand_staged" in tried and len(copier.side.waited) == tuning.TRIALS
     assert copier.tuner.winners() == {next(iter(copier.tuner._saved)).name(): winner}
+
+
+def test_a_class_with_one_candidate_is_decided_at_once_but_not_saved(tmp_path):
+    """`join_plan` joins a class's launches only once it is decided for expand_direct."""
+    tuner = Tuner(tmp_path / "tuned.json")
+    assert tuner.pick(KEY, ["expand_direct"]) == ("expand_direct", False)
+    assert tuner.decided(KEY) == "expand_direct"
+    other = KEY._replace(direction="load")
+    run_trial(tuner, other, ["expand_staged", "expand_direct"], {"expand_staged": 1.0, "expand_direct": 2.0})
+    saved = json.loads((tmp_path / "tuned.json").read_text())["winners"]
+    assert saved == {other.name(): "expand_staged"}  # measured winners only
+
+
+def test_a_class_whose_candidates_vary_from_launch_to_launch_is_still_decided():
+    """The cost model weighs each launch's own bytes: one class's launches may offer the
+    candidates in another order, or one fewer. The costs are kept per name."""
+    tuner = Tuner()
+    offers = [["expand_staged", "expand_direct", "ce_batch"], ["expand_staged", "ce_batch", "expand_direct"]]
+    seconds = {"expand_staged": 3.0, "expand_direct": 1.0, "ce_batch": 2.0}
+    for i in range(10 * tuning.TRIALS):
+        name, timed = tuner.pick(KEY, offers[i % 2])
+        if not timed:
+            break
+        tuner.observe(KEY, name, 1 << 20, 0.0, seconds[name])
+    assert tuner.decided(KEY) == "expand_direct"
+    tuner = Tuner()
+    offers = [["expand_staged", "expand_direct", "ce_batch"], ["expand_staged", "expand_direct"]]
+    for i in range(10 * tuning.TRIALS):
+        name, timed = tuner.pick(KEY, offers[i % 2])
+        if not timed:
+            break
+        tuner.observe(KEY, name, 1 << 20, 0.0, seconds[name])
+    assert tuner.decided(KEY) == "expand_direct"

@@ -70,12 +70,18 @@ def candidates(estimates: dict[str, float], prior: str) -> list[str]:
 
 
 class _Trial:
-    __slots__ = ("candidates", "costs", "winner")
+    """A class's trial: the costs per byte of each candidate timed so far, the cost model's
+    pick when it began (`prior`) and the candidates the last launch offered (`offered`). The
+    candidates may differ from launch to launch of one class (the cost model weighs each
+    launch's own bytes and segments): costs are kept per name, and the class is decided once
+    every candidate last offered has `TRIALS`."""
 
-    def __init__(self, names: list[str]):
-        self.candidates = names
-        self.costs: dict[str, list[float]] = {n: [] for n in names}
-        self.winner: str | None = names[0] if len(names) == 1 else None
+    __slots__ = ("prior", "offered", "costs")
+
+    def __init__(self, prior: str):
+        self.prior = prior
+        self.offered: list[str] = [prior]
+        self.costs: dict[str, list[float]] = {}
 
 
 class Tuner:
@@ -91,21 +97,28 @@ class Tuner:
         self._lock = threading.Lock()
         self._trials: dict[ShapeClass, _Trial] = {}
         self._saved: dict[ShapeClass, str] = {}
+        self._single: set[ShapeClass] = set()  # decided with one candidate: nothing to save
         if path is not None:
             self._saved = _load(path)
 
     def pick(self, key: ShapeClass, names: list[str]) -> tuple[str, bool]:
         """The mechanism for a launch of class `key` among `names` (the cost model's pick
-        first: `candidates`), and whether to time it (a trial)."""
+        first: `candidates`), and whether to time it (a trial). A class with one candidate is
+        decided at once (in memory: nothing was measured)."""
         with self._lock:
             saved = self._saved.get(key)
             if saved is not None and saved in names:
                 return saved, False
+            if len(names) == 1:
+                self._saved[key] = names[0]
+                self._single.add(key)
+                return names[0], False
             trial = self._trials.get(key)
-            if trial is None or trial.candidates != names:
-                trial = self._trials[key] = _Trial(names)
-            if trial.winner is not None:
-                return trial.winner, False
+            if trial is None:
+                trial = self._trials[key] = _Trial(names[0])
+            trial.offered = names
+            for n in names:
+                trial.costs.setdefault(n, [])
             name = min(names, key=lambda n: len(trial.costs[n]))  # the least tried, the prior first
             return name, True
 
@@ -116,28 +129,32 @@ class Tuner:
 
     def observe(self, key: ShapeClass, name: str, nbytes: int, host_s: float, device_s: float) -> None:
         """Record a timed launch of class `key` by `name`: `nbytes` moved, `host_s` of enqueue
-        and `device_s` on the stream. Decides the class once every candidate has `TRIALS`."""
+        and `device_s` on the stream. Decides the class once every candidate the last launch
+        offered has `TRIALS`: the fastest by median, the prior unless another is `MARGIN`
+        faster (the prior: the cost model's pick when the trial began, if still offered)."""
         with self._lock:
             trial = self._trials.get(key)
-            if trial is None or trial.winner is not None or name not in trial.costs:
+            if trial is None or name not in trial.costs:
                 return
             trial.costs[name].append(max(host_s, device_s) / max(1, nbytes))
-            if any(len(c) < TRIALS for c in trial.costs.values()):
+            offered = trial.offered
+            if any(len(trial.costs[n]) < TRIALS for n in offered):
                 return
-            medians = {n: sorted(c)[len(c) // 2] for n, c in trial.costs.items()}
-            prior = trial.candidates[0]
+            medians = {n: sorted(trial.costs[n])[len(trial.costs[n]) // 2] for n in offered}
+            prior = trial.prior if trial.prior in medians else offered[0]
             best = min(medians, key=medians.get)
-            trial.winner = best if medians[best] < (1 - MARGIN) * medians[prior] else prior
-            self._saved[key] = trial.winner
-            winners = dict(self._saved)
+            winner = best if medians[best] < (1 - MARGIN) * medians[prior] else prior
+            del self._trials[key]
+            self._saved[key] = winner
+            measured = {k: v for k, v in self._saved.items() if k not in self._single}
         log.info(
             "cuda auto: %s -> %s (seconds per GiB: %s)",
             key.name(),
-            trial.winner,
+            winner,
             {n: round(m * (1 << 30), 4) for n, m in medians.items()},
         )
         if self.path is not None:
-            _save(self.path, winners)
+            _save(self.path, measured)
 
     def winners(self) -> dict[str, str]:
         """The decided classes, by name (`ShapeClass.name`)."""
@@ -148,6 +165,7 @@ class Tuner:
         """Drop every winner and trial (after a calibration: the prior changed)."""
         with self._lock:
             self._saved.clear()
+            self._single.clear()
             self._trials.clear()
         if self.path is not None:
             try:
