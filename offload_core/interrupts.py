@@ -9,10 +9,16 @@ section, with the section's work whole. Blocking `pthread_sigmask` would not do:
 then hands the process's SIGINT to another thread, whose C handler still trips the main
 thread's Python handler.
 
-Off the main thread, where no KeyboardInterrupt is raised, it does nothing; nor where the
-handler is not a Python callable (ignored, the OS default, or installed from C), or cannot be
-set (a subinterpreter). Sections nest: only the outermost swaps the handler. Other signals'
-handlers still run inside a section.
+SIGTERM is held back the same way (an engine's SIGTERM handler may raise SystemExit); other
+signals' handlers still run inside a section, and must not call the worker. Off the main
+thread, where no KeyboardInterrupt is raised, it does nothing; nor for a signal whose handler
+is not a Python callable (ignored, the OS default, or installed from C), or where handlers
+cannot be set (a subinterpreter). Sections nest: only the outermost swaps the handlers.
+
+A section whose end was cut short (another signal's handler raising at its edge) leaves no
+signal held back for good: the recorder delivers at once where no live section holds it (it
+looks for the outermost section's frame on the stack), and the next section starts afresh. A
+child forked inside a section gets the handlers back.
 """
 
 from __future__ import annotations
@@ -20,16 +26,63 @@ from __future__ import annotations
 # The C module under `signal`: the same calls without its wrappers, which turn a handler into
 # an enum through a ValueError raised and caught each call (about 2 us, most of a section's cost).
 import _signal as signal
+import os
+import sys
 import threading
 
+HELD = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM") if hasattr(signal, name))
 _depth = 0  # sections the main thread is in
-_previous = None  # the handler the outermost section replaced, while it is replaced
-_recorded = False  # a SIGINT came during the outermost section
+_outer = None  # the frame that entered the outermost section, while one is open
+_previous: dict = {}  # signal -> the handler the outermost section replaced, while replaced
+_recorded: list = []  # signals that came during the outermost section, in order
+
+
+def _inside(frame) -> bool:
+    """Whether `frame` runs inside the open outermost section (its frame is on the stack)."""
+    while frame is not None:
+        if frame is _outer:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _record(signum, frame) -> None:
-    global _recorded
-    _recorded = True
+    if _outer is not None and _inside(frame):
+        if signum not in _recorded:
+            _recorded.append(signum)
+        return
+    # No live section holds it back (one's end was cut short): the handler it replaced, now.
+    handler = _previous.get(signum, signal.default_int_handler if signum == signal.SIGINT else None)
+    _release()
+    if callable(handler) and handler is not _record:
+        handler(signum, frame)
+
+
+def _release() -> None:
+    """Put the replaced handlers back, forget the section, and raise what came meanwhile."""
+    global _depth, _outer
+    _depth, _outer = 0, None
+    recorded = list(_recorded)
+    _recorded.clear()
+    try:
+        for sig, handler in list(_previous.items()):
+            if signal.getsignal(sig) is _record:  # unless the section's code set another
+                signal.signal(sig, handler)  # runs a signal that came just now with `_record`
+            _previous.pop(sig, None)
+    finally:
+        for sig in recorded:
+            signal.raise_signal(sig)  # to the handler put back, at once
+
+
+def _after_fork_in_child() -> None:
+    """A child forked inside a section (by another thread) gets the handlers back."""
+    if _previous or _depth:
+        _recorded.clear()
+        _release()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Deferred:
@@ -38,45 +91,39 @@ class _Deferred:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        global _depth, _previous
+        global _depth, _outer
         if threading.current_thread() is not threading.main_thread():
             return
+        caller = sys._getframe(1)
         if _depth:
-            _depth += 1
-            return
-        handler = signal.getsignal(signal.SIGINT)
-        if callable(handler) and handler is not _record:
-            try:
-                # Runs a SIGINT already pending first, with the old handler: that one raises
-                # here, before the section, which then never began.
-                signal.signal(signal.SIGINT, _record)
-            except ValueError:  # not the main interpreter: no handler of ours
-                pass
-            else:
-                _previous = handler
-        _depth = 1
+            if _inside(caller):
+                _depth += 1
+                return
+            _release()  # left by a section whose end was cut short
+        _outer, _depth = caller, 1
+        for sig in HELD:
+            handler = signal.getsignal(sig)
+            if callable(handler) and handler is not _record:
+                _previous[sig] = handler  # first: a handler put back must be known before it is replaced
+                try:
+                    # Runs a signal already pending first, with the old handler: that one
+                    # raises here, before the section began.
+                    signal.signal(sig, _record)
+                except ValueError:  # not the main interpreter: no handler of ours
+                    _previous.pop(sig, None)
 
     def __exit__(self, *exc: object) -> None:
-        global _depth, _previous, _recorded
-        if threading.current_thread() is not threading.main_thread():
+        global _depth
+        if threading.current_thread() is not threading.main_thread() or not _depth:
             return
         _depth -= 1
-        previous = _previous
-        if _depth or previous is None:
-            return
-        _previous = None
-        try:
-            if signal.getsignal(signal.SIGINT) is _record:  # unless the section's code set another
-                signal.signal(signal.SIGINT, previous)  # runs a SIGINT that came just now with `_record`
-        finally:
-            if _recorded:
-                _recorded = False
-                signal.raise_signal(signal.SIGINT)  # to the handler put back, at once
+        if not _depth:
+            _release()
 
 
 _DEFERRED = _Deferred()
 
 
 def deferred() -> _Deferred:
-    """A context manager: inside it, a SIGINT on the main thread waits for its end."""
+    """A context manager: inside it, a SIGINT (or SIGTERM) on the main thread waits for its end."""
     return _DEFERRED

@@ -6,6 +6,7 @@ interrupt held back fails with `offload_core.interrupts.deferred` made a no-op."
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -249,3 +250,57 @@ def test_the_engines_handler_runs_once_after_the_call_and_may_use_the_worker():
     assert calls == [(True, True), (True, True), [1]]
     assert signal.getsignal(signal.SIGINT) is handler
     worker.shutdown()
+
+
+def test_a_section_whose_end_was_cut_short_holds_nothing_back_for_good():
+    """Another signal's handler raising at a section's edge can leave it open (its `__exit__`
+    never ran): once the frame that opened it has gone, a SIGINT is delivered at once, and the
+    next section starts afresh."""
+
+    def cut_short():
+        interrupts._DEFERRED.__enter__()  # as a `with` whose exit a raising handler skipped
+
+    cut_short()
+    assert signal.getsignal(signal.SIGINT) is interrupts._record
+    with pytest.raises(KeyboardInterrupt):
+        send_ctrl_c()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and interrupts._depth == 0
+    cut_short()
+    with pytest.raises(KeyboardInterrupt):  # the next section releases the stale one, then holds back its own
+        with deferred():
+            assert interrupts._depth == 1
+            send_ctrl_c()
+            held = True
+    assert held and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_sigterm_is_held_back_too():
+    """An engine's SIGTERM handler that raises (SystemExit) lands after the step, not inside."""
+
+    def exit_now(signum, frame):
+        raise SystemExit(3)
+
+    previous = signal.signal(signal.SIGTERM, exit_now)
+    try:
+        with pytest.raises(SystemExit):
+            with deferred():
+                signal.raise_signal(signal.SIGTERM)
+                whole = True
+        assert whole and signal.getsignal(signal.SIGTERM) is exit_now
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_child_forked_inside_a_section_gets_the_handler_back():
+    import warnings
+
+    with deferred():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # pytest's threads: the child calls nothing of theirs
+            pid = os.fork()
+        if pid == 0:
+            ok = signal.getsignal(signal.SIGINT) is signal.default_int_handler and interrupts._depth == 0
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
