@@ -274,3 +274,18 @@ def test_a_class_whose_candidates_vary_from_launch_to_launch_is_still_decided(se
             break
         tuner.observe(KEY, name, 1 << 20, 0.0, seconds[name])
     assert tuner.decided(KEY) == "expand_direct"
+
+
+def test_a_decided_winner_that_cannot_run_here_is_not_used(monkeypatch):
+    """A winner saved for the class (another worker's, say) whose host rows this layout's
+    kernel cannot address: the launch goes another way."""
+    seconds = {"expand_staged": 3e-3, "expand_direct": 1e-3, "ce_batch": 2e-3}
+    copier, layout, prepared, ran, worker = copier_over_stubs(monkeypatch, seconds)
+    with worker:
+        job = layout.job(Direction.STORE, DeviceBlocks(list(range(16))), HostBlocks(list(range(0, 32, 2))))
+        for _ in range(12):
+            copier.copy(job, prepared, "stream", [], [])
+        assert ran[-1] == "expand_direct"
+        prepared.direct_ok = False
+        copier.copy(job, prepared, "stream", [], [])
+    assert ran[-1] != "expand_direct"

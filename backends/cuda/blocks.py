@@ -346,12 +346,29 @@ class BlockCopier:
         count, small = summary
         per_job, d = job.nbytes // max(1, job.jobs), job.direction.value
         key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids.size, count)
+        winner = self.tuner.decided(key)
+        # decided: no cost model on the launch's host time (but where the operator lowered the
+        # SM penalty, which may split what a winner of the default would not)
+        if (
+            winner is not None
+            and self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY
+            and self._runs_here(winner, prepared)
+        ):
+            return _BY_NAME[winner], key, False
         prior = self.choose(job, prepared, summary)
         if prior is EXPAND_SPLIT:
             return prior, key, False
         estimates = self._estimates(job, prepared, count, small)
         name, timed = self.tuner.pick(key, tuning.candidates(estimates, prior.name))
         return _BY_NAME[name], key, timed and self.timings.room()
+
+    def _runs_here(self, name: str, prepared: Prepared) -> bool:
+        """Whether mechanism `name` can move this layout's jobs (as `_estimates` offers them)."""
+        if name == EXPAND_STAGED.name:
+            return prepared.layout.row_bytes <= self.half_bytes
+        if name == EXPAND_DIRECT.name:
+            return self.direct_ok(prepared)
+        return name == HOST_EXPANDED.name
 
     def _estimates(self, job: CompactJob, prepared: Prepared, count: int, small: int) -> dict[str, float]:
         """The cost model's seconds for `job` by each mechanism that can move it here."""
