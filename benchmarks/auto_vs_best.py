@@ -31,6 +31,8 @@ def cells(rows: list[dict]) -> list[tuple]:
                 continue
             best = max(forced, key=forced.get)
             chose = "/".join(by["auto"].get(f"{d}_mechanisms") or [])
+            if by["auto"].get("trials_pending"):  # measured while auto still tried its candidates
+                chose += ", still on trial"
             out.append((key, d, by["auto"][f"{d}_ratio"], chose, best, forced[best]))
     return out
 

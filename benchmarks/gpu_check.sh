@@ -18,9 +18,9 @@ python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'trit
 # The device's copy of the tree may carry older git metadata: pass COMMIT=<hash> to record the right one.
 echo "commit ${COMMIT:-$(git log -1 --format='%h %s' 2>/dev/null)}" | tee -a "$out/env.txt"
 if [ "$phase" = grid ]; then
-  # auto against the forced mechanisms over the shapes an engine sends (about 8 minutes). The grid
-  # runs twice: the first run's trials decide auto's choice per shape class (saved per GPU model),
-  # the second measures auto as an engine sees it after its first launches.
+  # auto against the forced mechanisms over the shapes an engine sends (about 5 minutes); each
+  # row's warm-up launches until auto has measured its choice (engine_bench), as an engine's
+  # first launches do.
   grid() {
     B="python3 benchmarks/engine_bench.py --backend cuda --mechanisms $1"
     timeout 150 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64 --json "$out/grid-$2-64t.json" > "$out/grid-$2-64t.log" 2>&1
@@ -28,7 +28,6 @@ if [ "$phase" = grid ]; then
     timeout 90 $B --tensors 1 --pages 256,4096,65536,2097152 --job-mib 4 --jobs 32 --json "$out/grid-$2-1t-4m.json" > "$out/grid-$2-1t-4m.log" 2>&1
     timeout 120 $B --tensors 1 --pages 1024,65536,2097152 --job-mib 256 --jobs 4 --json "$out/grid-$2-1t-256m.json" > "$out/grid-$2-1t-256m.log" 2>&1
   }
-  grid auto warm
   grid auto,expand_staged,expand_direct,ce_batch,sm_gather all
   python3 benchmarks/auto_vs_best.py "$out"/grid-all-*.json | tee "$out/auto_vs_best.md"
   cp "${OFFLOAD_CORE_PROFILE_DIR:-$HOME/.cache/offload-core}"/*-tuned.json "$out/" 2>/dev/null

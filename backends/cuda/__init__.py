@@ -449,6 +449,12 @@ class CudaBackend(TorchDeviceBackend):
         them; a million-block job's narrow table is 8 MiB)."""
         return self._ring.waits, self._ring.wait_s
 
+    def trials_pending(self) -> int:
+        """Shape classes whose `auto` choice is still being measured (`tuning`): 0 once every
+        class launched so far is decided, or without tuning. Benchmarks launch until it is 0."""
+        tuner = self._blocks.tuner
+        return 0 if tuner is None else tuner.undecided()
+
     def calibrate(self, save: bool = True) -> dict:
         """Measure this GPU's copy costs (a few seconds), use them, and save them as its
         profile (`calibration.calibrate`). Workers' launches on this backend wait meanwhile:

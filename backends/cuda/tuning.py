@@ -28,7 +28,11 @@ from typing import NamedTuple
 log = logging.getLogger(__name__)
 
 TRIALS = 3  # timed launches per candidate; the median decides
-WITHIN = 2.0  # the candidates: mechanisms the cost model rates at most this many times its pick
+# The candidates: mechanisms the cost model rates at most this many times its pick. Wide, since
+# the model's figures come from one GPU and may be off by 2-3x on another; a candidate that
+# measures far off the best leaves the trial early (`STRIKE`), so a wide net costs little.
+WITHIN = 8.0
+STRIKE = 2.0  # a candidate whose best of two launches is this many times the class's best leaves
 MARGIN = 0.05  # another candidate replaces the cost model's pick only if this much faster
 MAX_PENDING = 64  # timed launches whose events have not passed yet, at most (more go untimed)
 
@@ -71,17 +75,25 @@ def candidates(estimates: dict[str, float], prior: str) -> list[str]:
 
 class _Trial:
     """A class's trial: the costs per byte of each candidate timed so far, the cost model's
-    pick when it began (`prior`) and the candidates the last launch offered (`offered`). The
-    candidates may differ from launch to launch of one class (the cost model weighs each
-    launch's own bytes and segments): costs are kept per name, and the class is decided once
-    every candidate last offered has `TRIALS`."""
+    pick when it began (`prior`), the candidates the last launch offered (`offered`) and those
+    struck off (`struck`: two launches, the faster still `STRIKE` times the best of any). Two,
+    not one, since a launch that compiles a kernel is slow once. The candidates may differ from
+    launch to launch of one class (the cost model weighs each launch's own bytes and segments):
+    costs are kept per name, and the class is decided once every candidate last offered and not
+    struck has `TRIALS`."""
 
-    __slots__ = ("prior", "offered", "costs")
+    __slots__ = ("prior", "offered", "costs", "struck")
 
     def __init__(self, prior: str):
         self.prior = prior
         self.offered: list[str] = [prior]
         self.costs: dict[str, list[float]] = {}
+        self.struck: set[str] = set()
+
+    def left(self) -> list[str]:
+        """The candidates offered and not struck off (all offered, where every one was: the
+        best was struck off by none, but need not be offered by the last launch)."""
+        return [n for n in self.offered if n not in self.struck] or self.offered
 
 
 class Tuner:
@@ -119,7 +131,7 @@ class Tuner:
             trial.offered = names
             for n in names:
                 trial.costs.setdefault(n, [])
-            name = min(names, key=lambda n: len(trial.costs[n]))  # the least tried, the prior first
+            name = min(trial.left(), key=lambda n: len(trial.costs[n]))  # the least tried, the prior first
             return name, True
 
     def decided(self, key: ShapeClass) -> str | None:
@@ -130,18 +142,20 @@ class Tuner:
     def observe(self, key: ShapeClass, name: str, nbytes: int, host_s: float, device_s: float) -> None:
         """Record a timed launch of class `key` by `name`: `nbytes` moved, `host_s` of enqueue
         and `device_s` on the stream. Decides the class once every candidate the last launch
-        offered has `TRIALS`: the fastest by median, the prior unless another is `MARGIN`
-        faster (the prior: the cost model's pick when the trial began, if still offered)."""
+        offered and not struck off has `TRIALS`: the fastest by median, the prior unless another
+        is `MARGIN` faster (the prior: the cost model's pick when the trial began, if still in)."""
         with self._lock:
             trial = self._trials.get(key)
             if trial is None or name not in trial.costs:
                 return
             trial.costs[name].append(max(host_s, device_s) / max(1, nbytes))
-            offered = trial.offered
-            if any(len(trial.costs[n]) < TRIALS for n in offered):
+            best = min(min(c) for c in trial.costs.values() if c)
+            trial.struck.update(n for n, c in trial.costs.items() if len(c) >= 2 and min(c) > STRIKE * best)
+            left = trial.left()
+            if any(len(trial.costs[n]) < TRIALS for n in left):
                 return
-            medians = {n: sorted(trial.costs[n])[len(trial.costs[n]) // 2] for n in offered}
-            prior = trial.prior if trial.prior in medians else offered[0]
+            medians = {n: sorted(trial.costs[n])[len(trial.costs[n]) // 2] for n in left}
+            prior = trial.prior if trial.prior in medians else min(medians, key=medians.get)
             best = min(medians, key=medians.get)
             winner = best if medians[best] < (1 - MARGIN) * medians[prior] else prior
             del self._trials[key]
@@ -155,6 +169,11 @@ class Tuner:
         )
         if self.path is not None:
             _save(self.path, measured)
+
+    def undecided(self) -> int:
+        """How many classes are still under trial."""
+        with self._lock:
+            return len(self._trials)
 
     def winners(self) -> dict[str, str]:
         """The decided classes, by name (`ShapeClass.name`)."""
