@@ -518,6 +518,9 @@ def test_the_serve_benchmark_notes_what_the_engine_submits(monkeypatch):
         1,
     )
     assert (load["jobs"], load["expedited"], load["bytes_total"]) == (1, 1, 2 * 512)
+    # the slowest submits, each with its blocks and its place
+    assert sorted((x["blocks"], x["index"]) for x in store["slowest"]) == [(1, 1), (3, 0)]
+    assert all(x["submit_ms"] > 0 for x in store["slowest"] + load["slowest"])
     assert s["results"] == {"finished": 3, "failed": 0, "failed_ids": []}
     # every job was seen by the one get_finished, after its submit; the engine thread's time
     # covers the submits and that call

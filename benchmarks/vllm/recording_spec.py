@@ -133,7 +133,8 @@ def _plain(value):
 def summary() -> dict:
     """The jobs noted since `reset`, per direction: how many, expedited ones, device blocks and
     bytes (histogram, median, total), jobs per second over the span they were submitted in,
-    submit time (median, p99, in microseconds), threads that submitted, time from a submit to
+    submit time (median, p99, in microseconds; the three slowest, with their blocks and their
+    place among the direction's jobs), threads that submitted, time from a submit to
     the ``get_finished`` that returned its result (median, p99, in milliseconds); the results
     (finished, failed); the engine thread's time in submits and ``get_finished`` together
     (``engine_thread_ms``, and ``get_finished`` calls); and offload-core's
@@ -167,6 +168,11 @@ def summary() -> dict:
             "submit_us_median": float(np.median(submit_us)),
             "submit_us_p99": float(np.percentile(submit_us, 99)),
             "threads": len({r[7] for r in rows}),
+            # the three slowest submits: what held the engine's thread longest, and when
+            "slowest": [
+                {"submit_ms": r[6] * 1e3, "blocks": r[2], "index": rows.index(r)}
+                for r in sorted(rows, key=lambda r: -r[6])[:3]
+            ],
         }
         done_ms = np.array([s for d, s in seen if d == direction]) * 1e3
         if done_ms.size:

@@ -13,7 +13,8 @@ own ``CPUOffloadingSpec``, and no offloading. Each engine runs three phases:
    evicted and come back from host memory), a fixed number in flight; throughput and TTFT
    percentiles;
 3. **decode**: requests with fresh prompts decoding together while their prompts are stored;
-   time per output token against the engine without offloading.
+   time per output token, and the engine's steps while the stores run over its steps once they
+   are done, both against the engine without offloading.
 
 What the engine submitted (jobs, blocks and bytes per job, jobs per second, submit time,
 threads, failures, and offload-core's per-lane stats with the mechanisms ``auto`` chose) is
@@ -88,7 +89,12 @@ SPECS = {
 PROMPT_LEN = 10241  # 10240 tokens: whole 16- and 64-token blocks, plus the one token every hit recomputes
 GEN_TOKENS = 8  # greedy tokens compared between the GPU hit and the host hit
 MIX = dict(prefixes=12, prefix_len=6144, suffix_len=256, requests=48, out_tokens=64, concurrency=8)
-DECODE = dict(requests=16, prompt_len=2048, out_tokens=32)
+DECODE = dict(requests=16, prompt_len=2048, out_tokens=64)
+# Steps (the gaps between steps that returned output) while the prompts are stored (the first
+# ones after the prompts' prefill), and once the stores are long done (the second half): their
+# ratio, set against the engine without offloading, cancels what makes one engine faster than
+# another (its GPU's clocks, its process) and leaves what the stores cost the decode
+DECODE_EARLY, DECODE_LATE = slice(1, 8), slice(32, 64)
 PHASES = ("latency", "mix", "decode")
 
 
@@ -196,8 +202,9 @@ def latency(llm, cfg, vocab: int) -> dict:
     return out
 
 
-def _drive(llm, prompts, params, concurrency: int) -> tuple[list, float]:
-    """Keep `concurrency` requests in flight until every prompt has finished (a closed loop)."""
+def _drive(llm, prompts, params, concurrency: int, steps: list | None = None) -> tuple[list, float]:
+    """Keep `concurrency` requests in flight until every prompt has finished (a closed loop);
+    `steps`, if given, gets the time each step that returned output came back."""
     from vllm import TokensPrompt
 
     engine = llm.llm_engine
@@ -208,7 +215,10 @@ def _drive(llm, prompts, params, concurrency: int) -> tuple[list, float]:
         while todo and in_flight < concurrency:
             llm.enqueue([TokensPrompt(prompt_token_ids=todo.pop(0))], params, use_tqdm=False)
             in_flight += 1
-        for o in engine.step():
+        out = engine.step()
+        if steps is not None and out:
+            steps.append(time.perf_counter())
+        for o in out:
             if o.finished:
                 outs.append(o)
                 in_flight -= 1
@@ -263,13 +273,19 @@ def decode(llm, vocab: int) -> dict:
     rng = np.random.default_rng(3)
     prompts = [rng.integers(10, vocab, DECODE["prompt_len"]).tolist() for _ in range(DECODE["requests"])]
     params = SamplingParams(max_tokens=DECODE["out_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
-    outs, wall = _drive(llm, prompts, params, DECODE["requests"])
+    steps: list[float] = []  # when each step that emitted a token returned
+    outs, wall = _drive(llm, prompts, params, DECODE["requests"], steps)
     tpot = _tpot_ms(outs)
+    gaps = np.diff(steps) * 1e3
+    early, late = float(np.median(gaps[DECODE_EARLY])), float(np.median(gaps[DECODE_LATE]))
     return {
         **DECODE,
         "wall_s": wall,
         "tpot_ms_median": float(np.median(tpot)),
         "tpot_ms_p90": float(np.percentile(tpot, 90)),
+        "step_ms_early": early,
+        "step_ms_late": late,
+        "early_over_late": early / late,
     }
 
 
@@ -389,8 +405,8 @@ def report(results: dict) -> str:
         f"commit {meta.get('commit', '?')}; {meta.get('date', '?')}",
         "",
         "| run | startup s | cold TTFT ms | GPU hit ms | host hit ms | host < cold | tokens equal | logprobs equal "
-        "| whole host hits | mix req/s | mix TTFT p50/p90/p99 ms | mix cached | mix TPOT ms | decode TPOT ms | failed jobs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| whole host hits | mix req/s | mix TTFT p50/p90/p99 ms | mix cached | mix TPOT ms | decode TPOT ms | decode steps early/late ms | failed jobs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         res = r.get("result") or {}
@@ -420,6 +436,7 @@ def report(results: dict) -> str:
                     _fmt(mx.get("cached_fraction"), 2),
                     _fmt(mx.get("tpot_ms_median"), 2),
                     _fmt(de.get("tpot_ms_median"), 2),
+                    f"{_fmt(de.get('step_ms_early'), 2)}/{_fmt(de.get('step_ms_late'), 2)}",
                     str(failed) if r["spec"] != "off" else "-",
                 ]
             )
@@ -449,13 +466,19 @@ def report(results: dict) -> str:
                 hist = " ".join(f"{k}:{v}" for k, v in j["blocks_hist"].items())
                 lines.append(
                     f"| {r['name']} | {p} | {d} | {j['jobs']} | {j['expedited']} | {hist} | {j['bytes_median'] / 2**20:.2f} "
-                    f"| {_fmt(j['jobs_per_s'], 0)} | {j['submit_us_median']:.0f}/{j['submit_us_p99']:.0f} "
+                    f"| {_fmt(j['jobs_per_s'], 0)} | {j['submit_us_median']:.0f}/{j['submit_us_p99']:.0f}{_slowest(j)} "
                     f"| {_fmt(j.get('done_ms_median'))}/{_fmt(j.get('done_ms_p99'))} | {_fmt(jobs.get('engine_thread_ms'))} "
                     f"| {j['threads']} "
                     f"| {' '.join(f'{k}:{v}' for k, v in mech.items()) or '-'} |"
                 )
     lines += _medians(results["runs"])
     return "\n".join(lines) + "\n"
+
+
+def _slowest(j: dict) -> str:
+    """The slowest submit of a direction: its milliseconds, blocks and place among the jobs."""
+    top = (j.get("slowest") or [None])[0]
+    return f" (max {top['submit_ms']:.1f} ms: {top['blocks']} blocks, job {top['index']})" if top else ""
 
 
 def _medians(runs: list[dict]) -> list[str]:
@@ -475,6 +498,7 @@ def _medians(runs: list[dict]) -> list[str]:
         ("mix TTFT p50 ms", ("mix", "ttft_ms_p50")),
         ("mix TPOT ms", ("mix", "tpot_ms_median")),
         ("decode TPOT ms", ("decode", "tpot_ms_median")),
+        ("decode early/late steps", ("decode", "early_over_late")),
     )
 
     def get(res, path):
@@ -489,7 +513,7 @@ def _medians(runs: list[dict]) -> list[str]:
         cells = []
         for _, path in picks:
             v = [x for x in (get(res, path) for res in rs) if x is not None]
-            nd = 2 if "req" in path[-1] or "tpot" in path[-1] else 1
+            nd = 2 if "req" in path[-1] or "tpot" in path[-1] or "over" in path[-1] else 1
             cells.append(f"{_fmt(float(np.median(v)), nd)} [{', '.join(_fmt(x, nd) for x in v)}]" if v else "-")
         lines.append(f"| {shape} | {spec} | {hb or '-'} | {len(rs)} | " + " | ".join(cells) + " |")
     return lines
