@@ -1,12 +1,13 @@
-"""The cuda backend's host side, without a GPU: driver ABI, batching, selection, fallbacks.
-
-The choosing logic is tested against injected costs and thresholds, never the shipped ones."""
+"""The cuda backend's host side, without a GPU: auto's choices, what each mechanism enqueues, its
+fallbacks, settings, and what an enqueue holds until its event passes (also where a Ctrl-C cut it
+short). The choosing logic is tested against injected costs and thresholds, never the shipped
+(tuned) ones. The driver's own tests: test_cuda_driver.py; kernel launches and the descriptor
+ring: test_cuda_launch.py; the tuner: test_cuda_tuning.py."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import json
 import os
 import sys
@@ -16,7 +17,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from helpers import compiled_or_skip, ctrl_c_before_line
+from cuda_fakes import GPU_CONTEXT, FakeCudaRuntime, FakeLib, arrays, copies, host_only_backend
+from helpers import ctrl_c_before_line
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_plan import Model
@@ -26,9 +28,8 @@ from offload_core.backend import Direction, enqueue_lock
 from offload_core.backends.cuda import BLOCK_MECHANISMS, MECHANISMS, CudaBackend, kernels, select, staging
 from offload_core.backends.cuda import blocks as cuda_blocks
 from offload_core.backends.cuda import driver as drv
-from offload_core.backends.cuda.events import DriverEvent, RawStream
+from offload_core.backends.cuda.events import DriverEvent
 from offload_core.backends.cuda.mechanisms import TABLE, contenders
-from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import CostModel, piece_bounds, profile_path
 from offload_core.backends.cuda.staging import Held
 from offload_core.canonical import CanonicalPageMapping, CopyRun
@@ -41,209 +42,6 @@ def _no_cuda_settings(monkeypatch):
     """Each test starts from the defaults, whatever the shell that runs it has set."""
     for name in [n for n in os.environ if n.startswith("OFFLOAD_CORE_CUDA_")]:
         monkeypatch.delenv(name)
-
-
-GPU_CONTEXT = 0xC0  # the backend's CUcontext in the fake driver
-ERROR_NAME = b"CUDA_ERROR_INVALID_VALUE"  # lives as long as the module: the driver reads it after the call
-
-
-def _read(address, count, kind=ctypes.c_int64):
-    return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(kind)), (count,)).copy()
-
-
-class FakeLib:
-    """A libcuda stand-in whose entry points are Python callbacks behind real C function pointers,
-    each call logged in `calls`; `codes` queues the codes an entry point returns next (then 0).
-
-    `contexts` is the calling thread's context stack (top last): the creating thread starts with
-    the GPU's context current, any other thread (a queue's launcher thread) with none."""
-
-    @property
-    def contexts(self) -> list:
-        me = threading.get_ident()  # not a threading.local: each callback from a C thread is a new thread state
-        if me not in self._stacks:
-            self._stacks[me] = [GPU_CONTEXT] if me == self._creator else []
-        return self._stacks[me]
-
-    def __init__(self, with_batch=True, fail_at=None):
-        self.calls, self.fail_at, self.codes = [], fail_at, {}
-        self._events, self._stacks, self._creator = 0, {}, threading.get_ident()
-
-        def returns(name):
-            queued = self.codes.get(name)
-            return queued.pop(0) if queued else 0
-
-        def logged(name):  # logs (name, *arguments), returns the next queued code
-            return lambda *args: self.calls.append((name, *args)) or returns(name)
-
-        def batch(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, fail_idx, stream):
-            d, s, n = (_read(a, count) for a in (dsts, srcs, sizes))
-            self.calls.append(("batch", d, s, n, attrs.contents.srcAccessOrder, attr_idxs[0], num_attrs, stream))
-            if not self.contexts:  # the H200's driver: INVALID_VALUE, on a thread with no context current
-                return 1
-            if self.fail_at is not None and self.fail_at < count:
-                fail_idx[0] = self.fail_at
-                return 1  # CUDA_ERROR_INVALID_VALUE
-            return 0
-
-        def memcpy(dst, src, size, stream):
-            self.calls.append(("memcpy", dst, src, size, stream))
-            return returns("memcpy") if self.contexts else 201  # CUDA_ERROR_INVALID_CONTEXT
-
-        def stream_create(handle, flags):
-            self.calls.append(("stream_create", flags))
-            handle[0] = 0xBEEF
-            return 0
-
-        def event_create(handle, flags):
-            self.calls.append(("event_create", flags))
-            self._events += 1  # unique, even once the calls were cleared
-            handle[0] = 0xE0 + self._events
-            return returns("create")
-
-        def elapsed(ms, start, end):
-            self.calls.append(("elapsed", start, end))
-            ctypes.c_float.from_address(ms).value = 1.5
-            return returns("elapsed")
-
-        def ctx_get(out):
-            out[0] = self.contexts[-1] if self.contexts else None
-            return 0
-
-        def ctx_push(ctx):
-            self.calls.append(("push", ctx))
-            self.contexts.append(ctx)
-            return 0
-
-        def ctx_pop(out):
-            self.calls.append(("pop",))
-            out[0] = self.contexts.pop()
-            return 0
-
-        self._keep = {
-            "cuEventCreate": drv.EVENT_CREATE(event_create),
-            "cuEventRecord": drv.EVENT_RECORD(logged("record")),
-            "cuStreamWaitEvent": drv.STREAM_WAIT_EVENT(logged("wait")),
-            **{f"cuEvent{n.capitalize()}": drv.EVENT_CALL(logged(n)) for n in ("query", "synchronize", "destroy")},
-            "cuEventElapsedTime": drv.EVENT_ELAPSED_TIME(elapsed),
-            "cuCtxGetCurrent": drv.CTX_OUT(ctx_get),
-            "cuCtxPushCurrent": drv.CTX_IN(ctx_push),
-            "cuCtxPopCurrent": drv.CTX_OUT(ctx_pop),
-            "cuStreamCreate": drv.STREAM_CREATE(stream_create),
-            "cuMemcpyAsync": drv.MEMCPY(memcpy),
-        }
-        if with_batch:
-            self._keep["cuMemcpyBatchAsync"] = drv.MEMCPY_BATCH(batch)
-
-        def get_proc(symbol, pfn, version, flags, status):
-            fn = self._keep.get(symbol.decode())
-            if fn is None:
-                return 500  # CUDA_ERROR_NOT_FOUND
-            pfn[0] = ctypes.cast(fn, ctypes.c_void_p).value
-            return 0
-
-        def error_name(code, out):
-            out[0] = ERROR_NAME
-            return 0
-
-        self.cuGetProcAddress_v2 = drv.GET_PROC_ADDRESS(get_proc)
-        self.cuGetErrorName = drv.GET_ERROR_NAME(error_name)
-
-    def runtime_call(self) -> None:
-        """What a call of the CUDA runtime does first on a thread: make the device's primary
-        context current there, if none is."""
-        if not self.contexts:
-            self.contexts.append(GPU_CONTEXT)
-
-
-NAMES = ("blocks", "n", "entries", "num_entries", "groups", "num_groups", "per_block", "row_base", "row_step")
-WIDE = ("i64",) * len(NAMES)  # every parameter 64 bits
-
-
-class LaunchingLib(FakeLib):
-    """`FakeLib` with ``cuLaunchKernel``: a launch is logged as ``("launch", grid, threads,
-    shared, stream, *params)``, each parameter read as the kernel would (`types`)."""
-
-    def __init__(self, types=WIDE, hidden=2, **kwargs):
-        super().__init__(**kwargs)
-        self.types, self.hidden = list(types), hidden
-        self.codes.setdefault("launch", [])
-
-        def launch(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-            slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
-            kinds = self.types + ["*i8"] * self.hidden
-            values = [
-                (ctypes.c_int32 if k == "i32" else ctypes.c_uint64).from_address(slots[i]).value
-                for i, k in enumerate(kinds)
-            ]
-            self.calls.append(("launch", gx, bx, shared, stream, *values))
-            queued = self.codes.get("launch")
-            return queued.pop(0) if queued else 0
-
-        self._keep["cuLaunchKernel"] = drv.LAUNCH_KERNEL(launch)
-
-
-def arrays(n):
-    return np.arange(n, dtype=np.int64) * 10 + 1000, np.arange(n, dtype=np.int64) * 10 + 5000, np.full(n, 8, np.int64)
-
-
-# ---- the driver through ctypes ------------------------------------------------------------------
-
-
-def test_memcpy_attributes_has_the_driver_layout():
-    assert ctypes.sizeof(drv.CUmemcpyAttributes) == 24
-    assert drv.CUmemcpyAttributes.srcLocHint.offset == 4
-    assert drv.CUmemcpyAttributes.dstLocHint.offset == 12
-    assert drv.CUmemcpyAttributes.flags.offset == 20
-
-
-def test_batch_passes_destinations_first_and_one_attribute_set():
-    lib = FakeLib()
-    dst, src, sizes = arrays(5)
-    drv.Driver(lib).memcpy_batch_async(dst, src, sizes, drv.SRC_ACCESS_ORDER_ANY, stream=0x1234)
-    ((_, d, s, n, order, first_idx, num_attrs, stream),) = lib.calls
-    assert d.tolist() == dst.tolist() and s.tolist() == src.tolist() and n.tolist() == sizes.tolist()
-    assert (order, first_idx, num_attrs, stream) == (3, 0, 1, 0x1234)
-
-
-def test_batch_is_split_and_a_failure_names_its_global_index():
-    lib = FakeLib()
-    driver = drv.Driver(lib)
-    dst, src, sizes = arrays(10)
-    driver.memcpy_batch_async(dst, src, sizes, drv.SRC_ACCESS_ORDER_STREAM, stream=1, max_batch=4)
-    assert [len(c[1]) for c in lib.calls] == [4, 4, 2]
-    assert lib.calls[1][1][0] == dst[4]
-    lib.calls.clear()
-    lib.fail_at = 1  # the second copy of each call fails
-    with pytest.raises(drv.CudaDriverError, match="at index 1 of 10: CUDA_ERROR_INVALID_VALUE"):
-        driver.memcpy_batch_async(dst, src, sizes, drv.SRC_ACCESS_ORDER_STREAM, stream=1, max_batch=4)
-
-
-def test_batch_refuses_the_legacy_stream_and_old_drivers():
-    dst, src, sizes = arrays(2)
-    with pytest.raises(drv.CudaDriverError, match="legacy default stream"):
-        drv.Driver(FakeLib()).memcpy_batch_async(dst, src, sizes, 1, stream=0)
-    old = drv.Driver(FakeLib(with_batch=False))
-    assert old.memcpy_batch is None
-    with pytest.raises(drv.CudaDriverError, match="12.8"):
-        old.memcpy_batch_async(dst, src, sizes, 1, stream=1)
-    old.memcpy_loop_async(dst, src, sizes, stream=7)  # the fallback: one call per copy
-    assert [c[1:] for c in old._lib.calls] == [(1000, 5000, 8, 7), (1010, 5010, 8, 7)]
-
-
-def test_streams_are_created_non_blocking():
-    lib = FakeLib()
-    assert drv.Driver(lib).new_stream() == 0xBEEF
-    assert lib.calls == [("stream_create", drv.STREAM_NON_BLOCKING)]
-
-
-def test_missing_driver_library_is_an_os_error(monkeypatch):
-    def no_lib(name):
-        raise OSError(f"{name}: cannot open shared object file")
-
-    monkeypatch.setattr(drv.ctypes, "CDLL", no_lib)
-    with pytest.raises(OSError):
-        drv.Driver.load()
 
 
 def test_probe_names_a_rocm_build_of_torch_or_a_machine_without_cuda(monkeypatch):
@@ -338,6 +136,8 @@ def test_the_estimates_add_the_host_time_where_it_does_not_hide_behind_the_copie
     # staged's link time is its runs': fewer runs, fewer copies
     per_copy = free(ce_desc_s={"store": 1e-6, "load": 1e-6})
     assert per_copy.estimate("staged", "store", n, nbytes, runs=16) == pytest.approx(16e-6)
+    # ce_loop: a host call per copy
+    assert free(loop_s_per_desc=3e-6).estimate("ce_loop", "load", n, nbytes) == pytest.approx(n * 3e-6)
     # sm_gather's device time counts `sm_weight` times; expand_direct's, the penalty's
     sm = free(launch_s=1e-3)
     assert sm.estimate("sm_gather", "load", n, nbytes, sm_weight=3.0) == pytest.approx(3e-3)
@@ -460,281 +260,7 @@ def test_staged_pieces_of_equal_sizes_match_the_offsets_path(size, n, store):
     assert staging.pieces(None, size, n, store, 4 << 20) == staging.pieces(edges, size, n, store, 4 << 20)
 
 
-# ---- Triton launches and the descriptor ring ----------------------------------------------------
-
-
-def test_triton_specialization_key_separates_what_triton_specializes_on():
-    spec = kernels._spec
-    assert spec(1) != spec(17) and spec(16) != spec(17) and spec(32) == spec(48)
-    assert spec(1 << 31) != spec((1 << 31) - 16)  # 32 vs 64 bits
-    assert spec(1 << 63) != spec((1 << 63) - 16)  # unsigned
-
-
-class FakeCompiled:
-    """Triton's compiled kernel as `kernels._launch` uses it: ``compiled[grid](*args, stream=)``."""
-
-    def __init__(self, fail=False):
-        self.calls, self.fail = [], fail
-
-    def __getitem__(self, grid):
-        def runner(*args, stream=None):
-            if self.fail:
-                raise TypeError("launcher of another Triton")
-            self.calls.append((grid, args, stream))
-
-        return runner
-
-
-class FakeKernel:
-    """A JIT kernel: ``kernel[grid](*args, **constexprs)`` launches and returns the compiled kernel."""
-
-    def __init__(self, compiled):
-        self.calls, self.compiled = [], compiled
-
-    def __getitem__(self, grid):
-        def launch(*args, **constexprs):
-            self.calls.append((grid, args, constexprs))
-            return self.compiled
-
-        return launch
-
-
-@pytest.fixture
-def launch_cache(monkeypatch):
-    """An empty compiled-kernel cache, and torch's stream context as a no-op (no GPU here)."""
-    monkeypatch.setattr(kernels, "_compiled", {})
-    monkeypatch.setattr(kernels, "_fast", True)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-
-
-def test_kernels_launch_through_the_compiled_kernel_once_a_specialization_was_seen(launch_cache):
-    compiled = FakeCompiled()
-    kernel = FakeKernel(compiled)
-    stream = SimpleNamespace(cuda_stream=0xABC)
-    consts = {"ARRAY": True, "D": 128}
-    kernels._launch(kernel, 5, [1, 32, 1 << 40], consts, stream)
-    assert kernel.calls == [((5,), (1, 32, 1 << 40), {**consts, "num_warps": 4})] and compiled.calls == []
-    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 16], consts, stream)  # same specialization
-    assert compiled.calls == [((7, 1, 1), (1, 48, (1 << 40) + 16, True, 128), 0xABC)]
-    kernels._launch(kernel, 7, [2, 48, (1 << 40) + 16], consts, stream)  # 1 was a constant to Triton
-    kernels._launch(kernel, 7, [1, 40, (1 << 40) + 16], consts, stream)  # 40 is not a multiple of 16
-    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 8], consts, stream)
-    assert len(kernel.calls) == 4 and len(compiled.calls) == 1
-    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 16], consts, stream, device=1)  # another GPU: its own build
-    assert len(kernel.calls) == 5 and len(compiled.calls) == 1
-    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 16], consts, stream, warps=8)  # other warps: another build
-    assert kernel.calls[-1][2]["num_warps"] == 8 and len(kernel.calls) == 6 and len(compiled.calls) == 1
-
-
-def test_kernels_launch_falls_back_to_triton_dispatch_when_its_launcher_differs(launch_cache):
-    kernel = FakeKernel(FakeCompiled(fail=True))
-    for _ in range(3):
-        kernels._launch(kernel, 4, [64], {"W": 32}, SimpleNamespace(cuda_stream=1))
-    assert len(kernel.calls) == 3 and kernels._fast is False
-
-
-class FakeEvent:
-    def __init__(self):
-        self.done, self.waited = False, 0
-
-    def query(self):
-        return self.done
-
-    def synchronize(self):  # the host waits until the work before it has run
-        self.waited += 1
-        self.done = True
-
-
-def fake_ring(entries, **kwargs):
-    """A `DescriptorRing` whose "device" memory is a CPU tensor and whose copies are immediate;
-    its copies are listed in `ring.copies`."""
-    copies = []
-
-    def memcpy(dst, src, nbytes, stream):
-        ctypes.memmove(dst, src, nbytes)
-        copies.append((dst, nbytes, stream))
-
-    fake_torch = SimpleNamespace(
-        int64=torch.int64, empty=lambda n, dtype, pin_memory=False, device=None: torch.empty(n, dtype=dtype)
-    )
-    ring = DescriptorRing(fake_torch, None, memcpy, entries=entries, **kwargs)
-    ring.copies = copies
-    return ring
-
-
-def _upload(ring, columns, stream, *args, **kwargs):
-    """`DescriptorRing.upload`, and what it put in `held` (one-off memory, else empty)."""
-    held: list = []
-    tables = ring.upload(columns, stream, held, *args, **kwargs)
-    (keep,) = held
-    return tables, keep
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    jobs=st.lists(
-        st.tuples(st.integers(1, 300), st.integers(1, 3), st.integers(0, 300), st.booleans(), st.booleans()),
-        min_size=1,
-        max_size=40,
-    )
-)
-def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
-    """Tables of int64 and of int32 (`narrow`, an odd count of them taking half an entry) side
-    by side: each reads back as it went up while its job is pending (a full ring waits for the
-    oldest jobs, which are then done)."""
-    ring = fake_ring(512)
-    stream = SimpleNamespace(cuda_stream=7)
-    pending = []  # (event, [(device address, expected values, width)])
-    for j, (n, k, split, narrow, finish_oldest) in enumerate(jobs):
-        columns = [np.arange(n, dtype=np.int64) + 1000 * (j * 4 + c) for c in range(k)]
-        regions = ring.open()
-        tables, keep = _upload(ring, columns, stream, split, narrow=narrow)
-        parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
-        assert len(tables) == len(parts)
-        width = 4 if narrow else 8
-        expect = [
-            (tables[p] + width * c * (b - a), col[a:b], width)
-            for p, (a, b) in enumerate(parts)
-            for c, col in enumerate(columns)
-        ]
-        event = FakeEvent()
-        ring.retire(event, regions)
-        pending = [p for p in pending if not p[0].done] + [(event, expect, keep)]
-        for _, exp, _ in pending:  # every pending job's tables still hold its descriptors
-            for address, values, w in exp:
-                assert (_read(address, len(values), ctypes.c_int32 if w == 4 else ctypes.c_int64) == values).all()
-        if finish_oldest:
-            pending.pop(0)[0].done = True
-    assert all(stream == 7 for _, _, stream in ring.copies)
-
-
-def test_a_full_descriptor_ring_waits_for_its_oldest_job_and_falls_back_only_without_one():
-    """No room beside a pending table: the upload waits for the oldest job (counted), then
-    reuses its memory. One-off memory only for a table larger than the ring, or where the room
-    would have to come from the enqueue under way (its regions not retired yet)."""
-    ring = fake_ring(100)
-    stream = SimpleNamespace(cuda_stream=1)
-    regions = ring.open()
-    (first,), keep = _upload(ring, [np.arange(60)], stream)
-    assert keep == [] and (ring.waits, ring.wait_s) == (0, 0.0)
-    busy = FakeEvent()
-    ring.retire(busy, regions)
-    regions = ring.open()
-    (second,), keep = _upload(ring, [np.arange(60)], stream)
-    assert keep == [] and second == first and busy.waited == 1  # waited for the first job, then took its memory
-    assert ring.waits == 1 and ring.wait_s >= 0
-    (third,), keep = _upload(ring, [np.arange(60)], stream)  # the second is not retired: this enqueue's own
-    assert keep != [] and ring.waits == 1
-    (big,), keep = _upload(ring, [np.arange(101)], stream)
-    assert keep != [] and ring.waits == 1  # larger than the ring: never waits
-    ring.retire(FakeEvent(), regions)
-    (fourth,), keep = _upload(ring, [np.arange(30)], stream)
-    assert keep == [] and ring.waits == 1  # room beside the pending one: no wait
-
-
-def test_an_enqueues_ring_regions_take_its_own_event_only():
-    """Regions an enqueue reserved are retired with its event, not with the event of another
-    enqueue whose retire comes first (a Ctrl-C cut the other's short)."""
-    ring = fake_ring(100)
-    stream = SimpleNamespace(cuda_stream=1)
-    first = ring.open()
-    _upload(ring, [np.arange(10)], stream)
-    second = ring.open()
-    _upload(ring, [np.arange(10)], stream)
-    event = FakeEvent()
-    ring.retire(event, second)
-    assert [r[2] for r in first] == [None] and [r[2] for r in second] == [event]
-
-
-@pytest.mark.parametrize("compiled_launch", [True, False], ids=["compiled", "triton's launcher"])
-def test_one_off_table_memory_is_held_when_the_launch_fails(monkeypatch, compiled_launch):
-    """A ring full of pending tables gives a table one-off memory; a launch that fails after its
-    upload was enqueued still leaves that memory to `held`, which outlives the copies."""
-    from test_cuda_launch import EveryKey, TritonLike
-
-    def failing_launch(*args, **kwargs):
-        raise drv.CudaDriverError("cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED", 719)
-
-    ring = fake_ring(4, launch=failing_launch if compiled_launch else None)
-    monkeypatch.setattr(ring, "device_address", lambda: 1 << 40)
-    monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
-    monkeypatch.setattr(kernels, "_compiled", {})
-    monkeypatch.setattr(kernels, "_launch", failing_launch)
-    if compiled_launch:  # a build found: the compiled call is taken
-        monkeypatch.setattr(kernels, "_compiled", EveryKey(TritonLike(LaunchingLib())))
-        monkeypatch.setattr(kernels, "_raw", {})
-    held: list = []
-    cols = (np.arange(8), np.arange(8))  # 16 entries: more than the ring holds
-    with pytest.raises(drv.CudaDriverError, match="cuLaunchKernel failed"):
-        stream = SimpleNamespace(cuda_stream=7)
-        kernels.expand(
-            ring, cols, 8, 1 << 41, 8, 1 << 42, 1, 8, True, 1024, stream, 4, (1 << 43, 64, True), False, held
-        )
-    assert len(held) == 1 and len(held[0]) == 2, "the one-off host and device memory stay held"
-
-
 # ---- the adapter: one table of mechanisms, runs by name, calibration as a capability ------------
-
-
-class FakeCudaRuntime:
-    """``torch.cuda`` as `CudaBackend` uses it, without a GPU: one device whose memory is the
-    CPU's, streams known by their handles, the current one 0x5. Given the stand-in libcuda, its
-    calls make the GPU's context current on the calling thread, as the runtime's do."""
-
-    def __init__(self, lib: FakeLib | None = None):
-        self._lib = lib
-
-    def _call(self) -> bool:
-        if self._lib is not None:
-            self._lib.runtime_call()
-        return True
-
-    def torch_device(self, index):
-        return torch.device("cpu")
-
-    def get_device_name(self, device):
-        return "Fake GPU"
-
-    def get_device_properties(self, device):
-        return SimpleNamespace(multi_processor_count=132)
-
-    def current_device(self):
-        return 0
-
-    def device(self, device):
-        return contextlib.nullcontext()
-
-    def current_stream(self, index):
-        return SimpleNamespace(cuda_stream=0x5, query=self._call)
-
-    def ExternalStream(self, handle, device=None):  # noqa: N802  (torch's name)
-        return SimpleNamespace(cuda_stream=handle)
-
-    def alloc_pinned(self, nbytes):
-        return torch.zeros(nbytes, dtype=torch.uint8)
-
-    def synchronize(self, index):
-        if self._lib is not None:
-            self._lib.calls.append(("device_synchronize", index))
-
-
-def host_only_backend(monkeypatch, lib, triton=True, mechanism="auto", cost=None, tune=False):
-    """A CudaBackend over a stand-in libcuda and runtime: the table decides what is available.
-    `auto` is the cost model's alone unless `tune` (the tuner has tests of its own:
-    test_cuda_tuning.py)."""
-    monkeypatch.setattr(kernels, "why_unavailable", (lambda: None) if triton else (lambda: "triton is not importable"))
-    return CudaBackend(
-        mechanism=mechanism,
-        cost_model=cost or CostModel(),
-        driver=drv.Driver(lib),
-        runtime=FakeCudaRuntime(lib),
-        tune=tune,
-    )
-
-
-def copies(lib):
-    """The copy calls the backend made (events and contexts aside)."""
-    return [c for c in lib.calls if c[0] in ("batch", "memcpy")]
 
 
 class Weigh:
@@ -1373,259 +899,6 @@ def test_a_split_job_that_fails_part_way_still_ends_after_its_direct_part(monkey
     assert [side.name for side in held.sides] == ["direct"]
 
 
-# ---- driver events, and the compiled calls in the GPU's context ----------------------------------
-
-
-@pytest.fixture(params=[True, False], ids=["compiled", "ctypes"])
-def event_calls(request, monkeypatch):
-    """An event's record and query through the compiled extension (skipped where it was not
-    built) or through ctypes: both must call the driver alike."""
-    compiled_or_skip(request.param, drv.COMPILED)
-    if not request.param:
-        monkeypatch.setenv("OFFLOAD_CORE_NATIVE", "0")
-    return request.param
-
-
-@pytest.mark.parametrize(
-    "current", [[GPU_CONTEXT], [], [0xC1]], ids=["the GPU's context", "no context", "another GPU's context"]
-)
-def test_driver_events_run_in_their_gpus_context_and_leave_the_threads_alone(current, event_calls):
-    """Recorded, waited for, queried and timed on any stream's handle; where the calling thread has
-    no context current (it made no CUDA call) or another GPU's, each call pushes the event's
-    context and pops it after, also after a failure. A fault reported by a query fails the call."""
-    lib = FakeLib()
-    driver = drv.Driver(lib)
-    assert driver.has_events
-    event = DriverEvent(driver, GPU_CONTEXT)
-    lib.contexts[:] = current
-    lib.calls.clear()
-
-    def within(*calls):  # the calls, in the GPU's context
-        switch = current != [GPU_CONTEXT]
-        return [c for call in calls for c in ([("push", GPU_CONTEXT), call, ("pop",)] if switch else [call])]
-
-    event.record(SimpleNamespace(cuda_stream=0))  # the default stream: the current context's (a null handle)
-    RawStream(0x52, None).wait_event(event)
-    assert event.query() is True and event.elapsed_time(event) == 1.5
-    lib.codes["query"] = [drv.ERROR_NOT_READY]
-    assert event.query() is False
-    assert lib.calls == within(
-        ("record", event.handle, None),
-        ("wait", 0x52, event.handle, 0),
-        ("query", event.handle),
-        ("elapsed", event.handle, event.handle),
-        ("query", event.handle),
-    )
-    assert lib.contexts == current
-    other = SimpleNamespace(cuda_stream=0x51)
-    for name, call, message in [
-        ("query", event.query, "cuEventQuery failed"),
-        ("record", lambda: event.record(other), "cuEventRecord failed: CUDA_ERROR_INVALID_VALUE"),
-        ("wait", lambda: event.wait(other), "cuStreamWaitEvent failed"),
-    ]:
-        lib.codes[name] = [700]  # a fault on the device: the result fails, the caller's loop goes on
-        with pytest.raises(drv.CudaDriverError, match=message) as failed:
-            call()
-        assert failed.value.code == 700 and lib.contexts == current, "popped after a failure too"
-    gone = DriverEvent(driver, GPU_CONTEXT)
-    handle = gone.handle
-    del gone
-    gc.collect()
-    assert ("destroy", handle) in lib.calls
-
-
-def test_a_descriptor_tables_upload_runs_in_the_gpus_context(monkeypatch, event_calls):
-    lib = FakeLib()
-    backend = host_only_backend(monkeypatch, lib)
-    lib.contexts[:] = []  # a launcher thread that made no CUDA call
-    del lib.calls[:]
-    backend._table_copy(0xD0, 0x40, 96, 0x77)
-    assert lib.calls == [("push", GPU_CONTEXT), ("memcpy", 0xD0, 0x40, 96, 0x77), ("pop",)] and lib.contexts == []
-
-
-def test_a_context_that_cannot_be_made_current_fails_the_call_not_the_process(event_calls):
-    lib = FakeLib()
-    driver = drv.Driver(lib)
-    event = DriverEvent(driver, GPU_CONTEXT)
-    lib.contexts[:] = []
-    push = lib._keep["cuCtxPushCurrent"]
-    lib._keep["cuCtxPushCurrent"] = drv.CTX_IN(lambda ctx: 201)  # CUDA_ERROR_INVALID_CONTEXT
-    driver = drv.Driver(lib)  # resolves the failing push
-    event._driver = driver
-    del lib.calls[:]
-    calls = (
-        lambda: event.record(SimpleNamespace(cuda_stream=0x51)),
-        event.query,
-        lambda: event.wait(SimpleNamespace(cuda_stream=0x51)),
-        lambda: event.elapsed_time(event),
-    )
-    for call in calls:
-        with pytest.raises(drv.CudaDriverError, match="cuCtxPushCurrent failed") as failed:
-            call()
-        assert failed.value.code == 201
-    assert lib.calls == [], "neither the call nor a pop ran"
-    lib._keep["cuCtxPushCurrent"] = push
-
-
-def test_the_compiled_context_call_refuses_what_would_crash():
-    compiled = compiled_or_skip(True, drv.COMPILED)
-    for keep_gil in (True, False):
-        with pytest.raises(TypeError, match="7 to 10 arguments"):
-            compiled.context_call(keep_gil, 1, 2, 3, 4, 5)
-        with pytest.raises(TypeError, match="7 to 10 arguments"):
-            compiled.context_call(keep_gil, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
-        with pytest.raises(ValueError, match="address is 0"):
-            compiled.context_call(keep_gil, 1, 2, 0, 4, 5, 6)
-        with pytest.raises(OverflowError):
-            compiled.context_call(keep_gil, -1, 2, 3, 4, 5, 6)  # an address, never negative
-        with pytest.raises(TypeError):
-            compiled.context_call(keep_gil, 1, 2, 3, 4, 5, "stream")
-
-
-def test_the_compiled_context_call_takes_none_for_a_null_context_or_handle():
-    compiled = compiled_or_skip(True, drv.COMPILED)
-    lib = FakeLib()
-    driver = drv.Driver(lib)
-    lib.contexts[:] = []  # no context current: a null one is what is asked for, so nothing is pushed
-    address = lambda name: ctypes.cast(lib._keep[name], ctypes.c_void_p).value  # noqa: E731
-    entry = [address(n) for n in ("cuCtxGetCurrent", "cuCtxPushCurrent", "cuCtxPopCurrent", "cuEventRecord")]
-    assert compiled.context_call(True, *entry, None, 0xE5, None) == 0
-    assert compiled.context_call(False, *entry, None, 0xE6, None) == 0
-    assert lib.calls == [("record", 0xE5, None), ("record", 0xE6, None)]
-    assert driver.record_in is not None
-
-
-def _table_launch(lib=None, types=("i64", "i32", "i64"), hidden=1):
-    """A `LaunchingLib`, and the compiled table launch of its driver in the GPU's context."""
-    compiled_or_skip(True, drv.COMPILED)
-    lib = lib or LaunchingLib(types=types, hidden=hidden)
-    return lib, drv.Driver(lib).table_launch_in(GPU_CONTEXT)
-
-
-@pytest.mark.parametrize("narrow", [False, True], ids=["int64", "int32"])
-def test_the_compiled_table_launch_uploads_then_launches_in_the_gpus_context(narrow):
-    lib, launch = _table_launch()
-    lib.contexts[:] = []  # a launcher thread that made no CUDA call
-    host = np.full(8, -1, dtype=np.int64)
-    cols = (np.array([5, 70000, 3]), np.array([7, 8, 1 << 20]))
-    device, stream, nbytes = 1 << 40, 0x77, 6 * (4 if narrow else 8)
-    params = (device, -5, 2**40 + 3, 0)  # the last a null scratch pointer
-    launch(host.ctypes.data, device, host.nbytes, cols, narrow, stream, 0xF00, 9, 128, 512, params)
-    assert lib.calls == [
-        ("push", GPU_CONTEXT),
-        ("memcpy", device, host.ctypes.data, nbytes, stream),
-        ("launch", 9, 128, 512, stream, device, -5, 2**40 + 3, 0),  # -5 read as the kernel's i32
-        ("pop",),
-    ]
-    written = host.view(np.int32)[:6] if narrow else host[:6]
-    assert written.tolist() == [5, 70000, 3, 7, 8, 1 << 20]
-    assert (host.view(np.uint8)[nbytes:] == 0xFF).all(), "nothing written past the table"
-    assert lib.contexts == []
-
-
-def test_the_compiled_table_launch_names_the_call_that_failed():
-    lib, launch = _table_launch()
-    host = np.zeros(4, dtype=np.int64)
-    cols, params = (np.arange(2), np.arange(2)), (1 << 40, 1, 2, 0)
-    args = (host.ctypes.data, 1 << 40, 32, cols, False, 0x77, 0xF00, 1, 128, 0, params)
-    lib.codes["memcpy"] = [700]
-    with pytest.raises(drv.CudaDriverError, match="cuMemcpyAsync failed") as failed:
-        launch(*args)
-    assert failed.value.code == 700
-    assert not [c for c in lib.calls if c[0] == "launch"], "no launch after a failed upload"
-    lib.codes["launch"] = [719]
-    with pytest.raises(drv.CudaDriverError, match="cuLaunchKernel failed") as failed:
-        launch(*args)
-    assert failed.value.code == 719
-    lib.contexts[:] = []
-    lib._keep["cuCtxPushCurrent"] = drv.CTX_IN(lambda ctx: 201)
-    lib, launch = _table_launch(lib)  # resolves the failing push
-    del lib.calls[:]
-    with pytest.raises(drv.CudaDriverError, match="cuCtxPushCurrent failed"):
-        launch(*args)
-    assert lib.calls == [], "neither the copy nor the launch ran"
-
-
-def test_the_compiled_table_launch_refuses_what_would_overrun_having_called_nothing():
-    lib, launch = _table_launch()
-    host = np.zeros(4, dtype=np.int64)
-    two = (np.arange(2), np.arange(2))
-
-    def call(room=32, cols=two, narrow=False, grid=1, params=(1 << 40, 1, 2, 0)):
-        launch(host.ctypes.data, 1 << 40, room, cols, narrow, 0x77, 0xF00, grid, 128, 0, params)
-
-    del lib.calls[:]
-    refusals = [
-        (ValueError, "does not fit the 24", dict(room=24)),
-        (ValueError, "equal lengths", dict(cols=(np.arange(2), np.arange(3)))),
-        (TypeError, "int64", dict(cols=(np.arange(2, dtype=np.int32),))),
-        (ValueError, "C-contiguous", dict(cols=(np.arange(4)[::2],))),
-        (ValueError, "1 to 8 columns", dict(cols=(np.arange(1),) * 9)),
-        (ValueError, "1 to 8 columns", dict(cols=())),
-        (ValueError, "at most 24 params", dict(params=(0,) * 25)),
-        (ValueError, "1 <= grid", dict(grid=0)),
-        (TypeError, "sequence", dict(cols=5)),
-    ]
-    for error, message, kwargs in refusals:
-        with pytest.raises(error, match=message):
-            call(**kwargs)
-    call(room=16, narrow=True)  # int32: 16 bytes fit
-    assert [c[0] for c in lib.calls] == ["memcpy", "launch"], "only the last call was made"
-    with pytest.raises(TypeError, match="17 arguments"):
-        drv.compiled().table_launch(1, 2, 3)
-    with pytest.raises(ValueError, match="address is 0"):
-        drv.compiled().table_launch(0, *[1] * 16)
-
-
-def test_the_compiled_table_launch_takes_its_arguments_as_they_were_given():
-    """A column list or a parameter that changes the lists while they are read (an `__index__`
-    that empties them) cannot make the call read past them: it reads copies."""
-    lib, launch = _table_launch()
-    host = np.zeros(4, dtype=np.int64)
-    cols, params = [np.arange(2), np.arange(2)], [1 << 40, 1, 2, 0]
-
-    class Emptying:
-        def __index__(self):
-            cols.clear()
-            params.clear()
-            return 1
-
-    params[1] = Emptying()
-    launch(host.ctypes.data, 1 << 40, 32, cols, False, 0x77, 0xF00, 1, 128, 0, params)
-    assert [c[0] for c in lib.calls] == ["memcpy", "launch"] and lib.calls[-1][5:] == (1 << 40, 1, 2, 0)
-    with pytest.raises(OverflowError):  # the first failed conversion is the one reported
-        launch(-1, 1 << 40, 32, (np.arange(2),), SimpleNamespace(), 0x77, 0xF00, 1, 128, 0, ())
-
-
-def test_a_torch_stream_waits_for_a_raw_streams_position_and_back():
-    lib = FakeLib()
-    driver = drv.Driver(lib)
-    made = []
-
-    def new_event():
-        made.append(DriverEvent(driver, GPU_CONTEXT))
-        return made[-1]
-
-    class TorchLikeStream:  # torch's Stream.wait_stream and record_event, as torch implements them
-        cuda_stream = 0x61
-
-        def wait_event(self, event):
-            event.wait(self)
-
-        def wait_stream(self, stream):
-            self.wait_event(stream.record_event())
-
-        def record_event(self):
-            raise AssertionError("a RawStream records its own events on the other stream")
-
-    TorchLikeStream().wait_stream(RawStream(0x62, new_event))
-    assert lib.calls[-2:] == [("record", made[0].handle, 0x62), ("wait", 0x61, made[0].handle, 0)]
-    RawStream(0x62, new_event).wait_stream(TorchLikeStream())
-    assert lib.calls[-2:] == [("record", made[1].handle, 0x61), ("wait", 0x62, made[1].handle, 0)]
-    assert RawStream(0x62, None) == RawStream(0x62, new_event) != RawStream(0x63, None)  # keyed by their handles
-    assert hash(RawStream(0x62, None)) == hash(RawStream(0x62, new_event))
-
-
 # ---- compact jobs: what is enqueued ----------------------------------------------------------------
 
 
@@ -1866,10 +1139,14 @@ def test_segments_split_at_piece_cuts_cover_the_same_bytes_and_cross_none(gaps_a
     assert not any(a < c < a + k for a, k in zip(s.tolist(), n.tolist()) for c in cuts.tolist())
 
 
-def staged_job(monkeypatch, direction):
-    """A backend over the stand-in driver, with a layout of 3-row staging halves, a job of eight
-    blocks over host rows in runs and apart, its prepared tables and a queue stream: what
-    `expand_staged`'s tests enqueue. Returns (lib, backend, layout, prepared, stream, job)."""
+@pytest.mark.parametrize("direction", list(Direction))
+def test_staging_halves_hand_over_through_driver_markers_after_the_hazards_ends(monkeypatch, direction):
+    """`expand_staged`'s pieces hand a staging half from the kernel to the copies and back through
+    the backend's untimed driver events, alternating halves: a store's piece waits until its
+    half's last copies passed, gathers, and its copies wait for the gather; a load's the other
+    way round. The side stream first waits for the hazards' ends (another lane's job on the same
+    host blocks: `after` and `job.host_after`), so that the first copy between host rows and
+    staging follows them."""
 
     class Stream:  # what a torch stream's wait_event does with any event
         def __init__(self, handle):
@@ -1897,18 +1174,6 @@ def staged_job(monkeypatch, direction):
     prepared = backend._blocks.prepare(layout)
     stream = backend.new_stream()
     job = layout.job(direction, DeviceBlocks([5, 9, 2, 30, 17, 11, 0, 22]), HostBlocks([3, 4, 5, 6, 7, 20, 21, 9]))
-    return lib, backend, layout, prepared, stream, job
-
-
-@pytest.mark.parametrize("direction", list(Direction))
-def test_staging_halves_hand_over_through_driver_markers_after_the_hazards_ends(monkeypatch, direction):
-    """`expand_staged`'s pieces hand a staging half from the kernel to the copies and back through
-    the backend's untimed driver events, alternating halves: a store's piece waits until its
-    half's last copies passed, gathers, and its copies wait for the gather; a load's the other
-    way round. The side stream first waits for the hazards' ends (another lane's job on the same
-    host blocks: `after` and `job.host_after`), so that the first copy between host rows and
-    staging follows them."""
-    lib, backend, layout, prepared, stream, job = staged_job(monkeypatch, direction)
     hazard = backend.new_event()
     hazard.record(backend.new_stream())
     job.host_after = (hazard,)
@@ -1928,5 +1193,5 @@ def test_staging_halves_hand_over_through_driver_markers_after_the_hazards_ends(
     ]
     first, then = ("kernel", "batch") if direction is Direction.STORE else ("batch", "kernel")
     piece = [("wait", "free{}"), first, ("record", "ready"), ("wait", "ready"), then, ("record", "free{}")]
-    halves = [[s if isinstance(s, str) else (s[0], s[1].format(h)) for s in piece] for h in (0, 1, 0)]
-    assert steps == [("wait", "hazard"), *halves[0], *halves[1], *halves[2]]
+    pieces = [[s if isinstance(s, str) else (s[0], s[1].format(h)) for s in piece] for h in (0, 1, 0)]
+    assert steps == [("wait", "hazard"), *pieces[0], *pieces[1], *pieces[2]]
