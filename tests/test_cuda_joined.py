@@ -2,17 +2,17 @@
 `_driver.join_launch`) against what the queue does without it, `copy_blocks` of the jobs joined
 and put in host order: the same choice, the same driver calls with the same arguments, the same
 table bytes; and where the joined launch declines, nothing enqueued. Without a GPU: the
-stand-in libcuda of `test_cuda_host`, Triton's compiled kernel as `test_cuda_launch` stands it
+stand-in libcuda of `cuda_fakes`, Triton's compiled kernel as `test_cuda_launch` stands it
 in, the real descriptor ring over numpy memory."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_fakes import FakeCudaRuntime, LaunchingLib
 from helpers import compiled_or_skip
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cuda_host import FakeCudaRuntime, LaunchingLib
 from test_cuda_launch import Stream, comparable, compiled_backend
 from test_plan import Model
 

@@ -1,25 +1,32 @@
-"""The expansion kernel's launches by hand, without a GPU: what `kernels._raw_launch` reads from a
-Triton-compiled kernel, and a compact launch whose tables go up with their kernels in one compiled
-call (`_driver.table_launch`) making the calls that uploads and Triton's own launcher make.
+"""The kernels' launches without a GPU: Triton's compiled kernels found again by their
+specializations (`kernels._launch`), what `kernels._raw_launch` reads from a Triton-compiled
+kernel, a compact launch whose tables go up with their kernels in one compiled call
+(`_driver.table_launch`) making the calls that uploads and Triton's own launcher make, and the
+descriptor ring those tables go through, which never reuses memory a pending job reads.
 
 Also the stand-ins the other cuda tests share: Triton's compiled kernel (`TritonLike`), a backend
 that finds it built for every launch (`compiled_backend`), a stream and the driver's enqueueing
-calls (`comparable`). The stand-in libcuda is `test_cuda_host.LaunchingLib`."""
+calls (`comparable`). The stand-in libcuda is `cuda_fakes.LaunchingLib`."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
+from cuda_fakes import NAMES, WIDE, FakeCudaRuntime, LaunchingLib, compiled_table_launch, host_only_backend, read_array
 from helpers import compiled_or_skip
-from test_cuda_host import NAMES, WIDE, FakeCudaRuntime, LaunchingLib, _table_launch, host_only_backend
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload_core.backend import Direction
 from offload_core.backends.cuda import driver as drv
 from offload_core.backends.cuda import kernels
+from offload_core.backends.cuda.ring import DescriptorRing
 
 CONSTEXPRS = ("STORE", "SIMPLE", "BY_HOST", "D", "W")
 
@@ -173,8 +180,8 @@ class CompactLaunch:
         b._ring.launch = self.table_launch if compiled else None
         b._ring.reset()
         b._ring.launched.clear()
-        for st in b._blocks.staging.values():
-            st.next = 0
+        for halves in b._blocks.staging.values():
+            halves.next = 0
         self.compute.record(b.current_stream())
         lib.calls.clear()
         self.stream.wait_event(self.compute)
@@ -243,7 +250,7 @@ def test_an_expansion_launched_by_hand_passes_its_parameters_as_triton_compiled_
     """`kernels._raw_expansion` through the compiled table launch: the table's address first, the
     other arguments as the kernel reads them (32-bit ones as such), a null scratch pointer last."""
     types = ("i64", "i32", "i64", "i32", "i64", "i32", "i32", "i64", "i64")
-    lib, table_launch = _table_launch(LaunchingLib(types=types, hidden=1))
+    lib, table_launch = compiled_table_launch(LaunchingLib(types=types, hidden=1))
     monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
     monkeypatch.setattr(kernels, "_compiled", EveryKey(TritonLike(lib, types, hidden=1)))
     monkeypatch.setattr(kernels, "_raw", {})
@@ -255,3 +262,215 @@ def test_an_expansion_launched_by_hand_passes_its_parameters_as_triton_compiled_
     table_launch(host.ctypes.data, args[0], 32, cols, False, 0x77, function, grid, threads, shared, (args[0], *params))
     want = [a if t == "i32" else a % (1 << 64) for a, t in zip(args, types)]
     assert comparable(lib.calls)[-1] == ("launch", 9, 128, 0, 0x77, *want, 0)
+
+
+# ---- Triton launches and the descriptor ring ----------------------------------------------------
+
+
+def test_triton_specialization_key_separates_what_triton_specializes_on():
+    spec = kernels._spec
+    assert spec(1) != spec(17) and spec(16) != spec(17) and spec(32) == spec(48)
+    assert spec(1 << 31) != spec((1 << 31) - 16)  # 32 vs 64 bits
+    assert spec(1 << 63) != spec((1 << 63) - 16)  # unsigned
+
+
+class FakeCompiled:
+    """Triton's compiled kernel as `kernels._launch` uses it: ``compiled[grid](*args, stream=)``."""
+
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            if self.fail:
+                raise TypeError("launcher of another Triton")
+            self.calls.append((grid, args, stream))
+
+        return runner
+
+
+class FakeKernel:
+    """A JIT kernel: ``kernel[grid](*args, **constexprs)`` launches and returns the compiled kernel."""
+
+    def __init__(self, compiled):
+        self.calls, self.compiled = [], compiled
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            self.calls.append((grid, args, constexprs))
+            return self.compiled
+
+        return launch
+
+
+@pytest.fixture
+def launch_cache(monkeypatch):
+    """An empty compiled-kernel cache, and torch's stream context as a no-op (no GPU here)."""
+    monkeypatch.setattr(kernels, "_compiled", {})
+    monkeypatch.setattr(kernels, "_fast", True)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+
+def test_kernels_launch_through_the_compiled_kernel_once_a_specialization_was_seen(launch_cache):
+    compiled = FakeCompiled()
+    kernel = FakeKernel(compiled)
+    stream = SimpleNamespace(cuda_stream=0xABC)
+    consts = {"ARRAY": True, "D": 128}
+    kernels._launch(kernel, 5, [1, 32, 1 << 40], consts, stream)
+    assert kernel.calls == [((5,), (1, 32, 1 << 40), {**consts, "num_warps": 4})] and compiled.calls == []
+    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 16], consts, stream)  # same specialization
+    assert compiled.calls == [((7, 1, 1), (1, 48, (1 << 40) + 16, True, 128), 0xABC)]
+    kernels._launch(kernel, 7, [2, 48, (1 << 40) + 16], consts, stream)  # 1 was a constant to Triton
+    kernels._launch(kernel, 7, [1, 40, (1 << 40) + 16], consts, stream)  # 40 is not a multiple of 16
+    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 8], consts, stream)
+    assert len(kernel.calls) == 4 and len(compiled.calls) == 1
+    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 16], consts, stream, device=1)  # another GPU: its own build
+    assert len(kernel.calls) == 5 and len(compiled.calls) == 1
+    kernels._launch(kernel, 7, [1, 48, (1 << 40) + 16], consts, stream, warps=8)  # other warps: another build
+    assert kernel.calls[-1][2]["num_warps"] == 8 and len(kernel.calls) == 6 and len(compiled.calls) == 1
+
+
+def test_kernels_launch_falls_back_to_triton_dispatch_when_its_launcher_differs(launch_cache):
+    kernel = FakeKernel(FakeCompiled(fail=True))
+    for _ in range(3):
+        kernels._launch(kernel, 4, [64], {"W": 32}, SimpleNamespace(cuda_stream=1))
+    assert len(kernel.calls) == 3 and kernels._fast is False
+
+
+class FakeEvent:
+    def __init__(self):
+        self.done, self.waited = False, 0
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):  # the host waits until the work before it has run
+        self.waited += 1
+        self.done = True
+
+
+def fake_ring(entries, **kwargs):
+    """A `DescriptorRing` whose "device" memory is a CPU tensor and whose copies are immediate;
+    its copies are listed in `ring.copies`."""
+    copies = []
+
+    def memcpy(dst, src, nbytes, stream):
+        ctypes.memmove(dst, src, nbytes)
+        copies.append((dst, nbytes, stream))
+
+    fake_torch = SimpleNamespace(
+        int64=torch.int64, empty=lambda n, dtype, pin_memory=False, device=None: torch.empty(n, dtype=dtype)
+    )
+    ring = DescriptorRing(fake_torch, None, memcpy, entries=entries, **kwargs)
+    ring.copies = copies
+    return ring
+
+
+def _upload(ring, columns, stream, *args, **kwargs):
+    """`DescriptorRing.upload`, and what it put in `held` (one-off memory, else empty)."""
+    held: list = []
+    tables = ring.upload(columns, stream, held, *args, **kwargs)
+    (keep,) = held
+    return tables, keep
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(st.integers(1, 300), st.integers(1, 3), st.integers(0, 300), st.booleans(), st.booleans()),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
+    """Tables of int64 and of int32 (`narrow`, an odd count of them taking half an entry) side
+    by side: each reads back as it went up while its job is pending (a full ring waits for the
+    oldest jobs, which are then done)."""
+    ring = fake_ring(512)
+    stream = SimpleNamespace(cuda_stream=7)
+    pending = []  # (event, [(device address, expected values, width)])
+    for j, (n, k, split, narrow, finish_oldest) in enumerate(jobs):
+        columns = [np.arange(n, dtype=np.int64) + 1000 * (j * 4 + c) for c in range(k)]
+        regions = ring.open()
+        tables, keep = _upload(ring, columns, stream, split, narrow=narrow)
+        parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
+        assert len(tables) == len(parts)
+        width = 4 if narrow else 8
+        expect = [
+            (tables[p] + width * c * (b - a), col[a:b], width)
+            for p, (a, b) in enumerate(parts)
+            for c, col in enumerate(columns)
+        ]
+        event = FakeEvent()
+        ring.retire(event, regions)
+        pending = [p for p in pending if not p[0].done] + [(event, expect, keep)]
+        for _, exp, _ in pending:  # every pending job's tables still hold its descriptors
+            for address, values, w in exp:
+                assert (read_array(address, len(values), ctypes.c_int32 if w == 4 else ctypes.c_int64) == values).all()
+        if finish_oldest:
+            pending.pop(0)[0].done = True
+    assert all(stream == 7 for _, _, stream in ring.copies)
+
+
+def test_a_full_descriptor_ring_waits_for_its_oldest_job_and_falls_back_only_without_one():
+    """No room beside a pending table: the upload waits for the oldest job (counted), then
+    reuses its memory. One-off memory only for a table larger than the ring, or where the room
+    would have to come from the enqueue under way (its regions not retired yet)."""
+    ring = fake_ring(100)
+    stream = SimpleNamespace(cuda_stream=1)
+    regions = ring.open()
+    (first,), keep = _upload(ring, [np.arange(60)], stream)
+    assert keep == [] and (ring.waits, ring.wait_s) == (0, 0.0)
+    busy = FakeEvent()
+    ring.retire(busy, regions)
+    regions = ring.open()
+    (second,), keep = _upload(ring, [np.arange(60)], stream)
+    assert keep == [] and second == first and busy.waited == 1  # waited for the first job, then took its memory
+    assert ring.waits == 1 and ring.wait_s >= 0
+    (third,), keep = _upload(ring, [np.arange(60)], stream)  # the second is not retired: this enqueue's own
+    assert keep != [] and ring.waits == 1
+    (big,), keep = _upload(ring, [np.arange(101)], stream)
+    assert keep != [] and ring.waits == 1  # larger than the ring: never waits
+    ring.retire(FakeEvent(), regions)
+    (fourth,), keep = _upload(ring, [np.arange(30)], stream)
+    assert keep == [] and ring.waits == 1  # room beside the pending one: no wait
+
+
+def test_an_enqueues_ring_regions_take_its_own_event_only():
+    """Regions an enqueue reserved are retired with its event, not with the event of another
+    enqueue whose retire comes first (a Ctrl-C cut the other's short)."""
+    ring = fake_ring(100)
+    stream = SimpleNamespace(cuda_stream=1)
+    first = ring.open()
+    _upload(ring, [np.arange(10)], stream)
+    second = ring.open()
+    _upload(ring, [np.arange(10)], stream)
+    event = FakeEvent()
+    ring.retire(event, second)
+    assert [r[2] for r in first] == [None] and [r[2] for r in second] == [event]
+
+
+@pytest.mark.parametrize("compiled_launch", [True, False], ids=["compiled", "triton's launcher"])
+def test_one_off_table_memory_is_held_when_the_launch_fails(monkeypatch, compiled_launch):
+    """A ring full of pending tables gives a table one-off memory; a launch that fails after its
+    upload was enqueued still leaves that memory to `held`, which outlives the copies."""
+
+    def failing_launch(*args, **kwargs):
+        raise drv.CudaDriverError("cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED", 719)
+
+    ring = fake_ring(4, launch=failing_launch if compiled_launch else None)
+    monkeypatch.setattr(ring, "device_address", lambda: 1 << 40)
+    monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
+    monkeypatch.setattr(kernels, "_compiled", {})
+    monkeypatch.setattr(kernels, "_launch", failing_launch)
+    if compiled_launch:  # a build found: the compiled call is taken
+        monkeypatch.setattr(kernels, "_compiled", EveryKey(TritonLike(LaunchingLib())))
+        monkeypatch.setattr(kernels, "_raw", {})
+    held: list = []
+    cols = (np.arange(8), np.arange(8))  # 16 entries: more than the ring holds
+    with pytest.raises(drv.CudaDriverError, match="cuLaunchKernel failed"):
+        stream = SimpleNamespace(cuda_stream=7)
+        kernels.expand(
+            ring, cols, 8, 1 << 41, 8, 1 << 42, 1, 8, True, 1024, stream, 4, (1 << 43, 64, True), False, held
+        )
+    assert len(held) == 1 and len(held[0]) == 2, "the one-off host and device memory stay held"
