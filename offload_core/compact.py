@@ -321,7 +321,7 @@ class CompactLayout:
         return self._job_general(direction, device, host)
 
     def _job_general(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> CompactJob:
-        checked, _ = self._planner._check(direction, device, host)
+        checked = self._planner._check(direction, device, host)
         bpc = self.blocks_per_chunk
         store = direction is Direction.STORE
         n = sum(c.n for c in checked)
