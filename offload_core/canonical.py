@@ -107,9 +107,7 @@ class CanonicalPageMapping:
             raise InvalidSpecError("runs must cover the local page exactly once")
         if _coverage(canon, sizes, self.canonical_page_size_bytes).max() > 1:  # one store would write a byte twice
             raise InvalidSpecError("runs must place no two local bytes on one canonical byte")
-        order = np.argsort(local, kind="stable")
-        local, canon, sizes = local[order], canon[order], sizes[order]
-        merged = _merge(local, canon, sizes)
+        merged = _joined(local, canon, sizes)
         object.__setattr__(self, "runs", _as_runs(*merged))
         object.__setattr__(self, "fragments", merged)
 
@@ -152,10 +150,10 @@ def _coverage(starts: np.ndarray, sizes: np.ndarray, length: int) -> np.ndarray:
     return np.unique(counts)
 
 
-def _merge(local, canon, sizes):
-    """Join fragments that continue each other on both sides (input sorted by local offset)."""
-    (local, canon), sizes = merge_runs((local, canon), sizes)
-    return local, canon, sizes
+def _joined(local, canon, sizes):
+    """The fragments in local order, those that continue each other on both sides joined."""
+    order = np.argsort(local, kind="stable")
+    return merge_runs((local[order], canon[order]), sizes[order])
 
 
 def _as_runs(local, canon, sizes) -> tuple[CopyRun, ...]:
@@ -286,7 +284,7 @@ def attention_mappings(
         shard = rank // replication
         canon = canonical[:, :, shard * local_heads : (shard + 1) * local_heads]
         fragments = (local.ravel(), canon.ravel(), np.full(local.size, head_bytes, dtype=np.int64))
-        runs = _as_runs(*_merge(*_sorted(*fragments)))
+        runs = _as_runs(*_joined(*fragments))
         out.append(
             CanonicalPageMapping(
                 canonical_page_size_bytes=int(canonical.size * head_bytes),
@@ -327,8 +325,3 @@ def certified_or_private(derive, *, page_bytes: int, tp_size: int, **layout) -> 
     except InvalidSpecError as exc:
         log.warning("canonical layout not certified (%s): falling back to rank-private pages", exc)
         return private_mappings(page_bytes=page_bytes, tp_size=tp_size)
-
-
-def _sorted(local, canon, sizes):
-    order = np.argsort(local, kind="stable")
-    return local[order], canon[order], sizes[order]

@@ -150,7 +150,7 @@ class CompactJob:
         else:
             order = np.argsort(hosts, kind="stable")
             ordered = hosts[order]
-            if _runs(ordered) >= _runs(hosts):
+            if run_starts((ordered,), 1).size >= run_starts((hosts,), 1).size:
                 return self
             devs = self.dev_ids[order]
         return CompactJob(
@@ -544,7 +544,7 @@ class CompactLayout:
         if len(stage_parts) > 1:
             order = np.argsort(stage, kind="stable")
             stage, host, sizes = stage[order], host[order], sizes[order]
-        return _merged(stage, host, sizes)
+        return merge_runs((stage, host), sizes)
 
     def segment_summary(self, job: CompactJob, small_limit: int = 0) -> tuple[int, int]:
         """What a choice between staging and direct copies needs of `segments`, cheaply: how
@@ -616,11 +616,6 @@ class CompactLayout:
         return found
 
 
-def _runs(hosts: np.ndarray) -> int:
-    """How many runs of consecutive values (each one more than the one before) `hosts` holds."""
-    return 1 + int(np.count_nonzero(np.diff(hosts) != 1)) if hosts.size else 0
-
-
 def _row_runs(hosts: np.ndarray, row: int, small_limit: int, compiled=None) -> tuple[int, int]:
     """`CompactLayout.segment_summary` where every chunk covers its whole row: a run of
     consecutive host blocks is one segment."""
@@ -632,11 +627,3 @@ def _row_runs(hosts: np.ndarray, row: int, small_limit: int, compiled=None) -> t
         return first.size, 0
     lengths = np.diff(first, append=hosts.size)  # rows per run
     return first.size, int(lengths[lengths <= small_limit // row].sum()) * row
-
-
-def _merged(stage: np.ndarray, host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Ranges in staging order, those that continue each other on both sides merged into one."""
-    if stage.size < 2:
-        return stage, host, sizes
-    (stage, host), sizes = merge_runs((stage, host), sizes)
-    return stage, host, sizes
