@@ -10,7 +10,6 @@ together write every canonical byte exactly once.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,9 +18,6 @@ import numpy as np
 from offload_core.errors import InvalidSpecError
 from offload_core.runs import merge_runs
 from offload_core.spec import integer, positive_int
-
-log = logging.getLogger(__name__)
-
 
 MAX_FRAGMENTS = 1 << 22  # fragments of one mapping: far more than any page has (a head per token)
 MAX_PAGE = 1 << 48  # bytes of a page, either side: any offset within it stays far inside int64
@@ -99,10 +95,6 @@ class CanonicalPageMapping:
                 if min(first, last) < 0 or max(first, last) + r.fragment_size > page:
                     raise InvalidSpecError(f"{r} leaves the {side} page of {page} bytes")
         local, canon, sizes = _unroll(self.runs)
-        if sizes.size == 0 or sizes.min() <= 0:
-            raise InvalidSpecError("a mapping needs runs of positive size")
-        if canon.min() < 0 or (canon + sizes).max() > self.canonical_page_size_bytes:
-            raise InvalidSpecError("a run leaves the canonical page")
         if _coverage(local, sizes, self.local_page_size_bytes).tolist() != [1]:
             raise InvalidSpecError("runs must cover the local page exactly once")
         if _coverage(canon, sizes, self.canonical_page_size_bytes).max() > 1:  # one store would write a byte twice
@@ -307,21 +299,3 @@ def replicated_mappings(*, page_bytes: int, tp_size: int) -> list[CanonicalPageM
     ]
     verify_tiling(out)
     return out
-
-
-def private_mappings(*, page_bytes: int, tp_size: int) -> list[CanonicalPageMapping]:
-    """The fallback for a layout nobody could certify: each rank's page whole, side by side.
-    Correct, but neither deduplicated nor readable at another TP size."""
-    return [
-        CanonicalPageMapping(tp_size * page_bytes, page_bytes, (CopyRun(0, r * page_bytes, page_bytes),))
-        for r in range(tp_size)
-    ]
-
-
-def certified_or_private(derive, *, page_bytes: int, tp_size: int, **layout) -> list[CanonicalPageMapping]:
-    """``derive(tp_size=tp_size, **layout)`` if it certifies; otherwise the rank-private layout, with a warning."""
-    try:
-        return derive(tp_size=tp_size, **layout)
-    except InvalidSpecError as exc:
-        log.warning("canonical layout not certified (%s): falling back to rank-private pages", exc)
-        return private_mappings(page_bytes=page_bytes, tp_size=tp_size)
