@@ -6,7 +6,7 @@ one has finished on the device; every job first waits for the caller's compute s
 pending work on its destination blocks, such as zeroing of fresh blocks). Completions
 are reported from the head of the queue, so in submission order.
 
-Jobs (`offload_core.compact`: block ids against a worker's table) are coalesced: `submit`
+Jobs (`offload_core.compact`: block ids against a worker's table) are coalesced: `add`
 records where the caller's compute stream is and appends the job to the pending list. It
 launches the pending jobs itself where nothing else would keep the device busy: no launch is
 under way and either the device is idle and this submit is not part of a burst (it follows
@@ -156,8 +156,8 @@ class _Pending(NamedTuple):
     prepared: Any
     ready: Event  # recorded on the caller's compute stream at submit
     stream: Any  # that stream
-    seq: int = 0  # the worker's submit order, across lanes
-    waits: tuple = ()  # end events of other lanes' jobs this one must follow on the device (hazards)
+    seq: int  # the worker's submit order, across lanes
+    waits: tuple  # end events of other lanes' jobs this one must follow on the device (hazards)
 
 
 class TransferQueue:
@@ -211,23 +211,9 @@ class TransferQueue:
     def __len__(self) -> int:
         return len(self._jobs) + len(self._pending) + len(self._launching)
 
-    def submit(self, job_id: int, job: CompactJob, prepared: Any = None, seq: int = 0, waits: tuple = ()) -> None:
-        """Queue one job behind every earlier one and behind the caller's compute stream; it is
-        launched (enqueued on the device), alone or with others, by this call, a later one, or
-        the launcher thread (see the module docstring): `add`, then `launch` where it says so.
-
-        Raises:
-            OffloadError: as `add`.
-        """
-        batch = self.add(job_id, job, prepared, seq, waits)
-        if batch is not None:
-            self.launch(batch)
-
-    def add(
-        self, job_id: int, job: CompactJob, prepared: Any = None, seq: int = 0, waits: tuple = ()
-    ) -> list[_Pending] | None:
-        """Queue one job (`submit`'s first half): recorded behind the caller's compute stream,
-        waiting for a launch. Never enqueues on the device.
+    def add(self, job_id: int, job: CompactJob, prepared: Any, seq: int, waits: tuple) -> list[_Pending] | None:
+        """Queue one job behind every earlier one and behind the caller's compute stream, waiting
+        for a launch (see the module docstring). Never enqueues on the device.
 
         Args:
             job_id: reported back in the job's `TransferResult`; the caller (a worker) made sure
