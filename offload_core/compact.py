@@ -170,30 +170,22 @@ class CompactJob:
         if len(jobs) == 1:
             return jobs[0]
         first = jobs[0]
-        # The usual launch: simple jobs only (never empty), gathered in one pass.
+        # The usual launch: simple jobs (never empty), and at most general ones that move nothing.
         devs, hosts, nbytes, items, count = [], [], 0, 0, 0
         for j in jobs:
-            if j._blocks is not None:
+            if j._blocks is None:
+                devs.append(j.dev_ids)
+                hosts.append(j.host_ids)
+                nbytes, items, count = nbytes + j.nbytes, items + j.items, count + j.jobs
+            elif len(j) or j.host_ids.size:
                 break
-            devs.append(j.dev_ids)
-            hosts.append(j.host_ids)
-            nbytes, items, count = nbytes + j.nbytes, items + j.items, count + j.jobs
         else:
-            dev_ids, host_ids = np.concatenate(devs), np.concatenate(hosts)
-            groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
-            return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
-        nbytes, items, count = (
-            sum(j.nbytes for j in jobs),
-            sum(j.items for j in jobs),
-            sum(j.jobs for j in jobs if len(j)),
-        )
-        simple = [j._blocks is None for j in jobs]
-        empty = [not (len(j) or j.host_ids.size) for j in jobs]  # never simple, and they add nothing
-        if any(simple) and all(s or e for s, e in zip(simple, empty)):
-            dev_ids = np.concatenate([j.dev_ids for j in jobs])
-            host_ids = np.concatenate([j.host_ids for j in jobs])
-            groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
-            return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
+            if devs:
+                dev_ids, host_ids = np.concatenate(devs), np.concatenate(hosts)
+                groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
+                return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
+        nbytes, items = sum(j.nbytes for j in jobs), sum(j.items for j in jobs)
+        count = sum(j.jobs for j in jobs if len(j))
         lengths = [len(j) for j in jobs]
         block_offsets = list(accumulate(lengths, initial=0))
         chunk_offsets = list(accumulate((j.host_ids.size for j in jobs), initial=0))
