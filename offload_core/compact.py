@@ -538,7 +538,7 @@ class CompactLayout:
             stage, host, sizes = stage[order], host[order], sizes[order]
         return merge_runs((stage, host), sizes)
 
-    def segment_summary(self, job: CompactJob, small_limit: int = 0) -> tuple[int, int]:
+    def segment_summary(self, job: CompactJob, small_limit: int) -> tuple[int, int]:
         """What a choice between staging and direct copies needs of `segments`, cheaply: how
         many ranges it returns, and the bytes of those of at most `small_limit` bytes.
 

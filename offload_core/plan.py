@@ -118,8 +118,6 @@ class Planner:
     """
 
     def __init__(self, geometry: Geometry):
-        if not isinstance(geometry, Geometry):
-            raise InvalidSpecError(f"Planner needs a Geometry, got {type(geometry).__name__}")
         g = geometry
         self.blocks_per_chunk = bpc = int(g.blocks_per_chunk)
         self.host_blocks = int(g.host_blocks)
@@ -149,14 +147,11 @@ class Planner:
                 raise InvalidSpecError(f"tensors {t} and {u}: their host chunks overlap in the host row")
         self._groups: list[_Group] = []
         for refs in g.group_refs:
-            named = [r.tensor for r in refs if isinstance(r, PlanRef)]
+            named = [r.tensor for r in refs]
             if len(named) != len(set(named)):
                 raise InvalidSpecError(f"a group names tensor {max(named, key=named.count)} twice")
             by_shape: dict[tuple, list[int]] = {}
-            for ref in refs:
-                if not isinstance(ref, PlanRef):
-                    raise InvalidSpecError(f"group refs must be PlanRef, got {ref!r}")
-                t, size, mapping = ref
+            for t, size, mapping in refs:
                 if not 0 < size <= g.device_page[t] or (mapping is None and size > g.host_page[t]):
                     raise InvalidSpecError(f"a ref copies {size} bytes of tensor {t}, more than its page")
                 if mapping is not None and (

@@ -175,8 +175,6 @@ class TransferQueue:
     burst_bytes = BURST_BYTES  # or their bytes
 
     def __init__(self, backend: Backend, direction: Direction):
-        if not isinstance(backend, Backend) or not isinstance(direction, Direction):
-            raise InvalidSpecError(f"TransferQueue needs a Backend and a Direction, got {backend!r} and {direction!r}")
         self.backend = backend
         self.direction = direction
         self._stream = backend.new_stream()
