@@ -25,7 +25,10 @@ Removal: the last process to close (the one that then gets the exclusive lock) r
 file. A creator that leaves early does not pull the file from under the others, and a rank
 restarted after a crash joins the file the live ranks still use. Should the file be removed
 or replaced anyway (by hand, say), `check()` raises: ranks on two files would silently no
-longer share their KV.
+longer share their KV. Making a region also removes any other region of this user's in its
+directory that nobody holds (a crashed engine's, whose name no later engine uses). A forked
+child shares its parent's lock: it may use or close an inherited region, but only the
+parent's close counts; a process of its own should open the region itself.
 """
 
 from __future__ import annotations
@@ -108,15 +111,9 @@ def default_directory() -> pathlib.Path:
 class SharedHostRegion:
     """Create or join the region `name`.
 
-    Only processes of the user who created the region can open it (see the module docstring).
-    Each holds a shared lock on the file while it has it open; the last to close removes the
-    file. A file nobody holds (its users died) is replaced by a fresh one at the next start;
-    one still held is joined, even if its creator has gone. Making a region also removes
-    any other region of this user's in its directory that nobody holds (a crashed engine's,
-    whose name no later engine uses). Call `check()` to confirm that the
-    file is still the one this rank mapped (the worker does, now and then). A forked child
-    shares its parent's lock: it may use or close an inherited region, but only the parent's
-    close counts; a process of its own should open the region itself.
+    Who may open it, and when it is made afresh, joined or removed: see the module docstring.
+    Call `check()` to confirm that the file is still the one this rank mapped (the worker
+    does, now and then).
 
     Args:
         name: the engine instance's name, 1 to 128 characters from ``A-Za-z0-9._-``, the first
