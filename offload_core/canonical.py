@@ -131,10 +131,8 @@ def _unroll(runs: Iterable[CopyRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def _coverage(starts: np.ndarray, sizes: np.ndarray, length: int) -> np.ndarray:
-    """Distinct counts of how often each byte of ``[0, length)`` is covered (out-of-range = error),
-    from the fragments' ends alone: no array as long as the page."""
-    if starts.min() < 0 or (starts + sizes).max() > length:
-        return np.array([-1])
+    """Distinct counts of how often each byte of ``[0, length)`` is covered by fragments inside
+    it, from the fragments' ends alone: no array as long as the page."""
     points, where = np.unique(np.concatenate([starts, starts + sizes, [0, length]]), return_inverse=True)
     steps = np.zeros(points.size, dtype=np.int64)
     np.add.at(steps, where, np.concatenate([np.ones(starts.size, np.int64), -np.ones(starts.size, np.int64), [0, 0]]))

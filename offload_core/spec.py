@@ -242,11 +242,7 @@ def _ids(values: Any, what: str) -> np.ndarray:
     # The usual, an engine's int64 or int32 array, in as few steps as possible. (numpy's dtypes
     # of these are one object each; one of another identity takes the general path, to the same end.)
     if type(values) is np.ndarray and values.ndim == 1 and (values.dtype is _INT64 or values.dtype is _INT32):
-        if 8 * values.size >= _FROZEN_NATIVE_BYTES:
-            return _frozen(values)
-        if values.dtype is _INT32:  # vLLM's specs hold int32 ids
-            values = values.astype(_INT64)
-        return np.frombuffer(values.tobytes(), _INT64)
+        return _frozen(values)  # vLLM's specs hold int32 ids: widened
     try:
         arr = np.asarray(values)
     except Exception as exc:  # e.g. a device tensor: ids must live on the host
