@@ -10,7 +10,6 @@ together write every canonical byte exactly once.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,9 +18,6 @@ import numpy as np
 from offload_core.errors import InvalidSpecError
 from offload_core.runs import merge_runs
 from offload_core.spec import integer, positive_int
-
-log = logging.getLogger(__name__)
-
 
 MAX_FRAGMENTS = 1 << 22  # fragments of one mapping: far more than any page has (a head per token)
 MAX_PAGE = 1 << 48  # bytes of a page, either side: any offset within it stays far inside int64
@@ -99,17 +95,11 @@ class CanonicalPageMapping:
                 if min(first, last) < 0 or max(first, last) + r.fragment_size > page:
                     raise InvalidSpecError(f"{r} leaves the {side} page of {page} bytes")
         local, canon, sizes = _unroll(self.runs)
-        if sizes.size == 0 or sizes.min() <= 0:
-            raise InvalidSpecError("a mapping needs runs of positive size")
-        if canon.min() < 0 or (canon + sizes).max() > self.canonical_page_size_bytes:
-            raise InvalidSpecError("a run leaves the canonical page")
         if _coverage(local, sizes, self.local_page_size_bytes).tolist() != [1]:
             raise InvalidSpecError("runs must cover the local page exactly once")
         if _coverage(canon, sizes, self.canonical_page_size_bytes).max() > 1:  # one store would write a byte twice
             raise InvalidSpecError("runs must place no two local bytes on one canonical byte")
-        order = np.argsort(local, kind="stable")
-        local, canon, sizes = local[order], canon[order], sizes[order]
-        merged = _merge(local, canon, sizes)
+        merged = _joined(local, canon, sizes)
         object.__setattr__(self, "runs", _as_runs(*merged))
         object.__setattr__(self, "fragments", merged)
 
@@ -141,10 +131,8 @@ def _unroll(runs: Iterable[CopyRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def _coverage(starts: np.ndarray, sizes: np.ndarray, length: int) -> np.ndarray:
-    """Distinct counts of how often each byte of ``[0, length)`` is covered (out-of-range = error),
-    from the fragments' ends alone: no array as long as the page."""
-    if starts.min() < 0 or (starts + sizes).max() > length:
-        return np.array([-1])
+    """Distinct counts of how often each byte of ``[0, length)`` is covered by fragments inside
+    it, from the fragments' ends alone: no array as long as the page."""
     points, where = np.unique(np.concatenate([starts, starts + sizes, [0, length]]), return_inverse=True)
     steps = np.zeros(points.size, dtype=np.int64)
     np.add.at(steps, where, np.concatenate([np.ones(starts.size, np.int64), -np.ones(starts.size, np.int64), [0, 0]]))
@@ -152,10 +140,10 @@ def _coverage(starts: np.ndarray, sizes: np.ndarray, length: int) -> np.ndarray:
     return np.unique(counts)
 
 
-def _merge(local, canon, sizes):
-    """Join fragments that continue each other on both sides (input sorted by local offset)."""
-    (local, canon), sizes = merge_runs((local, canon), sizes)
-    return local, canon, sizes
+def _joined(local, canon, sizes):
+    """The fragments in local order, those that continue each other on both sides joined."""
+    order = np.argsort(local, kind="stable")
+    return merge_runs((local[order], canon[order]), sizes[order])
 
 
 def _as_runs(local, canon, sizes) -> tuple[CopyRun, ...]:
@@ -286,7 +274,7 @@ def attention_mappings(
         shard = rank // replication
         canon = canonical[:, :, shard * local_heads : (shard + 1) * local_heads]
         fragments = (local.ravel(), canon.ravel(), np.full(local.size, head_bytes, dtype=np.int64))
-        runs = _as_runs(*_merge(*_sorted(*fragments)))
+        runs = _as_runs(*_joined(*fragments))
         out.append(
             CanonicalPageMapping(
                 canonical_page_size_bytes=int(canonical.size * head_bytes),
@@ -309,26 +297,3 @@ def replicated_mappings(*, page_bytes: int, tp_size: int) -> list[CanonicalPageM
     ]
     verify_tiling(out)
     return out
-
-
-def private_mappings(*, page_bytes: int, tp_size: int) -> list[CanonicalPageMapping]:
-    """The fallback for a layout nobody could certify: each rank's page whole, side by side.
-    Correct, but neither deduplicated nor readable at another TP size."""
-    return [
-        CanonicalPageMapping(tp_size * page_bytes, page_bytes, (CopyRun(0, r * page_bytes, page_bytes),))
-        for r in range(tp_size)
-    ]
-
-
-def certified_or_private(derive, *, page_bytes: int, tp_size: int, **layout) -> list[CanonicalPageMapping]:
-    """``derive(tp_size=tp_size, **layout)`` if it certifies; otherwise the rank-private layout, with a warning."""
-    try:
-        return derive(tp_size=tp_size, **layout)
-    except InvalidSpecError as exc:
-        log.warning("canonical layout not certified (%s): falling back to rank-private pages", exc)
-        return private_mappings(page_bytes=page_bytes, tp_size=tp_size)
-
-
-def _sorted(local, canon, sizes):
-    order = np.argsort(local, kind="stable")
-    return local[order], canon[order], sizes[order]

@@ -150,7 +150,7 @@ class CompactJob:
         else:
             order = np.argsort(hosts, kind="stable")
             ordered = hosts[order]
-            if _runs(ordered) >= _runs(hosts):
+            if run_starts((ordered,), 1).size >= run_starts((hosts,), 1).size:
                 return self
             devs = self.dev_ids[order]
         return CompactJob(
@@ -170,30 +170,22 @@ class CompactJob:
         if len(jobs) == 1:
             return jobs[0]
         first = jobs[0]
-        # The usual launch: simple jobs only (never empty), gathered in one pass.
+        # The usual launch: simple jobs (never empty), and at most general ones that move nothing.
         devs, hosts, nbytes, items, count = [], [], 0, 0, 0
         for j in jobs:
-            if j._blocks is not None:
+            if j._blocks is None:
+                devs.append(j.dev_ids)
+                hosts.append(j.host_ids)
+                nbytes, items, count = nbytes + j.nbytes, items + j.items, count + j.jobs
+            elif len(j) or j.host_ids.size:
                 break
-            devs.append(j.dev_ids)
-            hosts.append(j.host_ids)
-            nbytes, items, count = nbytes + j.nbytes, items + j.items, count + j.jobs
         else:
-            dev_ids, host_ids = np.concatenate(devs), np.concatenate(hosts)
-            groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
-            return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
-        nbytes, items, count = (
-            sum(j.nbytes for j in jobs),
-            sum(j.items for j in jobs),
-            sum(j.jobs for j in jobs if len(j)),
-        )
-        simple = [j._blocks is None for j in jobs]
-        empty = [not (len(j) or j.host_ids.size) for j in jobs]  # never simple, and they add nothing
-        if any(simple) and all(s or e for s, e in zip(simple, empty)):
-            dev_ids = np.concatenate([j.dev_ids for j in jobs])
-            host_ids = np.concatenate([j.host_ids for j in jobs])
-            groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
-            return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
+            if devs:
+                dev_ids, host_ids = np.concatenate(devs), np.concatenate(hosts)
+                groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
+                return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
+        nbytes, items = sum(j.nbytes for j in jobs), sum(j.items for j in jobs)
+        count = sum(j.jobs for j in jobs if len(j))
         lengths = [len(j) for j in jobs]
         block_offsets = list(accumulate(lengths, initial=0))
         chunk_offsets = list(accumulate((j.host_ids.size for j in jobs), initial=0))
@@ -321,7 +313,7 @@ class CompactLayout:
         return self._job_general(direction, device, host)
 
     def _job_general(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> CompactJob:
-        checked, _ = self._planner._check(direction, device, host)
+        checked = self._planner._check(direction, device, host)
         bpc = self.blocks_per_chunk
         store = direction is Direction.STORE
         n = sum(c.n for c in checked)
@@ -544,9 +536,9 @@ class CompactLayout:
         if len(stage_parts) > 1:
             order = np.argsort(stage, kind="stable")
             stage, host, sizes = stage[order], host[order], sizes[order]
-        return _merged(stage, host, sizes)
+        return merge_runs((stage, host), sizes)
 
-    def segment_summary(self, job: CompactJob, small_limit: int = 0) -> tuple[int, int]:
+    def segment_summary(self, job: CompactJob, small_limit: int) -> tuple[int, int]:
         """What a choice between staging and direct copies needs of `segments`, cheaply: how
         many ranges it returns, and the bytes of those of at most `small_limit` bytes.
 
@@ -616,11 +608,6 @@ class CompactLayout:
         return found
 
 
-def _runs(hosts: np.ndarray) -> int:
-    """How many runs of consecutive values (each one more than the one before) `hosts` holds."""
-    return 1 + int(np.count_nonzero(np.diff(hosts) != 1)) if hosts.size else 0
-
-
 def _row_runs(hosts: np.ndarray, row: int, small_limit: int, compiled=None) -> tuple[int, int]:
     """`CompactLayout.segment_summary` where every chunk covers its whole row: a run of
     consecutive host blocks is one segment."""
@@ -632,11 +619,3 @@ def _row_runs(hosts: np.ndarray, row: int, small_limit: int, compiled=None) -> t
         return first.size, 0
     lengths = np.diff(first, append=hosts.size)  # rows per run
     return first.size, int(lengths[lengths <= small_limit // row].sum()) * row
-
-
-def _merged(stage: np.ndarray, host: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Ranges in staging order, those that continue each other on both sides merged into one."""
-    if stage.size < 2:
-        return stage, host, sizes
-    (stage, host), sizes = merge_runs((stage, host), sizes)
-    return stage, host, sizes

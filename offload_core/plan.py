@@ -98,7 +98,6 @@ class _Checked(NamedTuple):
     """One group of a validated transfer."""
 
     index: int
-    group: _Group
     n: int  # blocks
     dev_ids: np.ndarray
     hids: np.ndarray  # per block, its host block
@@ -119,8 +118,6 @@ class Planner:
     """
 
     def __init__(self, geometry: Geometry):
-        if not isinstance(geometry, Geometry):
-            raise InvalidSpecError(f"Planner needs a Geometry, got {type(geometry).__name__}")
         g = geometry
         self.blocks_per_chunk = bpc = int(g.blocks_per_chunk)
         self.host_blocks = int(g.host_blocks)
@@ -150,14 +147,11 @@ class Planner:
                 raise InvalidSpecError(f"tensors {t} and {u}: their host chunks overlap in the host row")
         self._groups: list[_Group] = []
         for refs in g.group_refs:
-            named = [r.tensor for r in refs if isinstance(r, PlanRef)]
+            named = [r.tensor for r in refs]
             if len(named) != len(set(named)):
                 raise InvalidSpecError(f"a group names tensor {max(named, key=named.count)} twice")
             by_shape: dict[tuple, list[int]] = {}
-            for ref in refs:
-                if not isinstance(ref, PlanRef):
-                    raise InvalidSpecError(f"group refs must be PlanRef, got {ref!r}")
-                t, size, mapping = ref
+            for t, size, mapping in refs:
                 if not 0 < size <= g.device_page[t] or (mapping is None and size > g.host_page[t]):
                     raise InvalidSpecError(f"a ref copies {size} bytes of tensor {t}, more than its page")
                 if mapping is not None and (
@@ -194,16 +188,9 @@ class Planner:
         self.device_limit = max((grp.device_limit for grp in self._groups), default=0)  # above every device id
         self._arange = np.arange(1024, dtype=np.int64)
 
-    @property
-    def num_groups(self) -> int:
-        return len(self._groups)
-
-    def _check(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> tuple[list, list[int]]:
-        """Validate a transfer (see `CompactLayout.job`'s Raises) before anything is computed from it.
-
-        Returns:
-            A `_Checked` per group that moves blocks, and the group sizes.
-        """
+    def _check(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> list[_Checked]:
+        """Validate a transfer (see `CompactLayout.job`'s Raises) before anything is computed from it:
+        a `_Checked` per group that moves blocks."""
         # Per-group bookkeeping is a handful of Python ints: cheaper than numpy calls on tiny arrays.
         sizes = device.group_sizes.tolist()
         if len(sizes) != len(self._groups):
@@ -246,7 +233,7 @@ class Planner:
                     _check_unique(group_hids, "host block id", self.host_blocks)
                 else:
                     _check_unique(dev_ids, "device block id", grp.device_limit)
-            checked.append(_Checked(g, grp, n, dev_ids, hids, sub, h0 - hc, skip))
+            checked.append(_Checked(g, n, dev_ids, hids, sub, h0 - hc, skip))
         for gs in self._collisions if shared_keys else ():
             keys = [shared_keys[g] for g in gs if g in shared_keys]
             if keys:  # a group's own duplicates too
@@ -254,7 +241,7 @@ class Planner:
                     _check_unique(np.concatenate(keys), "host sub-page", self.host_blocks * bpc)
                 else:
                     _check_unique(np.concatenate(keys), "device block id", self.device_limit)
-        return checked, sizes
+        return checked
 
 
 _FEW = 64  # up to this many ids, Python's min, max and set beat numpy's per-call overhead (4x at 16)

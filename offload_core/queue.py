@@ -1,41 +1,10 @@
-"""An ordered, asynchronous transfer queue for one direction. It only talks to the Backend ABC.
+"""One lane: an ordered, asynchronous transfer queue for one direction, over the Backend ABC.
 
-All jobs of a queue run on one copy stream, so a job starts only after the previous
-one has finished on the device; every job first waits for the caller's compute stream
-(a store must read the KV cache after the model wrote it; a load must land after any
-pending work on its destination blocks, such as zeroing of fresh blocks). Completions
-are reported from the head of the queue, so in submission order.
-
-Jobs (`offload_core.compact`: block ids against a worker's table) are coalesced: `submit`
-records where the caller's compute stream is and appends the job to the pending list. It
-launches the pending jobs itself where nothing else would keep the device busy: no launch is
-under way and either the device is idle and this submit is not part of a burst (it follows
-the previous one by more than a launch's host time), or `burst_jobs` jobs or `burst_bytes`
-wait. Otherwise the queue's launcher thread sends every job waiting at that moment to the
-device as one launch. So jobs arriving faster than one launch takes go together, and results
-stay per job. `wait` on a job that has not been launched yet launches it, with the jobs
-before it and none after it (after the launch under way, if any).
-
-Latency bound: a job waits at most for the launch under way plus its own, except in a burst,
-where it waits until `burst_jobs` jobs or `burst_bytes` wait, or for the launcher thread once
-no submit has come for a launch's host time (at most `MAX_QUIET_S`), whichever comes first.
-The launcher holds the GIL like any Python thread: while the caller runs Python code without
-releasing it, it may start up to `sys.getswitchinterval()` (5 ms) later; waiting, device work
-and most torch calls release it. The other way round, a backend's compiled steps may keep the
-GIL through a whole launch (the cuda backend's do, for speed), so the launcher lets it go for
-`GIL_YIELD_S` before and after each enqueue: a thread waiting for it (the engine's, launching
-its next compute) then waits for part of a launch at most, not for a switch interval.
-
-Threads: every method may be called from any thread. A queue's bookkeeping is guarded by
-its own lock, held only for list and set operations and non-blocking event queries; the
-enqueue itself (`Backend.copy_blocks` and the events around it) runs under one lock per
-backend, because a backend's staging and descriptor memory is shared by all its streams;
-waiting on the device holds no lock.
-
-Interrupts: the worker makes each call one step for Ctrl-C (`offload_core.interrupts`); here,
-`wait` and `finish` launch in such steps and wait between them, where a Ctrl-C may stop them
-and changes nothing. Any other exception a launch raises fails its jobs, reported once what it
-enqueued has run (`_fail`).
+A lane's jobs run in submission order on its one copy stream, each after the caller's compute
+stream as it was at submit; results come from the head of the queue, so in order. Pending jobs
+are coalesced into launches, made by the submitting thread, the lane's launcher thread or a
+`wait`: docs/architecture.md says when (§4), under which locks and how the launcher shares the
+GIL (§7), and what an interrupt or a failed launch does (§9).
 """
 
 from __future__ import annotations
@@ -156,8 +125,8 @@ class _Pending(NamedTuple):
     prepared: Any
     ready: Event  # recorded on the caller's compute stream at submit
     stream: Any  # that stream
-    seq: int = 0  # the worker's submit order, across lanes
-    waits: tuple = ()  # end events of other lanes' jobs this one must follow on the device (hazards)
+    seq: int  # the worker's submit order, across lanes
+    waits: tuple  # end events of other lanes' jobs this one must follow on the device (hazards)
 
 
 class TransferQueue:
@@ -175,8 +144,6 @@ class TransferQueue:
     burst_bytes = BURST_BYTES  # or their bytes
 
     def __init__(self, backend: Backend, direction: Direction):
-        if not isinstance(backend, Backend) or not isinstance(direction, Direction):
-            raise InvalidSpecError(f"TransferQueue needs a Backend and a Direction, got {backend!r} and {direction!r}")
         self.backend = backend
         self.direction = direction
         self._stream = backend.new_stream()
@@ -211,23 +178,9 @@ class TransferQueue:
     def __len__(self) -> int:
         return len(self._jobs) + len(self._pending) + len(self._launching)
 
-    def submit(self, job_id: int, job: CompactJob, prepared: Any = None, seq: int = 0, waits: tuple = ()) -> None:
-        """Queue one job behind every earlier one and behind the caller's compute stream; it is
-        launched (enqueued on the device), alone or with others, by this call, a later one, or
-        the launcher thread (see the module docstring): `add`, then `launch` where it says so.
-
-        Raises:
-            OffloadError: as `add`.
-        """
-        batch = self.add(job_id, job, prepared, seq, waits)
-        if batch is not None:
-            self.launch(batch)
-
-    def add(
-        self, job_id: int, job: CompactJob, prepared: Any = None, seq: int = 0, waits: tuple = ()
-    ) -> list[_Pending] | None:
-        """Queue one job (`submit`'s first half): recorded behind the caller's compute stream,
-        waiting for a launch. Never enqueues on the device.
+    def add(self, job_id: int, job: CompactJob, prepared: Any, seq: int, waits: tuple) -> list[_Pending] | None:
+        """Queue one job behind every earlier one and behind the caller's compute stream, waiting
+        for a launch (see the module docstring). Never enqueues on the device.
 
         Args:
             job_id: reported back in the job's `TransferResult`; the caller (a worker) made sure

@@ -25,7 +25,10 @@ Removal: the last process to close (the one that then gets the exclusive lock) r
 file. A creator that leaves early does not pull the file from under the others, and a rank
 restarted after a crash joins the file the live ranks still use. Should the file be removed
 or replaced anyway (by hand, say), `check()` raises: ranks on two files would silently no
-longer share their KV.
+longer share their KV. Making a region also removes any other region of this user's in its
+directory that nobody holds (a crashed engine's, whose name no later engine uses). A forked
+child shares its parent's lock: it may use or close an inherited region, but only the
+parent's close counts; a process of its own should open the region itself.
 """
 
 from __future__ import annotations
@@ -108,15 +111,9 @@ def default_directory() -> pathlib.Path:
 class SharedHostRegion:
     """Create or join the region `name`.
 
-    Only processes of the user who created the region can open it (see the module docstring).
-    Each holds a shared lock on the file while it has it open; the last to close removes the
-    file. A file nobody holds (its users died) is replaced by a fresh one at the next start;
-    one still held is joined, even if its creator has gone. Making a region also removes
-    any other region of this user's in its directory that nobody holds (a crashed engine's,
-    whose name no later engine uses). Call `check()` to confirm that the
-    file is still the one this rank mapped (the worker does, now and then). A forked child
-    shares its parent's lock: it may use or close an inherited region, but only the parent's
-    close counts; a process of its own should open the region itself.
+    Who may open it, and when it is made afresh, joined or removed: see the module docstring.
+    Call `check()` to confirm that the file is still the one this rank mapped (the worker
+    does, now and then).
 
     Args:
         name: the engine instance's name, 1 to 128 characters from ``A-Za-z0-9._-``, the first
@@ -310,8 +307,7 @@ class SharedHostRegion:
         """Make and publish the file; False when another process published one first."""
         check_host_bytes(self.size, f"shared region {self.path}")
         directory = self.path.parent
-        self._sweep_temporaries()
-        self._sweep_abandoned()
+        self._sweep()
         tmp = directory / f".{self.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
         try:
             fd = os.open(tmp, _OPEN | os.O_CREAT | os.O_EXCL, 0o600)
@@ -395,7 +391,7 @@ class SharedHostRegion:
                 if time.monotonic() >= grace:
                     raise OffloadError(f"timed out waiting to join {self.path}: another process holds it exclusively")
                 time.sleep(_POLL_S)
-            if not self._at_path(fd):
+            if not _open_at(self.path, fd):
                 return False  # removed (its last user left) or replaced since we opened it
             header = self._read_header(fd)
             size = os.fstat(fd).st_size
@@ -475,7 +471,7 @@ class SharedHostRegion:
             os.close(fd)
 
     def _unlink_if_at_path(self, fd: int) -> None:
-        if self._at_path(fd):
+        if _open_at(self.path, fd):
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -483,79 +479,56 @@ class SharedHostRegion:
             except OSError as exc:
                 raise RegionError(f"cannot remove the unused region {self.path}: {exc.strerror}") from None
 
-    def _at_path(self, fd: int) -> bool:
-        """Whether `path` is still the file open at `fd`."""
+    def _sweep(self) -> None:
+        """Remove what dead processes left in the directory: temporary files of this region whose
+        creator died before publishing (old, and unlocked: a live creator locks its file right
+        after making it), and regions of this user's that no process holds (their ranks died: a
+        crashed engine's file would otherwise stay in memory for good; our own name is `_open`'s)."""
         try:
-            st = os.stat(self.path, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        mine = os.fstat(fd)
-        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
-
-    def _sweep_temporaries(self) -> None:
-        """Remove temporary files of this region left by creators that died before publishing
-        (old, and unlocked: a live creator locks its file right after making it)."""
-        mine = re.compile(rf"\.{re.escape(self.name)}\.\d+\.[0-9a-f]{{16}}\.tmp")
-        for entry in _listing(self.path.parent.iterdir):
-            if not mine.fullmatch(entry.name):
+            entries = list(self.path.parent.iterdir())
+        except OSError as exc:  # writable but not readable, say: the region's own file is opened by name
+            log.debug("not sweeping: %s", exc)
+            return
+        temporary = re.compile(rf"\.{re.escape(self.name)}\.\d+\.[0-9a-f]{{16}}\.tmp")
+        for entry in entries:
+            is_temporary = bool(temporary.fullmatch(entry.name))
+            if not is_temporary and (not entry.name.endswith(".shm") or entry == self.path):
                 continue
             try:
                 fd = os.open(entry, _OPEN)
             except OSError:
                 continue
             try:
-                st = os.fstat(fd)
-                old = time.time() - st.st_mtime > _TMP_AGE_S
-                if old and stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and _try_flock(fd, fcntl.LOCK_EX):
-                    again = os.stat(entry, follow_symlinks=False)
-                    if (again.st_dev, again.st_ino) == (st.st_dev, st.st_ino):
-                        os.unlink(entry)
-            except OSError:
-                pass  # another process swept it first
-            finally:
-                os.close(fd)
-
-    def _sweep_abandoned(self) -> None:
-        """Remove regions of this user's that no process holds any more (their ranks died: a
-        crashed engine's file would otherwise stay in memory for good)."""
-        for entry in _listing(lambda: self.path.parent.glob("*.shm")):
-            if entry == self.path:
-                continue  # our own name: `_open` decides about it
-            try:
-                fd = os.open(entry, _OPEN)
-            except OSError:
-                continue
-            try:
-                if _abandoned(fd):
-                    again = os.stat(entry, follow_symlinks=False)
-                    st = os.fstat(fd)
-                    if (again.st_dev, again.st_ino) == (st.st_dev, st.st_ino):
-                        os.unlink(entry)
-                        log.info("removed the abandoned shared region %s (%d bytes)", entry, st.st_size)
+                if _unheld(fd, is_temporary) and _open_at(entry, fd):
+                    os.unlink(entry)
+                    log.info("removed %s (%d bytes), which no process held", entry, os.fstat(fd).st_size)
             except OSError:
                 pass  # another process removed it first
             finally:
                 os.close(fd)
 
 
-def _listing(entries) -> list:
-    """The entries `entries()` lists, or none where the directory cannot be listed (writable but
-    not readable, say): the sweeps are housekeeping, and the region's own file is opened by name."""
+def _open_at(path: pathlib.Path, fd: int) -> bool:
+    """Whether `path` is (still) the file open at `fd`."""
     try:
-        return list(entries())
-    except OSError as exc:
-        log.debug("not sweeping: %s", exc)
-        return []
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def _abandoned(fd: int) -> bool:
-    """Whether the file open at `fd` is a region of this user that no process holds: every
-    live user keeps a shared lock on it, so an exclusive one is granted only to a file whose
-    users all died (an engine that crashed; its next start gets a new name)."""
+def _unheld(fd: int, temporary: bool) -> bool:
+    """Whether the file open at `fd` is this user's region (or, where `temporary`, a creator's
+    temporary file older than `_TMP_AGE_S`) that no process holds: every live user keeps a
+    shared lock on it, so an exclusive one is granted only to a file whose users all died."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
         return False
-    if os.pread(fd, len(_MAGIC), 0) != _MAGIC:
+    if temporary:
+        if time.time() - st.st_mtime <= _TMP_AGE_S:
+            return False
+    elif os.pread(fd, len(_MAGIC), 0) != _MAGIC:
         return False  # not a region: someone else's file in a directory the caller chose
     return _try_flock(fd, fcntl.LOCK_EX)
 

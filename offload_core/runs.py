@@ -42,15 +42,12 @@ def run_starts(sides: Sequence[np.ndarray], sizes: np.ndarray | int) -> np.ndarr
     return new.nonzero()[0]
 
 
-def merge_runs(sides: Sequence[np.ndarray], sizes: np.ndarray | int) -> tuple[list[np.ndarray], np.ndarray]:
-    """Each run as one entry: every side's address of its first entry, and its bytes.
-
-    Args:
-        sides, sizes: as `run_starts`.
-    """
+def merge_runs(sides: Sequence[np.ndarray], sizes: np.ndarray | int) -> tuple[np.ndarray, ...]:
+    """Each run as one entry: every side's address of its first entry, then its bytes
+    (``(*sides, sizes)``; arguments as `run_starts`)."""
     starts = run_starts(sides, sizes)
     if np.ndim(sizes) == 0:
         run_bytes = np.diff(np.append(starts, sides[0].size)) * int(sizes)
     else:
         run_bytes = np.add.reduceat(sizes, starts) if starts.size else np.zeros(0, dtype=np.int64)
-    return [a[starts] for a in sides], run_bytes
+    return (*(a[starts] for a in sides), run_bytes)

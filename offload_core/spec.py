@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -242,11 +242,7 @@ def _ids(values: Any, what: str) -> np.ndarray:
     # The usual, an engine's int64 or int32 array, in as few steps as possible. (numpy's dtypes
     # of these are one object each; one of another identity takes the general path, to the same end.)
     if type(values) is np.ndarray and values.ndim == 1 and (values.dtype is _INT64 or values.dtype is _INT32):
-        if 8 * values.size >= _FROZEN_NATIVE_BYTES:
-            return _frozen(values)
-        if values.dtype is _INT32:  # vLLM's specs hold int32 ids
-            values = values.astype(_INT64)
-        return np.frombuffer(values.tobytes(), _INT64)
+        return _frozen(values)  # vLLM's specs hold int32 ids: widened
     try:
         arr = np.asarray(values)
     except Exception as exc:  # e.g. a device tensor: ids must live on the host
@@ -301,14 +297,11 @@ class DeviceBlocks:
         else:
             size, index = _single(group_sizes), 0 if block_indices is None else _single(block_indices)
         if size == ids.size and index is not None and 0 <= index < 1 << 63:
-            indices = _ZEROS[1] if index == 0 else _one_index(index)
+            indices = _ZEROS[1] if index == 0 else _one(index)
             # the fields at once (a frozen dataclass's own way, object.__setattr__, takes a call each)
-            self.__dict__.update(block_ids=ids, group_sizes=_one_group(ids.size), block_indices=indices)
+            self.__dict__.update(block_ids=ids, group_sizes=_one(ids.size), block_indices=indices)
             return
-        if group_sizes is None:
-            sizes = _frozen(np.array([ids.size], dtype=np.int64))
-        else:
-            sizes = _ids(group_sizes, "group_sizes")
+        sizes = _one(ids.size) if group_sizes is None else _ids(group_sizes, "group_sizes")
         if block_indices is None:
             indices = _ZEROS[sizes.size] if sizes.size < len(_ZEROS) else _frozen(np.zeros(sizes.size, dtype=np.int64))
         else:
@@ -350,11 +343,9 @@ def _frozen(array: np.ndarray) -> np.ndarray:
             compiled = native.load()
         except ConfigError:  # a malformed OFFLOAD_CORE_NATIVE is for the worker to name, not a spec
             compiled = None
-        widened = getattr(compiled, "frozen_widened", None)  # an extension built before it lacks it
-        if widen and widened is not None:
-            return np.frombuffer(widened(array), _INT64)
-        if compiled is not None and not widen:
-            return np.frombuffer(compiled.frozen(array), array.dtype)
+        if compiled is not None:
+            copy = compiled.frozen_widened if widen else compiled.frozen
+            return np.frombuffer(copy(array), _INT64 if widen else array.dtype)
     if widen:
         array = array.astype(_INT64)
     return np.frombuffer(array.tobytes(), array.dtype)  # dtype by position: numpy parses keywords slower
@@ -365,16 +356,16 @@ _FROZEN_NATIVE_BYTES = 4 << 20  # half a million ids: below, malloc reuses memor
 
 
 _ZEROS = [_frozen(np.zeros(n, dtype=np.int64)) for n in range(17)]  # shared block_indices of few groups
-_ONE_GROUP: dict[int, np.ndarray] = {}  # shared group_sizes ``[n]`` of one-group specs
+_ONE: dict[int, np.ndarray] = {}  # shared ``[n]`` arrays: the group_sizes and block_indices of one-group specs
 
 
-def _one_group(n: int) -> np.ndarray:
-    sizes = _ONE_GROUP.get(n)
-    if sizes is None:
-        sizes = _frozen(np.array([n], dtype=np.int64))
-        if n < 4096:  # the sizes an engine's jobs have; larger ones are not worth keeping
-            _ONE_GROUP[n] = sizes
-    return sizes
+def _one(n: int) -> np.ndarray:
+    found = _ONE.get(n)
+    if found is None:
+        found = _frozen(np.array([n], dtype=np.int64))
+        if n < 4096:  # the sizes and indices an engine's jobs have; larger ones are not worth keeping
+            _ONE[n] = found
+    return found
 
 
 def _single(values: Any) -> int | None:
@@ -388,18 +379,6 @@ def _single(values: Any) -> int | None:
     return None
 
 
-_ONE_INDEX: dict[int, np.ndarray] = {}  # shared block_indices ``[i]`` of one-group specs
-
-
-def _one_index(i: int) -> np.ndarray:
-    indices = _ONE_INDEX.get(i)
-    if indices is None:
-        indices = _frozen(np.array([i], dtype=np.int64))
-        if i < 4096:  # the block indices within a request that matter; others are not worth keeping
-            _ONE_INDEX[i] = indices
-    return indices
-
-
 @dataclass(frozen=True, init=False)
 class HostBlocks:
     """Host side of a transfer: host block (chunk) ids, concatenated in group order.
@@ -410,7 +389,7 @@ class HostBlocks:
         InvalidSpecError: non-integer or non-1-D ids.
     """
 
-    block_ids: np.ndarray = field()
+    block_ids: np.ndarray
 
     def __init__(self, block_ids: Any):
         object.__setattr__(self, "block_ids", _ids(block_ids, "HostBlocks.block_ids"))

@@ -122,7 +122,6 @@ class OffloadWorker:
                 raise RegionError(f"region {host_region.path} is being closed")
             rows, stride, slot = self._host, host_region.row_stride, host_region.slot_offset
         self._next_region_check = time.monotonic() + _REGION_CHECK_S
-        self.host_layout = layout
         self.host_tensors = layout.views(rows.view(torch.int8), slot)
         self._planner = Planner(layout.geometry(kv_caches, self._host.data_ptr() + slot, stride, self.num_host_blocks))
         self._queues = {d: TransferQueue(backend, d) for d in Direction}

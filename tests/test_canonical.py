@@ -24,7 +24,7 @@ from offload_core import (
     SharedHostRegion,
     verify_tiling,
 )
-from offload_core.canonical import attention_mappings, certified_or_private, private_mappings
+from offload_core.canonical import attention_mappings
 
 # ---- mappings ---------------------------------------------------------------
 
@@ -92,20 +92,12 @@ def test_adjacent_runs_are_merged_and_writers_rotate():
 
 
 def test_tiling_rejects_gaps_and_double_writes():
-    a, b = private_mappings(page_bytes=64, tp_size=2)
+    a, b = (CanonicalPageMapping(128, 64, (CopyRun(0, r * 64, 64),)) for r in range(2))  # side by side
     verify_tiling([a, b])
     with pytest.raises(InvalidSpecError, match="not exactly once"):
         verify_tiling([a])
     with pytest.raises(InvalidSpecError, match="not exactly once"):
         verify_tiling([a, a, b])
-
-
-def test_uncertifiable_layouts_fall_back_to_private_pages(caplog):
-    maps = certified_or_private(
-        attention_mappings, page_bytes=96, tp_size=4, total_kv_heads=3, block_tokens=4, head_bytes=8
-    )
-    assert [m.runs for m in maps] == [m.runs for m in private_mappings(page_bytes=96, tp_size=4)]
-    assert "falling back to rank-private pages" in caplog.text
 
 
 @given(
@@ -442,6 +434,7 @@ def test_padded_pages_do_not_change_the_canonical_host_page():
         (lambda: CanonicalPageMapping(2**40, 2**40, [CopyRun(0, 0, 1, 2**40, 1, 1)]), "at most 4194304 are taken"),
         (lambda: attention_mappings(total_kv_heads=0, tp_size=2, block_tokens=4, head_bytes=8), "total_kv_heads"),
         (lambda: attention_mappings(total_kv_heads=2.0, tp_size=2, block_tokens=4, head_bytes=8), "total_kv_heads"),
+        (lambda: attention_mappings(total_kv_heads=3, tp_size=4, block_tokens=4, head_bytes=8), "do not divide"),
     ],
 )
 def test_mappings_beyond_any_page_are_refused_before_any_arithmetic(make, rule):

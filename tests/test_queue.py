@@ -478,7 +478,7 @@ def test_a_closed_queue_refuses_jobs(worker, fake):
     queue = TransferQueue(fake, Direction.STORE)
     queue.close()
     with pytest.raises(OffloadError, match="store queue is closed"):
-        queue.submit(7, job)
+        queue.add(7, job, None, 1, ())
     assert 7 not in queue and not queue.poll()
 
 

@@ -38,7 +38,7 @@ def test_runs_match_a_loop(steps, nsides, uniform):
         sides.append(np.array(addresses, dtype=np.int64))
     arg = 4 if uniform else np.array(sizes, dtype=np.int64)
     expected = loop_merge(sides, sizes)
-    (firsts, run_bytes) = merge_runs(sides, arg)
+    *firsts, run_bytes = merge_runs(sides, arg)
     assert [[int(a[j]) for a in firsts] for j in range(len(run_bytes))] == [r[0] for r in expected]
     assert run_bytes.tolist() == [r[1] for r in expected]
     assert run_starts(sides, arg).size == len(expected)
