@@ -40,6 +40,10 @@ def fake_worker() -> tuple[OffloadWorker, FakeBackend]:
 
 
 def store(worker: OffloadWorker, job_id: int) -> bool:
+    """A store, submitted as if long after the last one: not part of a burst, so it launches
+    at once where the device is idle (a loaded machine's slow launches would make it a burst)."""
+    for lane in worker._lanes:
+        lane._last_submit = float("-inf")
     return worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
 
 
