@@ -59,10 +59,10 @@ if [ "$phase" != bench ]; then
   # Device backtraces only: for host ones the sanitizer keeps the Python frames of the launch
   # that loaded each kernel, with their locals, so a region whose view was on that stack never closes.
   timeout 200 compute-sanitizer --tool memcheck --show-backtrace device --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-      -k "(bit_exact and (sm_gather or staged) and not 4194304) or compact or larger_than_a_staging" > "$out/sanitizer.log" 2>&1
+      -k "(bit_exact and sm_gather and not 4194304) or compact or larger_than_a_staging" > "$out/sanitizer.log" 2>&1
   echo "sanitizer rc=$?"; tail -2 "$out/sanitizer.log"
   echo "== canonical"
-  timeout 150 python3 benchmarks/canonical_bench.py --backend cuda --mechanisms ce_batch,sm_gather,staged,auto \
+  timeout 150 python3 benchmarks/canonical_bench.py --backend cuda --mechanisms ce_batch,sm_gather,auto \
       --json "$out/canonical.json" > "$out/canonical.md" 2>&1
   tail -34 "$out/canonical.md"
 fi

@@ -70,28 +70,26 @@ def random_fragments(rng, count, space, max_size, equal=False):
     "max_size, equal", [(256, False), (64 * 1024, False), (4 << 20, False), (256, True), (4099, True)]
 )
 def test_round_trip_is_bit_exact_for_random_fragments(forced, max_size, equal):
-    """Equal sizes take the kernels' computed-column path (staged uploads only the device side)."""
+    """Equal sizes take the kernels' computed-column path (no sizes uploaded)."""
     if forced.mechanism in BLOCK_MECHANISMS:
         pytest.skip("compact mechanisms take a worker's jobs; a bare batch goes as auto")
     assert round_trip(forced, max_size, equal) == forced.mechanism
 
 
 class Prefer:
-    """A cost model that picks `mechanism`, asking for the host runs as the real one would."""
+    """A cost model that picks `mechanism`."""
 
     def __init__(self, mechanism):
         self.mechanism = mechanism
 
-    def choose(self, direction, n, nbytes, available, runs, pieces=1):
-        if self.mechanism == "staged":
-            runs()
+    def choose(self, direction, n, nbytes, available):
         return self.mechanism
 
 
-@pytest.mark.parametrize("mechanism", ["staged", "sm_gather", "ce_batch"])
+@pytest.mark.parametrize("mechanism", ["sm_gather", "ce_batch"])
 @pytest.mark.parametrize("max_size, equal", [(256, False), (256, True), (4099, True)])
 def test_auto_round_trip_is_bit_exact_whichever_it_picks(mechanism, max_size, equal):
-    """auto hands what it learned while choosing (sizes, host runs) to the mechanism."""
+    """auto hands what it learned while choosing (the largest size, whether all are equal) to the mechanism."""
     if kernels.why_unavailable() is not None and mechanism != "ce_batch":
         pytest.skip(kernels.why_unavailable())
     backend = CudaBackend(mechanism="auto", cost_model=Prefer(mechanism))
@@ -127,15 +125,14 @@ def round_trip(backend, max_size, equal) -> str:
     return used
 
 
-@pytest.mark.parametrize("mechanism", ["staged", "sm_gather"])
-def test_descriptor_tables_are_not_reused_while_a_job_may_read_them(mechanism):
+def test_descriptor_tables_are_not_reused_while_a_job_may_read_them():
     """Eight jobs queued behind a sleeping stream, through a ring that holds two jobs' tables:
     it wraps, then falls back to one-off memory; every job must still copy its own fragments."""
     import torch
 
     if kernels.why_unavailable() is not None:
         pytest.skip(kernels.why_unavailable())
-    backend = CudaBackend(mechanism=mechanism)
+    backend = CudaBackend(mechanism="sm_gather")
     n, size, jobs = 4096, 256, 8
     backend._ring = DescriptorRing(torch, backend.device, backend.driver.memcpy_async, entries=2 * 2 * n + 7)
     rng = np.random.default_rng(5)
@@ -534,7 +531,7 @@ def test_host_rows_larger_than_a_staging_half(mechanism):
         assert torch.equal(t.tensor[dst], b[src])
 
 
-@pytest.mark.parametrize("mechanism", mechanisms(["staged", "expand_staged"]))
+@pytest.mark.parametrize("mechanism", mechanisms(["expand_staged"]))
 def test_a_shut_down_workers_staging_goes_back(mechanism):
     """Staging is kept per copy stream; a worker's shutdown gives its lanes' back, so a process
     that makes workers one after another does not grow."""
@@ -549,9 +546,8 @@ def test_a_shut_down_workers_staging_goes_back(mechanism):
             worker.wait([1])  # lanes are not ordered against each other
             assert worker.submit_load(2, HostBlocks([round_, 7]), DeviceBlocks([5, 6]), expedited=True)
             worker.wait([2])
-            tables = backend._staged_buffers.values() + backend._blocks.staging.values()
-            assert tables  # each lane that copied has its staging
-        assert backend._staged_buffers.values() == [] and backend._blocks.staging.values() == []
+            assert backend._blocks.staging.values()  # each lane that copied has its staging
+        assert backend._blocks.staging.values() == []
         for t, b in zip(kv.tensors, before):
             assert torch.equal(t.tensor[[5, 6]], b[[1, 3]])
 

@@ -19,18 +19,18 @@ import pytest
 import torch
 from cuda_fakes import GPU_CONTEXT, FakeCudaRuntime, FakeLib, arrays, copies, host_only_backend
 from helpers import ctrl_c_before_line
-from hypothesis import example, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from test_plan import Model
 
 from offload_core import ConfigError, DeviceBlocks, HostBlocks
 from offload_core.backend import Direction, enqueue_lock
-from offload_core.backends.cuda import BLOCK_MECHANISMS, MECHANISMS, CudaBackend, kernels, select, staging
+from offload_core.backends.cuda import BLOCK_MECHANISMS, MECHANISMS, CudaBackend, kernels, select
 from offload_core.backends.cuda import blocks as cuda_blocks
 from offload_core.backends.cuda import driver as drv
 from offload_core.backends.cuda.events import DriverEvent
 from offload_core.backends.cuda.mechanisms import TABLE, contenders
-from offload_core.backends.cuda.select import CostModel, piece_bounds, profile_path
+from offload_core.backends.cuda.select import CostModel, profile_path
 from offload_core.backends.cuda.staging import Held
 from offload_core.canonical import CanonicalPageMapping, CopyRun
 from offload_core.compact import CompactLayout
@@ -69,12 +69,12 @@ def test_missing_triton_takes_kernel_mechanisms_away(monkeypatch):
 
 def rated(seconds, **fields):
     """A `CostModel` that rates each mechanism at `seconds[name]`, noting in `asked` what
-    `estimate` was asked: (mechanism, runs, sm_weight, pieces)."""
+    `estimate` was asked: (mechanism, sm_weight)."""
     model = CostModel(**fields)
     model.asked = []
 
-    def estimate(mechanism, direction, n, nbytes, runs=None, sm_weight=1.0, pieces=1):
-        model.asked.append((mechanism, runs, sm_weight, pieces))
+    def estimate(mechanism, direction, n, nbytes, sm_weight=1.0):
+        model.asked.append((mechanism, sm_weight))
         return seconds[mechanism]
 
     model.estimate = estimate
@@ -84,31 +84,23 @@ def rated(seconds, **fields):
 @pytest.mark.parametrize(
     "seconds, available, expected",
     [
-        ((3, 1, 2, 9), MECHANISMS, "staged"),
-        ((3, 1, 2, 9), ("ce_batch", "sm_gather", "ce_loop"), "sm_gather"),
-        ((2, 2, 2, 2), ("staged", "sm_gather"), "staged"),  # a tie: the earlier, which spares the SMs
-        ((2, 2, 2, 2), ("sm_gather", "staged"), "sm_gather"),
-        ((9, 9, 9, 9), ("ce_loop",), "ce_loop"),
+        ((3, 1, 9), MECHANISMS, "sm_gather"),
+        ((3, 1, 9), ("ce_batch", "ce_loop"), "ce_batch"),
+        ((2, 2, 2), ("ce_batch", "sm_gather"), "ce_batch"),  # a tie: the earlier, which spares the SMs
+        ((2, 2, 2), ("sm_gather", "ce_batch"), "sm_gather"),
+        ((9, 9, 9), ("ce_loop",), "ce_loop"),
     ],
 )
 def test_the_cost_model_chooses_the_cheapest_available_the_earlier_on_a_tie(seconds, available, expected):
     model = rated(dict(zip(MECHANISMS, seconds)))
-    assert model.choose("store", 64, 64 << 10, available, runs=8) == expected
+    assert model.choose("store", 64, 64 << 10, available) == expected
     assert [a[0] for a in model.asked] == list(available)
 
 
-def test_runs_are_counted_only_where_staged_competes_and_sm_time_counts_the_penalty():
-    counted = []
-
-    def runs():
-        counted.append(True)
-        return 7
-
+def test_sm_time_counts_the_penalty_in_the_choice():
     model = rated(dict.fromkeys(MECHANISMS, 1.0), sm_penalty=3.5)
-    model.choose("load", 64, 1 << 20, ("ce_batch", "sm_gather"), runs, pieces=4)
-    assert counted == []
-    model.choose("load", 64, 1 << 20, ("ce_batch", "staged"), runs, pieces=4)
-    assert counted == [True] and model.asked[-1] == ("staged", 7, 3.5, 4)
+    model.choose("load", 64, 1 << 20, ("ce_batch", "sm_gather"))
+    assert model.asked == [("ce_batch", 3.5), ("sm_gather", 3.5)]
 
 
 def free(**fields) -> CostModel:
@@ -116,7 +108,7 @@ def free(**fields) -> CostModel:
     zero = {"store": 0.0, "load": 0.0}
     fast = {"store": 1e12, "load": 1e12}
     base = dict(
-        ce_desc_s=zero, ce_gbps=fast, ce_tail_s=0.0, ce_host_s=0.0, sm_host_s=(0.0, 0.0), staged_host_s=(0.0, 0.0, 0.0),
+        ce_desc_s=zero, ce_gbps=fast, ce_tail_s=0.0, ce_host_s=0.0, sm_host_s=(0.0, 0.0),
         sm_gbps=fast, sm_desc_s=zero, gather_gbps=1e12, gather_desc_s=0.0, launch_s=0.0, upload_s_per_desc=0.0,
     )  # fmt: skip
     return CostModel(**{**base, **fields})
@@ -128,14 +120,6 @@ def test_the_estimates_add_the_host_time_where_it_does_not_hide_behind_the_copie
     assert free(ce_host_s=1e-6, launch_s=1e-3).estimate("ce_batch", "store", n, nbytes) == pytest.approx(
         1e-3 + n * 1e-6
     )
-    # staged: a part per job, per copy and per piece; a profile saved without the last has none
-    staged = free(staged_host_s=(50e-6, 5e-9, 60e-6))
-    assert staged.estimate("staged", "store", n, nbytes, runs=1, pieces=3) == pytest.approx(50e-6 + n * 5e-9 + 180e-6)
-    old = free(staged_host_s=[50e-6, 5e-9])  # as json.load gives it
-    assert old.estimate("staged", "store", n, nbytes, runs=1, pieces=3) == pytest.approx(50e-6 + n * 5e-9)
-    # staged's link time is its runs': fewer runs, fewer copies
-    per_copy = free(ce_desc_s={"store": 1e-6, "load": 1e-6})
-    assert per_copy.estimate("staged", "store", n, nbytes, runs=16) == pytest.approx(16e-6)
     # ce_loop: a host call per copy
     assert free(loop_s_per_desc=3e-6).estimate("ce_loop", "load", n, nbytes) == pytest.approx(n * 3e-6)
     # sm_gather's device time counts `sm_weight` times; expand_direct's, the penalty's
@@ -152,30 +136,28 @@ def test_the_estimates_add_the_host_time_where_it_does_not_hide_behind_the_copie
 
 
 @pytest.mark.parametrize("direction, weighed", [("load", True), ("store", False)])
-def test_small_host_to_device_copies_weigh_their_bytes_in_staged_loads_only(direction, weighed):
+def test_small_host_to_device_copies_weigh_their_bytes_in_expand_staged_loads_only(direction, weighed):
     """The batch call moves small host-to-device copies through the CPU, at `inline_h2d_gbps`."""
     model = free(inline_h2d_gbps=2.0)
     plain, small = (model.estimate_job("expand_staged", direction, 4096, 1 << 20, 64, s) for s in (0, 1 << 19))
     assert small - plain == pytest.approx((1 << 19) / 2e9 if weighed else 0.0)
 
 
-def test_auto_hands_the_cost_model_the_batchs_pieces_and_keeps_the_runs_it_counted():
-    """`select.choose`: a contender that refuses the batch drops out; runs are counted where staged
-    competes, handed on in the summary; the pieces are those staging would cut the batch into."""
+def test_auto_drops_the_contenders_that_refuse_and_hands_on_what_it_learned():
+    """`select.choose`: a contender that refuses the batch drops out; the summary hands the
+    largest size and whether every size equals it on to the mechanism."""
     mib = 1 << 20
-    model = rated({"ce_batch": 2.0, "staged": 1.0, "sm_gather": 3.0})
-    backend = SimpleNamespace(cost=model, staging_bytes=2 * mib, addressable=lambda *args: False)
-    host = np.array([0, 1, 2, 10, 11], dtype=np.int64) * mib  # two runs
+    model = rated({"ce_batch": 2.0, "sm_gather": 1.0, "ce_loop": 3.0})
+    backend = SimpleNamespace(cost=model, addressable=lambda *args: False)
+    host = np.array([0, 1, 2, 10, 11], dtype=np.int64) * mib
     dev, sizes = np.arange(5, dtype=np.int64) * 7 * mib, np.full(5, mib, dtype=np.int64)
     name, summary = select.choose(backend, contenders(MECHANISMS), dev, host, sizes, Direction.STORE)
-    pieces = 1 + len(piece_bounds(5 * mib, 2 * mib, store=True))
-    assert name == "staged" and pieces > 1
-    assert [a[0] for a in model.asked] == ["ce_batch", "staged"]  # host memory not addressable: no sm_gather
-    assert model.asked[1] == ("staged", 2, model.sm_penalty, pieces)
-    assert (summary.largest, summary.uniform, summary.starts.tolist()) == (mib, True, [0, 3])
+    assert name == "ce_batch" and summary == (mib, True)
+    assert model.asked == [("ce_batch", model.sm_penalty)]  # host memory not addressable: no sm_gather
     backend.addressable = lambda *args: True
-    name, summary = select.choose(backend, contenders(("ce_batch", "sm_gather")), host, dev, sizes, Direction.LOAD)
-    assert name == "ce_batch" and summary.starts is None and model.asked[-1][0] == "sm_gather"
+    sizes[3] = mib // 2
+    name, summary = select.choose(backend, contenders(MECHANISMS), host, dev, sizes, Direction.LOAD)
+    assert name == "sm_gather" and summary == (mib, False) and model.asked[-1][0] == "sm_gather"
 
 
 def test_profiles_round_trip(tmp_path, monkeypatch):
@@ -198,7 +180,8 @@ def test_profiles_round_trip(tmp_path, monkeypatch):
         '{"ce_gbps": {"store": 0, "load": 0}}',
         '{"ce_gbps": {"store": 55}}',
         '{"sm_penalty": -5}',
-        '{"staged_host_s": [1e-5]}',
+        '{"sm_host_s": [1e-5]}',
+        '{"sm_host_s": [1e-5, 1e-9, 1e-6]}',
         '{"inline_h2d_bytes": 1.5}',
         '{"launch_s": NaN}',
         "{not json",
@@ -214,50 +197,12 @@ def test_a_malformed_profile_is_ignored_for_the_defaults(tmp_path, monkeypatch, 
         CostModel.load(profile_path("Some GPU"))
     assert saved_profile("Some GPU") == CostModel()
     assert "ignoring unreadable cuda profile" in caplog.text
-    old = {"staged_host_s": [28e-6, 3.3e-9], "sm_host_s": [44e-6, 3.4e-9]}  # before the per-piece term
+    # a profile saved when the mechanism ``staged`` existed: its field is ignored, the rest loads
+    old = {"staged_host_s": [28e-6, 3.3e-9, 70e-6], "sm_host_s": [44e-6, 3.3e-9]}
     profile_path("Old GPU").write_text(json.dumps(old))
-    assert saved_profile("Old GPU").staged_host_s == (28e-6, 3.3e-9)
-
-
-# ---- staged: pieces -----------------------------------------------------------------------------
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    sizes=st.lists(st.integers(1, 8 << 20), min_size=1, max_size=200),
-    store=st.booleans(),
-    staging_mb=st.sampled_from([4, 32]),
-)
-@example(sizes=[1048577, 1048577], store=False, staging_mb=32)  # a load's bound just past a fragment's start
-def test_staged_pieces_cover_the_job_in_order_and_fit_a_buffer(sizes, store, staging_mb):
-    staging_bytes = staging_mb << 20
-    sizes = np.array([s for s in sizes if s <= staging_bytes // 4] or [1], dtype=np.int64)  # larger ones bypass staging
-    edges = np.concatenate(([0], np.cumsum(sizes)))
-    firsts = np.array(staging.pieces(edges, int(sizes.max()), sizes.size, store, staging_bytes))
-    lasts = np.append(firsts[1:], sizes.size)
-    assert firsts[0] == 0 and lasts[-1] == sizes.size
-    assert (firsts[1:] == lasts[:-1]).all() and (lasts > firsts).all()
-    piece_bytes = np.add.reduceat(sizes, firsts)
-    assert (piece_bytes <= staging_bytes * 5 // 4).all()  # the buffer size
-    if sizes.sum() <= staging_bytes:
-        assert firsts.size == 1  # each piece costs host time; one that fits the buffer is one piece
-    else:
-        exposed = piece_bytes[0] if store else piece_bytes[-1]  # the gather or scatter not hidden behind the link
-        assert exposed <= (1 << 20) + sizes.max()  # also in a load, whose pieces count from its end
-
-
-def test_a_job_that_fits_the_buffer_is_one_piece_and_a_load_is_cut_from_its_end():
-    mib = 1 << 20
-    assert piece_bounds(32 * mib, 32 * mib, store=True) == piece_bounds(32 * mib, 32 * mib, store=False) == []
-    assert piece_bounds(100 * mib, 32 * mib, True, first=mib) == [mib, 33 * mib, 65 * mib, 97 * mib]  # 1, 32, 32, 32, 3
-    assert piece_bounds(100 * mib, 32 * mib, False, first=mib) == [3 * mib, 35 * mib, 67 * mib, 99 * mib]  # 3, 32.., 1
-
-
-@settings(max_examples=30, deadline=None)
-@given(size=st.integers(1, 4096), n=st.integers(1, 5000), store=st.booleans())
-def test_staged_pieces_of_equal_sizes_match_the_offsets_path(size, n, store):
-    edges = np.arange(n + 1, dtype=np.int64) * size
-    assert staging.pieces(None, size, n, store, 4 << 20) == staging.pieces(edges, size, n, store, 4 << 20)
+    loaded = saved_profile("Old GPU")
+    assert loaded.sm_host_s == (44e-6, 3.3e-9) and not hasattr(loaded, "staged_host_s")
+    assert "old-gpu" not in caplog.text
 
 
 # ---- the adapter: one table of mechanisms, runs by name, calibration as a capability ------------
@@ -269,7 +214,7 @@ class Weigh:
     def __init__(self, pick):
         self.pick, self.asked = pick, []
 
-    def choose(self, direction, n, nbytes, available, runs, pieces=1):
+    def choose(self, direction, n, nbytes, available):
         self.asked.append(available)
         return self.pick
 
@@ -279,10 +224,10 @@ def test_availability_comes_from_the_table(monkeypatch):
     backend = host_only_backend(monkeypatch, FakeLib(with_batch=False), triton=False)
     assert backend.available_mechanisms == ("ce_loop",)
     assert "12.8" in backend.why_unavailable("ce_batch")
-    assert all("triton" in backend.why_unavailable(m) for m in ("staged", "sm_gather", *BLOCK_MECHANISMS))
+    assert all("triton" in backend.why_unavailable(m) for m in ("sm_gather", *BLOCK_MECHANISMS))
     assert backend.why_unavailable("nosuch") == (
-        "unknown mechanism; choose one of ce_batch, staged, sm_gather, ce_loop, expand_staged, expand_direct,"
-        " expand_split or auto"
+        "unknown mechanism; choose one of ce_batch, sm_gather, ce_loop, expand_staged, expand_direct, expand_split"
+        " or auto"
     )
     assert host_only_backend(monkeypatch, FakeLib()).available_mechanisms == MECHANISMS + BLOCK_MECHANISMS
 
@@ -293,17 +238,16 @@ def test_auto_weighs_the_available_batch_mechanisms_a_fallback_only_without_its_
     dst, src, sizes = arrays(4)
     model = Weigh("ce_loop")
     backend = host_only_backend(monkeypatch, FakeLib(with_batch=False), cost=model)
-    backend.available_mechanisms += ("staged",)  # as if triton were there for it alone
-    backend._contenders = contenders(backend.available_mechanisms)
+    backend._host_ranges[0] = (0, 1 << 20)  # the host side is addressable: sm_gather competes
     assert backend.copy_batch(src, dst, sizes, Direction.LOAD, SimpleNamespace(cuda_stream=7)) == "ce_loop"
-    assert model.asked == [("staged", "ce_loop")]
+    assert model.asked == [("sm_gather", "ce_loop")]
 
     model = Weigh("ce_batch")
     backend = host_only_backend(monkeypatch, FakeLib(), cost=model)
     backend.copy_batch(src, dst, sizes, Direction.STORE, SimpleNamespace(cuda_stream=7))
     backend._host_ranges[0] = (0, 1 << 20)  # now the host side is addressable
     backend.copy_batch(src, dst, sizes, Direction.STORE, SimpleNamespace(cuda_stream=7))
-    assert model.asked == [("ce_batch", "staged"), ("ce_batch", "staged", "sm_gather")]
+    assert model.asked == [("ce_batch",), ("ce_batch", "sm_gather")]
 
 
 def test_enqueue_with_runs_one_mechanism_and_leaves_the_backends_alone(monkeypatch):
@@ -375,7 +319,7 @@ def test_addressable_reads_the_host_ranges_while_other_threads_change_them():
 def test_a_thread_that_made_no_cuda_call_yet_enqueues_in_the_gpus_context(monkeypatch, mechanism):
     """A queue's launcher thread, or any new thread of the engine's, has no context current until
     it makes a runtime call: its first enqueue must make the GPU's current, or the driver fails
-    its copies (the batch call with INVALID_VALUE, as staged loads from a launcher thread did on
+    its copies (the batch call with INVALID_VALUE, as loads from a launcher thread once did on
     the H200). Once per thread: the runtime is asked again only on a new one."""
     lib = FakeLib()
     backend = host_only_backend(monkeypatch, lib)
@@ -576,6 +520,18 @@ def test_a_malformed_conf_or_a_variable_of_earlier_versions_is_refused_by_name(m
         host_only_backend(monkeypatch, FakeLib())
 
 
+@pytest.mark.parametrize("through_conf", [False, True])
+def test_a_removed_or_unknown_mechanism_is_refused_with_the_valid_ones(monkeypatch, through_conf):
+    """``staged`` (a descriptor mechanism that was removed) is as unknown as any other name."""
+    valid = "choose one of ce_batch, sm_gather, ce_loop, expand_staged, expand_direct, expand_split or auto"
+    for name in ("staged", "nosuch"):
+        if through_conf:
+            monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", f"mechanism:{name}")
+        with pytest.raises(ConfigError) as refused:
+            host_only_backend(monkeypatch, FakeLib(), mechanism=None if through_conf else name)
+        assert str(refused.value) == f"cuda mechanism {name!r} cannot be used: unknown mechanism; {valid}"
+
+
 def test_settings_come_from_the_conf_and_an_empty_value_leaves_the_default(monkeypatch):
     def settings(backend):
         s = backend
@@ -712,7 +668,7 @@ def chosen(copier, job_and_prepared, smallest=None):
 def test_small_jobs_with_host_rows_apart_go_direct_whatever_the_cost_model_says(rules, direction, page, limit):
     """Jobs averaging at most the limit, their host rows apart: bound by the host's time per job,
     which expand_direct keeps least. Not where the rows come in runs, the SM penalty is raised or
-    the kernel cannot address the rows; larger jobs by the cost model (here: staged)."""
+    the kernel cannot address the rows; larger jobs by the cost model (here: expand_staged)."""
     limit, row = getattr(rules, limit), (page or rules.SIZED_PAGE) * 8
     assert chosen(_copier(), _launch(direction, limit, 3, page)) == "expand_direct"  # the jobs' average
     assert chosen(_copier(), _launch(direction, limit + row, 3, page)) == "expand_staged"
@@ -736,7 +692,7 @@ def test_a_lowered_sm_penalty_splits_mid_sized_stores_above_the_host_bound(rules
         chosen(_copier(lowered, direct_ok=False), _launch(Direction.STORE, above)),
     ):
         assert unsplit == "expand_staged"
-    # forced on a job it cannot split (a load): staged
+    # forced on a job it cannot split (a load): expand_staged
     staged = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cuda_blocks.EXPAND_STAGED, "enqueue_job", lambda *args: staged.append(args[1]))

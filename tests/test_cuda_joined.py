@@ -256,7 +256,7 @@ def test_declined_offers_back_off_and_a_taken_one_resets(monkeypatch):
     offers every launch again."""
     launches = Launches(monkeypatch)
     jobs = launches.jobs(Direction.STORE, [([5, 9], [30, 3])])
-    launches.backend.cost.sm_penalty = 1e4  # expand_direct never cheaper: staged
+    launches.backend.cost.sm_penalty = 1e4  # expand_direct never cheaper: expand_staged
     offered = []
     for _ in range(10):
         offered.append(launches.joined(jobs)[1] != [])  # an offer made records the keepalive marker

@@ -53,7 +53,7 @@ def test_the_host_time_counts_where_it_exceeds_the_device_time():
     for _ in range(tuning.TRIALS):
         for name in names:
             assert tuner.pick(KEY, names)[1]
-            # staged: fast on the device, slow on the host (a batched copy per host row)
+            # expand_staged: fast on the device, slow on the host (a batched copy per host row)
             host, device = (5.0, 1.0) if name == "expand_staged" else (2.0, 2.0)
             tuner.observe(KEY, name, 1 << 20, host, device)
     assert tuner.pick(KEY, names) == ("expand_direct", False)

@@ -2,15 +2,15 @@
 
 `CudaBackend` is the adapter between the core's `Backend` interface and these modules:
 
-* `mechanisms`: each way to move a batch (``ce_batch``, ``staged``, ``sm_gather``,
-  ``ce_loop``) as an object, and `mechanisms.TABLE`, every mechanism by name, which
-  availability, forcing and auto's contenders all come from;
+* `mechanisms`: each way to move a batch (``ce_batch``, ``sm_gather``, ``ce_loop``) as an
+  object, and `mechanisms.TABLE`, every mechanism by name, which availability, forcing and
+  auto's contenders all come from;
 * `blocks`: a worker's compact jobs (block ids), expanded on the device: ``expand_staged``
   (a kernel into staging that mirrors host rows, then one copy per host segment) or
   ``expand_direct`` (the kernel reads or writes the host rows themselves);
 * `select`: the cost model, and auto's choice per batch; `calibration`: measuring the cost
   model on this GPU (``offload-core calibrate``) and finding a saved one;
-* `staging`: the per-stream device buffers of ``staged`` and ``expand_staged``;
+* `staging`: the per-stream device buffers of ``expand_staged``;
 * `driver`, `kernels`, `ring`: the CUDA driver through ctypes, the Triton kernels, and the
   descriptor tables they read; `events`: the queue's events and the caller's stream through
   the driver; `measure`: timing copies (calibration, benchmarks).
@@ -46,7 +46,7 @@ from offload_core.backends.cuda.events import DriverEvent, RawStream
 from offload_core.backends.cuda.mechanisms import BLOCK_MECHANISMS, MECHANISMS, TABLE, contenders
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import CostModel, profile_path
-from offload_core.backends.cuda.staging import Held, PerStream, StagedPair
+from offload_core.backends.cuda.staging import Held
 from offload_core.backends.cuda.tuning import Tuner
 from offload_core.backends.torch_device import Runtime, TorchDeviceBackend, TorchRuntime
 from offload_core.errors import ConfigError
@@ -66,8 +66,8 @@ class CudaBackend(TorchDeviceBackend):
 
     Args:
         device_index: the GPU.
-        mechanism: ``"auto"``, one of ``ce_batch``, ``sm_gather``, ``staged``, ``ce_loop`` (a
-            worker then plans descriptors on the host) or one of ``expand_staged``,
+        mechanism: ``"auto"``, one of ``ce_batch``, ``sm_gather``, ``ce_loop`` (a worker then
+            plans descriptors on the host) or one of ``expand_staged``,
             ``expand_direct``, ``expand_split`` (a worker's jobs; other batches as auto;
             ``expand_split`` splits stores between the two others, for more of the link at
             the cost of two SMs, and stages loads); default
@@ -77,9 +77,9 @@ class CudaBackend(TorchDeviceBackend):
             Unset: at most 8 for stores (``expand_direct`` stores of pages from 1 KiB take one
             per 512 KiB of their jobs' average, at least 2; of smaller pages, 4 where their jobs
             average more than 1 MiB) and 32 for loads.
-        staging_bytes: the largest piece of a staged job; the compact path keeps two buffers of
-            this per copy stream (a worker has three: stores, loads, expedited loads), ``staged``
-            two of 1.25 times this; default ``staging_mb`` of the conf or 16 MiB.
+        staging_bytes: each staging half, the largest piece of an ``expand_staged`` job; the
+            compact path keeps two halves per copy stream (a worker has three: stores, loads,
+            expedited loads); default ``staging_mb`` of the conf or 16 MiB.
         ring_bytes: the descriptor ring's device memory (and as much pinned host memory), one
             per GPU: jobs' block ids and tables go through it; a job whose table is larger
             takes one-off memory of its size until it has run, and a full ring makes the
@@ -172,7 +172,6 @@ class CudaBackend(TorchDeviceBackend):
         self._cut_short: dict[int, list] = {}  # keepalive entries whose event is not set yet (`_enqueued`)
         self._threads = threading.local()  # `in_context`: the GPU's context was made current on this thread
         self._spare_events: list = []
-        self._staged_buffers = PerStream(lambda stream: StagedPair(self, stream))
         tune = _setting(settings, "tune", 1, given=None if tune is None else int(tune), argument="tune", zero=True)
         if tune not in (0, 1):
             raise ConfigError(f"tune ({ENV_CONF} tune, or the argument) must be 0 or 1, got {tune!r}")
@@ -250,7 +249,6 @@ class CudaBackend(TorchDeviceBackend):
                 log.warning("releasing a %s stream: waiting for the GPU failed: %s", self.name, exc)
         # The staging buffers go; the stream itself (driver state of a few kilobytes) stays,
         # so that its handle, the key of these tables, is never another stream's.
-        self._staged_buffers.discard(stream)
         self._blocks.staging.discard(stream)
 
     def alloc_host(self, nbytes: int):
@@ -458,7 +456,7 @@ class CudaBackend(TorchDeviceBackend):
     def calibrate(self, save: bool = True) -> dict:
         """Measure this GPU's copy costs (a few seconds), use them, and save them as its
         profile (`calibration.calibrate`). Workers' launches on this backend wait meanwhile:
-        the measurements use its descriptor ring and staging as any enqueue does.
+        the measurements use its descriptor ring as any enqueue does.
 
         Returns:
             The measured cost model as a dict, with ``profile`` (the file) and ``saved``.

@@ -13,7 +13,7 @@ from dataclasses import asdict
 import numpy as np
 
 from offload_core.backend import Direction
-from offload_core.backends.cuda import kernels, measure, select
+from offload_core.backends.cuda import kernels, measure
 from offload_core.backends.cuda.select import CostModel, profile_path
 
 log = logging.getLogger(__name__)
@@ -100,18 +100,6 @@ def measure_costs(backend) -> CostModel:
         few, many = host_s("sm_gather", 4096, 256), host_s("sm_gather", 65536, 256)
         per_copy = max(0.0, (many - few) / (65536 - 4096))
         model.sm_host_s = (max(0.0, few - 4096 * per_copy), per_copy)
-    if "staged" in available:
-        # 4096 and 65536 copies in one piece tell the part per copy; 4096 copies in a job
-        # larger than the staging buffers, the part per piece (`select.piece_bounds`)
-        staging_bytes = backend.staging_bytes
-        wide = 4096 * min(span // (2 * 4096), 1 << (staging_bytes // 4096).bit_length())
-        small, many, large = (
-            host_s("staged", n, size) for n, size in ((4096, 256), (65536, 256), (4096, wide // 4096))
-        )
-        per_copy = max(0.0, (many - small) / (65536 - 4096))
-        one, more = (1 + len(select.piece_bounds(b, staging_bytes, True)) for b in (4096 * 256, wide))
-        per_piece = max(0.0, (large - small) / (more - one)) if more > one else 0.0
-        model.staged_host_s = (max(0.0, small - 4096 * per_copy - one * per_piece), per_copy, per_piece)
     if kernels.why_unavailable() is None:
         stream, start, end = backend.new_stream(), backend.new_event(), backend.new_event()
         ring = backend._ring

@@ -3,7 +3,7 @@ profiles, and `choose`, which weighs a batch's contenders (`mechanisms.contender
 
 A job costs the larger of its device time and the host time it takes to enqueue, counted as
 an engine submits: job after job while the GPU works on the earlier ones. Per mechanism,
-from the job's direction, descriptor count, bytes and (``staged``) host-contiguous runs:
+from the job's direction, descriptor count and bytes:
 
 * ``ce_batch``: ``n * max(c_desc, mean_size / bw_ce + c_tail) + launch``: copy engines pay a
   fixed cost per descriptor or move at link speed plus a per-copy tail, whichever is slower;
@@ -11,16 +11,12 @@ from the job's direction, descriptor count, bytes and (``staged``) host-contiguo
   copies start while the call still feeds them);
 * ``sm_gather``: ``bytes / bw_sm + n * (t_256 - 256 / bw_sm) + upload + launch``: link speed
   plus what a 256-byte copy costs beyond its bytes;
-* ``staged``: the device-side gather (``bytes / bw_gather + n * c_gather``) and ``runs``
-  copy-engine copies, pipelined, plus the host time of its pieces (`piece_bounds`), which a
-  small job of several pieces pays without the bytes to hide it;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
 
 In the choice, ``sm_gather``'s device time counts `sm_penalty` times: it holds SMs for the
 whole transfer (slowing the model's kernels) and shares the link poorly with a job of the
 other direction, which a one-job estimate cannot see. So it wins only where nothing else
-moves a job well: small fragments scattered on the host side too (canonical layouts), and
-small jobs, where staging's per-piece host time dominates.
+moves a job well: small fragments scattered on the host side too (canonical layouts).
 
 The defaults are an H200's (the measurements behind them are in the git history);
 `offload-core calibrate` replaces them with this GPU's.
@@ -38,7 +34,6 @@ from typing import NamedTuple
 import numpy as np
 
 from offload_core.backend import Direction
-from offload_core.runs import run_starts
 
 
 @dataclass
@@ -56,7 +51,6 @@ class CostModel:
     inline_h2d_gbps: float = 6.0
     # host time of one enqueue, back to back behind a busy stream: per job, per copy
     sm_host_s: tuple = (44e-6, 3.4e-9)
-    staged_host_s: tuple = (28e-6, 3.3e-9, 70e-6)  # per job, per copy, per piece
     sm_gbps: dict = field(default_factory=lambda: {"store": 52.6, "load": 51.3})
     sm_desc_s: dict = field(default_factory=lambda: {"store": 5.3e-9, "load": 5.5e-9})  # a 256 B copy, whole: job / n
     gather_gbps: float = 1350.0  # device-side gather of scattered 16 KiB pages into staging
@@ -67,19 +61,9 @@ class CostModel:
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
     source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit 8932a85"
 
-    def estimate(
-        self,
-        mechanism: str,
-        direction: str,
-        n: int,
-        nbytes: int,
-        runs: int | None = None,
-        sm_weight: float = 1.0,
-        pieces: int = 1,
-    ) -> float:
+    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, sm_weight: float = 1.0) -> float:
         """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total;
-        `sm_weight` multiplies sm_gather's device time (see `sm_penalty`); `pieces` is how
-        many pieces ``staged`` cuts the job into."""
+        `sm_weight` multiplies sm_gather's device time (see `sm_penalty`)."""
         ce_bw = self.ce_gbps[direction] * 1e9
         if mechanism == "ce_batch":
             device = n * self._ce_per_copy(direction, nbytes / n) + self.launch_s
@@ -89,17 +73,6 @@ class CostModel:
             per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)
             device = nbytes / bw + n * (per_copy + self.upload_s_per_desc) + self.launch_s
             return max(device * sm_weight, self.sm_host_s[0] + n * self.sm_host_s[1])
-        if mechanism == "staged":
-            runs = n if runs is None else runs
-            link = runs * self._ce_per_copy(direction, nbytes / runs)
-            gather = nbytes / (self.gather_gbps * 1e9) + n * self.gather_desc_s
-            device = max(link, gather) + min(link, gather) / 6 + n * self.upload_s_per_desc + 2 * self.launch_s
-            # its batch calls' host time adds to its copies, as in ce_batch (the profile's
-            # per-job host time already holds the few runs it was measured with)
-            fixed, per_copy = self.staged_host_s[:2]
-            per_piece = self.staged_host_s[2] if len(self.staged_host_s) > 2 else 0.0  # older profiles lack it
-            host = fixed + n * per_copy + pieces * per_piece
-            return max(device + runs * self.ce_host_s, host)
         if mechanism == "ce_loop":
             return n * self.loop_s_per_desc + nbytes / ce_bw
         raise ValueError(f"unknown mechanism {mechanism!r}")
@@ -109,8 +82,8 @@ class CostModel:
     ) -> float:
         """Predicted seconds for a compact job of `items` expanded copies and `nbytes`, whose host
         bytes form `segments` contiguous ranges: ``expand_staged`` is the gather (or scatter)
-        and the copy engines' copies of the segments, pipelined as in ``staged``, plus the batch
-        call's host time (on loads, also the `small_bytes` in segments of up to
+        and the copy engines' copies of the segments, pipelined through two staging halves, plus
+        the batch call's host time (on loads, also the `small_bytes` in segments of up to
         `inline_h2d_bytes`, at `inline_h2d_gbps`); ``expand_direct`` is ``sm_gather``'s device
         time for the items, weighed by `sm_penalty` (it holds SMs while the bytes cross the
         link). Their fixed host time (the upload, the launch, the events) is the same, and left
@@ -130,14 +103,11 @@ class CostModel:
     def _ce_per_copy(self, direction: str, size: float) -> float:
         return max(self.ce_desc_s[direction], size / (self.ce_gbps[direction] * 1e9) + self.ce_tail_s)
 
-    def choose(
-        self, direction: str, n: int, nbytes: int, available: tuple[str, ...], runs=None, pieces: int = 1
-    ) -> str:
-        """The cheapest available mechanism. `runs` may be a callable, evaluated only if ``staged`` competes."""
+    def choose(self, direction: str, n: int, nbytes: int, available: tuple[str, ...]) -> str:
+        """The cheapest available mechanism."""
         best, best_t = available[0], float("inf")
         for mech in available:
-            r = runs() if (mech == "staged" and callable(runs)) else runs
-            t = self.estimate(mech, direction, n, nbytes, r, self.sm_penalty, pieces)
+            t = self.estimate(mech, direction, n, nbytes, sm_weight=self.sm_penalty)
             if t < best_t * 0.98:  # ties go to the earlier (copy-engine) mechanism: it leaves SMs alone
                 best, best_t = mech, t
         return best
@@ -174,18 +144,15 @@ def _number(value, positive: bool) -> bool:
 
 def _check_field(name: str, value, default) -> None:
     """Raise ValueError where a profile's field is not of its default's shape: per direction,
-    a number; a tuple, as many numbers (a profile older than a third one may lack it); rates
+    a number; a tuple, as many numbers; rates
     (``*_gbps``) and the SM penalty above 0, times and sizes at least 0; the source a string."""
     positive = name.endswith("_gbps") or name == "sm_penalty"
     if isinstance(default, dict):
         ok = isinstance(value, dict) and set(value) == set(default)
         ok = ok and all(_number(v, positive) for v in value.values())
     elif isinstance(default, tuple):
-        ok = (
-            isinstance(value, (list, tuple))
-            and 2 <= len(value) <= len(default)
-            and all(_number(v, positive) for v in value)
-        )
+        ok = isinstance(value, (list, tuple)) and len(value) == len(default)
+        ok = ok and all(_number(v, positive) for v in value)
     elif isinstance(default, str):
         ok = isinstance(value, str)
     elif isinstance(default, int):
@@ -194,22 +161,6 @@ def _check_field(name: str, value, default) -> None:
         ok = _number(value, positive)
     if not ok:
         raise ValueError(f"field {name!r} is {value!r}, not of the shape of its default {default!r}")
-
-
-def piece_bounds(total: int, staging_bytes: int, store: bool, first: int = 1 << 20) -> list[int]:
-    """Where ``staged``'s pieces after the first begin, in bytes into a job of `total`.
-
-    A job that fits in `staging_bytes` is one piece: each more piece costs host time (a launch,
-    a batch call, two events), where a whole 16 MiB job's gather or scatter, exposed, costs
-    the link little.
-    A larger job starts with a piece of `first` bytes, then pieces of `staging_bytes`: its
-    link time hides the host time, and only the first gather of a store and the last scatter
-    of a load are exposed. Counted from the start for a store, from the end for a load.
-    """
-    if total <= staging_bytes:
-        return []
-    ends = list(range(first, total, staging_bytes))
-    return ends if store else [total - e for e in reversed(ends)]
 
 
 def profile_path(device_name: str) -> pathlib.Path:
@@ -225,7 +176,6 @@ class BatchSummary(NamedTuple):
 
     largest: int  # the largest size
     uniform: bool  # whether every size equals `largest`
-    starts: np.ndarray | None  # where the host-contiguous runs start (`run_starts`), or None where not counted
 
 
 def choose(
@@ -234,7 +184,7 @@ def choose(
     """The mechanism ``auto`` picks for a batch, by `backend.cost`, and what was learned on the way.
 
     Args:
-        backend: the `CudaBackend` (its cost model, staging size and host ranges).
+        backend: the `CudaBackend` (its cost model and host ranges).
         contenders: the batch mechanisms that may compete (`mechanisms.contenders`), in order
             of preference on a tie; one that refuses this batch (`Mechanism.refuses`) drops out.
         src, dst, sizes, direction: the batch, as `copy_batch` takes it (int64 arrays).
@@ -245,12 +195,5 @@ def choose(
     uniform = int(sizes.min()) == largest
     nbytes = len(sizes) * largest if uniform else int(sizes.sum())
     names = tuple(m.name for m in contenders if m.refuses(backend, host, sizes, largest) is None)
-    starts = []
-
-    def count_runs():  # a pass over the descriptors: only if ``staged`` competes
-        starts.append(run_starts((host,), largest if uniform else sizes))
-        return starts[0].size
-
-    pieces = 1 + len(piece_bounds(nbytes, backend.staging_bytes, store))
-    mechanism = backend.cost.choose(direction.value, len(sizes), nbytes, names, count_runs, pieces)
-    return mechanism, BatchSummary(largest, uniform, starts[0] if starts else None)
+    mechanism = backend.cost.choose(direction.value, len(sizes), nbytes, names)
+    return mechanism, BatchSummary(largest, uniform)
