@@ -288,11 +288,12 @@ def attention_mappings(
     return out
 
 
-def replicated_mappings(*, page_bytes: int, tp_size: int) -> list[CanonicalPageMapping]:
-    """Mappings of every TP rank for a page every rank holds whole (an MLA latent): one copy,
-    the ranks taking turns to write it."""
+def replicated_mappings(*, page_size_bytes: int, tp_size: int) -> list[CanonicalPageMapping]:
+    """Mappings of every TP rank for a page of `page_size_bytes` every rank holds whole (an MLA
+    latent): one copy, the ranks taking turns to write it."""
+    page = page_size_bytes
     out = [
-        CanonicalPageMapping(page_bytes, page_bytes, (CopyRun(0, 0, page_bytes),), num_writers=tp_size, writer_index=r)
+        CanonicalPageMapping(page, page, (CopyRun(0, 0, page),), num_writers=tp_size, writer_index=r)
         for r in range(tp_size)
     ]
     verify_tiling(out)

@@ -36,7 +36,7 @@ def latent_kv(full: np.ndarray, tp: int, rank: int, *, empty: bool = False, devi
     """An MLA-like latent every rank holds whole: one tensor, replicated mappings."""
     page = full[0].nbytes
     data = (torch.zeros(full.shape, dtype=torch.uint8) if empty else torch.from_numpy(full.copy())).to(device)
-    maps = replicated_mappings(page_bytes=page, tp_size=tp)
+    maps = replicated_mappings(page_size_bytes=page, tp_size=tp)
     return KVCaches([KVCacheTensor(data, page)], [[KVCacheRef(0, page, mapping=maps[rank])]])
 
 

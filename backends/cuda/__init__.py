@@ -425,10 +425,6 @@ class CudaBackend(TorchDeviceBackend):
             return f"unknown mechanism; choose one of {', '.join(TABLE)} or auto"
         return found.why_unavailable(self)
 
-    def choose(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction) -> str:
-        """The mechanism ``auto`` picks for this batch."""
-        return select.choose(self, self._contenders, src, dst, sizes, direction)[0]
-
     def addressable(self, host: np.ndarray, sizes: np.ndarray, largest: int | None = None) -> bool:
         """Whether every host range lies in pinned or registered memory the GPU can dereference."""
         lo, hi = int(host.min()), int(host.max())
