@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
+# For a backend's calls that user code may make on the main thread outside a worker call (the
+# worker's own calls are steps already): such a call is one step for Ctrl-C, whose
+# KeyboardInterrupt comes when it ends (docs/architecture.md, section 9).
+from offload_core.interrupts import deferred  # noqa: F401
+
 if TYPE_CHECKING:
     import torch
 

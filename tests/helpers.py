@@ -1,13 +1,11 @@
 """Small KV caches on the host for worker tests, the compiled steps for tests of both paths, and
-Ctrl-C: a real SIGINT sent from inside a call (`CtrlCInside`, `ctrl_c_inside_calls`), or a
-KeyboardInterrupt raised before a given line (`ctrl_c_before_line`)."""
+Ctrl-C: a real SIGINT sent from inside a call (`CtrlCInside`, `ctrl_c_inside_calls`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import sys
 import threading
 from typing import NamedTuple
 
@@ -204,28 +202,3 @@ def ctrl_c_inside_calls(backend, device: str, store: bool) -> None:
         worker.shutdown()
     assert release.sent and release.returned and worker.host_tensors == [], "shutdown cut short"
     check([3])
-
-
-def ctrl_c_before_line(function, starts_with: str) -> None:
-    """Raise KeyboardInterrupt once, as `function` (a Python function) is about to run its first
-    line that starts with `starts_with`: where a signal's handler runs between two steps with
-    no call between them, which a tracer's "call" event cannot reach."""
-    import inspect
-
-    lines, first = inspect.getsourcelines(function)
-    target = first + next(i for i, line in enumerate(lines) if line.strip().startswith(starts_with))
-    code = function.__code__
-
-    def tracer(frame, event, arg):
-        if event != "call" or frame.f_code is not code:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and frame.f_lineno == target:
-                sys.settrace(None)
-                raise KeyboardInterrupt
-            return local
-
-        return local
-
-    sys.settrace(tracer)

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 from cuda_fakes import GPU_CONTEXT, FakeCudaRuntime, FakeLib, arrays, copies, host_only_backend
-from helpers import ctrl_c_before_line
 from hypothesis import given
 from hypothesis import strategies as st
 from test_plan import Model
@@ -356,80 +355,29 @@ class _Stream(SimpleNamespace):
         self.waited.append(event)
 
 
-def test_an_enqueue_a_ctrl_c_cut_short_is_held_until_an_event_on_its_own_stream(monkeypatch):
-    """An enqueue whose `with` a Ctrl-C left before its event was recorded (the `finally` then
-    runs only when the generator is collected): the next enqueue, on another stream, records
-    one on the first enqueue's stream, after the side streams it left unjoined, and sets it on
-    what the first holds and the ring regions it reserved; its own event covers only its own."""
-    lib = FakeLib()
-    backend = host_only_backend(monkeypatch, lib, mechanism="ce_batch")
-    first, second = _Stream(cuda_stream=5, waited=[]), _Stream(cuda_stream=9, waited=[])
-    cut = backend._enqueued(first)
-    held = cut.__enter__()
-    held.append("the first enqueue's table")
-    held.sides.append(SimpleNamespace(cuda_stream=6))  # a mechanism's join that the interrupt cut short
-    (entry,) = [e for e in backend._keepalive if e[1] is held]
-    region = entry[3]
-    region.append([0, 10, None])  # as `_reserve` lists a region of the enqueue under way
-    assert entry[0] is None
-    lib.calls.clear()
-    dst, src, sizes = arrays(3)
-    backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, second)
-    # the side joined (a marker on it that the first enqueue's stream waits for), the first
-    # enqueue's event on its own stream, then the second's on its own
-    assert [c[2] for c in lib.calls if c[0] == "record"] == [6, 5, 9]
-    assert len(first.waited) == 1 and second.waited == []
-    assert entry[0] is not None and region[0][2] is entry[0]
-    assert not backend._cut_short
-    cut.__exit__(None, None, None)  # the collected generator's `finally`, late: a later event, harmless
-    assert not backend._cut_short
+@pytest.mark.parametrize("direct", [True, False], ids=["called directly", "inside a worker's step"])
+def test_an_enqueue_is_one_step_for_ctrl_c(direct, monkeypatch):
+    """A SIGINT on the main thread as an enqueue settles what it holds (its ring regions
+    retired on its event) comes once its event is set: called directly (by user code: the
+    enqueue is its own step), or inside a worker's step (which it joins)."""
+    from helpers import python_sigint, send_ctrl_c
 
+    from offload_core.backend import deferred
 
-def test_releasing_a_stream_waits_for_the_gpu_only_where_an_enqueue_was_cut_short(monkeypatch):
-    """The worker frees its host memory once its lanes' streams are released: where an enqueue
-    a Ctrl-C cut short may have left work on a side stream, the release waits for the whole
-    GPU first, even on a thread that holds the enqueue lock (a collected worker's release)."""
-    lib = FakeLib()
-    backend = host_only_backend(monkeypatch, lib, mechanism="ce_batch")
-    stream = _Stream(cuda_stream=5, waited=[])
-    dst, src, sizes = arrays(3)
-    backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, stream)
-    backend.release_stream(stream)
-    assert ("device_synchronize", 0) not in lib.calls  # the jobs' end events covered everything
-    cut = backend._enqueued(stream)
-    held = cut.__enter__()
-    held.sides.append(SimpleNamespace(cuda_stream=6))  # a join the interrupt cut short
-    lib.calls.clear()
-    released = threading.Event()
-
-    def release_inside_an_enqueue():
-        with enqueue_lock(backend):
-            backend.release_stream(stream)
-            released.set()
-
-    thread = threading.Thread(target=release_inside_an_enqueue, daemon=True)
-    thread.start()
-    thread.join(10)
-    assert released.is_set() and lib.calls == [("device_synchronize", 0)]
-    cut.__exit__(None, None, None)
-
-
-@pytest.mark.parametrize("line", ["keepalive.append(entry)", "self._cut_short[id(entry)] = entry"])
-def test_a_ctrl_c_as_an_enqueue_lists_its_entry_leaves_nothing_kept_for_ever(line, monkeypatch):
-    """A Ctrl-C before either step that records an enqueue's entry (kept, and listed to be
-    settled): the enqueues after it still let go of what they held once their events passed."""
     backend = host_only_backend(monkeypatch, FakeLib(), mechanism="ce_batch")
     dst, src, sizes = arrays(3)
-    stream = SimpleNamespace(cuda_stream=9)
-    ctrl_c_before_line(CudaBackend._enqueued.__wrapped__, line)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, stream)
-    finally:
-        sys.settrace(None)
-    for _ in range(5):
-        backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, stream)
-    assert len(backend._keepalive) <= 2 and not backend._cut_short
+    retire = backend._ring.retire
+
+    def retire_with_ctrl_c(*args):
+        send_ctrl_c()
+        retire(*args)
+
+    monkeypatch.setattr(backend._ring, "retire", retire_with_ctrl_c)
+    with python_sigint(), pytest.raises(KeyboardInterrupt):
+        with deferred() if not direct else contextlib.nullcontext():
+            backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, SimpleNamespace(cuda_stream=9))
+    (entry,) = backend._keepalive
+    assert entry[0] is not None  # its event set: what it holds goes once the event has passed
 
 
 # ---- calibration and settings -------------------------------------------------------------------

@@ -33,7 +33,7 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
-from offload_core.backend import Direction
+from offload_core.backend import Direction, deferred
 from offload_core.backends.cuda import calibration, kernels, select
 from offload_core.backends.cuda.blocks import EXPAND_DIRECT, BlockCopier
 from offload_core.backends.cuda.config import ENV_CONF, conf
@@ -169,7 +169,6 @@ class CudaBackend(TorchDeviceBackend):
                 raise ConfigError(f"cuda mechanism {self.mechanism!r} cannot be used: {reason}")
         self._host_ranges: dict[int, tuple[int, int]] = {}  # device-addressable host memory
         self._keepalive: deque = deque()  # [event or None while enqueuing, Held, stream, ring regions]
-        self._cut_short: dict[int, list] = {}  # keepalive entries whose event is not set yet (`_enqueued`)
         self._threads = threading.local()  # `in_context`: the GPU's context was made current on this thread
         self._spare_events: list = []
         tune = _setting(settings, "tune", 1, given=None if tune is None else int(tune), argument="tune", zero=True)
@@ -236,19 +235,10 @@ class CudaBackend(TorchDeviceBackend):
         return RawStream(self.runtime.current_stream(self.device_index).cuda_stream, self.new_event)
 
     def release_stream(self, stream) -> None:
-        # The queue waited for its jobs' end events, and the worker lets its host memory go
-        # once this returns. An enqueue a Ctrl-C cut short (still listed, or another lane's
-        # under way) may have left work on a side stream (a staging gather, a split's direct
-        # part) outside them: then the whole GPU is waited for. Without the enqueue lock and
-        # the enqueues' state: a collected worker's release may run on a thread inside an
-        # enqueue. The entries themselves are settled by the next enqueue.
-        if self._cut_short:
-            try:
-                self.synchronize()
-            except Exception as exc:  # the GPU failed: none of its work runs any more
-                log.warning("releasing a %s stream: waiting for the GPU failed: %s", self.name, exc)
-        # The staging buffers go; the stream itself (driver state of a few kilobytes) stays,
-        # so that its handle, the key of these tables, is never another stream's.
+        # The queue waited for its jobs' end events (each after its side streams' work), and
+        # the worker lets its host memory go once this returns. The staging buffers go; the
+        # stream itself (driver state of a few kilobytes) stays, so that its handle, the key of
+        # these tables, is never another stream's.
         self._blocks.staging.discard(stream)
 
     def alloc_host(self, nbytes: int):
@@ -302,7 +292,7 @@ class CudaBackend(TorchDeviceBackend):
             reason = forced.refuses_layout(self._blocks, prepared)
             if reason:
                 raise ConfigError(reason)
-        with self._enqueued(stream) as held:
+        with deferred(), self._enqueued(stream) as held:
             return self._blocks.copy(job, prepared, stream, after, held, forced)
 
     def copy_jobs(self, jobs, prepared, stream, after) -> str | None:
@@ -314,7 +304,7 @@ class CudaBackend(TorchDeviceBackend):
         plan = self._blocks.join_plan(jobs, prepared)
         if plan is None:
             return None
-        with self._enqueued(stream):  # a launch it declines leaves a ring region to retire
+        with deferred(), self._enqueued(stream):  # a launch it declines leaves a ring region to retire
             launched = self._ring.join_launch(plan[0], stream, *plan[1:])
         if launched is not None:  # None: the ring was full, which says nothing of the next launches
             self._blocks.joined(prepared, jobs[0].direction, launched)
@@ -322,25 +312,17 @@ class CudaBackend(TorchDeviceBackend):
 
     @contextmanager
     def _enqueued(self, stream):
-        """Around an enqueue (under the queues' enqueue lock): yields a `Held` for what the device
-        may still read afterwards, and holds it, with the ring's regions reserved meanwhile,
-        until an event recorded on `stream` after the enqueue (and after the side streams still
-        listed in it) has passed.
-
-        Kept from before anything is enqueued: where a Ctrl-C cuts this short before the event
-        is set (in the `finally`, or as the `with` exits, which leaves the `finally` to when the
-        generator is collected), the next enqueue records one on that enqueue's own stream."""
+        """Around an enqueue (under the queues' enqueue lock, inside a step for Ctrl-C:
+        `deferred`, entered by the caller, since a generator's frame is off the stack while its
+        `with` runs): yields a `Held` for what the device may still read afterwards, and holds
+        it, with the ring's regions reserved meanwhile, until an event recorded on `stream`
+        after the enqueue (and after the side streams still listed in it) has passed."""
         keepalive = self._keepalive
         with self._context():
-            if self._cut_short:
-                self._finish_cut_short(stream)
             while keepalive and keepalive[0][0] is not None and keepalive[0][0].query():
                 self._spare_events.append(keepalive.popleft()[0])
             held = Held()
             entry = [None, held, stream, self._ring.open()]
-            # listed before it is kept: a Ctrl-C between the two leaves it to be settled, never
-            # an entry with no event at the head of `_keepalive`, which would keep all after it
-            self._cut_short[id(entry)] = entry  # until its event is set
             keepalive.append(entry)
             try:
                 yield held
@@ -360,22 +342,6 @@ class CudaBackend(TorchDeviceBackend):
         event.record(stream)
         self._ring.retire(event, entry[3])
         entry[0] = event
-        self._cut_short.pop(id(entry), None)
-
-    def _finish_cut_short(self, stream) -> None:
-        """Settle the enqueues a Ctrl-C left without their event (`_enqueued`)."""
-        for entry in list(self._cut_short.values()):
-            if entry[0] is not None:  # cut short after its event was set
-                self._cut_short.pop(id(entry), None)
-                continue
-            try:
-                self._settle_entry(entry, self._marker())
-            except Exception:
-                # its stream or a side is gone (released): once the device has run everything, nothing reads
-                self.synchronize()
-                entry[1].sides.clear()
-                entry[2] = stream
-                self._settle_entry(entry, self._marker())
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         return self.enqueue_with(self.mechanism, src, dst, sizes, direction, stream)
@@ -412,7 +378,7 @@ class CudaBackend(TorchDeviceBackend):
             chosen = TABLE[name]
         else:
             raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
-        with self._enqueued(stream) as held:
+        with deferred(), self._enqueued(stream) as held:
             chosen.enqueue(self, src, dst, sizes, direction, stream, held, summary)
         return chosen.name
 
