@@ -113,6 +113,7 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
                 if not pending():  # pass sees its choice, as an engine does after its first launches
                     break
                 yield True
+            out["trials_pending"] = pending()  # as the measured pass begins
             yield False
 
         for warm in passes():
@@ -164,7 +165,6 @@ def run_shape(backend, page: int, per_job: int, count: int, jobs: int, seed: int
                         for h, t in zip(worker.host_tensors, tensors)
                     )
         out["verified"] = out.pop("store_verified") and out.pop("load_verified")
-        out["trials_pending"] = pending()
         out["device_bytes_beyond_kv"] = _allocated(backend) - before
         total = jobs * job_bytes
         limit_host = backend.alloc_host(total)

@@ -380,6 +380,24 @@ def test_an_enqueue_is_one_step_for_ctrl_c(direct, monkeypatch):
     assert entry[0] is not None  # its event set: what it holds goes once the event has passed
 
 
+def test_an_enqueue_whose_event_cannot_be_recorded_keeps_nothing_for_ever(monkeypatch):
+    """The driver fails as an enqueue records its event: the call raises, what it held goes
+    once the GPU has run everything, and later enqueues still let go of theirs."""
+    lib = FakeLib()
+    backend = host_only_backend(monkeypatch, lib, mechanism="ce_batch")
+    dst, src, sizes = arrays(3)
+    stream = SimpleNamespace(cuda_stream=9)
+    marker = backend._marker
+    monkeypatch.setattr(backend, "_marker", lambda: (_ for _ in ()).throw(RuntimeError("driver failed")))
+    with pytest.raises(RuntimeError, match="driver failed"):
+        backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, stream)
+    assert ("device_synchronize", 0) in lib.calls
+    monkeypatch.setattr(backend, "_marker", marker)
+    for _ in range(5):
+        backend.enqueue_with("ce_batch", src, dst, sizes, Direction.STORE, stream)
+    assert len(backend._keepalive) <= 2 and all(e[0] is not None for e in backend._keepalive)
+
+
 # ---- calibration and settings -------------------------------------------------------------------
 
 
@@ -418,7 +436,7 @@ def test_auto_is_measured_by_default_and_the_conf_can_turn_it_off(monkeypatch, t
     tuner = backend._blocks.tuner
     assert tuner is not None and tuner.path.parent == tmp_path and tuner.path.name.endswith("-tuned.json")
     # a calibration changes the prior: what was decided under the old one is measured again
-    key = ShapeClass("store", 12, 15, 9, False)
+    key = ShapeClass("store", 12, 15, 9, False, 9)
     tuner._saved[key] = "expand_direct"
     monkeypatch.setattr(calibration, "calibrate", lambda backend, save: {"saved": save})
     assert backend.calibrate(save=False) == {"saved": False}

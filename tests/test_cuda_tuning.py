@@ -11,7 +11,7 @@ from offload_core import DeviceBlocks, Direction, HostBlocks
 from offload_core.backends.cuda import tuning
 from offload_core.backends.cuda.tuning import ShapeClass, Timings, Tuner, candidates, shape_class
 
-KEY = shape_class("store", 4096, 4096 * 64, 4 << 20, rows=1024, segments=1000)
+KEY = shape_class("store", 4096, 4096 * 64, 4 << 20, rows=1024, segments=1000, launch_bytes=4 << 20)
 
 
 def run_trial(tuner: Tuner, key: ShapeClass, names: list[str], seconds: dict[str, float], nbytes: int = 1 << 20):
@@ -50,12 +50,12 @@ def test_a_challenger_within_the_margin_leaves_the_prior():
 def test_the_host_time_counts_where_it_exceeds_the_device_time():
     tuner = Tuner()
     names = ["expand_staged", "expand_direct"]
-    for _ in range(tuning.TRIALS):
-        for name in names:
-            assert tuner.pick(KEY, names)[1]
-            # expand_staged: fast on the device, slow on the host (a batched copy per host row)
-            host, device = (5.0, 1.0) if name == "expand_staged" else (2.0, 2.0)
-            tuner.observe(KEY, name, 1 << 20, host, device)
+    for _ in range(len(names) * tuning.TRIALS):
+        name, timed = tuner.pick(KEY, names)
+        assert timed
+        # expand_staged: fast on the device, slow on the host (a batched copy per host row)
+        host, device = (3.0, 1.0) if name == "expand_staged" else (2.0, 2.0)
+        tuner.observe(KEY, name, 1 << 20, host, device)
     assert tuner.pick(KEY, names) == ("expand_direct", False)
 
 
@@ -103,6 +103,43 @@ def test_a_struck_prior_leaves_the_choice_to_the_measured_best():
     near = 1.0 - tuning.MARGIN / 2
     run_trial(tuner, KEY, names, {"expand_staged": 3 * tuning.STRIKE, "ce_batch": near, "expand_direct": 1.0})
     assert tuner.pick(KEY, names) == ("ce_batch", False)
+
+
+def test_launches_faster_than_their_timings_go_untimed_to_the_prior_meanwhile():
+    """Timings arrive launches later (once their events pass): a candidate gets at most
+    `TRIALS` timed launches in flight, however many launches come before they are observed."""
+    tuner = Tuner()
+    names = ["expand_staged", "expand_direct"]
+    picks = [tuner.pick(KEY, names) for _ in range(20)]  # a burst: nothing observed yet
+    timed = [n for n, t in picks if t]
+    assert sorted(timed) == sorted(names * tuning.TRIALS)
+    assert all(p == ("expand_staged", False) for p in picks[len(timed) :])
+    for name in timed:
+        tuner.observe(KEY, name, 1 << 20, 0.0, 1.0 if name == "expand_direct" else 2.0)
+    assert tuner.pick(KEY, names) == ("expand_direct", False) and tuner.undecided() == 0
+
+
+def test_a_timing_lost_to_a_fault_is_taken_again():
+    tuner = Tuner()
+    names = ["expand_staged", "expand_direct"]
+    timed = [tuner.pick(KEY, names) for _ in range(2 * tuning.TRIALS)]
+    tuner.dropped(KEY, timed[0][0])  # its events reported a fault
+    for name, _ in timed[1:]:
+        tuner.observe(KEY, name, 1 << 20, 0.0, 1.0)
+    assert tuner.pick(KEY, names) == (timed[0][0], True)  # tried again, not stuck
+
+
+def test_no_room_for_a_timing_sends_the_launch_to_the_prior_untimed():
+    tuner = Tuner()
+    assert tuner.pick(KEY, ["expand_staged", "expand_direct"], can_time=False) == ("expand_staged", False)
+    assert [tuner.pick(KEY, ["expand_staged", "expand_direct"])[1] for _ in range(2 * tuning.TRIALS)] == [True] * 6
+
+
+def test_a_class_left_with_one_candidate_ends_its_trial():
+    tuner = Tuner()
+    assert tuner.pick(KEY, ["expand_staged", "expand_direct"])[1]
+    assert tuner.pick(KEY, ["ce_batch"]) == ("ce_batch", False)
+    assert tuner.undecided() == 0
 
 
 def test_one_candidate_is_never_timed():
@@ -154,10 +191,12 @@ def test_candidates_are_those_the_cost_model_rates_near_its_pick():
 
 
 def test_shape_classes_bucket_what_decides():
-    a = shape_class("load", 4096, 1 << 18, 4 << 20, rows=64, segments=64)
-    assert a == ShapeClass("load", 12, 18, 11, False)
-    assert shape_class("load", 4096, 1 << 18, 5 << 20, rows=64, segments=64) == a  # same power of four
-    assert shape_class("load", 4096, 1 << 18, 4 << 20, rows=64, segments=8).runs
+    a = shape_class("load", 4096, 1 << 18, 4 << 20, rows=64, segments=64, launch_bytes=16 << 20)
+    assert a == ShapeClass("load", 12, 18, 11, False, 12)
+    assert shape_class("load", 4096, 1 << 18, 5 << 20, rows=64, segments=64, launch_bytes=20 << 20) == a  # powers of 4
+    assert shape_class("load", 4096, 1 << 18, 4 << 20, rows=64, segments=8, launch_bytes=16 << 20).runs
+    # launches of one job and of four joined are timed apart: their fixed costs weigh differently
+    assert shape_class("load", 4096, 1 << 18, 4 << 20, rows=64, segments=64, launch_bytes=4 << 20) != a
     assert ShapeClass.parse(a.name()) == a
 
 

@@ -61,6 +61,19 @@ log = logging.getLogger(__name__)
 SM_PROGRAMS = {Direction.STORE: 8, Direction.LOAD: 32}
 
 
+class _Passed:
+    """An event that has passed: an enqueue's, where none could be recorded (`_enqueued`)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_PASSED = _Passed()
+
+
 class CudaBackend(TorchDeviceBackend):
     """NVIDIA GPUs through torch.cuda streams and events and the CUDA driver.
 
@@ -320,14 +333,28 @@ class CudaBackend(TorchDeviceBackend):
         keepalive = self._keepalive
         with self._context():
             while keepalive and keepalive[0][0] is not None and keepalive[0][0].query():
-                self._spare_events.append(keepalive.popleft()[0])
+                event = keepalive.popleft()[0]
+                if event is not _PASSED:
+                    self._spare_events.append(event)
             held = Held()
             entry = [None, held, stream, self._ring.open()]
             keepalive.append(entry)
             try:
                 yield held
             finally:  # also after a failed call: copies enqueued before it may still read
-                self._settle_entry(entry, self._spare_events.pop() if self._spare_events else self._marker())
+                try:
+                    self._settle_entry(entry, self._spare_events.pop() if self._spare_events else self._marker())
+                except Exception:
+                    # no event could be recorded (the driver failed): what the entry holds goes
+                    # once the whole GPU has run, never kept with no event at the head of
+                    # `_keepalive`, which would keep every later entry too
+                    try:
+                        self.synchronize()
+                    except Exception:  # the GPU failed: none of its work runs any more
+                        pass
+                    self._ring.retire(_PASSED, entry[3])
+                    entry[0] = _PASSED
+                    raise
 
     def _settle_entry(self, entry: list, event) -> None:
         """Join the side streams an enqueue left listed, record `event` after them on its stream,

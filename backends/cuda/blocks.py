@@ -345,7 +345,7 @@ class BlockCopier:
         summary = layout.segment_summary(job, self._small_limit(job.direction))
         count, small = summary
         per_job, d = job.nbytes // max(1, job.jobs), job.direction.value
-        key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids.size, count)
+        key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids.size, count, job.nbytes)
         winner = self.tuner.decided(key)
         # decided: no cost model on the launch's host time (but where the operator lowered the
         # SM penalty, which may split what a winner of the default would not)
@@ -359,8 +359,8 @@ class BlockCopier:
         if prior is EXPAND_SPLIT:
             return prior, key, False
         estimates = self._estimates(job, prepared, count, small)
-        name, timed = self.tuner.pick(key, tuning.candidates(estimates, prior.name))
-        return _BY_NAME[name], key, timed and self.timings.room()
+        name, timed = self.tuner.pick(key, tuning.candidates(estimates, prior.name), self.timings.room())
+        return _BY_NAME[name], key, timed
 
     def _runs_here(self, name: str, prepared: Prepared) -> bool:
         """Whether mechanism `name` can move this layout's jobs (as `_estimates` offers them)."""
@@ -410,7 +410,8 @@ class BlockCopier:
         if self.tuner is not None:
             # joined launches are not timed: they go direct only once the class (rows apart, as
             # the join takes them) has been decided for it, the trials through `copy` meanwhile
-            key = tuning.shape_class(direction.value, layout.smallest, layout.row_bytes, nbytes // max(1, count), n, n)
+            per_job = nbytes // max(1, count)
+            key = tuning.shape_class(direction.value, layout.smallest, layout.row_bytes, per_job, n, n, nbytes)
             if self.tuner.decided(key) != EXPAND_DIRECT.name:
                 return None
         row = layout.row_bytes
@@ -619,7 +620,7 @@ class ExpandStaged(_Expansion):
         else:  # the copies into staging read host rows that another lane's job may still write (hazards)
             for event in job.host_after:
                 st.side.wait_event(event)
-        held.sides.append(st.side)  # each piece joins it; `_enqueued` does if a failure or a Ctrl-C cuts a piece short
+        held.sides.append(st.side)  # each piece joins it; `_enqueued` does if a failure cuts a piece short
         for j0, j1 in zip(cuts[:-1], cuts[1:]):
             half = st.halves[st.next]
             free = st.free[st.next]
@@ -689,7 +690,7 @@ class ExpandSplit(_Expansion):
         # The queue's stream waits for the compute streams (`after`) and for the jobs before
         # this one, which may write the same host rows: the direct part starts where it stands
         # now, beside this job's staged part, not after it.
-        held.sides.append(direct)  # joined by `_enqueued` if the `finally` below is cut short
+        held.sides.append(direct)  # joined by `_enqueued` if the `finally` below fails
         st.direct_go.record(stream)
         direct.wait_event(st.direct_go)
         try:

@@ -18,7 +18,7 @@ class Held(list):
     an event recorded after the enqueue has passed), and `sides`: streams beside the queue's
     stream that the work went to and that are not joined back yet. A mechanism lists a side
     stream before its first work there and takes it off once the queue's stream waits for it;
-    `_enqueued` joins whatever is still listed (a failure or a Ctrl-C cut the join short)."""
+    `_enqueued` joins whatever is still listed (a failure cut the join short)."""
 
     __slots__ = ("sides",)
 

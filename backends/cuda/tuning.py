@@ -6,8 +6,9 @@ cannot tell the candidates apart. Winners persist per GPU model beside its calib
 (`select.profile_path`), so later processes on that GPU model start from them.
 
 A shape class is what decides between the mechanisms and stays put over an engine's life: the
-direction, the layout's smallest entry and host row (powers of two), the bytes per job (powers
-of four), and whether the host rows come in runs. Each launch of a class under trial is timed
+direction, the layout's smallest entry and host row (powers of two), the bytes per job and per
+launch (powers of four: jobs submitted back to back share launches, whose fixed costs weigh less
+the larger they are), and whether the host rows come in runs. Each launch of a class under trial is timed
 by two events around its enqueue on the copy stream (its device time, from the moment the
 stream reaches it) and by the host's clock around the enqueue; its cost is the larger of the
 two per byte, since the host prepares the next launch while the device moves this one.
@@ -43,25 +44,29 @@ class ShapeClass(NamedTuple):
     row: int  # log2 of a host row
     job: int  # log4 of the bytes per job
     runs: bool  # host rows mostly in runs (fewer segments than half the rows)
+    launch: int  # log4 of the launch's bytes
 
     def name(self) -> str:
-        return f"{self.direction}:{self.entry}:{self.row}:{self.job}:{int(self.runs)}"
+        return f"{self.direction}:{self.entry}:{self.row}:{self.job}:{int(self.runs)}:{self.launch}"
 
     @classmethod
     def parse(cls, text: str) -> ShapeClass:
-        d, e, r, j, runs = text.split(":")
-        return cls(d, int(e), int(r), int(j), runs == "1")
+        d, e, r, j, runs, launch = text.split(":")
+        return cls(d, int(e), int(r), int(j), runs == "1", int(launch))
 
 
-def shape_class(direction: str, smallest: int, row_bytes: int, job_bytes: int, rows: int, segments: int) -> ShapeClass:
-    """The class of a launch: `job_bytes` per job, over `rows` host rows that merge into
-    `segments` host-contiguous segments."""
+def shape_class(
+    direction: str, smallest: int, row_bytes: int, job_bytes: int, rows: int, segments: int, launch_bytes: int
+) -> ShapeClass:
+    """The class of a launch of `launch_bytes`: `job_bytes` per job, over `rows` host rows that
+    merge into `segments` host-contiguous segments."""
     return ShapeClass(
         direction,
         max(0, int(math.log2(max(1, smallest)))),
         max(0, int(math.log2(max(1, row_bytes)))),
         max(0, int(math.log(max(1, job_bytes), 4))),
         2 * segments < rows,
+        max(0, int(math.log(max(1, launch_bytes), 4))),
     )
 
 
@@ -74,21 +79,27 @@ def candidates(estimates: dict[str, float], prior: str) -> list[str]:
 
 
 class _Trial:
-    """A class's trial: the costs per byte of each candidate timed so far, the cost model's
+    """A class's trial: the costs per byte of each candidate timed so far, the timed launches
+    of each not observed yet (`pending`: their events pass launches later), the cost model's
     pick when it began (`prior`), the candidates the last launch offered (`offered`) and those
     struck off (`struck`: two launches, the faster still `STRIKE` times the best of any). Two,
     not one, since a launch that compiles a kernel is slow once. The candidates may differ from
     launch to launch of one class (the cost model weighs each launch's own bytes and segments):
     costs are kept per name, and the class is decided once every candidate last offered and not
-    struck has `TRIALS`."""
+    struck has `TRIALS`. A candidate gets at most `TRIALS` timed launches in flight or done, so
+    launches that come faster than their timings go, untimed, to the prior."""
 
-    __slots__ = ("prior", "offered", "costs", "struck")
+    __slots__ = ("prior", "offered", "costs", "pending", "struck")
 
     def __init__(self, prior: str):
         self.prior = prior
         self.offered: list[str] = [prior]
         self.costs: dict[str, list[float]] = {}
+        self.pending: dict[str, int] = {}
         self.struck: set[str] = set()
+
+    def tried(self, name: str) -> int:
+        return len(self.costs[name]) + self.pending[name]
 
     def left(self) -> list[str]:
         """The candidates offered and not struck off (all offered, where every one was: the
@@ -113,10 +124,12 @@ class Tuner:
         if path is not None:
             self._saved = _load(path)
 
-    def pick(self, key: ShapeClass, names: list[str]) -> tuple[str, bool]:
+    def pick(self, key: ShapeClass, names: list[str], can_time: bool = True) -> tuple[str, bool]:
         """The mechanism for a launch of class `key` among `names` (the cost model's pick
-        first: `candidates`), and whether to time it (a trial). A class with one candidate is
-        decided at once (in memory: nothing was measured)."""
+        first: `candidates`), and whether to time it (a trial: `observe` or `dropped` must
+        follow). A class with one candidate is decided at once (in memory: nothing was
+        measured). Without `can_time` (no room for another timing) the launch goes untimed to
+        the cost model's pick."""
         with self._lock:
             saved = self._saved.get(key)
             if saved is not None and saved in names:
@@ -124,6 +137,7 @@ class Tuner:
             if len(names) == 1:
                 self._saved[key] = names[0]
                 self._single.add(key)
+                self._trials.pop(key, None)
                 return names[0], False
             trial = self._trials.get(key)
             if trial is None:
@@ -131,8 +145,21 @@ class Tuner:
             trial.offered = names
             for n in names:
                 trial.costs.setdefault(n, [])
-            name = min(trial.left(), key=lambda n: len(trial.costs[n]))  # the least tried, the prior first
+                trial.pending.setdefault(n, 0)
+            need = [n for n in trial.left() if trial.tried(n) < TRIALS]
+            if not can_time or not need:  # every candidate's trials are in flight
+                return names[0], False
+            name = min(need, key=trial.tried)  # the least tried, the prior first
+            trial.pending[name] += 1
             return name, True
+
+    def dropped(self, key: ShapeClass, name: str) -> None:
+        """A timed launch of class `key` by `name` gave no timing (its events reported a
+        fault): another launch will be timed in its place."""
+        with self._lock:
+            trial = self._trials.get(key)
+            if trial is not None and trial.pending.get(name, 0) > 0:
+                trial.pending[name] -= 1
 
     def decided(self, key: ShapeClass) -> str | None:
         """The winner of class `key`, or None while it is undecided."""
@@ -148,6 +175,7 @@ class Tuner:
             trial = self._trials.get(key)
             if trial is None or name not in trial.costs:
                 return
+            trial.pending[name] = max(0, trial.pending[name] - 1)
             trial.costs[name].append(max(host_s, device_s) / max(1, nbytes))
             best = min(min(c) for c in trial.costs.values() if c)
             trial.struck.update(n for n, c in trial.costs.items() if len(c) >= 2 and min(c) > STRIKE * best)
@@ -220,6 +248,7 @@ class Timings:
                 device_s = start.elapsed_time(end) / 1e3
             except Exception:  # a fault: the queue reports it with the jobs; no timing from it
                 done += 1
+                self.tuner.dropped(key, name)
                 continue
             done += 1
             self.tuner.observe(key, name, nbytes, host_s, device_s)

@@ -90,7 +90,7 @@ PROMPT_LEN = 10241  # 10240 tokens: whole 16- and 64-token blocks, plus the one 
 GEN_TOKENS = 8  # greedy tokens compared between the GPU hit and the host hit
 MIX = dict(prefixes=12, prefix_len=6144, suffix_len=256, requests=48, out_tokens=64, concurrency=8)
 DECODE = dict(requests=16, prompt_len=2048, out_tokens=64)
-# Steps (the gaps between steps that returned output) while the prompts are stored (the first
+# Steps (the gaps between engine steps) while the prompts are stored (the first
 # ones after the prompts' prefill), and once the stores are long done (the second half): their
 # ratio, set against the engine without offloading, cancels what makes one engine faster than
 # another (its GPU's clocks, its process) and leaves what the stores cost the decode
@@ -204,7 +204,8 @@ def latency(llm, cfg, vocab: int) -> dict:
 
 def _drive(llm, prompts, params, concurrency: int, steps: list | None = None) -> tuple[list, float]:
     """Keep `concurrency` requests in flight until every prompt has finished (a closed loop);
-    `steps`, if given, gets the time each step that returned output came back."""
+    `steps`, if given, gets the time each engine step came back (vLLM 0.33's `LLM.enqueue`
+    asks for final outputs only: most steps return none)."""
     from vllm import TokensPrompt
 
     engine = llm.llm_engine
@@ -216,7 +217,7 @@ def _drive(llm, prompts, params, concurrency: int, steps: list | None = None) ->
             llm.enqueue([TokensPrompt(prompt_token_ids=todo.pop(0))], params, use_tqdm=False)
             in_flight += 1
         out = engine.step()
-        if steps is not None and out:
+        if steps is not None:
             steps.append(time.perf_counter())
         for o in out:
             if o.finished:
