@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 import torch
 from cuda_fakes import GPU_CONTEXT, FakeCudaRuntime, FakeLib, arrays, copies, host_only_backend
-from helpers import ctrl_c_before_line
+from helpers import Model, ctrl_c_before_line
 from hypothesis import given
 from hypothesis import strategies as st
-from test_plan import Model
 
 from offload_core import ConfigError, DeviceBlocks, HostBlocks
 from offload_core.backend import Direction, enqueue_lock
@@ -33,8 +32,6 @@ from offload_core.backends.cuda.mechanisms import TABLE, contenders
 from offload_core.backends.cuda.select import CostModel, profile_path
 from offload_core.backends.cuda.staging import Held
 from offload_core.canonical import CanonicalPageMapping, CopyRun
-from offload_core.compact import CompactLayout
-from offload_core.plan import Planner
 
 
 @pytest.fixture(autouse=True)
@@ -920,7 +917,7 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
         model = Model([16], [[(0, 16)]], bpc, 64, 64)
         device = DeviceBlocks([5, 9, 2, 40, 7], block_indices=[1] if bpc == 2 else None)
         host = HostBlocks([11, 3, 60] if bpc == 2 else [11, 3, 60, 8, 0])
-    layout = CompactLayout(Planner(model.geometry), compiled=False)
+    layout = model.layout(compiled=False)
     job = layout.job(direction, device, host)
     assert job.simple == shape.startswith("simple")
     launched = []
@@ -974,9 +971,7 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
     )
     for simple in (True, False):
         model = Model([16], [[(0, 16)]], 1 if simple else 2, 64, 64)
-        planner = Planner(model.geometry)
-        planner.host_base = 0x7F00_0000_0000  # where pinned host memory lies
-        layout = CompactLayout(planner)
+        layout = model.layout(host_base=0x7F00_0000_0000)  # where pinned host memory lies
         prepared = backend._blocks.prepare(layout)
         warmed, launched[:] = set(launched), []
         for direction in Direction:
@@ -998,7 +993,7 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
     over a model's real memory: the bytes must be the reference model's. Host rows in runs
     backwards go in host order (`CompactJob.in_host_order`), as the queue's launch sends them."""
     model = Model([16, 8], [[(0, 16), (1, 8)]], bpc, 32, 24, seed=bpc)
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     row = layout.row_bytes
     store = direction is Direction.STORE
     half_bytes = 3 * row
@@ -1118,7 +1113,7 @@ def test_staging_halves_hand_over_through_driver_markers_after_the_hazards_ends(
     backend = host_only_backend(monkeypatch, lib)
     monkeypatch.setattr(kernels, "expand", lambda *args, **kwargs: lib.calls.append(("kernel",)))
     model = Model([16, 8], [[(0, 16), (1, 8)]], 1, 32, 24)
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     backend._blocks.half_bytes = 3 * layout.row_bytes  # three pieces of three rows, the last of two
     ring = 1 << 40
     backend._ring = SimpleNamespace(
