@@ -18,8 +18,8 @@ enqueued: every id in range, host ids consumed exactly, no destination named twi
 
 A backend that copies descriptors expands each job on the host (`CompactLayout.copies`, runs
 merged; the default `Backend.copy_blocks`); one that expands jobs on the device (cuda) takes
-the table once (`Backend.prepare_layout`). `CompactLayout.descriptors` is the reference both
-are tested against.
+the table once (`Backend.prepare_layout`). `offload_core.testing.expanding.descriptors` is the
+reference both are tested against.
 """
 
 from __future__ import annotations
@@ -444,43 +444,6 @@ class CompactLayout:
         e = self.entries[:, e0 : e0 + count]
         mine = elected(pages[:, None], e[6], e[7])
         return np.where(mine, e[5], 0)
-
-    def descriptors(self, job: CompactJob, row_base: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Expand `job` into copies on the host: the reference for device expansions.
-
-        Args:
-            job: from `job`.
-            row_base: where host rows lie: None for the host buffer (chunk ``j`` at
-                ``host_base + host_ids[j] * row_bytes``), or the address of a staging buffer
-                that mirrors the job's host rows (chunk ``j`` at ``row_base + j * row_bytes``).
-
-        Returns:
-            ``(device, host, sizes)`` addresses and byte counts, block by block, entry by entry;
-            on store, only the entries the block is elected to write.
-        """
-        dev, side, size = [], [], []
-        store = job.direction is Direction.STORE
-        for g, b0, b1, *_ in job.groups:
-            e0, count = self.group_entries[:, g].tolist()
-            e = self.entries[:, e0 : e0 + count]
-            b = job.blocks[:, b0:b1]
-            if row_base is None:
-                rows = self.host_base + job.host_ids[b[1]] * self.row_bytes
-            else:
-                rows = row_base + b[1] * self.row_bytes
-            d = b[0][:, None] * e[1] + (e[0] + e[2])
-            h = (rows[:, None] + b[2][:, None] * e[4]) + e[3]
-            s = np.broadcast_to(e[5], d.shape)
-            if store and self._periods[g] > 1:
-                mine = elected(b[3][:, None], e[6], e[7])
-                d, h, s = d[mine], h[mine], s[mine]
-            dev.append(d.ravel())
-            side.append(h.ravel())
-            size.append(s.ravel())
-        if not dev:
-            empty = np.zeros(0, np.int64)
-            return empty, empty, empty
-        return np.concatenate(dev), np.concatenate(side), np.concatenate(size)
 
     def copies(self, job: CompactJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`job` as the copies a backend that copies on the host enqueues (`Backend.copy_batch`):

@@ -1,6 +1,6 @@
 """Jobs expanded as a device does, against the host path and the reference model, on numpy buffers.
 
-A job expanded as a device kernel is specified to (`CompactLayout.descriptors`), straight into
+A job expanded as a device kernel is specified to (`expanding.descriptors`), straight into
 the host rows or into staging that mirrors them and then out by segments, must move exactly
 the bytes of the host path (`CompactLayout.copies`, itself checked against the page-at-a-time
 reference model in test_plan.py): every layout feature (blocks per chunk, partial first
@@ -22,7 +22,7 @@ from test_plan import transfers
 from offload_core import CanonicalPageMapping, CopyRun, DeviceBlocks, Direction, HostBlocks, InvalidSpecError
 from offload_core.canonical import attention_mappings
 from offload_core.compact import CompactJob
-from offload_core.testing.expanding import POISON, steps
+from offload_core.testing.expanding import POISON, descriptors, steps
 
 
 def execute(src, dst, sizes):
@@ -447,8 +447,8 @@ def test_jobs_concatenated_expand_to_their_copies_in_order(compiled, bpc, sizes,
         np.testing.assert_array_equal(whole.blocks, reference.blocks)
         np.testing.assert_array_equal(whole.host_ids, reference.host_ids)
         assert whole.groups == reference.groups
-    want = [np.concatenate(parts) for parts in zip(*(layout.descriptors(j) for j in jobs))]
-    for got, expected in zip(layout.descriptors(whole), want):
+    want = [np.concatenate(parts) for parts in zip(*(descriptors(j) for j in jobs))]
+    for got, expected in zip(descriptors(whole), want):
         np.testing.assert_array_equal(got, expected)
     assert (whole.nbytes, whole.items) == (sum(j.nbytes for j in jobs), sum(j.items for j in jobs))
     assert whole.jobs == len(jobs) and CompactJob.concat([whole, jobs[0]]).jobs == len(jobs) + 1
@@ -477,8 +477,8 @@ def test_simple_jobs_join_as_their_ids_and_copy_what_each_would(compiled, direct
     assert whole.jobs == 3  # the empty job moves nothing: a backend's average leaves it out
     general = CompactJob.concat([layout._job_general(direction, DeviceBlocks(d), HostBlocks(h)) for d, h in specs])
     np.testing.assert_array_equal(whole.blocks, general.blocks)  # the table it stands for
-    want = [np.concatenate(parts) for parts in zip(*(layout.descriptors(j) for j in jobs))]
-    for got, expected in zip(layout.descriptors(whole), want):
+    want = [np.concatenate(parts) for parts in zip(*(descriptors(j) for j in jobs))]
+    for got, expected in zip(descriptors(whole), want):
         np.testing.assert_array_equal(got, expected)
     for got, expected in zip(layout.segments(whole), layout.segments(general)):
         np.testing.assert_array_equal(got, expected)
@@ -529,7 +529,7 @@ def test_empty_jobs_join_as_an_empty_job_of_no_group():
 
 def _copies(layout, job, row_base=None):
     """A job's copies as a set of (device, host, size) rows: order aside."""
-    return sorted(zip(*(a.tolist() for a in layout.descriptors(job, row_base))))
+    return sorted(zip(*(a.tolist() for a in descriptors(job, row_base))))
 
 
 @given(

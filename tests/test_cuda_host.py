@@ -32,6 +32,7 @@ from offload_core.backends.cuda.mechanisms import TABLE, contenders
 from offload_core.backends.cuda.select import CostModel, profile_path
 from offload_core.backends.cuda.staging import Held
 from offload_core.canonical import CanonicalPageMapping, CopyRun
+from offload_core.testing.expanding import descriptors
 
 
 @pytest.fixture(autouse=True)
@@ -903,7 +904,7 @@ def kernel_reading(table: np.ndarray, n: int, rows, layout, store: bool):
 @pytest.mark.parametrize("direction", list(Direction))
 def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, stage, direction):
     """What `BlockCopier.expand` uploads, read as the kernel reads it, gives the reference's copies
-    (`CompactLayout.descriptors`): a simple job's two columns with the rows found from the host
+    (`expanding.descriptors`): a simple job's two columns with the rows found from the host
     ids or the block index, and the five columns of the others."""
     bpc = 2 if shape == "chunks of two" else 1
     if shape == "two groups":
@@ -936,7 +937,7 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
     assert args[0] is ring and args[2] == len(job) and args[8] == (direction is Direction.STORE)
     assert args[13] == job.simple  # simple jobs' ids go up as int32 (this layout's counts allow it)
     got = kernel_reading(uploaded[0], len(job), args[12], layout, direction is Direction.STORE)
-    want = layout.descriptors(job, stage)
+    want = descriptors(job, stage)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     assert uploaded[0].size == (2 if job.simple else 5) * len(job)
@@ -946,7 +947,7 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
         second = launched[1]
         got = kernel_reading(_as_uploaded(second[1], second[13]), 3, second[12], layout, direction is Direction.STORE)
         per = int(layout.group_entries[1, 0])
-        for g, w in zip(got, layout.descriptors(job, stage - chunk * layout.row_bytes)):
+        for g, w in zip(got, descriptors(job, stage - chunk * layout.row_bytes)):
             np.testing.assert_array_equal(g, w[2 * per : 5 * per])
 
 
