@@ -3,7 +3,7 @@
 Batched copies, best available first:
 
 * ``acl_batch``: ``aclrtMemcpyBatchAsync`` (CANN 8.5+), resolved at run time from libascendcl
-  and called through ctypes with the planner's arrays, with source and destination locations;
+  and called through ctypes with the job's copy arrays, with source and destination locations;
 * ``swap_blocks_batch``: vllm-ascend's operator, when it is registered;
 * ``acl_loop``: one ``aclrtMemcpyAsync`` per copy.
 

@@ -173,7 +173,7 @@ class Backend(abc.ABC):
 
     def copy_blocks(self, job: CompactJob, prepared: Any, stream: Stream, after: list[Event]) -> str | None:
         """Enqueue a job (see `offload_core.compact`) on `stream`: copy every entry of every
-        block, as `CompactLayout.descriptors` expands them, and nothing else.
+        block, as `offload_core.testing.expanding.descriptors` expands them, and nothing else.
 
         Enqueue only, as `copy_batch`. The job's arrays stay alive and unchanged until an event
         recorded after this call completes; the ids are validated against the layout. `stream`

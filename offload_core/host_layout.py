@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from offload_core.errors import InvalidSpecError
-from offload_core.plan import Geometry, PlanRef
 from offload_core.spec import KVCaches
 
 if TYPE_CHECKING:
@@ -68,25 +67,6 @@ class HostLayout:
             rows[:, slot + off : slot + off + page * self.blocks_per_chunk]
             for off, page in zip(self.offsets, self.pages)
         ]
-
-    def geometry(self, kv_caches: KVCaches, host_base: int, row_stride: int, host_blocks: int) -> Geometry:
-        """What the planner needs: `kv_caches`' addresses and this layout over host rows that
-        start at `host_base`, `row_stride` bytes apart."""
-        return Geometry(
-            device_base=[t.tensor.data_ptr() for t in kv_caches.tensors],
-            device_page=[t.pitch_bytes for t in kv_caches.tensors],
-            device_blocks=[t.num_blocks for t in kv_caches.tensors],
-            host_base=host_base,
-            host_row_bytes=row_stride,
-            host_offset=list(self.offsets),
-            host_page=list(self.pages),
-            host_blocks=host_blocks,
-            group_refs=[
-                [PlanRef(r.tensor_idx, r.page_size_bytes, r.mapping if self.canonical else None) for r in refs]
-                for refs in kv_caches.group_refs
-            ],
-            blocks_per_chunk=self.blocks_per_chunk,
-        )
 
     def check_region(self, region: SharedHostRegion, num_blocks: int) -> None:
         """Whether `region` can hold this layout's rows.

@@ -646,8 +646,8 @@ def _launch_until_done(queue_ref: weakref.ref[TransferQueue]) -> None:
 def _first_clash(jobs: list[CompactJob]) -> int:
     """How many of `jobs`, from the first, may go in one launch: up to the first that writes
     bytes an earlier one writes. Only keys of two different jobs clash: one job's blocks may
-    share a key (groups on different tensors write one host block), and the planner has checked
-    those."""
+    share a key (groups on different tensors write one host block), and `CompactLayout.job` has
+    checked those."""
     if len(jobs) < 2:
         return len(jobs)
     keys = [j.destinations() for j in jobs]

@@ -1,10 +1,10 @@
 """Runs: neighbouring copies that continue one another, found in one vectorised pass.
 
-The planner merges whole-page blocks that follow each other on both sides, a canonical
+A job's host copies merge whole-page blocks that follow each other on both sides, a canonical
 mapping joins fragments that continue on both sides, and the compact layout joins the host
 ranges a job touches. One definition serves them all. The reference model
 (`offload_core.testing.reference`) keeps its own, on purpose: a mistake here must not
-hide in the model the planner is tested against.
+hide in the model the layout is tested against.
 """
 
 from __future__ import annotations

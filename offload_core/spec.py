@@ -3,7 +3,7 @@
 A KV cache is a list of device tensors whose first dimension is the block index
 (`KVCacheTensor`), and per KV-cache group the list of layers that read them
 (`KVCacheRef`). A transfer names device blocks (`DeviceBlocks`) and host blocks
-(`HostBlocks`); the planner turns the pair into copy descriptors.
+(`HostBlocks`); the worker's `CompactLayout` checks the pair and describes it by blocks.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def _ids(values: Any, what: str) -> np.ndarray:
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > np.iinfo(np.int64).max:
         raise InvalidSpecError(f"{what} holds {int(arr.max())}, beyond any block id")
     # A copy that nothing can change: the caller's array may change after validation (another
-    # thread, a reused buffer), and the planner and the queue address exactly what was checked.
+    # thread, a reused buffer), and the job and the queue address exactly what was checked.
     return _frozen(arr.astype(np.int64, copy=False))
 
 

@@ -1,4 +1,4 @@
-"""OffloadWorker: the engine-facing API. Owns the host buffer, a planner and one queue per direction."""
+"""OffloadWorker: the engine-facing API. Owns the host buffer, its `CompactLayout` and one queue per direction."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from offload_core.errors import InvalidSpecError, OffloadError, RegionError
 from offload_core.host_layout import HostLayout
 from offload_core.hostmem import check_host_bytes
 from offload_core.interrupts import deferred
-from offload_core.plan import Planner
 from offload_core.queue import QueueStats, TransferQueue, TransferResult, job_id_set
 from offload_core.region import SharedHostRegion
 from offload_core.registry import get_backend
@@ -123,7 +122,9 @@ class OffloadWorker:
             rows, stride, slot = self._host, host_region.row_stride, host_region.slot_offset
         self._next_region_check = time.monotonic() + _REGION_CHECK_S
         self.host_tensors = layout.views(rows.view(torch.int8), slot)
-        self._planner = Planner(layout.geometry(kv_caches, self._host.data_ptr() + slot, stride, self.num_host_blocks))
+        self.host_row_bytes = stride  # bytes from one host block to the next: every tensor's chunk, back to back
+        # Jobs go to the backend as block ids against this table (offload_core.compact).
+        self._layout = CompactLayout(kv_caches, layout, self._host.data_ptr() + slot, stride, self.num_host_blocks)
         self._queues = {d: TransferQueue(backend, d) for d in Direction}
         # Loads the engine waits for at once go on their own stream, never behind regular loads.
         self._expedited = TransferQueue(backend, Direction.LOAD)
@@ -131,8 +132,6 @@ class OffloadWorker:
         for t in kv_caches.tensors:
             backend.register_buffer(t.tensor)
         backend.register_buffer(self._host)
-        # Jobs go to the backend as block ids against this table (offload_core.compact).
-        self._layout = CompactLayout(self._planner)
         self._prepared = backend.prepare_layout(self._layout)
         if host_region is not None:  # last: nothing after it can fail and leave it registered
             self._registered = _pin(backend, self._host)
@@ -164,11 +163,6 @@ class OffloadWorker:
             (kv_caches, self._prepared),
         )
         self._shutdown_lock = threading.Lock()  # held while draining: a second shutdown waits for it
-
-    @property
-    def host_row_bytes(self) -> int:
-        """Bytes of one host block: every tensor's chunk, back to back."""
-        return self._planner.host_row_bytes
 
     def submit_store(self, job_id: int, src: DeviceBlocks, dst: HostBlocks) -> bool:
         """Start copying device blocks to host blocks (device -> host).

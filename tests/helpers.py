@@ -61,28 +61,82 @@ class Copies(NamedTuple):
         return self.sizes.size
 
 
-def host_copies(geometry_or_planner, direction, device, host) -> Copies:
+def host_copies(layout, direction, device, host) -> Copies:
     """Validate a transfer and expand it on the host (`CompactLayout.job`, then `.copies`), as
     `Backend.copy_blocks` does by default."""
-    from offload_core.compact import CompactLayout
-    from offload_core.plan import Planner
-
-    planner = geometry_or_planner
-    if not isinstance(planner, Planner):
-        planner = Planner(geometry_or_planner)
-    layout = CompactLayout(planner)
     job = layout.job(direction, device, host)
     return Copies(*layout.copies(job), job.nbytes)
 
 
-def compact_layout(planner, compiled: bool):
-    """A `CompactLayout` on the compiled steps (skipping where they were not built) or on numpy."""
-    from offload_core.compact import CompactLayout
-
-    layout = CompactLayout(planner, compiled=compiled)
+def compact_layout(model: Model, compiled: bool):
+    """`model`'s `CompactLayout` on the compiled steps (skipping where they were not built) or on numpy."""
+    layout = model.layout(compiled)
     if compiled:
         compiled_or_skip(True)
     return layout
+
+
+class Model:
+    """Device tensors over numpy memory and a host row buffer, and the `CompactLayout` a worker
+    builds over them (`layout`): every byte a job moves can be checked against the page-at-a-time
+    reference model (`expected`), with no device. Each device tensor's rows may lie `gaps[t]`
+    bytes apart beyond their length (a strided view). A ref is ``(tensor, bytes)`` or ``(tensor,
+    bytes, mapping)``; a mapping makes the host layout canonical."""
+
+    def __init__(self, pages, copy_sizes_per_group, bpc, device_blocks=16, host_blocks=12, seed=0, gaps=None):
+        from offload_core.host_layout import HostLayout
+
+        rng = np.random.default_rng(seed)
+        self.pages, self.bpc = pages, bpc
+        gaps = gaps or [0] * len(pages)
+        self.backing = [rng.integers(0, 256, (device_blocks, p + gap), dtype=np.uint8) for p, gap in zip(pages, gaps)]
+        self.device = [b[:, :p] for b, p in zip(self.backing, pages)]
+        self.group_refs = copy_sizes_per_group
+        self.kv = KVCaches(
+            [KVCacheTensor(torch.from_numpy(a), p) for a, p in zip(self.device, pages)],
+            [[KVCacheRef(*r) for r in refs] for refs in copy_sizes_per_group],
+        )
+        canonical = any(len(r) > 2 for refs in copy_sizes_per_group for r in refs)
+        self.host_layout = HostLayout.of(self.kv, bpc, canonical)
+        self.offsets = list(self.host_layout.offsets)
+        self.host = rng.integers(0, 256, (host_blocks, self.host_layout.row_bytes), dtype=np.uint8)
+
+    def layout(self, compiled: bool = True, host_base: int | None = None):
+        """The worker's `CompactLayout` over these buffers (host rows at `host_base` if given)."""
+        from offload_core.compact import CompactLayout
+
+        base = self.host.ctypes.data if host_base is None else host_base
+        return CompactLayout(self.kv, self.host_layout, base, self.host.shape[1], self.host.shape[0], compiled)
+
+    def snapshot(self):
+        return [a.copy() for a in self.device], self.host.copy()
+
+    def expected(self, direction, device, host):
+        """Device pages and host rows after the reference model moved the transfer's bytes."""
+        from offload_core.testing.reference import reference_transfer
+
+        expected_dev, expected_host = self.snapshot()
+        reference_transfer(
+            direction,
+            expected_dev,
+            expected_host,
+            self.offsets,
+            self.group_refs,
+            self.bpc,
+            device.block_ids,
+            device.group_sizes,
+            device.block_indices,
+            host.block_ids,
+            host_pages=self.host_layout.pages,
+        )
+        return expected_dev, expected_host
+
+    def gaps(self):
+        """The bytes between device rows, which no copy may touch."""
+        return [b[:, p:].copy() for b, p in zip(self.backing, self.pages)]
+
+    def buffers(self):
+        return [(a.ctypes.data, a.nbytes) for a in self.backing] + [(self.host.ctypes.data, self.host.nbytes)]
 
 
 @contextlib.contextmanager

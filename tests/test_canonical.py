@@ -205,7 +205,7 @@ def test_replicated_heads_are_written_exactly_once(tmp_path, tp_size, heads):
                 canonical_layout=True,
                 host_region=regions[r],
             ) as w:
-                batch = host_copies(w._planner, Direction.STORE, DeviceBlocks(dev_ids), HostBlocks(host_ids))
+                batch = host_copies(w._layout, Direction.STORE, DeviceBlocks(dev_ids), HostBlocks(host_ids))
                 for d, n in zip((batch.dst - base).tolist(), batch.sizes.tolist()):
                     writes[d : d + n] += 1
         stored = writes.reshape(num_host, -1)[host_ids, : tp.row_bytes(full, bpc)]

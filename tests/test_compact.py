@@ -1,6 +1,6 @@
 """Jobs expanded as a device does, against the host path and the reference model, on numpy buffers.
 
-A job expanded as a device kernel is specified to (`CompactLayout.descriptors`), straight into
+A job expanded as a device kernel is specified to (`expanding.descriptors`), straight into
 the host rows or into staging that mirrors them and then out by segments, must move exactly
 the bytes of the host path (`CompactLayout.copies`, itself checked against the page-at-a-time
 reference model in test_plan.py): every layout feature (blocks per chunk, partial first
@@ -11,20 +11,18 @@ election).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 
 import numpy as np
 import pytest
-from helpers import compact_layout, compiled_or_skip, host_copies
+from helpers import Model, compact_layout, compiled_or_skip, host_copies
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_plan import Model, plan_refs, transfers
+from test_plan import transfers
 
 from offload_core import CanonicalPageMapping, CopyRun, DeviceBlocks, Direction, HostBlocks, InvalidSpecError
 from offload_core.canonical import attention_mappings
-from offload_core.compact import CompactJob, CompactLayout
-from offload_core.plan import Geometry, Planner
-from offload_core.testing.expanding import POISON, steps
+from offload_core.compact import CompactJob
+from offload_core.testing.expanding import POISON, descriptors, steps
 
 
 def execute(src, dst, sizes):
@@ -44,11 +42,10 @@ def run_compact(layout, job, staged: bool) -> None:
 
 
 def check_against_host_copies(model, direction, device, host, staged):
-    planner = Planner(model.geometry)
-    layout = CompactLayout(planner)
+    layout = model.layout()
     devices, rows = model.snapshot()
     gaps = model.gaps()
-    batch = host_copies(planner, direction, device, host)
+    batch = host_copies(layout, direction, device, host)
     execute(batch.src, batch.dst, batch.sizes)
     want_dev, want_host = model.snapshot()
     for a, b in zip(model.device, devices):
@@ -102,26 +99,13 @@ def canonical_transfers(draw):
     dev_ids = rng.permutation(device_blocks)[: sum(sizes)]
     host_ids = rng.permutation(host_blocks)[: sum(counts)]
     direction = draw(st.sampled_from(list(Direction)))
-    model = Model(host_pages, refs, bpc, device_blocks, host_blocks, seed=int(rng.integers(1 << 16)))
-    # device pages differ from host pages here: rebuild the device side and the geometry
-    model.device = [rng.integers(0, 256, (device_blocks, p), dtype=np.uint8) for p in dev_pages]
-    model.geometry = Geometry(
-        device_base=[a.ctypes.data for a in model.device],
-        device_page=dev_pages,
-        device_blocks=[device_blocks] * len(dev_pages),
-        host_base=model.host.ctypes.data,
-        host_row_bytes=model.host.shape[1],
-        host_offset=model.offsets,
-        host_page=host_pages,
-        host_blocks=host_blocks,
-        group_refs=plan_refs(refs),
-        blocks_per_chunk=bpc,
-    )
+    model = Model(dev_pages, refs, bpc, device_blocks, host_blocks, seed=int(rng.integers(1 << 16)))
+    assert list(model.host_layout.pages) == host_pages  # refs with a mapping: canonical host pages
     return model, direction, DeviceBlocks(dev_ids, sizes, indices), HostBlocks(host_ids)
 
 
 @given(case=canonical_transfers(), staged=st.booleans())
-def test_canonical_compact_jobs_move_what_the_planner_moves(case, staged):
+def test_canonical_compact_jobs_move_what_the_host_path_moves(case, staged):
     model, direction, device, host = case
     check_against_host_copies(model, direction, device, host, staged)
 
@@ -129,7 +113,7 @@ def test_canonical_compact_jobs_move_what_the_planner_moves(case, staged):
 @given(case=st.one_of(transfers(), canonical_transfers()), limit=st.sampled_from([0, 8, 24, 1 << 20]))
 def test_a_segment_summary_counts_what_segments_returns(case, limit):
     model, direction, device, host = case
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     job = layout.job(direction, device, host)
     _, _, sizes = layout.segments(job)
     assert layout.segment_summary(job, limit) == (sizes.size, int(sizes[sizes <= limit].sum()))
@@ -143,7 +127,7 @@ def test_a_segment_summary_counts_what_segments_returns(case, limit):
 )
 def test_a_segment_summary_of_whole_rows_counts_runs_of_host_blocks(hosts, direction, limit, compiled):
     model = Model([16, 32], [[(0, 16), (1, 32)]], 1, 16, 12)  # every block fills its 48-byte row
-    layout = compact_layout(Planner(model.geometry), compiled)
+    layout = compact_layout(model, compiled)
     job = layout.job(direction, DeviceBlocks(list(range(len(hosts)))), HostBlocks(hosts))
     _, _, sizes = layout.segments(job)
     assert layout.segment_summary(job, limit) == (sizes.size, int(sizes[sizes <= limit].sum()))
@@ -156,9 +140,7 @@ def test_whole_rows_segments_compiled_are_numpys(hosts, direction):
     """Rows of which none continues another take a compiled shortcut: the same ranges, the same types."""
     model = Model([16, 32], [[(0, 16), (1, 32)]], 1, 16, 12)
     jobs = [
-        compact_layout(Planner(model.geometry), compiled).job(
-            direction, DeviceBlocks(list(range(len(hosts)))), HostBlocks(hosts)
-        )
+        compact_layout(model, compiled).job(direction, DeviceBlocks(list(range(len(hosts)))), HostBlocks(hosts))
         for compiled in (False, True)
     ]
     numpy_side, compiled_side = (job.layout.segments(job) for job in jobs)
@@ -171,7 +153,7 @@ def test_a_segment_summary_sees_ranges_that_continue_into_the_next_row():
     # rows of 128 bytes; each block touches [0, 32) and [64, 128): a row's last range and the
     # next row's first continue each other where host blocks follow each other
     model = Model([64, 64], [[(0, 32), (1, 64)]], 1, 16, 12)
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     job = layout.job(Direction.STORE, DeviceBlocks([5, 1, 9]), HostBlocks([3, 4, 5]))
     _, _, sizes = layout.segments(job)
     assert sizes.tolist() == [32, 96, 96, 64]
@@ -180,7 +162,7 @@ def test_a_segment_summary_sees_ranges_that_continue_into_the_next_row():
 
 def test_full_rows_become_one_segment_per_run_of_host_blocks():
     model = Model([64, 32, 16], [[(0, 64), (1, 32), (2, 16)]], 1, 16, 12)
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     job = layout.job(Direction.STORE, DeviceBlocks([5, 1, 9, 2]), HostBlocks([3, 4, 5, 9]))
     stage, host, sizes = layout.segments(job)
     assert stage.tolist() == [0, 3 * 112] and host.tolist() == [3 * 112, 9 * 112] and sizes.tolist() == [3 * 112, 112]
@@ -189,7 +171,7 @@ def test_full_rows_become_one_segment_per_run_of_host_blocks():
 def test_writer_election_leaves_other_ranks_pages_alone():
     m = CanonicalPageMapping(128, 64, (CopyRun(0, 0, 64),), num_writers=2, writer_index=1)
     model = Model([128], [[(0, 64, m)]], 1, 8, 8)
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     job = layout.job(Direction.STORE, DeviceBlocks([0, 1, 2, 3]), HostBlocks([0, 1, 2, 3]))
     stage, host, sizes = layout.segments(job)
     assert host.tolist() == [1 * 128, 3 * 128] and sizes.tolist() == [64, 64]
@@ -208,7 +190,7 @@ def test_writer_election_leaves_other_ranks_pages_alone():
 def test_compact_jobs_are_validated_as_plans_are(device, host, message):
     model = Model([64], [[(0, 64)]], 1, 16, 12)
     with pytest.raises(InvalidSpecError, match=message):
-        CompactLayout(Planner(model.geometry)).job(Direction.STORE, device, host)
+        model.layout().job(Direction.STORE, device, host)
 
 
 @st.composite
@@ -252,7 +234,7 @@ def single_group_specs(draw):
 @given(case=single_group_specs())
 def test_single_group_jobs_take_a_short_path_to_the_same_job(compiled, case):
     model, direction, dev, host = case
-    layout = compact_layout(Planner(model.geometry), compiled)
+    layout = compact_layout(model, compiled)
     device, hosts = DeviceBlocks(dev), HostBlocks(host)
     short = layout._job_single(direction, device, hosts)
     try:
@@ -277,7 +259,7 @@ def test_single_group_jobs_take_a_short_path_to_the_same_job(compiled, case):
 )
 def test_the_compiled_check_agrees_with_numpy(dev, host_extra, limit_extra, unique_dev, data):
     """Every way the compiled step counts ids (pairs, a bitmap, a hash set) against the numpy rules."""
-    from offload_core.plan import any_outside, has_duplicates
+    from offload_core.compact import any_outside, has_duplicates
 
     module = compiled_or_skip(True)
     dev_limit, host_limit = 1000 + limit_extra, 1000 + data.draw(st.integers(0, 100000))
@@ -363,12 +345,6 @@ def test_the_compiled_check_takes_any_limit():
     assert not module.single_check(np.array([-5, 1], dtype=np.int64), ids, 2**64, 10, True)
 
 
-def test_a_negative_device_block_count_is_refused():
-    geometry = Model([16], [[(0, 16)]], 1, 4, 4).geometry
-    with pytest.raises(InvalidSpecError, match="tensor 0: -1 device blocks, a negative count"):
-        Planner(dataclasses.replace(geometry, device_blocks=[-1]))
-
-
 def test_the_compiled_check_lets_go_of_every_buffer():
     """An `array.array` refuses to grow while a buffer export of it is held."""
     from array import array
@@ -433,7 +409,7 @@ def test_the_compiled_check_refuses_what_is_not_an_int64_array():
 
 @given(ids=st.lists(st.integers(0, 999), max_size=400), limit_extra=st.integers(0, 100000))
 def test_duplicates_are_found_whichever_way_the_ids_are_counted(ids, limit_extra):
-    from offload_core.plan import has_duplicates
+    from offload_core.compact import has_duplicates
 
     arr = np.array(ids, dtype=np.int64)
     assert has_duplicates(arr, 1000 + limit_extra) == (len(set(ids)) != len(ids))
@@ -450,7 +426,7 @@ def test_jobs_concatenated_expand_to_their_copies_in_order(compiled, bpc, sizes,
     """Two groups on their own tensors; each job takes fresh blocks. A launch of concatenated
     jobs must expand to exactly the copies of each job, job after job."""
     model = Model([16, 24], [[(0, 16)], [(1, 24)]], bpc, device_blocks=64, host_blocks=64)
-    layout = compact_layout(Planner(model.geometry), compiled)
+    layout = compact_layout(model, compiled)
     rng = np.random.default_rng(seed)
     dev_free, host_free = list(rng.permutation(64)), list(rng.permutation(64))
     specs = []
@@ -466,13 +442,13 @@ def test_jobs_concatenated_expand_to_their_copies_in_order(compiled, bpc, sizes,
     jobs = [layout.job(direction, *spec) for spec in specs]
     whole = CompactJob.concat(jobs)
     if compiled:  # the same job as numpy's
-        numpy_layout = CompactLayout(layout._planner, compiled=False)
+        numpy_layout = model.layout(compiled=False)
         reference = CompactJob.concat([numpy_layout.job(direction, *spec) for spec in specs])
         np.testing.assert_array_equal(whole.blocks, reference.blocks)
         np.testing.assert_array_equal(whole.host_ids, reference.host_ids)
         assert whole.groups == reference.groups
-    want = [np.concatenate(parts) for parts in zip(*(layout.descriptors(j) for j in jobs))]
-    for got, expected in zip(layout.descriptors(whole), want):
+    want = [np.concatenate(parts) for parts in zip(*(descriptors(j) for j in jobs))]
+    for got, expected in zip(descriptors(whole), want):
         np.testing.assert_array_equal(got, expected)
     assert (whole.nbytes, whole.items) == (sum(j.nbytes for j in jobs), sum(j.items for j in jobs))
     assert whole.jobs == len(jobs) and CompactJob.concat([whole, jobs[0]]).jobs == len(jobs) + 1
@@ -486,7 +462,7 @@ def test_simple_jobs_join_as_their_ids_and_copy_what_each_would(compiled, direct
     """One group, one block per chunk: jobs keep their ids only (no block table), a launch joins
     them by concatenating the ids, and empty jobs among them add nothing."""
     model = Model([16], [[(0, 16)]], 1, 64, 64)
-    layout = compact_layout(Planner(model.geometry), compiled)
+    layout = compact_layout(model, compiled)
     specs = [([5, 9, 2], [11, 3, 60]), ([], []), ([40], [8]), ([7, 1], [0, 63])]
     jobs = [layout.job(direction, DeviceBlocks(d), HostBlocks(h)) for d, h in specs]
     assert [j.simple for j in jobs] == [True, False, True, True]  # an empty spec goes the general way
@@ -501,8 +477,8 @@ def test_simple_jobs_join_as_their_ids_and_copy_what_each_would(compiled, direct
     assert whole.jobs == 3  # the empty job moves nothing: a backend's average leaves it out
     general = CompactJob.concat([layout._job_general(direction, DeviceBlocks(d), HostBlocks(h)) for d, h in specs])
     np.testing.assert_array_equal(whole.blocks, general.blocks)  # the table it stands for
-    want = [np.concatenate(parts) for parts in zip(*(layout.descriptors(j) for j in jobs))]
-    for got, expected in zip(layout.descriptors(whole), want):
+    want = [np.concatenate(parts) for parts in zip(*(descriptors(j) for j in jobs))]
+    for got, expected in zip(descriptors(whole), want):
         np.testing.assert_array_equal(got, expected)
     for got, expected in zip(layout.segments(whole), layout.segments(general)):
         np.testing.assert_array_equal(got, expected)
@@ -516,7 +492,7 @@ def test_a_simple_jobs_tail_is_the_job_of_its_last_blocks(case, cut):
     (bytes of elected writers included), and the first k blocks' copies with the tail's are
     the job's."""
     model, direction, dev, host = case
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     try:
         job = layout.job(direction, DeviceBlocks(dev), HostBlocks(host))
     except InvalidSpecError:
@@ -544,7 +520,7 @@ def test_a_simple_jobs_tail_is_the_job_of_its_last_blocks(case, cut):
 
 def test_empty_jobs_join_as_an_empty_job_of_no_group():
     model = Model([16, 24], [[(0, 16)], [(1, 24)]], 2, 64, 64)
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     empty = layout.job(Direction.STORE, DeviceBlocks([], [0, 0]), HostBlocks([]))
     whole = CompactJob.concat([empty, empty])
     assert not whole.simple and len(whole) == 0 and whole.groups == ()
@@ -553,7 +529,7 @@ def test_empty_jobs_join_as_an_empty_job_of_no_group():
 
 def _copies(layout, job, row_base=None):
     """A job's copies as a set of (device, host, size) rows: order aside."""
-    return sorted(zip(*(a.tolist() for a in layout.descriptors(job, row_base))))
+    return sorted(zip(*(a.tolist() for a in descriptors(job, row_base))))
 
 
 @given(
@@ -566,7 +542,7 @@ def test_a_job_in_host_order_makes_the_same_copies_in_no_more_runs(hosts, direct
     copies to and from the host buffer, its staged run in no more segments, and where it sorts,
     the host ids ascending."""
     model = Model([16, 32], [[(0, 16), (1, 32)]], 1, 64, 64)  # whole 48-byte rows
-    layout = compact_layout(Planner(model.geometry), compiled)
+    layout = compact_layout(model, compiled)
     job = layout.job(direction, DeviceBlocks(list(range(len(hosts)))), HostBlocks(hosts))
     ordered = job.in_host_order()
     assert _copies(layout, ordered) == _copies(layout, job)
@@ -631,7 +607,7 @@ def test_host_blocks_handed_out_backwards_stage_as_one_copy(compiled):
     """vLLM's CPU manager hands out fresh host blocks in order and reused ones off a free list,
     last freed first: a run backwards. In host order it is one segment, not one per row."""
     model = Model([16, 32], [[(0, 16), (1, 32)]], 1, 64, 64)
-    layout = compact_layout(Planner(model.geometry), compiled)
+    layout = compact_layout(model, compiled)
     job = layout.job(Direction.STORE, DeviceBlocks([5, 9, 2, 30, 17, 11]), HostBlocks([25, 24, 23, 22, 21, 20]))
     assert layout.segments(job)[2].size == 6
     ordered = job.in_host_order()
@@ -649,12 +625,12 @@ def test_only_simple_jobs_of_a_bounded_size_are_put_in_host_order():
     from offload_core.compact import SORTED_BLOCKS
 
     model = Model([16], [[(0, 16)]], 2, 64, 64)  # two blocks per chunk: not simple
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     job = layout.job(Direction.STORE, DeviceBlocks([1, 2, 3, 4]), HostBlocks([9, 8]))
     assert not job.simple and job.in_host_order() is job
     n = SORTED_BLOCKS + 1
     model = Model([16], [[(0, 16)]], 1, n, n)
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     backwards = np.arange(n)[::-1]
     job = layout.job(Direction.STORE, DeviceBlocks(np.arange(n)), HostBlocks(backwards))
     assert job.in_host_order() is job  # one more than is sorted

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 from cuda_fakes import GPU_CONTEXT, FakeCudaRuntime, FakeLib, arrays, copies, host_only_backend
+from helpers import Model
 from hypothesis import given
 from hypothesis import strategies as st
-from test_plan import Model
 
 from offload_core import ConfigError, DeviceBlocks, HostBlocks
 from offload_core.backend import Direction, enqueue_lock
@@ -32,8 +32,7 @@ from offload_core.backends.cuda.mechanisms import TABLE, contenders
 from offload_core.backends.cuda.select import CostModel, profile_path
 from offload_core.backends.cuda.staging import Held
 from offload_core.canonical import CanonicalPageMapping, CopyRun
-from offload_core.compact import CompactLayout
-from offload_core.plan import Planner
+from offload_core.testing.expanding import descriptors
 
 
 @pytest.fixture(autouse=True)
@@ -872,7 +871,7 @@ def kernel_reading(table: np.ndarray, n: int, rows, layout, store: bool):
 @pytest.mark.parametrize("direction", list(Direction))
 def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, stage, direction):
     """What `BlockCopier.expand` uploads, read as the kernel reads it, gives the reference's copies
-    (`CompactLayout.descriptors`): a simple job's two columns with the rows found from the host
+    (`expanding.descriptors`): a simple job's two columns with the rows found from the host
     ids or the block index, and the five columns of the others."""
     bpc = 2 if shape == "chunks of two" else 1
     if shape == "two groups":
@@ -886,7 +885,7 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
         model = Model([16], [[(0, 16)]], bpc, 64, 64)
         device = DeviceBlocks([5, 9, 2, 40, 7], block_indices=[1] if bpc == 2 else None)
         host = HostBlocks([11, 3, 60] if bpc == 2 else [11, 3, 60, 8, 0])
-    layout = CompactLayout(Planner(model.geometry), compiled=False)
+    layout = model.layout(compiled=False)
     job = layout.job(direction, device, host)
     assert job.simple == shape.startswith("simple")
     launched = []
@@ -905,7 +904,7 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
     assert args[0] is ring and args[2] == len(job) and args[8] == (direction is Direction.STORE)
     assert args[13] == job.simple  # simple jobs' ids go up as int32 (this layout's counts allow it)
     got = kernel_reading(uploaded[0], len(job), args[12], layout, direction is Direction.STORE)
-    want = layout.descriptors(job, stage)
+    want = descriptors(job, stage)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     assert uploaded[0].size == (2 if job.simple else 5) * len(job)
@@ -915,7 +914,7 @@ def test_the_kernels_block_table_names_the_reference_copies(monkeypatch, shape, 
         second = launched[1]
         got = kernel_reading(_as_uploaded(second[1], second[13]), 3, second[12], layout, direction is Direction.STORE)
         per = int(layout.group_entries[1, 0])
-        for g, w in zip(got, layout.descriptors(job, stage - chunk * layout.row_bytes)):
+        for g, w in zip(got, descriptors(job, stage - chunk * layout.row_bytes)):
             np.testing.assert_array_equal(g, w[2 * per : 5 * per])
 
 
@@ -940,9 +939,7 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
     )
     for simple in (True, False):
         model = Model([16], [[(0, 16)]], 1 if simple else 2, 64, 64)
-        planner = Planner(model.geometry)
-        planner.host_base = 0x7F00_0000_0000  # where pinned host memory lies
-        layout = CompactLayout(planner)
+        layout = model.layout(host_base=0x7F00_0000_0000)  # where pinned host memory lies
         prepared = backend._blocks.prepare(layout)
         warmed, launched[:] = set(launched), []
         for direction in Direction:
@@ -964,7 +961,7 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
     over a model's real memory: the bytes must be the reference model's. Host rows in runs
     backwards go in host order (`CompactJob.in_host_order`), as the queue's launch sends them."""
     model = Model([16, 8], [[(0, 16), (1, 8)]], bpc, 32, 24, seed=bpc)
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     row = layout.row_bytes
     store = direction is Direction.STORE
     half_bytes = 3 * row
@@ -1084,7 +1081,7 @@ def test_staging_halves_hand_over_through_driver_markers_after_the_hazards_ends(
     backend = host_only_backend(monkeypatch, lib)
     monkeypatch.setattr(kernels, "expand", lambda *args, **kwargs: lib.calls.append(("kernel",)))
     model = Model([16, 8], [[(0, 16), (1, 8)]], 1, 32, 24)
-    layout = CompactLayout(Planner(model.geometry))
+    layout = model.layout()
     backend._blocks.half_bytes = 3 * layout.row_bytes  # three pieces of three rows, the last of two
     ring = 1 << 40
     backend._ring = SimpleNamespace(

@@ -10,18 +10,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cuda_fakes import FakeCudaRuntime, LaunchingLib
-from helpers import compiled_or_skip
+from helpers import Model, compiled_or_skip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cuda_launch import Stream, comparable, compiled_backend
-from test_plan import Model
 
 from offload_core import DeviceBlocks, HostBlocks
 from offload_core.backend import Direction
 from offload_core.backends.cuda import blocks, driver
 from offload_core.backends.cuda.ring import DescriptorRing
-from offload_core.compact import CompactJob, CompactLayout
-from offload_core.plan import Planner
+from offload_core.compact import CompactJob
 
 DEVICE_BLOCKS, HOST_BLOCKS = 64, 48
 RING = 1 << 40  # the ring's device address: 64-bit, as the hand launch needs
@@ -54,9 +52,7 @@ class Launches:
         self.backend = b = compiled_backend(monkeypatch, self.lib)
         b._ring = numpy_ring(b)
         model = Model([16, 8], [[(0, 16), (1, 8)]], 1, DEVICE_BLOCKS, HOST_BLOCKS)
-        planner = Planner(model.geometry)
-        planner.host_base = 0x7F00_0000_0000
-        self.layout = CompactLayout(planner)
+        self.layout = model.layout(host_base=0x7F00_0000_0000)  # where pinned host memory lies
         assert self.layout.simple_jobs
         b._blocks.direct_ok = lambda prepared: True
         self.prepared = b._blocks.prepare(self.layout)

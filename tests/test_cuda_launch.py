@@ -149,11 +149,9 @@ class CompactLaunch:
     around it (`run` sends its tables up with their kernels in one compiled call or not)."""
 
     def __init__(self, monkeypatch, lib, direction, mechanism, half_rows=3):
-        from test_plan import Model
+        from helpers import Model
 
         from offload_core import DeviceBlocks, HostBlocks
-        from offload_core.compact import CompactLayout
-        from offload_core.plan import Planner
 
         handles = iter(range(0x100, 0x200))
         monkeypatch.setattr(FakeCudaRuntime, "ExternalStream", lambda self, handle, device=None: Stream(next(handles)))
@@ -161,9 +159,7 @@ class CompactLaunch:
         self.backend, self.table_launch = backend, backend._ring.launch
         backend.mechanism = mechanism
         model = Model([16, 8], [[(0, 16), (1, 8)]], 1, 32, 24)
-        planner = Planner(model.geometry)
-        planner.host_base = 0x7F00_0000_0000
-        layout = CompactLayout(planner)
+        layout = model.layout(host_base=0x7F00_0000_0000)  # where pinned host memory lies
         backend._blocks.half_bytes = half_rows * layout.row_bytes
         backend._blocks.direct_ok = lambda prepared: True
         self.prepared = backend._blocks.prepare(layout)

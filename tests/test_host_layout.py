@@ -8,6 +8,7 @@ from helpers import small_kv
 
 from offload_core import InvalidSpecError, KVCacheRef, KVCaches, KVCacheTensor, SharedHostRegion
 from offload_core.canonical import attention_mappings
+from offload_core.compact import CompactLayout
 from offload_core.host_layout import HostLayout
 
 
@@ -30,10 +31,14 @@ def test_canonical_pages_are_the_unsharded_ones_whatever_the_padding():
     layout = HostLayout.of(kv, canonical=True)
     assert layout.pages == (m[0].canonical_page_size_bytes, 40) and layout.canonical
     assert HostLayout.of(kv).pages == (local, 48)
-    geometry = layout.geometry(kv, host_base=1 << 30, row_stride=4096, host_blocks=4)
-    assert geometry.device_page == [2 * local + 16, 48] and geometry.host_page == list(layout.pages)
-    assert geometry.group_refs[0][0].mapping is m[0] and geometry.group_refs[1][0].mapping is None
-    assert HostLayout.of(kv).geometry(kv, 0, 4096, 4).group_refs[0][0].mapping is None  # direct: pages whole
+    # the worker's table of copies: device rows a pitch apart, host pages the layout's; the mapping
+    # scatters the page in the canonical layout, the direct one copies it whole
+    entries = CompactLayout(kv, layout, 1 << 30, 4096, 4, compiled=False).entries
+    fragments = m[0].fragments[2].size
+    assert entries[1].tolist() == [2 * local + 16] * fragments + [48]
+    assert entries[4].tolist() == [layout.pages[0]] * fragments + [40]
+    assert entries[5].tolist() == m[0].fragments[2].tolist() + [40]
+    assert CompactLayout(kv, HostLayout.of(kv), 0, 4096, 4, compiled=False).entries[5].tolist() == [local, 40]
 
 
 def test_a_region_must_match_the_layout(tmp_path):

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from helpers import small_kv
+from helpers import Model, small_kv
 
 from offload_core import DeviceBlocks, HostBlocks, InvalidSpecError, OffloadError, OffloadWorker, get_backend, registry
 
@@ -220,30 +220,15 @@ def test_a_dropped_worker_keeps_its_buffers_until_its_jobs_finish():
 
 
 @pytest.mark.cpu
-def test_one_planner_from_several_threads():
-    """Workers check and expand jobs on the caller's thread: the planner's shared buffers must not race."""
+def test_one_layout_from_several_threads():
+    """Workers check and expand jobs on the caller's thread: one `CompactLayout` takes jobs from
+    several threads at once."""
     import sys
 
     from offload_core import Direction
-    from offload_core.compact import CompactLayout
-    from offload_core.plan import Geometry, Planner, PlanRef
 
-    planner = Planner(
-        Geometry(
-            device_base=[1 << 40],
-            device_page=[64],
-            device_blocks=[8192],
-            host_base=1 << 44,
-            host_row_bytes=64 * 4,
-            host_offset=[0],
-            host_page=[64],
-            host_blocks=4096,
-            group_refs=[[PlanRef(0, 64)]],
-            blocks_per_chunk=4,
-        )
-    )
-
-    layout = CompactLayout(planner)
+    # 8192 device blocks of 64 bytes, 4096 host blocks of 4 of them
+    layout = Model([64], [[(0, 64)]], 4, device_blocks=8192, host_blocks=4096).layout()
 
     def plans(t):
         def run():

@@ -546,18 +546,17 @@ class JobMechanism(abc.ABC):
 
 class HostExpanded(JobMechanism):
     """A job whose host row does not fit a staging half, or whose copies staging would not join
-    (`BlockCopier.choose`): its descriptors, expanded on the host, in one ``cuMemcpyBatchAsync``.
-    Reported as ``ce_batch``; `BlockCopier.choose` picks it, never a caller, so it is not in the
-    table."""
+    (`BlockCopier.choose`): its copies, expanded on the host (`CompactLayout.copies`, runs merged),
+    in one ``cuMemcpyBatchAsync``. Reported as ``ce_batch``; `BlockCopier.choose` picks it, never
+    a caller, so it is not in the table."""
 
     name = "ce_batch"
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
         from offload_core.backends.cuda.mechanisms import TABLE  # it lists this module's mechanisms
 
-        dev, host, sizes = prepared.layout.descriptors(job)
+        src, dst, sizes = prepared.layout.copies(job)
         if sizes.size:
-            src, dst = (dev, host) if job.direction is Direction.STORE else (host, dev)
             TABLE["ce_batch"].enqueue(copier.backend, src, dst, sizes, job.direction, stream, held, None)
 
 

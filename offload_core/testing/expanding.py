@@ -1,6 +1,6 @@
 """The cpu backend expanding jobs as a device backend does, for testing that without a GPU.
 
-It expands each compact job exactly as the cuda kernel is specified to (`CompactLayout.descriptors`),
+It expands each compact job exactly as the cuda kernel is specified to (`descriptors`),
 on its streams, through a staging buffer that mirrors host rows (the device path's shape:
 expand into staging, then one copy per segment) or straight into the host rows. Staging is
 filled with a poison byte first, so a segment that covers a byte no entry wrote shows up
@@ -13,6 +13,7 @@ import numpy as np
 
 from offload_core.backend import Direction
 from offload_core.backends.cpu import CpuBackend, CpuStream
+from offload_core.canonical import elected
 from offload_core.compact import CompactJob, CompactLayout
 
 POISON = 0xA5
@@ -68,7 +69,7 @@ class ExpandingCpuBackend(CpuBackend):
         self.jobs += 1
         for event in after:
             stream.wait_event(event)
-        dev, host, sizes = (np.concatenate(c) for c in zip(*(job.layout.descriptors(job) for job in jobs)))
+        dev, host, sizes = (np.concatenate(c) for c in zip(*(descriptors(job) for job in jobs)))
         store = jobs[0].direction is Direction.STORE
         self.copy_batch(*((dev, host) if store else (host, dev)), sizes, jobs[0].direction, stream)
         return "expand_direct"
@@ -81,11 +82,50 @@ def steps(job: CompactJob, staging: int | None) -> list[tuple[np.ndarray, np.nda
     layout = job.layout
     store = job.direction is Direction.STORE
     if staging is None:
-        dev, host, sizes = layout.descriptors(job)
+        dev, host, sizes = descriptors(job)
         return [(dev, host, sizes) if store else (host, dev, sizes)]
-    dev, side, sizes = layout.descriptors(job, staging)
+    dev, side, sizes = descriptors(job, staging)
     seg_stage, seg_host, seg_sizes = layout.segments(job)
     seg_stage, seg_host = seg_stage + staging, seg_host + layout.host_base
     if store:
         return [(dev, side, sizes), (seg_stage, seg_host, seg_sizes)]
     return [(seg_host, seg_stage, seg_sizes), (side, dev, sizes)]
+
+
+def descriptors(job: CompactJob, row_base: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Expand `job` into copies on the host, one per entry of each block: the reference a
+    device expansion must match (and `CompactLayout.copies`, which merges runs).
+
+    Args:
+        job: from `CompactLayout.job`.
+        row_base: where host rows lie: None for the host buffer (chunk ``j`` at
+            ``host_base + host_ids[j] * row_bytes``), or the address of a staging buffer
+            that mirrors the job's host rows (chunk ``j`` at ``row_base + j * row_bytes``).
+
+    Returns:
+        ``(device, host, sizes)`` addresses and byte counts, block by block, entry by entry;
+        on store, only the entries the block is elected to write.
+    """
+    layout = job.layout
+    dev, side, size = [], [], []
+    for g, b0, b1, *_ in job.groups:
+        e0, count = layout.group_entries[:, g].tolist()
+        e = layout.entries[:, e0 : e0 + count]
+        b = job.blocks[:, b0:b1]
+        if row_base is None:
+            rows = layout.host_base + job.host_ids[b[1]] * layout.row_bytes
+        else:
+            rows = row_base + b[1] * layout.row_bytes
+        d = b[0][:, None] * e[1] + (e[0] + e[2])
+        h = (rows[:, None] + b[2][:, None] * e[4]) + e[3]
+        s = np.broadcast_to(e[5], d.shape)
+        if job.direction is Direction.STORE:
+            mine = elected(b[3][:, None], e[6], e[7])
+            d, h, s = d[mine], h[mine], s[mine]
+        dev.append(d.ravel())
+        side.append(h.ravel())
+        size.append(s.ravel())
+    if not dev:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    return np.concatenate(dev), np.concatenate(side), np.concatenate(size)

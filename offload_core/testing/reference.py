@@ -1,6 +1,6 @@
 """The reference model of a transfer: bytes moved one page at a time, with plain indexing.
 
-Slow and obviously right; planner and backend tests compare against it. Independent of the
+Slow and obviously right; layout and backend tests compare against it. Independent of the
 code under test on purpose: it merges nothing, and elects writers itself (``p % num_writers ==
 writer_index``, written out below), so that a mistake in `offload_core.runs` or
 `offload_core.canonical.elected` cannot hide in the model as well.
@@ -83,7 +83,7 @@ def reference_transfer(
 
 def merge_contiguous(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge consecutive descriptors that continue each other on both sides (the generic merge;
-    the planner merges per block, and tests compare it with this).
+    `CompactLayout.copies` merges per block, and tests compare it with this).
 
     Returns:
         The merged descriptors; the inputs themselves when nothing merges.
