@@ -362,3 +362,32 @@ def test_a_decided_winner_that_cannot_run_here_is_not_used(monkeypatch):
         prepared.direct_ok = False
         copier.copy(job, prepared, "stream", [], [])
     assert ran[-1] != "expand_direct"
+
+
+def test_a_trial_launch_that_fails_to_enqueue_is_timed_again(monkeypatch):
+    """A timed launch whose enqueue raises gives no timing: the class is still decided."""
+    from offload_core.backends.cuda import blocks
+
+    seconds = {"expand_staged": 1.5e-3, "expand_direct": 1e-3, "ce_batch": 1.8e-3}
+    copier, layout, prepared, ran, worker = copier_over_stubs(monkeypatch, seconds)
+    stub = blocks.EXPAND_DIRECT.enqueue_job
+    failed = []
+
+    def fails_once(*args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("enqueue failed")
+        return stub(*args, **kwargs)
+
+    monkeypatch.setattr(blocks.EXPAND_DIRECT, "enqueue_job", fails_once)
+    with worker:
+        job = layout.job(Direction.STORE, DeviceBlocks(list(range(16))), HostBlocks(list(range(0, 32, 2))))
+        for _ in range(40):
+            try:
+                copier.copy(job, prepared, "stream", [], [])
+            except RuntimeError:
+                pass
+            if copier.tuner.undecided() == 0 and copier.tuner.winners():
+                break
+    assert failed and copier.tuner.undecided() == 0
+    assert list(copier.tuner.winners().values()) == ["expand_direct"]

@@ -322,16 +322,20 @@ class BlockCopier:
         # a trial: the launch between two events on the stream (every side stream of the job
         # is joined into it before `enqueue_job` returns), and the host's clock around it
         b = self.backend
-        start, end = b.new_event(), b.new_event()
-        start.record(stream)
-        if mechanism is EXPAND_STAGED or mechanism is EXPAND_SPLIT:
-            # its side stream would start the job's first piece beside the launches before it
-            # (a pipelining each trial then shares): timed, the job starts where `start` stands
-            self.staging.for_stream(stream).side.wait_event(start)
-        t0 = time.perf_counter()
-        mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
-        host_s = time.perf_counter() - t0
-        end.record(stream)
+        try:
+            start, end = b.new_event(), b.new_event()
+            start.record(stream)
+            if mechanism is EXPAND_STAGED or mechanism is EXPAND_SPLIT:
+                # its side stream would start the job's first piece beside the launches before it
+                # (a pipelining each trial then shares): timed, the job starts where `start` stands
+                self.staging.for_stream(stream).side.wait_event(start)
+            t0 = time.perf_counter()
+            mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
+            host_s = time.perf_counter() - t0
+            end.record(stream)
+        except BaseException:
+            self.tuner.dropped(key, mechanism.name)  # no timing from it: another launch is timed instead
+            raise
         self.timings.add(key, mechanism.name, job.nbytes, host_s, start, end)
         return mechanism.name
 
