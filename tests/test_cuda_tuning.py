@@ -177,6 +177,17 @@ def test_winners_persist_per_file_and_merge(tmp_path):
     assert third.pick(KEY, ["expand_staged", "expand_direct"]) == ("expand_staged", True)
 
 
+def test_names_another_version_wrote_are_kept_not_read(tmp_path):
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"winners": {"store:12:15:9:0": "ce_batch", KEY.name(): "expand_direct"}}))
+    tuner = Tuner(path)
+    assert tuner.winners() == {KEY.name(): "expand_direct"}
+    other = KEY._replace(job=KEY.job + 1)
+    run_trial(tuner, other, ["expand_staged", "expand_direct"], {"expand_staged": 1.0, "expand_direct": 1.5})
+    saved = json.loads(path.read_text())["winners"]
+    assert saved == {"store:12:15:9:0": "ce_batch", KEY.name(): "expand_direct", other.name(): "expand_staged"}
+
+
 def test_an_unreadable_file_is_ignored(tmp_path, caplog):
     path = tmp_path / "tuned.json"
     path.write_text("{not json")
@@ -391,3 +402,27 @@ def test_a_trial_launch_that_fails_to_enqueue_is_timed_again(monkeypatch):
                 break
     assert failed and copier.tuner.undecided() == 0
     assert list(copier.tuner.winners().values()) == ["expand_direct"]
+
+
+def test_a_trial_launch_whose_segments_fail_is_timed_again(monkeypatch):
+    """A timed launch that raises before its enqueue (its segments) gives no timing either."""
+    seconds = {"expand_staged": 1e-3, "expand_direct": 1.5e-3, "ce_batch": 1.8e-3}
+    copier, layout, prepared, ran, worker = copier_over_stubs(monkeypatch, seconds)
+    segments = layout.segments
+    fails = [MemoryError()] * 3
+
+    def failing_segments(job):
+        if fails:
+            raise fails.pop()
+        return segments(job)
+
+    monkeypatch.setattr(layout, "segments", failing_segments)
+    with worker:
+        job = layout.job(Direction.STORE, DeviceBlocks(list(range(16))), HostBlocks(list(range(0, 32, 2))))
+        for _ in range(40):
+            try:
+                copier.copy(job, prepared, "stream", [], [])
+            except MemoryError:
+                pass
+    assert not fails and copier.tuner.undecided() == 0
+    assert list(copier.tuner.winners().values()) == ["expand_staged"]

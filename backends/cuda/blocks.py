@@ -315,14 +315,15 @@ class BlockCopier:
             mechanism = self.choose(job, prepared)
         if mechanism is EXPAND_SPLIT and not self.split_at(job):
             mechanism = EXPAND_STAGED
-        segments = prepared.layout.segments(job) if mechanism.needs_segments else None
         if not timed:
+            segments = prepared.layout.segments(job) if mechanism.needs_segments else None
             mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
             return mechanism.name
         # a trial: the launch between two events on the stream (every side stream of the job
         # is joined into it before `enqueue_job` returns), and the host's clock around it
         b = self.backend
         try:
+            segments = prepared.layout.segments(job) if mechanism.needs_segments else None
             start, end = b.new_event(), b.new_event()
             start.record(stream)
             if mechanism is EXPAND_STAGED or mechanism is EXPAND_SPLIT:

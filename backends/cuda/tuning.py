@@ -255,21 +255,34 @@ class Timings:
         del self._pending[:done]
 
 
-def _load(path: Path) -> dict[ShapeClass, str]:
+def _read(path: Path) -> dict[str, str]:
+    """The file's winners by name, as written (by this version or another)."""
     try:
         raw = json.loads(path.read_text())
-        return {ShapeClass.parse(k): str(v) for k, v in raw.get("winners", {}).items()}
+        return {str(k): str(v) for k, v in raw["winners"].items()}
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
         log.warning("ignoring unreadable cuda tuning file %s: %s", path, exc)
         return {}
 
 
+def _load(path: Path) -> dict[ShapeClass, str]:
+    """The winners this version can read; names it cannot parse (another version's) are left."""
+    out = {}
+    for name, winner in _read(path).items():
+        try:
+            out[ShapeClass.parse(name)] = winner
+        except (ValueError, TypeError):
+            pass
+    return out
+
+
 def _save(path: Path, winners: dict[ShapeClass, str]) -> None:
-    """Merge `winners` into the file (other processes on this GPU model write it too), by
-    writing a new file and renaming it over the old one."""
-    merged = {k.name(): v for k, v in _load(path).items()}
+    """Merge `winners` into the file (other processes on this GPU model write it too, maybe
+    of another version: what this one cannot parse stays), by writing a new file and renaming
+    it over the old one."""
+    merged = _read(path)
     merged.update({k.name(): v for k, v in winners.items()})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
