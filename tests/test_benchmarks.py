@@ -89,3 +89,14 @@ def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and
         ("store", 0.90, "expand_staged", "expand_staged", 0.90),
         ("load", 0.50, "expand_staged", "expand_direct", 0.75),
     ]
+
+
+def test_serve_times_the_decode_steps_while_stores_run_against_those_after():
+    """benchmarks/vllm/serve.py's decode figure: the first steps that decode only (after the
+    longer prefill steps) against the last ones, from the times each engine step returned."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "vllm"))
+    import serve
+
+    gaps = [120, 110, 100] + [15] * serve.DECODE_EARLY + [10] * 50  # prefill, decode beside the stores, decode
+    early, late = serve.step_ms(list(np.cumsum([0.0] + gaps) / 1e3))
+    assert early == pytest.approx(15) and late == pytest.approx(10)

@@ -90,11 +90,11 @@ PROMPT_LEN = 10241  # 10240 tokens: whole 16- and 64-token blocks, plus the one 
 GEN_TOKENS = 8  # greedy tokens compared between the GPU hit and the host hit
 MIX = dict(prefixes=12, prefix_len=6144, suffix_len=256, requests=48, out_tokens=64, concurrency=8)
 DECODE = dict(requests=16, prompt_len=2048, out_tokens=64)
-# Steps (the gaps between engine steps) while the prompts are stored (the first
-# ones after the prompts' prefill), and once the stores are long done (the second half): their
+# The engine's steps while the prompts are stored (the first 8 that decode only: the prompts'
+# stores start as their prefill ends) and once the stores are long done (the last 24): their
 # ratio, set against the engine without offloading, cancels what makes one engine faster than
 # another (its GPU's clocks, its process) and leaves what the stores cost the decode
-DECODE_EARLY, DECODE_LATE = slice(1, 8), slice(32, 64)
+DECODE_EARLY, DECODE_LATE = 8, 24
 PHASES = ("latency", "mix", "decode")
 
 
@@ -268,17 +268,25 @@ def mix(llm, vocab: int) -> dict:
     }
 
 
+def step_ms(steps: list[float]) -> tuple[float, float]:
+    """The median milliseconds of the first `DECODE_EARLY` steps that decode only and of the
+    last `DECODE_LATE`, from the times (seconds) each engine step returned."""
+    gaps = np.diff(steps) * 1e3
+    late = float(np.median(gaps[-DECODE_LATE:]))
+    first = int(np.argmax(gaps < 2 * late))  # the first step that decodes only: prefill steps are longer
+    return float(np.median(gaps[first : first + DECODE_EARLY])), late
+
+
 def decode(llm, vocab: int) -> dict:
     from vllm import SamplingParams
 
     rng = np.random.default_rng(3)
     prompts = [rng.integers(10, vocab, DECODE["prompt_len"]).tolist() for _ in range(DECODE["requests"])]
     params = SamplingParams(max_tokens=DECODE["out_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
-    steps: list[float] = []  # when each step that emitted a token returned
+    steps: list[float] = []  # when each engine step returned
     outs, wall = _drive(llm, prompts, params, DECODE["requests"], steps)
     tpot = _tpot_ms(outs)
-    gaps = np.diff(steps) * 1e3
-    early, late = float(np.median(gaps[DECODE_EARLY])), float(np.median(gaps[DECODE_LATE]))
+    early, late = step_ms(steps)
     return {
         **DECODE,
         "wall_s": wall,
