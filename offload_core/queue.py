@@ -518,7 +518,6 @@ class TransferQueue:
         stream = self._stream
         after = _after(batch)
         held = [jobs]  # what the device may read, until `end` has passed: the joined job joins it
-        failed = None
         if background:
             time.sleep(GIL_YIELD_S)
         with self._enqueue:
@@ -539,7 +538,6 @@ class TransferQueue:
                     mechanism = self.backend.copy_blocks(job, prepared, stream, after) if len(job) else None
                 end.record(stream)
             except Exception as exc:
-                failed = exc
                 log.error(
                     "%s jobs %s could not be enqueued on %s: %r",
                     self.direction.value,
@@ -547,30 +545,23 @@ class TransferQueue:
                     self.backend.name,
                     exc,
                 )
-                try:  # what was enqueued before the failure must have run before the jobs are reported
-                    end.record(stream)
-                except Exception:
-                    end = None  # the device is lost
+                self._fail(batch)  # under the enqueue lock, as every event of the stream is recorded
             with self._lock:
-                total = max(1, nbytes)
-                if failed is None:
+                self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
+                if self._batch is batch:  # enqueued (`_fail` let it go otherwise)
                     last = len(batch) - 1
                     mechanism = mechanism or ""
-                    entries = [
+                    total = max(1, nbytes)
+                    # Recorded and released before anything that can raise (a backend's odd
+                    # mechanism in the stats, say): `_run` fails a batch still marked launching.
+                    self._jobs += [
                         _Job(
                             p.job_id, p.seq, start, end, p.job.nbytes, held, mechanism, p.job.nbytes / total, i == last
                         )
                         for i, p in enumerate(batch)
                     ]
-                else:
-                    entries = [_Job(p.job_id, p.seq, None, end, p.job.nbytes, held, "", failed=True) for p in batch]
-                # Recorded and released before anything that can raise (a backend's odd mechanism
-                # in the stats, say): `_run` fails a batch still marked launching.
-                self._jobs += entries
-                self._launching, self._batch, self._enqueued = _NOTHING, None, None
-                self._launched.notify_all()
-                self._free_events += [p.ready for p in batch]  # their waits are enqueued: free to record again
-                if failed is None:
+                    self._launching, self._batch, self._enqueued = _NOTHING, None, None
+                    self._launched.notify_all()
                     self._last_end = end
                     self._free_events += self._last_events
                     self._last_events = ()

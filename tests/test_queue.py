@@ -193,6 +193,9 @@ def test_wait_and_shutdown_survive_a_fault(worker, fake):
 def test_an_enqueue_failure_fails_the_job_once_what_it_enqueued_has_run(worker, fake):
     fake.fail_enqueue = RuntimeError("cuMemcpyBatchAsync failed at index 3")
     assert store(worker, 1, block=1, host=1)  # queued: its launch fails later (here, at once)
+    lane = worker._queues[Direction.STORE]
+    assert (lane.stats.launches, lane.stats.jobs) == (0, 0) and lane.stats.launch_s > 0  # timed, not counted
+    assert len(lane._free_events) == 1  # the job's ready event: its wait was enqueued
     assert worker.get_finished() == []  # copies enqueued before the failure may still run
     fake.complete_all()
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, False)]
