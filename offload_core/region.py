@@ -76,8 +76,7 @@ def default_directory() -> pathlib.Path:
         RegionError: it cannot be made, or it is not a directory of this user that only this
             user may enter (a symlink, another user's, or with group or other permissions).
     """
-    euid = os.geteuid()
-    path = pathlib.Path(SHM_ROOT) / f"offload-core-{euid}"
+    path = pathlib.Path(SHM_ROOT) / f"offload-core-{os.geteuid()}"
     fix = "remove it (as its owner or root) or pass directory= to use another one"
     try:
         os.mkdir(path, 0o700)
@@ -93,18 +92,7 @@ def default_directory() -> pathlib.Path:
         raise RegionError(f"cannot inspect the region directory {path}: {exc.strerror}; {fix}") from None
     if stat.S_ISLNK(st.st_mode):
         raise RegionError(f"the region directory {path} is a symbolic link, which another user may have planted; {fix}")
-    if not stat.S_ISDIR(st.st_mode):
-        raise RegionError(f"the region directory {path} is not a directory; {fix}")
-    if st.st_uid != euid:
-        raise RegionError(
-            f"the region directory {path} is owned by uid {st.st_uid}, not by this user (uid {euid}), "
-            f"who could then read or change the KV data; {fix}"
-        )
-    if st.st_mode & 0o077:
-        raise RegionError(
-            f"the region directory {path} has mode {st.st_mode & 0o777:#o}, which lets other users in; "
-            f"it must be 0700: chmod 700 {path}, or {fix}"
-        )
+    _check_private(st, f"the region directory {path}", True, fix)
     return path
 
 
@@ -369,7 +357,7 @@ class SharedHostRegion:
         """Map the file open at `fd` once its creator is done; False (fd closed) to start over."""
         joined = False
         try:
-            self._check_file(fd)
+            _check_private(os.fstat(fd), str(self.path), False, "remove it (and restart every rank) or pass directory=")
             while True:
                 if _try_flock(fd, fcntl.LOCK_EX):
                     # Nobody holds it: every user died or left without removing it.
@@ -413,22 +401,6 @@ class SharedHostRegion:
         finally:
             if not joined:
                 os.close(fd)
-
-    def _check_file(self, fd: int) -> None:
-        st = os.fstat(fd)
-        euid = os.geteuid()
-        if not stat.S_ISREG(st.st_mode):
-            raise RegionError(f"{self.path} is not a regular file; remove it (and restart every rank)")
-        if st.st_uid != euid:
-            raise RegionError(
-                f"{self.path} is owned by uid {st.st_uid}, not by this user (uid {euid}): that user could read "
-                "or change the KV data; remove it, or pass directory= to a directory only you can write to"
-            )
-        if st.st_mode & 0o077:
-            raise RegionError(
-                f"{self.path} has mode {st.st_mode & 0o777:#o}, which lets other users read or change the KV "
-                "data; a region must be 0600: remove it and restart every rank"
-            )
 
     def _read_header(self, fd: int) -> dict:
         header = _parse_header(os.pread(fd, _HEADER, 0))
@@ -506,6 +478,24 @@ class SharedHostRegion:
                 pass  # another process removed it first
             finally:
                 os.close(fd)
+
+
+def _check_private(st: os.stat_result, what: str, directory: bool, fix: str) -> None:
+    """Raise `RegionError` unless `what` is a directory (0700) or a regular file (0600) of this user's:
+    another user could read or change the KV data."""
+    kind, mode = ("directory", "0700") if directory else ("regular file", "0600")
+    if not (stat.S_ISDIR if directory else stat.S_ISREG)(st.st_mode):
+        raise RegionError(f"{what} is not a {kind}; {fix}")
+    if st.st_uid != os.geteuid():
+        raise RegionError(
+            f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): that user could read or "
+            f"change the KV data; {fix}"
+        )
+    if st.st_mode & 0o077:
+        raise RegionError(
+            f"{what} has mode {st.st_mode & 0o777:#o}, which lets other users read or change the KV data; "
+            f"it must be {mode}: {fix}"
+        )
 
 
 def _open_at(path: pathlib.Path, fd: int) -> bool:
