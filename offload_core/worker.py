@@ -48,21 +48,9 @@ class OffloadWorker:
         host_region: a `SharedHostRegion` to use instead of private host memory; this rank's
             slot, or the canonical area. The region outlives the worker.
 
-    Threads: every method may be called from any thread (a scheduler submitting while
-    another thread polls `get_finished`, say). Job ids are reserved atomically across both
-    directions; `shutdown` lets submits already under way finish and refuses later ones. No
-    lock is held while waiting for the device.
-
-    Lifetime: the host buffer, the KV tensors' addresses and the descriptors stay valid
-    until the last queued copy has finished: `shutdown` drains first, and a worker dropped
-    without it hands its jobs in flight to a thread that drains them before anything is freed.
-
-    Interrupts: on the main thread, each call's changes are one step for Ctrl-C
-    (`offload_core.interrupts.deferred`): a KeyboardInterrupt comes before them or after them,
-    never in between. Waits (`wait`, back-pressure in a submit, `shutdown` waiting for submits
-    and for the device) change nothing and may be interrupted. A submit interrupted after its
-    step has queued its job (its result comes); a `get_finished` interrupted after its step
-    keeps its results for the next call.
+    Every method may be called from any thread; nothing a queued copy may touch is freed before
+    it has run (`shutdown` drains; a dropped worker drains on a thread of its own); on the main
+    thread each call's changes are one step for Ctrl-C. docs/architecture.md §7-§9 has the rules.
 
     Raises:
         InvalidSpecError: sizes that are not positive integers, a `canonical_layout` that is
@@ -265,14 +253,9 @@ class OffloadWorker:
                     self._in_flight.discard(job_id)
 
     def _hazards(self, direction: Direction, expedited: bool, hosts: np.ndarray, seq: int) -> tuple:
-        """The end events a job's copies must follow on the device, and the job recorded as the
-        last of its direction on its host blocks. A load follows the last store into any of its
-        host blocks that may still run (else it could read the old bytes); a store follows the
-        last load from any of them in each load lane (else it could overwrite bytes that load is
-        still to read). Call under `_order`: the job then enters its lane before another job
-        looks for it there. A numpy step or two, and none to look where the other lanes have
-        reported every job; only a real hazard asks another lane, which launches the job waited
-        for if it has not been yet."""
+        """The end events a job's copies must follow on the device (a load: the last store into
+        its host blocks; a store: the last load from them in each load lane), recording the job
+        as the last of its direction there. Call under `_order` (docs/architecture.md §6)."""
         if not hosts.size:
             return ()
         if direction is Direction.STORE:
@@ -292,11 +275,7 @@ class OffloadWorker:
         return waits
 
     def stats(self) -> dict[str, QueueStats]:
-        """Counters per lane (``"store"``, ``"load"``, ``"expedited_load"``): jobs, bytes, the
-        copies they expand to before any merging (``descriptors``), failures, jobs per mechanism, launches (jobs /
-        launches: how much coalescing did) and the host seconds they took (``launch_s``), and
-        back-pressure: submits that waited because `TransferQueue.max_pending` jobs were waiting
-        for a launch, and for how long. Expedited loads count under ``"expedited_load"``."""
+        """Counters per lane (``"store"``, ``"load"``, ``"expedited_load"``): see `QueueStats`."""
         return {**{d.value: q.stats for d, q in self._queues.items()}, "expedited_load": self._expedited.stats}
 
     def get_finished(self) -> list[TransferResult]:
