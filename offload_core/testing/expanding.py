@@ -69,9 +69,8 @@ class ExpandingCpuBackend(CpuBackend):
         self.jobs += 1
         for event in after:
             stream.wait_event(event)
-        dev, host, sizes = (np.concatenate(c) for c in zip(*(descriptors(job) for job in jobs)))
-        store = jobs[0].direction is Direction.STORE
-        self.copy_batch(*((dev, host) if store else (host, dev)), sizes, jobs[0].direction, stream)
+        src, dst, sizes = (np.concatenate(c) for c in zip(*(steps(job, None)[0] for job in jobs)))
+        self.copy_batch(src, dst, sizes, jobs[0].direction, stream)
         return "expand_direct"
 
 

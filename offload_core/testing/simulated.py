@@ -52,12 +52,6 @@ class SimStream(CpuStream):
     def sycl_queue(self) -> int:
         return self.handle
 
-    def query(self) -> bool:
-        event = CpuEvent()
-        event.record(self)
-        event.synchronize()
-        return True
-
 
 class SimRuntime:
     """A stand-in for ``torch.npu`` or ``torch.xpu``: a `TorchDeviceBackend` runtime whose device
@@ -202,11 +196,10 @@ class SimAcl:
             return ACL_ERROR_RT_STREAM_INVALID
         if n == 0 or num_attrs < 1 or attr_idx[0] != 0:
             return ACL_ERROR_INVALID_PARAM
-        arrays = [
+        d, dmax, s, size = (
             np.ctypeslib.as_array(ctypes.cast(p, ctypes.POINTER(ctypes.c_int64)), (n,)).copy()
             for p in (dsts, dest_maxs, srcs, sizes)
-        ]
-        d, dmax, s, size = arrays
+        )
         attr = attrs[0]
         dst_host = attr.dstLoc.type == npu.ACL_MEM_LOCATION_TYPE_HOST
         src_host = attr.srcLoc.type == npu.ACL_MEM_LOCATION_TYPE_HOST
@@ -324,13 +317,9 @@ def npu(with_batch: bool = True, with_operator: bool = False) -> Iterator[SimAcl
 
 @contextlib.contextmanager
 def xpu(pool: int = 4) -> Iterator[SimRuntime]:
-    """Register a simulated xpu backend whose streams come from a round-robin pool that starts
-    with the compute stream's queue, as torch.xpu's do; restore the previous registration on exit.
-
-    The backend's last step, a torch ``copy_`` enqueued on the stream, cannot run asynchronously
-    on host tensors, so the simulation runs that step on the stream's thread instead (`SimCopier`).
-    Yields the `SimRuntime`.
-    """
+    """Register a simulated xpu backend (copies by a `SimCopier`) whose streams come from a
+    round-robin pool that starts with the compute stream's queue, as torch.xpu's do; restore the
+    previous registration on exit. Yields the `SimRuntime`."""
     runtime = SimRuntime("xpu", pool=pool)
     bound = type("SimulatedXpuBackend", (SimulatedXpuBackend,), {"sim_runtime": runtime})
     with _registered("xpu", bound):

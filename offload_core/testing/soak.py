@@ -32,24 +32,21 @@ import torch
 from offload_core.backend import Backend, Direction
 from offload_core.backends.cpu import CpuBackend
 from offload_core.errors import OffloadError
+from offload_core.region import SharedHostRegion
 from offload_core.spec import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
 from offload_core.worker import OffloadWorker
 
 
 class FaultyCpuBackend(CpuBackend):
-    """The cpu backend, failing a share of jobs at enqueue or on its streams.
+    """The cpu backend, failing a share of jobs at enqueue or on its streams: `enqueue_faults` of
+    the `copy_batch` calls raise after enqueueing a random prefix of the copies (the launch's jobs
+    fail; their destinations are part written), `device_faults` stop part way with an error on
+    the stream (the job completes as failed). `seed` makes the choices repeatable."""
 
-    Args:
-        enqueue_faults: share of `copy_batch` calls that raise after enqueueing a random
-            prefix of the copies (the launch's jobs fail; their destinations are part written).
-        device_faults: share of batches whose copies stop part way with an error on the
-            stream (the job completes as failed).
-        seed: for the choices above.
-    """
+    enqueue_faults = device_faults = 0.05
 
-    def __init__(self, enqueue_faults: float = 0.0, device_faults: float = 0.0, seed: int = 0):
+    def __init__(self, seed: int = 0):
         super().__init__()
-        self.enqueue_faults, self.device_faults = enqueue_faults, device_faults
         self._rng = random.Random(seed)  # the core calls copy_batch one thread at a time
         self.injected: Counter = Counter()
 
@@ -99,34 +96,21 @@ class SoakReport:
 
 PAGES = (512, 96)  # two KV tensors; the second's ref copies only part of its page
 COPY = (512, 64)
+SUBMITTERS, POLLERS, PER_THREAD = 3, 2, 16  # threads per round; device and host blocks per submitter
 
 
-def soak(
-    rounds: int = 10,
-    *,
-    submitters: int = 3,
-    pollers: int = 2,
-    blocks_per_thread: int = 16,
-    round_seconds: float = 0.2,
-    enqueue_faults: float = 0.05,
-    device_faults: float = 0.05,
-    seed: int = 0,
-    backend: Backend | None = None,
-) -> SoakReport:
+def soak(rounds: int = 10, *, round_seconds: float = 0.2, seed: int = 0, backend: Backend | None = None) -> SoakReport:
     """Run `rounds` rounds (see the module docstring) and report.
 
     Args:
-        backend: the backend to soak; default a `FaultyCpuBackend` with the fault shares below.
         rounds: workers made and shut down.
-        submitters, pollers: threads per round.
-        blocks_per_thread: device and host blocks each submitter owns.
         round_seconds: a round is shut down after a random time up to this.
-        enqueue_faults, device_faults: shares of jobs the default backend fails.
         seed: makes the random choices repeatable (thread timing is not).
+        backend: the backend to soak; default a `FaultyCpuBackend`.
     """
     rng = np.random.default_rng(seed)
-    backend = backend or FaultyCpuBackend(enqueue_faults, device_faults, seed)
-    blocks = 2 * blocks_per_thread * submitters  # each thread: a store area and a load area
+    backend = backend or FaultyCpuBackend(seed)
+    blocks = 2 * PER_THREAD * SUBMITTERS  # each thread: a store area and a load area
     gen = torch.Generator().manual_seed(seed)
     tensors = [
         KVCacheTensor(torch.randint(-128, 128, (blocks, p), dtype=torch.int8, generator=gen).to(backend.device), p)
@@ -135,23 +119,14 @@ def soak(
     kv = KVCaches(tensors, [[KVCacheRef(i, c) for i, c in enumerate(COPY)]])
     report = SoakReport()
     for _ in range(rounds):
-        _round(
-            kv,
-            backend,
-            blocks_per_thread,
-            submitters,
-            pollers,
-            float(rng.uniform(0.01, round_seconds)),
-            int(rng.integers(1 << 30)),
-            report,
-        )
+        _round(kv, backend, float(rng.uniform(0.01, round_seconds)), int(rng.integers(1 << 30)), report)
         report.rounds += 1
     report.injected = dict(getattr(backend, "injected", {}))
     return report
 
 
-def _round(kv, backend, per_thread, submitters, pollers, lifetime, seed, report: SoakReport) -> None:
-    worker = OffloadWorker(kv, per_thread * submitters, backend=backend)
+def _round(kv, backend, lifetime: float, seed: int, report: SoakReport) -> None:
+    worker = OffloadWorker(kv, PER_THREAD * SUBMITTERS, backend=backend)
     seen: Counter = Counter()
     results: dict = {}
     found = threading.Condition()
@@ -176,58 +151,52 @@ def _round(kv, backend, per_thread, submitters, pollers, lifetime, seed, report:
     def submitter(t: int) -> None:
         counts: Counter = Counter()
         try:
-            _submit_loop(t, counts)
+            rng = np.random.default_rng(seed + t)
+            mine = np.arange(PER_THREAD) + 2 * PER_THREAD * t  # store from these ...
+            other = mine + PER_THREAD  # ... load into these
+            hosts = np.arange(PER_THREAD) + PER_THREAD * t
+            job = t << 32
+            while True:
+                k = int(rng.integers(1, PER_THREAD + 1))
+                src, dst, chunk = (rng.choice(a, k, replace=False) for a in (mine, other, hosts))
+                index = torch.from_numpy(src).to(kv.device)
+                for tensor in kv.tensors:  # on the compute stream, which a store waits for
+                    fresh = torch.from_numpy(rng.integers(-128, 128, (k, tensor.page_size_bytes), dtype=np.int8))
+                    tensor.tensor[index] = fresh.to(kv.device)
+                expected = [tensor.tensor[index].cpu() for tensor in kv.tensors]
+                for direction in ("store", "load"):
+                    job += 1
+                    counts["submitted"] += 1
+                    try:
+                        if direction == "store":
+                            queued = worker.submit_store(job, DeviceBlocks(src), HostBlocks(chunk))
+                        else:
+                            queued = worker.submit_load(job, HostBlocks(chunk), DeviceBlocks(dst))
+                    except OffloadError:
+                        counts["refused_after_shutdown"] += 1
+                        return
+                    if not queued:
+                        counts["refused_submits"] += 1
+                        break
+                    with tally:
+                        accepted.append(job)
+                    worker.wait([job])
+                    collect()
+                    res = result_of(job)
+                    if res is None:
+                        return  # counted as lost at the end of the round
+                    counts["failed_jobs"] += not res.success
+                    if not res.success:
+                        break
+                else:  # both succeeded
+                    for tensor, exp, copy in zip(kv.tensors, expected, COPY):
+                        got = tensor.tensor[torch.from_numpy(dst).to(kv.device)][:, :copy].cpu()
+                        counts["checked_bytes"] += got.numel()
+                        counts["wrong_bytes"] += int((got != exp[:, :copy]).sum())
         finally:
             with tally:
                 for key, n in counts.items():
                     setattr(report, key, getattr(report, key) + n)
-
-    def _submit_loop(t: int, counts: Counter) -> None:
-        rng = np.random.default_rng(seed + t)
-        mine = np.arange(per_thread) + 2 * per_thread * t  # store from these ...
-        other = mine + per_thread  # ... load into these
-        hosts = np.arange(per_thread) + per_thread * t
-        job = t << 32
-        while True:
-            k = int(rng.integers(1, per_thread + 1))
-            src, dst, chunk = (rng.choice(a, k, replace=False) for a in (mine, other, hosts))
-            index = torch.from_numpy(src).to(kv.device)
-            for tensor in kv.tensors:  # on the compute stream, which a store waits for
-                fresh = torch.from_numpy(rng.integers(-128, 128, (k, tensor.page_size_bytes), dtype=np.int8))
-                tensor.tensor[index] = fresh.to(kv.device)
-            expected = [tensor.tensor[index].cpu() for tensor in kv.tensors]
-            ok = {}
-            for direction in ("store", "load"):
-                job += 1
-                counts["submitted"] += 1
-                try:
-                    if direction == "store":
-                        queued = worker.submit_store(job, DeviceBlocks(src), HostBlocks(chunk))
-                    else:
-                        queued = worker.submit_load(job, HostBlocks(chunk), DeviceBlocks(dst))
-                except OffloadError:
-                    counts["refused_after_shutdown"] += 1
-                    return
-                if not queued:
-                    counts["refused_submits"] += 1
-                    ok[direction] = False
-                    break
-                with tally:
-                    accepted.append(job)
-                worker.wait([job])
-                collect()
-                res = result_of(job)
-                if res is None:
-                    return  # counted as lost at the end of the round
-                ok[direction] = res.success
-                counts["failed_jobs"] += not res.success
-                if not res.success:
-                    break
-            if ok.get("store") and ok.get("load"):
-                for tensor, exp, copy in zip(kv.tensors, expected, COPY):
-                    got = tensor.tensor[torch.from_numpy(dst).to(kv.device)][:, :copy].cpu()
-                    counts["checked_bytes"] += got.numel()
-                    counts["wrong_bytes"] += int((got != exp[:, :copy]).sum())
 
     def poller() -> None:
         while not stop_polling.wait(0.0005):
@@ -242,8 +211,8 @@ def _round(kv, backend, per_thread, submitters, pollers, lifetime, seed, report:
 
         return threading.Thread(target=run)
 
-    threads = [guarded(submitter, t) for t in range(submitters)]
-    polls = [guarded(poller) for _ in range(pollers)]
+    threads = [guarded(submitter, t) for t in range(SUBMITTERS)]
+    polls = [guarded(poller) for _ in range(POLLERS)]
     for th in threads + polls:
         th.start()
     time.sleep(lifetime)
@@ -287,22 +256,21 @@ class RegionSoakReport:
         return not (self.split or self.wrong_bytes or self.errors or self.left_behind)
 
 
-def _slots(ranks: int) -> list[int]:
-    return [SLOT] * (ranks + 1)  # slot 0 is the keeper's
+def _join(name: str, directory: str, rank: int, ranks: int) -> SharedHostRegion:
+    """`rank` joins the region of `ranks` ranks besides the keeper, whose slot is 0."""
+    return SharedHostRegion(
+        name, num_blocks=REGION_BLOCKS, rank=rank, slot_bytes=[SLOT] * (ranks + 1), directory=directory
+    )
 
 
 def _rank_cycles(name, directory, rank, ranks, cycles, crash_share, seed, inode, keeper_bytes, out) -> None:
     """One rank process: `cycles` times join, store, load back, check, leave (or crash)."""
-    from offload_core.region import SharedHostRegion
-
     rng = np.random.default_rng(seed)
     tensor = KVCacheTensor(torch.zeros(2 * REGION_BLOCKS, SLOT, dtype=torch.uint8), SLOT)
     kv = KVCaches([tensor], [[KVCacheRef(0, SLOT)]])
     for _ in range(cycles):
         stats: Counter = Counter()
-        region = SharedHostRegion(
-            name, num_blocks=REGION_BLOCKS, rank=rank, slot_bytes=_slots(ranks), directory=directory
-        )
+        region = _join(name, directory, rank, ranks)
         stats["split"] += os.stat(region.path).st_ino != inode
         keeper = region.tensor[:, :SLOT].numpy()
         stats["checked_bytes"] += keeper.size
@@ -329,9 +297,7 @@ def _rank_cycles(name, directory, rank, ranks, cycles, crash_share, seed, inode,
 
 def _found_and_crash(name, directory, ranks, out, go) -> None:
     """Create the region, let the keeper join, then die holding it: the keeper's file must live on."""
-    from offload_core.region import SharedHostRegion
-
-    region = SharedHostRegion(name, num_blocks=REGION_BLOCKS, rank=1, slot_bytes=_slots(ranks), directory=directory)
+    region = _join(name, directory, 1, ranks)
     out.put(("founded", 1, {}))
     go.wait(60)
     del region
@@ -355,8 +321,6 @@ def region_soak(cycles: int = 6, *, ranks: int = 2, crash_share: float = 0.3, se
     import multiprocessing as mp
     import tempfile
 
-    from offload_core.region import SharedHostRegion
-
     report = RegionSoakReport()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "offload_core.worker", "offload_core.region", "offload_core.backends.cpu"])
@@ -368,7 +332,7 @@ def region_soak(cycles: int = 6, *, ranks: int = 2, crash_share: float = 0.3, se
         founder.start()
         if out.get()[0] != "founded":
             raise RuntimeError("the founding rank did not report")
-        keeper = SharedHostRegion(name, num_blocks=REGION_BLOCKS, rank=0, slot_bytes=_slots(ranks), directory=directory)
+        keeper = _join(name, directory, 0, ranks)
         go.set()
         founder.join(60)
         report.crashes += founder.exitcode == 1
