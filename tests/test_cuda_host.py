@@ -935,7 +935,7 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
     # the ring's device memory, where every job's table lies, at an address of either kind (the
     # warm-up once passed another table, a CPU heap's in this test: on the H200 it fitted 32 bits)
     backend._ring = SimpleNamespace(
-        upload=lambda cols, stream, held, split=0, narrow=False: [ring], device_address=lambda: ring, launches=False
+        upload=lambda cols, stream, held, narrow=False: [ring], device_address=lambda: ring, launches=False
     )
     for simple in (True, False):
         model = Model([16], [[(0, 16)]], 1 if simple else 2, 64, 64)
@@ -1086,7 +1086,7 @@ def test_staging_halves_hand_over_through_driver_markers_after_the_hazards_ends(
     ring = 1 << 40
     backend._ring = SimpleNamespace(
         device_address=lambda: ring,
-        upload=lambda cols, stream, held, split=0, narrow=False: [ring],
+        upload=lambda cols, stream, held, narrow=False: [ring],
         retire=lambda event, regions=None: None,
         open=lambda: [],
     )

@@ -100,7 +100,7 @@ class RingLike:
     def device_address(self):
         return self.base
 
-    def upload(self, cols, stream, held, split=0, narrow=False):
+    def upload(self, cols, stream, held, narrow=False):
         table = np.concatenate(cols).astype(np.int32 if narrow else np.int64)
         entries = -(-table.nbytes // 8)
         self.host[self.at : self.at + entries].view(np.uint8)[: table.nbytes] = table.view(np.uint8)
@@ -362,10 +362,10 @@ def fake_ring(entries, **kwargs):
     return ring
 
 
-def _upload(ring, columns, stream, *args, **kwargs):
+def _upload(ring, columns, stream, **kwargs):
     """`DescriptorRing.upload`, and what it put in `held` (one-off memory, else empty)."""
     held: list = []
-    tables = ring.upload(columns, stream, held, *args, **kwargs)
+    tables = ring.upload(columns, stream, held, **kwargs)
     (keep,) = held
     return tables, keep
 
@@ -373,7 +373,7 @@ def _upload(ring, columns, stream, *args, **kwargs):
 @settings(max_examples=60, deadline=None)
 @given(
     jobs=st.lists(
-        st.tuples(st.integers(1, 300), st.integers(1, 3), st.integers(0, 300), st.booleans(), st.booleans()),
+        st.tuples(st.integers(1, 300), st.integers(1, 3), st.booleans(), st.booleans()),
         min_size=1,
         max_size=40,
     )
@@ -385,18 +385,12 @@ def test_descriptor_ring_never_reuses_memory_a_pending_job_reads(jobs):
     ring = fake_ring(512)
     stream = SimpleNamespace(cuda_stream=7)
     pending = []  # (event, [(device address, expected values, width)])
-    for j, (n, k, split, narrow, finish_oldest) in enumerate(jobs):
+    for j, (n, k, narrow, finish_oldest) in enumerate(jobs):
         columns = [np.arange(n, dtype=np.int64) + 1000 * (j * 4 + c) for c in range(k)]
         regions = ring.open()
-        tables, keep = _upload(ring, columns, stream, split, narrow=narrow)
-        parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
-        assert len(tables) == len(parts)
+        (table,), keep = _upload(ring, columns, stream, narrow=narrow)
         width = 4 if narrow else 8
-        expect = [
-            (tables[p] + width * c * (b - a), col[a:b], width)
-            for p, (a, b) in enumerate(parts)
-            for c, col in enumerate(columns)
-        ]
+        expect = [(table + width * c * n, col, width) for c, col in enumerate(columns)]
         event = FakeEvent()
         ring.retire(event, regions)
         pending = [p for p in pending if not p[0].done] + [(event, expect, keep)]

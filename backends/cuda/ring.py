@@ -50,9 +50,8 @@ class DescriptorRing:
         self._opened: list | None = None  # the regions of the enqueue under way (`open`)
         self.waits, self.wait_s = 0, 0.0  # reservations that waited for a table's job, and how long
 
-    def upload(self, columns, stream, held: list, split: int = 0, narrow: bool = False) -> list:
-        """Copy int64 `columns` (equal lengths n) to the device on `stream`, as one or two parts
-        (``[:split]`` and ``[split:]``, in that order, where ``0 < split < n``); as int32 where
+    def upload(self, columns, stream, held: list, narrow: bool = False) -> list:
+        """Copy int64 `columns` (equal lengths n) to the device on `stream`; as int32 where
         `narrow` (the caller knows every value fits: block ids checked against their counts),
         which halves the bytes copied, uploaded and held.
 
@@ -60,24 +59,19 @@ class DescriptorRing:
         before the upload is enqueued.
 
         Returns:
-            Per part, the device address of its first column (column j of part p is
-            ``tables[p] + width * j * len(p)``, width 4 where `narrow`, else 8).
+            A list of one item: the device address of the first column (column j is at
+            ``table + width * j * n``, width 4 where `narrow`, else 8).
         """
         n, k = len(columns[0]), len(columns)
         width = 4 if narrow else 8
-        parts = [(0, split), (split, n)] if 0 < split < n else [(0, n)]
         flat, host_ptr, dev_ptr, keep = self._region(-(-k * n * width // 8))
         held.append(keep)
         if narrow:
             flat = flat.view(np.int32)
-        handle, tables = stream.cuda_stream, []
-        for a, b in parts:
-            rows = flat[k * a : k * b].reshape(k, b - a)
-            for row, column in zip(rows, columns):
-                row[:] = column[a:b]
-            self._memcpy(dev_ptr + width * k * a, host_ptr + width * k * a, width * k * (b - a), handle)
-            tables.append(dev_ptr + width * k * a)
-        return tables
+        for row, column in zip(flat[: k * n].reshape(k, n), columns):
+            row[:] = column
+        self._memcpy(dev_ptr, host_ptr, width * k * n, stream.cuda_stream)
+        return [dev_ptr]
 
     @property
     def launches(self) -> bool:
