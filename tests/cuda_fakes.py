@@ -39,8 +39,8 @@ class FakeLib:
             self._stacks[me] = [GPU_CONTEXT] if me == self._creator else []
         return self._stacks[me]
 
-    def __init__(self, with_batch=True, fail_at=None):
-        self.calls, self.fail_at, self.codes = [], fail_at, {}
+    def __init__(self, with_batch=True):
+        self.calls, self.fail_at, self.codes = [], None, {}
         self._events, self._stacks, self._creator = 0, {}, threading.get_ident()
 
         def returns(name):
@@ -222,8 +222,8 @@ def copies(lib):
     return [c for c in lib.calls if c[0] in ("batch", "memcpy")]
 
 
-def compiled_table_launch(lib=None, types=("i64", "i32", "i64"), hidden=1):
+def compiled_table_launch(lib=None):
     """A `LaunchingLib`, and the compiled table launch of its driver in the GPU's context."""
     compiled_or_skip(True, drv.COMPILED)
-    lib = lib or LaunchingLib(types=types, hidden=hidden)
+    lib = lib or LaunchingLib(types=("i64", "i32", "i64"), hidden=1)
     return lib, drv.Driver(lib).table_launch_in(GPU_CONTEXT)

@@ -65,8 +65,8 @@ def measure_costs(backend) -> CostModel:
     for direction in Direction:
         d = direction.value
 
-        def run(mechanism, n, size, seed=0):
-            dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr(), seed=seed)
+        def run(mechanism, n, size):
+            dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr())
             src, dst = (dev, hst) if direction is Direction.STORE else (hst, dev)
             return measure.time_copy(backend, mechanism, src, dst, sizes, direction, busy=True)["event_s"]
 

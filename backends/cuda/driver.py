@@ -88,7 +88,6 @@ LAUNCH_KERNEL = ctypes.CFUNCTYPE(
 # cuCtxGetCurrent(CUcontext *); cuCtxPushCurrent(CUcontext); cuCtxPopCurrent(CUcontext *)
 CTX_OUT = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_void_p))
 CTX_IN = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
-ERROR_INVALID_CONTEXT = 201
 ERROR_NOT_READY = 600
 HOST_REGISTER_PORTABLE_DEVICEMAP = 0x3  # pinned for every context, mapped for kernels
 ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712

@@ -31,13 +31,13 @@ def streams(backend) -> tuple:
     return made
 
 
-def time_copy(backend, mechanism: str, src, dst, sizes, direction: Direction, *, busy: bool, reps: int = 3) -> dict:
-    """Best of `reps`: device seconds (events), wall seconds (submit to completion) and host
+def time_copy(backend, mechanism: str, src, dst, sizes, direction: Direction, *, busy: bool) -> dict:
+    """Best of three: device seconds (events), wall seconds (submit to completion) and host
     seconds (the enqueue call alone)."""
     torch = backend._torch
     stream = streams(backend)[0]
     best = {"event_s": float("inf"), "wall_s": float("inf"), "host_s": float("inf"), "mechanism": mechanism}
-    for _ in range(reps):
+    for _ in range(3):
         torch.cuda.synchronize()
         start, end = backend.new_event(), backend.new_event()
         if busy:
@@ -119,12 +119,12 @@ def time_both(backend, mechanism: str, store_args, load_args, *, released: str, 
     return times
 
 
-def fragments(n: int, size: int, device_base: int, host_base: int, row_bytes: int = 2 << 20, seed: int = 0):
+def fragments(n: int, size: int, device_base: int, host_base: int, seed: int = 0):
     """`n` fragments of `size` bytes: device side scattered over 2n slots; host side in rows of
-    `row_bytes` filled in order (a host block holds one block's pages of all layers), rows shuffled."""
+    2 MiB filled in order (a host block holds one block's pages of all layers), rows shuffled."""
     rng = np.random.default_rng(seed)
     dev = device_base + rng.permutation(2 * n)[:n].astype(np.int64) * size
-    per_row = max(1, row_bytes // size)
+    per_row = max(1, (2 << 20) // size)
     rows = rng.permutation(-(-n // per_row)).astype(np.int64)
     k = np.arange(n, dtype=np.int64)
     host = host_base + rows[k // per_row] * per_row * size + (k % per_row) * size
