@@ -91,8 +91,6 @@ def time_both(backend, mechanism: str, store_args, load_args, *, released: str, 
     instant, as when both wait for the same compute), or ``"own"``, a short sleep on its own
     stream, both released by that event (each starts after its own stream's earlier work, at
     the same time). The H200's copy engines treat the two differently.
-    An earlier "own" slept each copy stream separately, so the second stream started one
-    launch later than the first, and a short job counted that as its own time.
     """
     torch = backend._torch
     s1, s2, gate_stream = streams(backend)
