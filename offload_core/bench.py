@@ -121,11 +121,11 @@ def _fewer_blocks(available: int, per_block: int, blocks_per_job: int) -> str:
     return f"not even one job (--blocks {blocks_per_job}) would fit"
 
 
-def build_kv_caches(preset: Preset, num_blocks: int, backend: Backend, seed: int = 0) -> KVCaches:
+def build_kv_caches(preset: Preset, num_blocks: int, backend: Backend) -> KVCaches:
     """Random KV tensors shaped like `preset` on the backend's device."""
     import torch
 
-    gen = torch.Generator(device=backend.device).manual_seed(seed)  # random bytes made where they live
+    gen = torch.Generator(device=backend.device).manual_seed(0)  # random bytes made where they live
     if preset.cross_layer:
         shapes = [(num_blocks, 2 * preset.layers * preset.page_bytes)]
     else:
@@ -137,8 +137,8 @@ def build_kv_caches(preset: Preset, num_blocks: int, backend: Backend, seed: int
     return KVCaches(tensors, [[KVCacheRef(i, t.page_size_bytes) for i, t in enumerate(tensors)]])
 
 
-def _limit_gbps(backend: Backend, nbytes: int, host, device, copies: int = LIMIT_COPIES) -> dict[str, float]:
-    """The best of `copies` single copies of `nbytes` each way, after a warm-up copy: the most
+def _limit_gbps(backend: Backend, nbytes: int, host, device) -> dict[str, float]:
+    """The best of `LIMIT_COPIES` single copies of `nbytes` each way, after a warm-up copy: the most
     this backend can do for one transfer of that size."""
     out = {}
     host.fill_(1)  # fault every page in first: untouched memory would read as the shared zero page
@@ -147,7 +147,7 @@ def _limit_gbps(backend: Backend, nbytes: int, host, device, copies: int = LIMIT
     stream = backend.new_stream()
     for direction, src, dst in ((Direction.STORE, device, host), (Direction.LOAD, host, device)):
         best = float("inf")
-        for i in range(1 + copies):
+        for i in range(1 + LIMIT_COPIES):
             stream.wait_stream(backend.current_stream())
             start, end = backend.new_event(), backend.new_event()
             t0 = time.perf_counter()
@@ -159,6 +159,17 @@ def _limit_gbps(backend: Backend, nbytes: int, host, device, copies: int = LIMIT
                 best = min(best, time.perf_counter() - t0)
         out[direction.value] = nbytes / best / 1e9
     return out
+
+
+def check_whole(sizes: dict[str, int], sep: str = "=") -> None:
+    """Blocks, blocks per job and blocks per chunk, keyed by the names the message gives them:
+    each a multiple of the next (whole jobs of whole host blocks), else `InvalidSpecError`."""
+    pairs = list(sizes.items())
+    for ((whole, w), (part, p)), unit in zip(zip(pairs, pairs[1:]), ("whole jobs", "whole host blocks")):
+        if w % p:
+            raise InvalidSpecError(
+                f"{whole} must be a multiple of {part} ({unit}), got {whole}{sep}{w}, {part}{sep}{p}"
+            )
 
 
 def run(
@@ -188,16 +199,7 @@ def run(
     blocks_per_job = positive_int(blocks_per_job, "blocks_per_job")
     blocks_per_chunk = positive_int(blocks_per_chunk, "blocks_per_chunk")
     iters = positive_int(iters, "iters")
-    if blocks % blocks_per_job:
-        raise InvalidSpecError(
-            "blocks must be a multiple of blocks_per_job (whole jobs), "
-            f"got blocks={blocks}, blocks_per_job={blocks_per_job}"
-        )
-    if blocks_per_job % blocks_per_chunk:
-        raise InvalidSpecError(
-            "blocks_per_job must be a multiple of blocks_per_chunk (whole host blocks), "
-            f"got blocks_per_job={blocks_per_job}, blocks_per_chunk={blocks_per_chunk}"
-        )
+    check_whole({"blocks": blocks, "blocks_per_job": blocks_per_job, "blocks_per_chunk": blocks_per_chunk})
     be = backend if isinstance(backend, Backend) else get_backend(backend)
     need = _check_memory(be, preset, blocks, blocks_per_job)
     kv = build_kv_caches(spec, 2 * blocks, be)  # stores read blocks [0, blocks); loads write [blocks, 2*blocks)

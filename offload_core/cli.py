@@ -9,8 +9,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from offload_core import __version__, native, registry
-from offload_core.errors import InvalidSpecError, OffloadError
+from offload_core import __version__, bench, native, registry
+from offload_core.errors import OffloadError
 from offload_core.hostmem import gib
 
 
@@ -91,21 +91,14 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from offload_core import bench
-
     native.load()  # a malformed $OFFLOAD_CORE_NATIVE is refused here as in `backends`, used or not
 
     # 16 per job, but a short run is still one job rather than an error
     per_job = args.blocks_per_job or min(DEFAULT_BLOCKS_PER_JOB, args.blocks)
-    # `bench.run` checks these too, naming its arguments: here they are the options
-    for (whole, name), (part, part_name), unit in (
-        ((args.blocks, "--blocks"), (per_job, "--blocks-per-job"), "whole jobs"),
-        ((per_job, "--blocks-per-job"), (args.blocks_per_chunk, "--blocks-per-chunk"), "whole host blocks"),
-    ):
-        if whole % part:
-            raise InvalidSpecError(
-                f"{name} must be a multiple of {part_name} ({unit}), got {name} {whole}, {part_name} {part}"
-            )
+    # checked here too, to name the options rather than `bench.run`'s arguments
+    bench.check_whole(
+        {"--blocks": args.blocks, "--blocks-per-job": per_job, "--blocks-per-chunk": args.blocks_per_chunk}, " "
+    )
     result = bench.run(
         args.backend,
         preset=args.preset,
@@ -272,14 +265,12 @@ def _run(argv: Sequence[str] | None) -> int:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.set_defaults(func=cmd_backends)
-    from offload_core.bench import LIMIT_COPIES, PRESETS
-
     p = sub.add_parser(
         "bench",
         help="store blocks to host and load them back, verify every byte, report GB/s",
         description=(
             "Store blocks of a synthetic KV cache to host memory and load them back elsewhere, verify every "
-            f"byte, and report GB/s next to the limit (the best of {LIMIT_COPIES} single copies of the same "
+            f"byte, and report GB/s next to the limit (the best of {bench.LIMIT_COPIES} single copies of the same "
             "bytes). Needs about 5 x blocks x the preset's block size of memory (host memory on the cpu "
             "backend); a run that would not fit is refused."
         ),
@@ -297,7 +288,7 @@ def _run(argv: Sequence[str] | None) -> int:
     )
     p.add_argument(
         "--preset",
-        choices=sorted(PRESETS),
+        choices=sorted(bench.PRESETS),
         default="llama-8b",
         help="KV cache shape: Llama-3-8B, 2 MiB per block, as 64 tensors of 32 KiB pages or (cross-layer) "
         "one tensor (default: %(default)s)",

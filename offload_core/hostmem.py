@@ -26,9 +26,7 @@ def available_host_bytes(root: str = "/") -> int | None:
         except (OSError, ValueError, AttributeError):
             machine = None
     group = _cgroup_headroom(os.path.join(root, "proc/self/cgroup"), os.path.join(root, "sys/fs/cgroup"))
-    if machine is None or group is None:
-        return group if machine is None else machine
-    return min(machine, group)
+    return min((n for n in (machine, group) if n is not None), default=None)
 
 
 def _meminfo_available(meminfo: str) -> int | None:

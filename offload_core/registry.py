@@ -38,7 +38,6 @@ _BUILTIN: dict[str, str] = {
     "npu": "offload_core.backends.npu:NpuBackend",
     "xpu": "offload_core.backends.xpu:XpuBackend",
 }
-assert list(_BUILTIN) == sorted(_BUILTIN)
 
 _lock = threading.RLock()
 _targets: dict[str, Target] = dict(_BUILTIN)
@@ -118,10 +117,7 @@ def availability() -> dict[str, str | None]:
     Returns:
         ``{name: None}`` for usable backends, ``{name: reason}`` for the others.
     """
-    result: dict[str, str | None] = {}
-    for name in backend_names():
-        result[name] = _probe(name)
-    return result
+    return {name: _probe(name) for name in backend_names()}
 
 
 def _probe(name: str) -> str | None:
@@ -139,7 +135,7 @@ def _probe(name: str) -> str | None:
 def select_backend_name(name: str | None = None, *, device_type: str | None = None) -> str:
     """The backend `get_backend` would use: `name`, else $OFFLOAD_CORE_BACKEND, else
     `device_type` (the backend named after the device that holds the KV tensors, as a worker
-    asks), else the best available.
+    asks), else the usable one of the highest priority, ties by name.
 
     Raises:
         UnknownBackendError: an explicit or environment name that is not registered.
@@ -174,11 +170,7 @@ def _priority(name: str) -> int:
 
 
 def get_backend(name: str | None = None, *, device_index: int = 0, device_type: str | None = None) -> Backend:
-    """Return the backend instance for `name` and `device_index` (cached).
-
-    Selection (`select_backend_name`): an explicit `name`, else the ``OFFLOAD_CORE_BACKEND``
-    environment variable, else `device_type` when given, else the highest-priority usable
-    backend (ties broken by name).
+    """Return the backend instance `select_backend_name` chooses, for `device_index` (cached).
 
     Raises:
         UnknownBackendError: the name is not registered.

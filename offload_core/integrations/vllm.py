@@ -36,15 +36,7 @@ from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from offload_core.errors import InvalidSpecError
-from offload_core.integrations.vllm_convert import (  # noqa: F401  (re-exported)
-    WorkerAdapter,
-    device_blocks,
-    host_blocks,
-    log,
-    region_name,
-    to_kv_caches,
-    to_mapping,
-)
+from offload_core.integrations.vllm_convert import WorkerAdapter, region_name
 
 BACKEND_KEY = "offload_core_backend"  # kv_connector_extra_config key: the backend's name
 
@@ -92,7 +84,7 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
                     f"vLLM sized no host chunks (cpu_bytes_to_use={self.extra_config.get('cpu_bytes_to_use')!r} "
                     "is below one chunk of every rank's KV bytes): raise cpu_bytes_to_use"
                 )
-            shared, budget = None, None
+            shared = None
             canonical = bool(getattr(self.config, "canonical_layout", False))
             parallel = getattr(self.config, "parallel", None)  # absent before vLLM 0.33
             rank = int(getattr(parallel, "rank", 0))
