@@ -75,6 +75,7 @@ class CompactJob:
         "_blocks",
         "jobs",
         "_copies",
+        "_segments",
         "host_after",
     )
 
@@ -96,6 +97,7 @@ class CompactJob:
         self.dev_ids = blocks[0] if dev_ids is None else dev_ids
         self.jobs = jobs
         self._copies: tuple | None = None  # `CompactLayout.copies`, once asked for
+        self._segments: tuple | None = None  # `CompactLayout.segments`, once asked for
         # At a launch: end events of other lanes' jobs that write or read this job's host blocks
         # (hazards, set by the queue). The launch's stream waits for them; a backend's side stream
         # that touches host rows must wait for them too.
@@ -505,12 +507,18 @@ class CompactLayout:
 
     def segments(self, job: CompactJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The host bytes `job` touches, as contiguous ranges, for staging that mirrors host rows.
+        Computed once per job (a choice may ask before the copy does: `segment_summary`).
 
         Returns:
             ``(stage, host, sizes)``: per range, its offset in the staging buffer (chunk ``j``
             at ``j * row_bytes``), its offset from `host_base`, and its length; in staging order,
             ranges that continue each other on both sides merged into one.
         """
+        if job._segments is None:
+            job._segments = self._segments_of(job)
+        return job._segments
+
+    def _segments_of(self, job: CompactJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         row, bpc = self.row_bytes, self.blocks_per_chunk
         store = job.direction is Direction.STORE
         host_ids = job.host_ids

@@ -115,8 +115,10 @@ def test_a_segment_summary_counts_what_segments_returns(case, limit):
     model, direction, device, host = case
     layout = model.layout()
     job = layout.job(direction, device, host)
-    _, _, sizes = layout.segments(job)
+    segments = layout.segments(job)
+    _, _, sizes = segments
     assert layout.segment_summary(job, limit) == (sizes.size, int(sizes[sizes <= limit].sum()))
+    assert layout.segments(job) is segments  # computed once per job: a choice asks, then the copy
 
 
 @given(
