@@ -349,16 +349,17 @@ def test_compact_canonical_jobs_with_writer_election(expanding, a, b, heads, bpc
 
 
 def test_compact_small_jobs_joined_by_one_compiled_call_are_bit_exact(monkeypatch):
-    """Small simple jobs back to back under auto, scattered host blocks: launches joined, put in
-    host order and launched by `_driver.join_launch` (`CudaBackend.copy_jobs`); every byte checked
-    both ways (device blocks no load wrote unchanged), and those launches counted (not vacuous
-    where the extension was built)."""
+    """Small simple jobs back to back under auto, scattered host blocks, their class decided for
+    expand_direct: launches joined, put in host order and launched by `_driver.join_launch`
+    (`CudaBackend.copy_jobs`); every byte checked both ways (device blocks no load wrote
+    unchanged), and those launches counted (not vacuous where the extension was built)."""
     import torch
 
     from offload_core.backends.cuda import driver
 
     monkeypatch.delenv("OFFLOAD_CORE_CUDA_CONF", raising=False)  # the defaults, whatever the shell set
     backend = CudaBackend(mechanism="auto")
+    monkeypatch.setattr(backend._blocks.tuner, "decided", lambda key: None if key.runs else "expand_direct")
     pages, blocks, jobs, per_job = (1024, 256, 512), 128, 40, 3
     kv = small_kv(pages=pages, blocks=blocks, device=backend.device)
     before = [t.tensor.clone() for t in kv.tensors]
@@ -392,25 +393,27 @@ def test_compact_small_jobs_joined_by_one_compiled_call_are_bit_exact(monkeypatc
 
 
 @pytest.mark.parametrize(
-    "pages, per_job, expected, penalty",
+    "pages, per_job, cheapest, expected, penalty",
     [
-        # one tensor's 64 KiB pages over scattered host rows: nothing for staging to join
-        ((65536,), 64, {"store": {"ce_batch"}, "load": {"ce_batch"}}, None),
-        # 4 KiB pages over 8 tensors, 2 MiB jobs: stores straight to the rows, loads staged
-        ((4096,) * 8, 64, {"store": {"expand_direct"}, "load": {"expand_staged"}}, None),
+        # one tensor's 64 KiB pages over scattered host rows
+        ((65536,), 64, "ce_batch", {"store": {"ce_batch"}, "load": {"ce_batch"}}, None),
+        # 4 KiB pages over 8 tensors, 2 MiB jobs
+        ((4096,) * 8, 64, "expand_direct", {"store": {"expand_direct"}, "load": {"expand_direct"}}, None),
         # 1 KiB pages over 64 tensors, 2 MiB jobs, an engine that prefers the link to its SMs:
         # stores split between the two (loads: the cost model's choice)
-        ((1024,) * 64, 32, {"store": {"expand_split"}, "load": None}, "1"),
+        ((1024,) * 64, 32, None, {"store": {"expand_split"}, "load": None}, "1"),
     ],
 )
-def test_compact_jobs_auto_sends_past_staging_are_bit_exact(pages, per_job, expected, penalty, monkeypatch):
-    """`auto`'s choices that skip staging for jobs larger than the small ones (`BlockCopier.choose`):
-    the mechanism each job reports, and every byte both ways."""
+def test_compact_jobs_auto_sends_past_staging_are_bit_exact(pages, per_job, cheapest, expected, penalty, monkeypatch):
+    """`auto`'s choices that skip staging (`BlockCopier.choose`), the cost model made to rate
+    `cheapest` so: the mechanism each job reports, and every byte both ways."""
     import torch
 
     if penalty:
         monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", f"sm_penalty:{penalty}")
-    backend = CudaBackend(mechanism="auto", tune=False)  # the cost model's rules, untried
+    backend = CudaBackend(mechanism="auto", tune=False)  # the cost model's pick, untried
+    if cheapest:
+        monkeypatch.setattr(backend._blocks, "_estimates", lambda *args: {"expand_staged": 1.0, cheapest: 0.5})
     blocks, jobs = 4 * per_job, 4
     kv = small_kv(pages=pages, blocks=blocks, device=backend.device)
     before = [t.tensor.clone() for t in kv.tensors]

@@ -1,4 +1,4 @@
-"""The cuda backend's joined launch of small simple jobs (`CudaBackend.copy_jobs`, through
+"""The cuda backend's joined launch of simple jobs (`CudaBackend.copy_jobs`, through
 `_driver.join_launch`) against what the queue does without it, `copy_blocks` of the jobs joined
 and put in host order: the same choice, the same driver calls with the same arguments, the same
 table bytes; and where the joined launch declines, nothing enqueued. Without a GPU: the
@@ -17,7 +17,7 @@ from test_cuda_launch import Stream, comparable, compiled_backend
 
 from offload_core import DeviceBlocks, HostBlocks
 from offload_core.backend import Direction
-from offload_core.backends.cuda import blocks, driver
+from offload_core.backends.cuda import blocks, driver, tuning
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.compact import CompactJob
 
@@ -40,11 +40,23 @@ def numpy_ring(backend, entries: int = 1 << 12) -> DescriptorRing:
     return ring
 
 
+class Decided(tuning.Tuner):
+    """A tuner whose every class is decided: host rows apart for `apart`, in runs for `runs`."""
+
+    def __init__(self, apart="expand_direct", runs="expand_staged"):
+        super().__init__(None)
+        self.names = {False: apart, True: runs}
+
+    def decided(self, key):
+        return self.names[key.runs]
+
+
 class Launches:
     """A backend over the stand-in libcuda, a simple layout (one group: 16 and 8 byte pages of
-    one block per host row), and both ways of launching jobs of it."""
+    one block per host row), both ways of launching jobs of it, and a tuner that decided every
+    class (`Decided`)."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, tuner=None):
         compiled_or_skip(True, driver.COMPILED)
         handles = iter(range(0x100, 0x400))
         monkeypatch.setattr(FakeCudaRuntime, "ExternalStream", lambda self, handle, device=None: Stream(next(handles)))
@@ -55,6 +67,8 @@ class Launches:
         self.layout = model.layout(host_base=0x7F00_0000_0000)  # where pinned host memory lies
         assert self.layout.simple_jobs
         b._blocks.direct_ok = lambda prepared: True
+        b._blocks.tuner = tuner or Decided()
+        b._blocks.timings = tuning.Timings(b._blocks.tuner)
         self.prepared = b._blocks.prepare(self.layout)
         self.stream = b.new_stream()
         self.compute = b.new_event()
@@ -99,27 +113,16 @@ def job_specs(draw, count: int, runs: bool):
     data=st.data(),
     direction=st.sampled_from(list(Direction)),
     narrow=st.booleans(),
-    host_bound=st.sampled_from([1 << 20, 64, 16]),  # bytes a job averages at most to be small: all, few, none
-    penalty=st.sampled_from([None, 3.0, 1e4]),  # SMs spared: only the cost model sends jobs to expand_direct, or none
-    scaled=st.booleans(),  # the size rules scaled down to this layout's 16 and 8 byte pages
+    apart=st.sampled_from(["expand_direct", "expand_staged"]),  # the class of host rows apart decided for
 )
-def test_a_joined_launch_makes_the_calls_and_table_of_the_queues_joined_job(
-    data, direction, narrow, host_bound, penalty, scaled
-):
-    """Any launch of 1-8 jobs, small or not, under every rule of `choose`: where `copy_jobs`
-    takes them, it chose, called and wrote what `copy_blocks` of their joined job does; where it
-    declines (host blocks in runs, say), it enqueued nothing."""
+def test_a_joined_launch_makes_the_calls_and_table_of_the_queues_joined_job(data, direction, narrow, apart):
+    """Any launch of 1-8 jobs, host rows apart or in runs: where `copy_jobs` takes them, it chose,
+    called and wrote what `copy_blocks` of their joined job does; where it declines (the class
+    not decided for expand_direct, or the rows in runs), it enqueued nothing, and `copy_blocks`
+    does not send them to expand_direct."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(blocks, "HOST_BOUND_BYTES", host_bound)
-        if scaled:  # the pages count as mid-sized ones and as copies that fill the copy engines
-            mp.setattr(blocks, "SIZED_PAGE", 8)
-            mp.setattr(blocks, "DIRECT_STORE_PAGE", 16)
-            mp.setattr(blocks, "DIRECT_STORE_BYTES", 1 << 20)
-            mp.setattr(blocks, "SEGMENT_BYTES", 4)
-        launches = Launches(mp)
+        launches = Launches(mp, Decided(apart))
         launches.prepared.narrow = narrow
-        if penalty:
-            launches.backend.cost.sm_penalty = penalty
         mp.setattr(blocks, "JOIN_BACKOFF", 0)  # every launch offered
         count = data.draw(st.integers(1, 8))
         jobs = launches.jobs(direction, job_specs(data.draw, count, data.draw(st.booleans())))
@@ -130,11 +133,13 @@ def test_a_joined_launch_makes_the_calls_and_table_of_the_queues_joined_job(
             assert (table == reference[2]).all(), "the same table bytes"
         else:  # then the queue joins them, and `copy_blocks` stages them
             assert [c[0] for c in calls] in ([], ["record"]), "declined: nothing but a keepalive marker"
-            assert reference[0] != "expand_direct", "declined what choose sends to expand_direct"
+            assert reference[0] != "expand_direct", "declined what copy_blocks sends to expand_direct"
 
 
-def test_small_jobs_in_scattered_host_blocks_take_the_joined_launch(monkeypatch):
-    """Not vacuous: scattered host blocks go joined, in host order (the table's host column sorted)."""
+def test_scattered_host_blocks_take_the_joined_launch_in_host_order_rows_in_runs_do_not(monkeypatch):
+    """Not vacuous: scattered host blocks go joined, in host order (the table's host column
+    sorted); host blocks in runs (another class) are declined; nothing is joined before the
+    class is decided."""
     launches = Launches(monkeypatch)
     specs = [([5, 9, 2], [31, 3, 17]), ([40, 1], [30, 4])]  # five runs as given, three in host order
     for direction in Direction:
@@ -142,24 +147,10 @@ def test_small_jobs_in_scattered_host_blocks_take_the_joined_launch(monkeypatch)
         assert used == "expand_direct"
         assert [c[0] for c in calls] == ["memcpy", "launch", "record"]
         assert table.view(np.int32)[:10].tolist() == [9, 1, 2, 40, 5, 3, 4, 17, 30, 31]
-
-
-def test_the_joined_launch_follows_the_rules_for_mid_sized_stores_and_copies_staging_would_not_join(monkeypatch):
-    """Scaled down to this layout's 16 and 8 byte pages, jobs too large to be small: stores go
-    joined to `expand_direct` by the mid-sized stores' own limit; loads, whose copies fill the
-    copy engines at this scale, are declined and go host-expanded, as `choose` sends them."""
-    for name, value in dict(
-        HOST_BOUND_BYTES=16, SIZED_PAGE=8, DIRECT_STORE_PAGE=16, DIRECT_STORE_BYTES=1 << 20, SEGMENT_BYTES=4
-    ).items():
-        monkeypatch.setattr(blocks, name, value)
-    monkeypatch.setattr(blocks, "JOIN_BACKOFF", 0)
-    launches = Launches(monkeypatch)
-    specs = [([5, 9, 2], [31, 3, 17]), ([40, 1], [30, 4])]
-    stores, loads = (launches.jobs(direction, specs) for direction in (Direction.STORE, Direction.LOAD))
-    assert launches.joined(stores)[0] == launches.queued(stores)[0] == "expand_direct"
-    used, calls, _ = launches.joined(loads)
-    assert used is None and [c[0] for c in calls] in ([], ["record"]), "declined, nothing enqueued"
-    assert launches.queued(loads)[0] == "ce_batch"
+        used, calls, _ = launches.joined(launches.jobs(direction, [([5, 9, 2], [7, 5, 6])]))
+        assert used is None and [c[0] for c in calls] == ["record"], "declined: a keepalive marker only"
+    undecided = Launches(monkeypatch, tuning.Tuner(None))
+    assert undecided.joined(undecided.jobs(Direction.STORE, specs))[:2] == (None, [])
 
 
 def test_a_forced_backend_leaves_its_jobs_to_copy_blocks(monkeypatch):
@@ -176,15 +167,17 @@ def test_the_compiled_join_declines_or_refuses_having_called_nothing(monkeypatch
     join = b.driver.join_launch_in(b._ctx)
     host = np.full(16, -1, dtype=np.int64)
 
-    def call(parts, room=128, order=True, least=0, params=(RING, *range(1, 9), 0, 0), short=1, **decide):
+    def call(parts, room=128, order=True, least=0, params=(RING, *range(1, 9), 0, 0)):
         # params as LaunchingLib reads them
-        args = (host.ctypes.data, RING, room, parts, True, 0x77, 0xF00, 1, 128, 0, params, order, least, short)
-        return join(*args, *decide.values())
+        args = (host.ctypes.data, RING, room, parts, True, 0x77, 0xF00, 1, 128, 0, params, order, least)
+        return join(*args)
 
     one = ([np.array([4, 5, 6])], [np.array([9, 7, 8])])
+    two = ([np.array([4, 5]), np.array([6])], [np.array([9, 3]), np.array([4])])  # hosts 9 / 3 4: two runs
     lib.calls.clear()
-    assert call(one, least=3) == (1, 0)  # one run in host order (7 8 9): fewer than 3; none of at most 1 host
-    assert call(one, least=3, order=False) == (2, 1)  # as given (9 / 7 8): two runs, one of them of one host
+    assert call(one, least=3) == 1  # one run in host order (7 8 9): fewer than 3
+    assert call(one, least=3, order=False) == 2  # as given (9 / 7 8): two runs
+    assert call(two, least=3, order=False) == 2  # several parts read where they lie
     assert lib.calls == []  # the table's memory, reserved for the call, may hold the hosts
     host[:] = -1
     refusals = [
@@ -204,63 +197,26 @@ def test_the_compiled_join_declines_or_refuses_having_called_nothing(monkeypatch
     assert call(one, least=1, order=False) is None  # as given: 4 5 6 / 9 7 8
     assert host.view(np.int32)[:6].tolist() == [4, 5, 6, 9, 7, 8]
     assert [c[0] for c in lib.calls] == ["memcpy", "launch"]
-    with pytest.raises(TypeError, match="20 or 21 arguments"):
+    assert call(two, least=2, order=False) is None
+    assert host.view(np.int32)[:6].tolist() == [4, 5, 6, 9, 3, 4]
+    with pytest.raises(TypeError, match="takes 19 arguments"):
         driver.compiled().join_launch(1, 2, 3)
 
 
-def test_the_compiled_join_asks_decide_once_and_launches_only_on_yes(monkeypatch):
-    """Below `least_runs`, the compiled join asks `decide` with the counts (one pass over the ids)
-    and launches where it says yes; a no, or a `decide` that raises, leaves nothing written or
-    called. Several parts are read where they lie: the table is their columns joined."""
-    launches = Launches(monkeypatch)
-    b, lib = launches.backend, launches.lib
-    join = b.driver.join_launch_in(b._ctx)
-    host = np.full(16, -1, dtype=np.int64)
-    two = ([np.array([4, 5]), np.array([6])], [np.array([9, 3]), np.array([4])])  # hosts 9 / 3 4: two runs
-    asked = []
-
-    def call(decide, order=False):
-        args = (host.ctypes.data, RING, 128, two, True, 0x77, 0xF00, 1, 128, 0, (RING, *range(1, 9), 0, 0))
-        return join(*args, order, 3, 1, decide)
-
-    def no(runs, short_rows):
-        asked.append((runs, short_rows))
-        return False
-
-    def fails(runs, short_rows):
-        raise RuntimeError("the cost model failed")
-
-    lib.calls.clear()
-    assert call(no) == (2, 1) and asked == [(2, 1)]
-    with pytest.raises(RuntimeError, match="cost model"):
-        call(fails)
-    with pytest.raises(TypeError, match="callable"):
-        call(5)
-    assert lib.calls == []
-    assert call(lambda runs, short_rows: asked.append((runs, short_rows)) or True) is None
-    assert asked[-1] == (2, 1)
-    assert host.view(np.int32)[:6].tolist() == [4, 5, 6, 9, 3, 4]
-    assert [c[0] for c in lib.calls] == ["memcpy", "launch"]
-    lib.calls.clear()
-    assert call(None, order=True) == (2, 1), "no decide: declined (3 4 / 9 sorted: no fewer runs, so as given)"
-    assert lib.calls == []
-
-
 def test_declined_offers_back_off_and_a_taken_one_resets(monkeypatch):
-    """A launch the joined path declines (the cost model stages it) costs a join and an event for
+    """A launch the joined path declines (its host rows in runs) costs a join and an event for
     nothing: the next offers are skipped, 1, 2, 4... launches after each decline; one taken
     offers every launch again."""
     launches = Launches(monkeypatch)
-    jobs = launches.jobs(Direction.STORE, [([5, 9], [30, 3])])
-    launches.backend.cost.sm_penalty = 1e4  # expand_direct never cheaper: expand_staged
+    in_runs = launches.jobs(Direction.STORE, [([5, 9, 2], [30, 31, 32])])
     offered = []
     for _ in range(10):
-        offered.append(launches.joined(jobs)[1] != [])  # an offer made records the keepalive marker
+        offered.append(launches.joined(in_runs)[1] != [])  # an offer made records the keepalive marker
     assert offered == [True, False, True, False, False, True, False, False, False, False]
-    launches.backend.cost.sm_penalty = 2.0
+    apart = launches.jobs(Direction.STORE, [([5, 9], [30, 3])])
     for _ in range(3):
-        launches.joined(jobs)  # the skips run out; then taken
-    assert [launches.joined(jobs)[0] for _ in range(3)] == ["expand_direct"] * 3
+        launches.joined(apart)  # the skips run out; then taken
+    assert [launches.joined(apart)[0] for _ in range(3)] == ["expand_direct"] * 3
 
 
 def test_a_full_ring_leaves_the_jobs_to_copy_blocks_without_backing_off(monkeypatch):

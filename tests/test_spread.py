@@ -112,18 +112,17 @@ def test_the_joined_launch_counts_and_writes_the_same_on_any_number_of_threads(t
     table = np.zeros(2 * N, dtype=np.int64)
     params = (RING, *range(1, 9), 0, 0)
 
-    def call(least, short, decide=None):
+    def call(least):
         table[:] = -1
         args = (table.ctypes.data, RING, table.nbytes, parts, narrow, 0x77, 0xF00, 1, 128, 0, params)
-        return join(*args, False, least, short, decide)
+        return join(*args, False, least)
 
     for k in THREADS:
         threads(k)
         assert driver.compiled().spread_threads() == k, "the setting reaches the cuda backend's module too"
-        for short in (0, 1, 3, 6):
-            assert call(N + 1, short) == _row_runs(hosts, 1, short), (k, short)
+        assert call(N + 1) == _row_runs(hosts, 1, 0)[0], k
         lib.calls.clear()
-        assert call(N + 1, 2, lambda runs, short_rows: True) is None
+        assert call(0) is None
         written = table.view(np.int32)[: 2 * N] if narrow else table
         assert np.array_equal(written[:N], devs) and np.array_equal(written[N:], hosts), k
         assert [c[0] for c in lib.calls] == ["memcpy", "launch"]

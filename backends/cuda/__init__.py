@@ -309,8 +309,8 @@ class CudaBackend(TorchDeviceBackend):
             return self._blocks.copy(job, prepared, stream, after, held, forced)
 
     def copy_jobs(self, jobs, prepared, stream, after) -> str | None:
-        # Only where copy_blocks would choose for itself: small simple jobs then go to
-        # expand_direct joined by one compiled call (`BlockCopier.join_plan`).
+        # Only where copy_blocks would choose for itself: simple jobs of a class the tuner
+        # decided for expand_direct go joined by one compiled call (`BlockCopier.join_plan`).
         forced = TABLE.get(self.mechanism)
         if prepared is None or (forced is not None and not forced.takes_batches):
             return None

@@ -290,20 +290,16 @@ done:
 
 PyDoc_STRVAR(join_launch_doc,
              "join_launch(get, push, pop, memcpy, launch, context, host, device, room, parts, narrow, stream,\n"
-             "            function, grid, threads, shared, params, order, least_runs, short[, decide])\n"
-             "    -> None, (runs, rows_in_short_runs) or (what, code)\n"
+             "            function, grid, threads, shared, params, order, least_runs) -> None, runs or (what, code)\n"
              "\n"
              "`table_launch` of jobs joined into one table, as `CompactJob.concat` and `in_host_order`\n"
              "join and order them: `parts` is (devs, hosts), two sequences of as many C-contiguous int64\n"
              "arrays, the i-th of each of one length; the table is the devs joined, then the hosts joined,\n"
              "the pairs put in ascending (stable) host order where `order` and that makes fewer runs of\n"
              "consecutive hosts (as `host_order` does). Where the hosts then make fewer than `least_runs`\n"
-             "runs, it counts how many hosts the runs of at most `short` hosts hold (as `row_runs` counts\n"
-             "them) and calls `decide(runs, rows_in_short_runs)` where given: where that is true it goes\n"
-             "on, otherwise (or with no `decide`) it returns the two counts, having called nothing (the\n"
-             "hosts may be written at `host`, which is the caller's); otherwise as `table_launch`.\n"
-             "Raises TypeError, ValueError or MemoryError, having called nothing, for arguments outside\n"
-             "these rules, and what `decide` raises.");
+             "runs, it returns their count, having called nothing (the hosts may be written at `host`,\n"
+             "which is the caller's); otherwise as `table_launch`. Raises TypeError, ValueError or\n"
+             "MemoryError, having called nothing, for arguments outside these rules.");
 
 /* One job's ids, where the table's columns come from (the jobs' own arrays, or their joined and
  * sorted copies). */
@@ -318,31 +314,20 @@ static uint64_t host_at(const Part *p, Py_ssize_t i) {
     return p->host[i];
 }
 
-/* One part of a pass over rows [lo, hi) of the joined parts: runs of consecutive hosts that start
- * there (a row starts one where it is the first or its host is not the one before plus 1), and
- * how their lengths fall, for `parts_runs` to join with the parts before and after: the length of
- * the first segment (up to the first start after lo, or hi), whether lo itself starts a run,
- * whether one starts after lo, and if so the hosts of the runs wholly between those starts that
- * are at most `shortest` long, and the last segment's length. Where `out` is given, the hosts'
+/* One part of `parts_runs`: the rows [lo, hi) of the joined parts that start a run of consecutive
+ * hosts (the first row, or a host not the one before plus 1); where `out` is given, the hosts'
  * column of the table there is written on the same pass. */
-typedef struct {
-    Py_ssize_t starts, head, inner, tail;
-    int lo_starts, split;
-} Runs;
-
 typedef struct {
     const Part *p;
     Py_ssize_t m, n;
-    long long shortest;
     void *out;
     int narrow;
-    Runs runs[MOST_PARTS];
+    Py_ssize_t starts[MOST_PARTS];
 } RunsPass;
 
 static void runs_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     RunsPass *c = ctx;
-    Runs r = {0, 0, 0, 0, lo == 0, 0};
-    Py_ssize_t last = lo; /* where the segment under way began */
+    Py_ssize_t starts = 0;
     uint64_t prev = lo > 0 ? host_at(c->p, lo - 1) : 0;
     for (Py_ssize_t k = 0, at = 0; k < c->m && at < hi; at += c->p[k].n, k++) {
         Py_ssize_t from = lo > at ? lo - at : 0, to = hi - at < c->p[k].n ? hi - at : c->p[k].n;
@@ -357,54 +342,23 @@ static void runs_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
                 else
                     o64[i] = h[i];
             }
-            Py_ssize_t row = at + i;
-            if (row == 0 || h[i] - prev != 1) {
-                r.starts++;
-                if (row == lo) {
-                    r.lo_starts = 1;
-                } else {
-                    if (!r.split)
-                        r.head = row - last, r.split = 1;
-                    else if (row - last <= c->shortest)
-                        r.inner += row - last;
-                    last = row;
-                }
-            }
+            starts += at + i == 0 || h[i] - prev != 1;
             prev = h[i];
         }
     }
-    if (r.split)
-        r.tail = hi - last;
-    else
-        r.head = hi - lo;
-    c->runs[part] = r;
+    c->starts[part] = starts;
 }
 
 /* Runs of consecutive hosts over the parts in turn, as `offload_runs_of` counts them in the joined
- * hosts; where `in_short` is given, also how many hosts the runs of at most `shortest` hold, and
- * where `out` is given, the hosts written on the same pass as column 1 of the `n`-row table there
- * (as `write_parts` writes it). The ids are memory-bound (a million are 8 MB): many of them are
- * spread over threads, each part's runs joined with its neighbours' at the end. */
-static Py_ssize_t parts_runs(const Part *p, Py_ssize_t m, long long shortest, Py_ssize_t *in_short, void *out,
-                             int narrow, Py_ssize_t n) {
-    RunsPass c = {p, m, n, shortest, out, narrow, {{0}}};
+ * hosts; where `out` is given, the hosts written on the same pass as column 1 of the `n`-row table
+ * there (as `write_parts` writes it). The ids are memory-bound (a million are 8 MB): many of them
+ * are spread over threads. */
+static Py_ssize_t parts_runs(const Part *p, Py_ssize_t m, void *out, int narrow, Py_ssize_t n) {
+    RunsPass c = {p, m, n, out, narrow, {0}};
     int parts = offload_parts(n);
     offload_spread(n, parts, runs_part, &c);
-    Py_ssize_t runs = 0, held = 0, open = 0; /* open: the length of the run not yet ended */
-    for (int k = 0; k < parts; k++) {
-        const Runs *r = &c.runs[k];
-        runs += r->starts;
-        if (r->lo_starts) {
-            held += open > 0 && open <= shortest ? open : 0;
-            open = 0;
-        }
-        open += r->head;
-        if (r->split) {
-            held += (open <= shortest ? open : 0) + r->inner;
-            open = r->tail;
-        }
-    }
-    if (in_short != NULL) *in_short = held + (open > 0 && open <= shortest ? open : 0);
+    Py_ssize_t runs = 0;
+    for (int k = 0; k < parts; k++) runs += c.starts[k];
     return runs;
 }
 
@@ -440,22 +394,13 @@ static void write_parts(void *out, int narrow, Py_ssize_t j, Py_ssize_t n, const
 
 static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     static const char who[] = "join_launch";
-    if (!offload_arity(who, nargs, 20, 21)) return NULL;
+    if (!offload_arity(who, nargs, 19, 19)) return NULL;
     Launch l;
     if (parse_launch(who, args, &l) < 0) return NULL;
     int order = PyObject_IsTrue(args[17]);
     if (order < 0) return NULL;
     Py_ssize_t least = PyLong_AsSsize_t(args[18]);
     if (least == -1 && PyErr_Occurred()) return NULL;
-    int overflow = 0;
-    long long shortest = PyLong_AsLongLongAndOverflow(args[19], &overflow); /* saturates, as row_runs' */
-    if (shortest == -1 && PyErr_Occurred()) return NULL;
-    if (overflow) shortest = overflow > 0 ? LLONG_MAX : -1;
-    PyObject *decide = nargs > 20 && args[20] != Py_None ? args[20] : NULL;
-    if (decide != NULL && !PyCallable_Check(decide)) {
-        PyErr_Format(PyExc_TypeError, "%s: decide must be callable or None", who);
-        return NULL;
-    }
     PyObject *parts = NULL, *devs = NULL, *hosts = NULL, *params = NULL, *result = NULL;
     Py_buffer *views = NULL;
     Part *p = NULL;
@@ -507,9 +452,7 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
      * given, the hosts' column is written on the pass that counts their runs (memory-bound: a
      * million ids are 8 MB), before the choice: the reserved memory is this call's either way. */
     int sorting = order && n >= 2, hosts_written = !sorting;
-    Py_ssize_t in_short = -1;
-    Py_ssize_t runs = sorting ? parts_runs(p, m, 0, NULL, NULL, 0, n)
-                              : parts_runs(p, m, shortest, &in_short, l.host, l.narrow, n);
+    Py_ssize_t runs = parts_runs(p, m, sorting ? NULL : l.host, l.narrow, n);
     if (sorting && runs > 1) {
         if ((joined = malloc(4 * (size_t)n * 8)) == NULL) { /* sorted hosts, devs, and the sort's scratch */
             PyErr_NoMemory();
@@ -525,19 +468,8 @@ static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (sorted_runs < runs) p[0] = (Part){sd, sh, n}, m = 1, runs = sorted_runs;
     }
     if (runs < least) {
-        if (in_short < 0) parts_runs(p, m, shortest, &in_short, NULL, 0, n);
-        int go = 0;
-        if (decide != NULL) { /* the caller's cost model, on the counts: one pass over the ids, not two */
-            PyObject *said = PyObject_CallFunction(decide, "nn", runs, in_short);
-            if (said == NULL) goto done;
-            go = PyObject_IsTrue(said);
-            Py_DECREF(said);
-            if (go < 0) goto done;
-        }
-        if (!go) {
-            result = Py_BuildValue("nn", runs, in_short);
-            goto done;
-        }
+        result = PyLong_FromSsize_t(runs);
+        goto done;
     }
     write_parts(l.host, l.narrow, 0, n, p, m, 0);
     if (!hosts_written) write_parts(l.host, l.narrow, 1, n, p, m, 1);

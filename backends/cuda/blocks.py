@@ -40,40 +40,26 @@ import numpy as np
 from offload_core.backend import Direction
 from offload_core.backends.cuda import kernels, tuning
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
-from offload_core.backends.cuda.select import CostModel
+from offload_core.backends.cuda.select import CostModel, cheapest
 from offload_core.backends.cuda.staging import PerStream, StagingHalves
 from offload_core.compact import SORTED_BLOCKS, CompactJob, CompactLayout
 
-# The cost model's prior for `auto` (`BlockCopier.choose`), which the tuner then measures
-# against its near rivals (`tuning`). Its rules and their reasons; the H200 measurements behind
-# each number are in the git history of this file and of docs/dev/cuda-tuning-log.md.
-#
-# Segments averaging more than twice this keep the copy engines at link speed, and the batch
-# call's host time per segment hides behind the link: staging wins, expand_direct is not weighed.
-SEGMENT_BYTES = 16384
-# Jobs averaging at most this are bound by the host's time per job, which expand_direct keeps
-# least (no batched copy per host row, no staging pieces): they go there where their host rows
-# stay mostly apart (rows in runs cost staging one copy per run and leave the SMs alone), on few
-# programs (`direct_programs`), since each holds an SM while its bytes cross the link. Loads
-# need more requests in flight than stores; pages under `SIZED_PAGE` move slower per program and
-# keep the backend's count, but long-row stores of them, bound by the link, take fewer.
-HOST_BOUND_BYTES = 1 << 20
+# How many programs an ``expand_direct`` launch takes (`BlockCopier.direct_programs`): each
+# holds an SM while its bytes cross the link, so as few as keep up with it. Loads need more
+# requests in flight than stores; pages under `SIZED_PAGE` move slower per program and keep the
+# backend's count, but long-row stores of them, bound by the link, take fewer.
+HOST_BOUND_BYTES = 1 << 20  # jobs averaging at most this are bound by the host's time per job
 LONG_ROW_BYTES = 4096
 SIZED_PAGE = 1024  # the smallest entry whose jobs `direct_programs` sizes
 STORE_BYTES_PER_PROGRAM = 512 << 10  # then a store takes one program per this much of a job
 MIN_STORE_PROGRAMS = 2
 SMALL_LOAD_PROGRAMS = 8  # and a small load these
 SMALL_PAGE_STORE_PROGRAMS = 4  # a store of smaller pages averaging more than HOST_BOUND_BYTES a job
-# Stores up to this of entries from SIZED_PAGE to DIRECT_STORE_PAGE, host rows apart, go direct
-# on MIN_STORE_PROGRAMS too: staging pays a batched copy per host row, more host time than the
-# link takes, where two programs keep up with the link.
+# Stores up to this of entries from SIZED_PAGE to DIRECT_STORE_PAGE keep up with the link on
+# MIN_STORE_PROGRAMS.
 DIRECT_STORE_BYTES = 4 << 20
 DIRECT_STORE_PAGE = 4096
-# Copies each large enough for the copy engines (the smallest entry at least 2 x SEGMENT_BYTES)
-# with at most this many to a host segment (one tensor's pages scattered over the host): staging
-# would join nothing, so they go host-expanded, straight between pages and rows.
-GATHER_PIECES = 4
-DEFAULT_SM_PENALTY = CostModel.__dataclass_fields__["sm_penalty"].default  # raised: spare the SMs
+DEFAULT_SM_PENALTY = CostModel.__dataclass_fields__["sm_penalty"].default
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
 JOIN_BACKOFF = 64  # launches that go to `BlockCopier.copy` at most after a declined joined launch
 # `expand_split`'s share of a store's blocks sent direct (the rest staged at once): the SMs and
@@ -175,53 +161,20 @@ class BlockCopier:
             prepared.direct_ok = span > 0 and self.backend.addressable(np.array([layout.host_base]), np.array([span]))
         return prepared.direct_ok
 
-    def choose(self, job: CompactJob, prepared: Prepared, summary: tuple[int, int] | None = None) -> JobMechanism:
-        """``expand_direct`` for small jobs (`HOST_BOUND_BYTES` on average; stores of pages from
-        `SIZED_PAGE` to `DIRECT_STORE_PAGE` up to `DIRECT_STORE_BYTES`) whose host rows stay
-        mostly apart (segments at least half the rows), where the rows are addressable and the
-        cost model's SM penalty is not raised above its default (where it is lowered below it,
-        stores of those pages up to `HOST_BOUND_BYTES` only; larger ones, their rows apart, go
-        to ``expand_split``: `_splits`). Otherwise what the cost model
-        (`select.CostModel.estimate_job`) finds cheaper: ``expand_staged``, or ``expand_direct``
-        where the host rows are addressable and the segments too small for the copy engines, or,
-        on loads, mostly small enough that the batch call moves them through the CPU (ties go to
-        staging, which leaves the SMs alone). Where a host row does not fit a staging half:
-        ``expand_direct`` if it is addressable and cheaper, else ``ce_batch`` (host-expanded);
-        where staging's gather would join nothing (`GATHER_PIECES`), ``ce_batch`` too.
-        `summary`: the job's `CompactLayout.segment_summary`, where the caller has it."""
-        cost, d = self.backend.cost, job.direction.value
-        if prepared.layout.row_bytes > self.half_bytes:  # staging cannot hold a row
-            if self.direct_ok(prepared) and (
-                cost.estimate_job("expand_direct", d, job.items, job.nbytes, 0)
-                < 0.98 * cost.estimate("ce_batch", d, max(1, job.items), job.nbytes)
-            ):
-                return EXPAND_DIRECT
-            return HOST_EXPANDED
-        count, small = summary or prepared.layout.segment_summary(job, self._small_limit(job.direction))
-        if self._host_bound(job, count) and self.direct_ok(prepared):
-            return EXPAND_DIRECT
+    def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
+        """The cost model's pick for `job`, which auto takes alone without a tuner and measures
+        its rivals against with one (`_tuned`): the cheapest of `_estimates` (`select.cheapest`:
+        on a near tie the copy engines, which leave the SMs to the model), or ``expand_split``
+        where the operator lowered the SM penalty (`_splits`)."""
+        count, small = prepared.layout.segment_summary(job, self._small_limit(job.direction))
         if self._splits(job, count) and self.direct_ok(prepared):
             return EXPAND_SPLIT
-        if self._nothing_to_gather(job.layout, job.items, count):
-            return HOST_EXPANDED
-        if self._direct_by_cost(job.direction, job.items, job.nbytes, count, small) and self.direct_ok(prepared):
-            return EXPAND_DIRECT
-        return EXPAND_STAGED
+        return _BY_NAME[cheapest(self._estimates(job.direction, prepared, job.items, job.nbytes, count, small))]
 
     def _small_limit(self, direction: Direction) -> int:
         """Loads: segments this small the batch call moves through the CPU (their bytes weigh in
         the cost model); stores: none."""
         return self.backend.cost.inline_h2d_bytes if direction is Direction.LOAD else 0
-
-    def _direct_by_cost(self, direction: Direction, items: int, nbytes: int, count: int, small: int) -> bool:
-        """`choose`'s second rule, on a job's `count` segments, `small` bytes of them small
-        (`_small_limit`): ``expand_direct`` where the segments are too small for the copy engines,
-        or on loads mostly small enough for the CPU, and the cost model finds it cheaper."""
-        if not count or (nbytes > 2 * SEGMENT_BYTES * count and 2 * small < nbytes):
-            return False
-        cost, d = self.backend.cost, direction.value
-        staged = cost.estimate_job("expand_staged", d, items, nbytes, count, small)
-        return cost.estimate_job("expand_direct", d, items, nbytes, count) < 0.98 * staged
 
     def _splits(self, job: CompactJob, segments: int) -> bool:
         """Whether auto sends `job` to ``expand_split``: jobs `_split_sized`, their host rows
@@ -239,34 +192,6 @@ class BlockCopier:
         if self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY or not _mid_sized_store(direction, layout):
             return False
         return nbytes > HOST_BOUND_BYTES * max(1, jobs)
-
-    def _host_bound(self, job: CompactJob, segments: int) -> bool:
-        """Whether `job`'s jobs are small enough that the host's time per job binds them (or, for
-        stores of mid-sized pages, staging's), its host rows mostly apart, and the SMs not spared
-        (`HOST_BOUND_BYTES`, `DIRECT_STORE_BYTES`)."""
-        splittable = self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY or bool(self.split_at(job))
-        small = self._small_jobs(job.direction, job.layout, job.nbytes, job.jobs, splittable)
-        return small and 2 * segments >= job.host_ids.size
-
-    @staticmethod
-    def _nothing_to_gather(layout: CompactLayout, items: int, segments: int) -> bool:
-        """Whether each of a job's `items` copies fills the copy engines (its layout's smallest
-        entry does) and its `segments` hold at most `GATHER_PIECES` of them on average: staging
-        would join nothing worth its pass."""
-        return layout.smallest >= 2 * SEGMENT_BYTES and 0 < items <= GATHER_PIECES * segments
-
-    def _small_jobs(
-        self, direction: Direction, layout: CompactLayout, nbytes: int, jobs: int, splittable: bool = True
-    ) -> bool:
-        """`_host_bound` without its look at the host rows: `jobs` jobs of `layout` of `nbytes`
-        all told, which `split_at` can split or not (`splittable`)."""
-        penalty = self.backend.cost.sm_penalty
-        if penalty > DEFAULT_SM_PENALTY:
-            return False
-        # below the default, the stores that are not bound by the host split instead (`_splits`)
-        mid_sized = _mid_sized_store(direction, layout) and (penalty == DEFAULT_SM_PENALTY or not splittable)
-        limit = DIRECT_STORE_BYTES if mid_sized else HOST_BOUND_BYTES
-        return nbytes <= limit * max(1, jobs)
 
     def direct_programs(self, job: CompactJob, prepared: Prepared) -> int:
         """Programs of an ``expand_direct`` launch, at most the backend's. Where its pages are
@@ -347,8 +272,7 @@ class BlockCopier:
         ``expand_split`` (the operator lowered the SM penalty) is never put on trial."""
         self.timings.collect()
         layout = prepared.layout
-        summary = layout.segment_summary(job, self._small_limit(job.direction))
-        count, small = summary
+        count, small = layout.segment_summary(job, self._small_limit(job.direction))
         per_job, d = job.nbytes // max(1, job.jobs), job.direction.value
         key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids.size, count, job.nbytes)
         winner = self.tuner.decided(key)
@@ -360,11 +284,10 @@ class BlockCopier:
             and self._runs_here(winner, prepared)
         ):
             return _BY_NAME[winner], key, False
-        prior = self.choose(job, prepared, summary)
-        if prior is EXPAND_SPLIT:
-            return prior, key, False
-        estimates = self._estimates(job, prepared, count, small)
-        name, timed = self.tuner.pick(key, tuning.candidates(estimates, prior.name), self.timings.room())
+        if self._splits(job, count) and self.direct_ok(prepared):
+            return EXPAND_SPLIT, key, False
+        estimates = self._estimates(job.direction, prepared, job.items, job.nbytes, count, small)
+        name, timed = self.tuner.pick(key, tuning.candidates(estimates, cheapest(estimates)), self.timings.room())
         return _BY_NAME[name], key, timed
 
     def _runs_here(self, name: str, prepared: Prepared) -> bool:
@@ -375,28 +298,34 @@ class BlockCopier:
             return self.direct_ok(prepared)
         return name == HOST_EXPANDED.name
 
-    def _estimates(self, job: CompactJob, prepared: Prepared, count: int, small: int) -> dict[str, float]:
-        """The cost model's seconds for `job` by each mechanism that can move it here."""
-        cost, d = self.backend.cost, job.direction.value
-        out = {HOST_EXPANDED.name: cost.estimate("ce_batch", d, max(1, job.items), job.nbytes)}
+    def _estimates(
+        self, direction: Direction, prepared: Prepared, items: int, nbytes: int, count: int, small: int
+    ) -> dict[str, float]:
+        """The cost model's seconds for a launch of `items` copies and `nbytes` whose host bytes
+        form `count` segments (`small` bytes of them of at most `_small_limit`), by each mechanism
+        that can move it here, the copy engines' first (`select.cheapest`'s order on a tie)."""
+        cost, d = self.backend.cost, direction.value
+        out = {}
         if prepared.layout.row_bytes <= self.half_bytes:
-            out[EXPAND_STAGED.name] = cost.estimate_job("expand_staged", d, job.items, job.nbytes, count, small)
+            out[EXPAND_STAGED.name] = cost.estimate_job("expand_staged", d, items, nbytes, count, small)
+        out[HOST_EXPANDED.name] = cost.estimate("ce_batch", d, max(1, items), nbytes)
         if self.direct_ok(prepared):
-            out[EXPAND_DIRECT.name] = cost.estimate_job("expand_direct", d, job.items, job.nbytes, count)
+            out[EXPAND_DIRECT.name] = cost.estimate_job("expand_direct", d, items, nbytes, count)
         return out
 
     def join_plan(self, jobs: list[CompactJob], prepared: Prepared | None) -> tuple | None:
         """How to enqueue consecutive simple jobs as `copy` would enqueue them joined, in host
-        order (`CompactJob.concat`, `in_host_order`), where `choose` sends them to
-        ``expand_direct`` (whole host rows that fit a staging half): joined, ordered, counted and
-        launched by one compiled call, without building the joined job. Returns the arguments of
-        `DescriptorRing.join_launch` after the stream: its `least_runs` is `_host_bound`'s rule,
-        its `decide` `_direct_by_cost` on the runs counted; or None where that cannot be so, or
-        the call cannot be made (no compiled step, the build not launchable by hand yet, the
-        last offers declined: `joined`). Enqueues nothing."""
+        order (`CompactJob.concat`, `in_host_order`), where auto sends them to ``expand_direct``
+        (whole host rows that fit a staging half): joined, ordered and launched by one compiled
+        call, without building the joined job. Auto sends them there where the tuner decided
+        their shape class (host rows apart, as given) for it; the call declines where the rows
+        then come in runs (another class). Returns the arguments of `DescriptorRing.join_launch`
+        after the stream; or None where that cannot be so, or the call cannot be made (no
+        compiled step, the build not launchable by hand yet, the last offers declined:
+        `joined`). Enqueues nothing."""
         b = self.backend
-        if prepared is None or not b._ring.joins:
-            return None
+        if self.tuner is None or prepared is None or not b._ring.joins:
+            return None  # without a tuner, `copy` weighs each launch's own segments
         direction = jobs[0].direction
         layout = prepared.layout
         if not prepared.whole_rows[direction] or layout.row_bytes > self.half_bytes:
@@ -405,26 +334,16 @@ class BlockCopier:
         if backoff[0]:  # the last offers were declined (`joined`): the next few go to `copy` at once
             backoff[0] -= 1
             return None
-        n = nbytes = count = items = 0
+        n = nbytes = count = 0
         for job in jobs:
             if not job.simple:
                 return None
-            n, nbytes, count, items = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs, items + job.items
-        if self._split_sized(direction, layout, nbytes, count):  # `choose` may split them: not here
-            return None
-        if self.tuner is not None:
-            # joined launches are not timed: they go direct only once the class (rows apart, as
-            # the join takes them) has been decided for it, the trials through `copy` meanwhile
-            per_job = nbytes // max(1, count)
-            key = tuning.shape_class(direction.value, layout.smallest, layout.row_bytes, per_job, n, n, nbytes)
-            if self.tuner.decided(key) != EXPAND_DIRECT.name:
-                return None
-        row = layout.row_bytes
-        short = int(self._small_limit(direction)) // row  # rows in a segment small enough to count
-        host_bound = self._small_jobs(direction, layout, nbytes, count)
-        if not host_bound and nbytes > 2 * SEGMENT_BYTES * n and not short:  # staged or host-expanded
-            return None
-        if not self.direct_ok(prepared):
+            n, nbytes, count = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs
+        if self._split_sized(direction, layout, nbytes, count) or not self.direct_ok(prepared):
+            return None  # `choose` may split them: not here
+        # joined launches are not timed: the trials go through `copy`
+        key = tuning.shape_class(direction.value, layout.smallest, layout.row_bytes, nbytes // count, n, n, nbytes)
+        if self.tuner.decided(key) != EXPAND_DIRECT.name:
             return None
         raw = kernels.raw_expansion(
             b._ring,
@@ -436,22 +355,16 @@ class BlockCopier:
             prepared.per_block,
             direction is Direction.STORE,
             layout.largest,
-            self._programs(direction, layout, nbytes, count, row),
-            (layout.host_base, row, True),
+            self._programs(direction, layout, nbytes, count, layout.row_bytes),
+            (layout.host_base, layout.row_bytes, True),
             prepared.narrow,
             b.device_index,
         )
         if raw is None:
             return None
-
-        def decide(runs: int, short_rows: int) -> bool:  # `choose`'s rules after the first, in its order
-            if self._nothing_to_gather(layout, items, runs):
-                return False
-            return self._direct_by_cost(direction, items, nbytes, runs, short_rows * row)
-
         parts = ([job.dev_ids for job in jobs], [job.host_ids for job in jobs])
-        least = -(-n // 2) if host_bound else n + 1  # runs: segments at least half the rows; n + 1: never
-        return (parts, prepared.narrow, 2 <= n <= SORTED_BLOCKS, least, short, decide, *raw)
+        # fewer runs than half the rows: the class of rows in runs (`tuning.shape_class`)
+        return (parts, prepared.narrow, 2 <= n <= SORTED_BLOCKS, -(-n // 2), *raw)
 
     @staticmethod
     def joined(prepared: Prepared, direction: Direction, launched: bool) -> None:

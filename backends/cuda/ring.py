@@ -34,7 +34,7 @@ class DescriptorRing:
             shared, params) -> None``, the table's upload and a kernel's launch in one call
             (`upload_launch`), or None where there is none.
         join: the same for simple jobs' columns joined on the way (`join_launch`), taking
-            ``(devs, hosts)`` for the columns and ``order, least_runs, short, decide`` after the
+            ``(devs, hosts)`` for the columns and ``order, least_runs`` after the
             params and returning None or the runs it counted where it declined
             (`_driver.join_launch`), or None.
     """
@@ -118,8 +118,6 @@ class DescriptorRing:
         narrow: bool,
         order: bool,
         least_runs: int,
-        short: int,
-        decide,
         function: int,
         grid: int,
         threads: int,
@@ -128,12 +126,10 @@ class DescriptorRing:
     ) -> bool | None:
         """`upload_launch` of a table of two columns joined from `parts`, ``(devs, hosts)``: lists
         of int64 arrays, the i-th of each of one length (simple jobs' ids), the pairs in host
-        order on the way where `order` makes fewer runs of consecutive hosts. Where the hosts
-        then make fewer than `least_runs` runs, ``decide(runs, rows_in_runs_of_at_most_short)``
-        says whether to launch after all (the compiled call asks it, on one pass over the ids).
-        Returns True where it launched; False where `decide` said no, None where the ring has no
-        room for the table (see `_reserve`): both with nothing enqueued (the caller then takes
-        its general path).
+        order on the way where `order` makes fewer runs of consecutive hosts. Returns True where
+        it launched; False where the hosts then make fewer than `least_runs` runs (rows in runs:
+        another shape class), None where the ring has no room for the table (see `_reserve`):
+        both with nothing enqueued (the caller then takes its general path).
 
         Raises:
             CudaDriverError: the upload or the launch failed (nothing is launched after a failed upload).
@@ -157,7 +153,7 @@ class DescriptorRing:
             shared,
             (dev, *params),
         )
-        return self._join(*args, order, least_runs, short, decide) is None  # else declined: `decide` said no
+        return self._join(*args, order, least_runs) is None  # else declined: the runs it counted
 
     def _region(self, entries: int) -> tuple:
         """``(flat, host, device, keep)`` for `entries` int64 entries: a numpy view of the host

@@ -104,13 +104,8 @@ class CostModel:
         return max(self.ce_desc_s[direction], size / (self.ce_gbps[direction] * 1e9) + self.ce_tail_s)
 
     def choose(self, direction: str, n: int, nbytes: int, available: tuple[str, ...]) -> str:
-        """The cheapest available mechanism."""
-        best, best_t = available[0], float("inf")
-        for mech in available:
-            t = self.estimate(mech, direction, n, nbytes, sm_weight=self.sm_penalty)
-            if t < best_t * 0.98:  # ties go to the earlier (copy-engine) mechanism: it leaves SMs alone
-                best, best_t = mech, t
-        return best
+        """The cheapest available mechanism (`cheapest`, in the order of `available`)."""
+        return cheapest({m: self.estimate(m, direction, n, nbytes, sm_weight=self.sm_penalty) for m in available})
 
     # ---- profiles ----------------------------------------------------------
 
@@ -133,6 +128,16 @@ class CostModel:
         for name, value in known.items():
             _check_field(name, value, getattr(defaults, name))
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in known.items()})
+
+
+def cheapest(estimates: dict[str, float]) -> str:
+    """The cheapest of `estimates` (seconds by name), where one later in their order must be 2%
+    cheaper to win: near ties go to the earlier (the copy engines', which leave the SMs alone)."""
+    best, best_t = "", math.inf
+    for name, t in estimates.items():
+        if not best or t < best_t * 0.98:
+            best, best_t = name, t
+    return best
 
 
 def _number(value, positive: bool) -> bool:
