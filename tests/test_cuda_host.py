@@ -71,8 +71,8 @@ def rated(seconds, **fields):
     model = CostModel(**fields)
     model.asked = []
 
-    def estimate(mechanism, direction, n, nbytes, sm_weight=1.0):
-        model.asked.append((mechanism, sm_weight))
+    def estimate(mechanism, direction, n, nbytes, weigh=False):
+        model.asked.append((mechanism, weigh))
         return seconds[mechanism]
 
     model.estimate = estimate
@@ -95,10 +95,20 @@ def test_the_cost_model_chooses_the_cheapest_available_the_earlier_on_a_tie(seco
     assert [a[0] for a in model.asked] == list(available)
 
 
-def test_sm_time_counts_the_penalty_in_the_choice():
+def test_sm_time_is_weighed_in_the_choice():
     model = rated(dict.fromkeys(MECHANISMS, 1.0), sm_penalty=3.5)
     model.choose("load", 64, 1 << 20, ("ce_batch", "sm_gather"))
-    assert model.asked == [("ce_batch", 3.5), ("sm_gather", 3.5)]
+    assert model.asked == [("ce_batch", True), ("sm_gather", True)]
+
+
+@pytest.mark.parametrize("penalty", [3.0, 0.5])
+def test_a_launch_that_holds_sms_counts_its_penalty_by_its_length(penalty):
+    """Brief launches hardly (the model's kernels wait for them briefly), those of SM_HOLD_S
+    and longer in full; the same rule for a lowered penalty (the engine prefers its link)."""
+    model = CostModel(sm_penalty=penalty)
+    assert model.sm_weight(0.0) == 1.0
+    assert model.sm_weight(select.SM_HOLD_S / 2) == pytest.approx((1 + penalty) / 2)
+    assert model.sm_weight(select.SM_HOLD_S) == model.sm_weight(50 * select.SM_HOLD_S) == pytest.approx(penalty)
 
 
 def free(**fields) -> CostModel:
@@ -120,12 +130,13 @@ def test_the_estimates_add_the_host_time_where_it_does_not_hide_behind_the_copie
     )
     # ce_loop: a host call per copy
     assert free(loop_s_per_desc=3e-6).estimate("ce_loop", "load", n, nbytes) == pytest.approx(n * 3e-6)
-    # sm_gather's device time counts `sm_weight` times; expand_direct's, the penalty's
-    sm = free(launch_s=1e-3)
-    assert sm.estimate("sm_gather", "load", n, nbytes, sm_weight=3.0) == pytest.approx(3e-3)
+    # the device time of sm_gather (where weighed) and of expand_direct, weighed for the SMs they hold
+    sm = free(launch_s=1e-3, sm_penalty=3.0)
+    assert sm.estimate("sm_gather", "load", n, nbytes) == pytest.approx(1e-3)
+    assert sm.estimate("sm_gather", "load", n, nbytes, weigh=True) == pytest.approx(3e-3)
     penalized = [free(sm_gbps={"store": 50.0, "load": 50.0}, sm_penalty=p) for p in (1.0, 3.0)]
-    one, three = (m.estimate_job("expand_direct", "store", n, nbytes, 64) for m in penalized)
-    assert three == pytest.approx(3 * one) and one > 0
+    one, three = (m.estimate_job("expand_direct", "store", n, 64 * nbytes, 64) for m in penalized)
+    assert three == pytest.approx(3 * one) and one > select.SM_HOLD_S  # long: the whole penalty
     for mechanism in ("nosuch", "expand_direct"):
         with pytest.raises(ValueError, match="unknown"):
             free().estimate(mechanism, "store", n, nbytes)
@@ -151,7 +162,7 @@ def test_auto_drops_the_contenders_that_refuse_and_hands_on_what_it_learned():
     dev, sizes = np.arange(5, dtype=np.int64) * 7 * mib, np.full(5, mib, dtype=np.int64)
     name, summary = select.choose(backend, contenders(MECHANISMS), dev, host, sizes, Direction.STORE)
     assert name == "ce_batch" and summary == (mib, True)
-    assert model.asked == [("ce_batch", model.sm_penalty)]  # host memory not addressable: no sm_gather
+    assert model.asked == [("ce_batch", True)]  # host memory not addressable: no sm_gather
     backend.addressable = lambda *args: True
     sizes[3] = mib // 2
     name, summary = select.choose(backend, contenders(MECHANISMS), host, dev, sizes, Direction.LOAD)

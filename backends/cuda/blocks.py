@@ -107,7 +107,12 @@ class BlockCopier:
         self.half_bytes = half_bytes
         self.staging = PerStream(self._staging_for)
         self.tuner = tuner
-        self.timings = tuning.Timings(tuner) if tuner is not None else None
+        self.timings = tuning.Timings(tuner, self._weighed) if tuner is not None else None
+
+    def _weighed(self, name: str, device_s: float) -> float:
+        """A timed launch's device time as the choice counts it: ``expand_direct``'s weighed for
+        the SMs it held (`select.CostModel.sm_weight`), as the cost model weighs its estimate."""
+        return device_s * self.backend.cost.sm_weight(device_s) if name == EXPAND_DIRECT.name else device_s
 
     def _staging_for(self, stream) -> StagingHalves:
         b = self.backend

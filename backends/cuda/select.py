@@ -13,10 +13,12 @@ from the job's direction, descriptor count and bytes:
   plus what a 256-byte copy costs beyond its bytes;
 * ``ce_loop``: a host call per descriptor: only where nothing else exists.
 
-In the choice, ``sm_gather``'s device time counts `sm_penalty` times: it holds SMs for the
-whole transfer (slowing the model's kernels) and shares the link poorly with a job of the
-other direction, which a one-job estimate cannot see. So it wins only where nothing else
-moves a job well: small fragments scattered on the host side too (canonical layouts).
+In the choice, the device time of a mechanism that holds SMs for the whole transfer
+(``sm_gather``, ``expand_direct``) is weighed by `CostModel.sm_weight`: a kernel of the model
+that needs an SM such a launch holds waits for it, so a launch of milliseconds slows each of
+the model's kernels beside it by up to its length (docs/integrations/vllm.md measures it), where
+a brief one costs them next to nothing. The tuner weighs its timings the same way
+(`blocks.BlockCopier`).
 
 The defaults are an H200's (the measurements behind them are in the git history);
 `offload-core calibrate` replaces them with this GPU's.
@@ -34,6 +36,10 @@ from typing import NamedTuple
 import numpy as np
 
 from offload_core.backend import Direction
+
+# A launch that holds SMs this long counts its whole `CostModel.sm_penalty`: about the length
+# of a model's kernels, which wait for the SMs it holds.
+SM_HOLD_S = 100e-6
 
 
 @dataclass
@@ -55,15 +61,15 @@ class CostModel:
     sm_desc_s: dict = field(default_factory=lambda: {"store": 5.3e-9, "load": 5.5e-9})  # a 256 B copy, whole: job / n
     gather_gbps: float = 1350.0  # device-side gather of scattered 16 KiB pages into staging
     gather_desc_s: float = 2.6e-9
-    sm_penalty: float = 2.0  # sm_gather's device time times this, in the choice
+    sm_penalty: float = 2.0  # what a second of a long launch that holds SMs counts in the choice (`sm_weight`)
     launch_s: float = 8e-6  # a kernel launch or a batch call
     upload_s_per_desc: float = 0.3e-9  # two 8-byte columns per descriptor over the link
     loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
     source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit 8932a85"
 
-    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, sm_weight: float = 1.0) -> float:
-        """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total;
-        `sm_weight` multiplies sm_gather's device time (see `sm_penalty`)."""
+    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, weigh: bool = False) -> float:
+        """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total; with
+        `weigh`, sm_gather's device time weighed for the SMs it holds (`sm_weight`)."""
         ce_bw = self.ce_gbps[direction] * 1e9
         if mechanism == "ce_batch":
             device = n * self._ce_per_copy(direction, nbytes / n) + self.launch_s
@@ -72,7 +78,7 @@ class CostModel:
             bw = self.sm_gbps[direction] * 1e9
             per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)
             device = nbytes / bw + n * (per_copy + self.upload_s_per_desc) + self.launch_s
-            return max(device * sm_weight, self.sm_host_s[0] + n * self.sm_host_s[1])
+            return max(device * (self.sm_weight(device) if weigh else 1.0), self.sm_host_s[0] + n * self.sm_host_s[1])
         if mechanism == "ce_loop":
             return n * self.loop_s_per_desc + nbytes / ce_bw
         raise ValueError(f"unknown mechanism {mechanism!r}")
@@ -85,8 +91,8 @@ class CostModel:
         and the copy engines' copies of the segments, pipelined through two staging halves, plus
         the batch call's host time (on loads, also the `small_bytes` in segments of up to
         `inline_h2d_bytes`, at `inline_h2d_gbps`); ``expand_direct`` is ``sm_gather``'s device
-        time for the items, weighed by `sm_penalty` (it holds SMs while the bytes cross the
-        link). Their fixed host time (the upload, the launch, the events) is the same, and left
+        time for the items, weighed for the SMs it holds while the bytes cross the link
+        (`sm_weight`). Their fixed host time (the upload, the launch, the events) is the same, and left
         out."""
         if mechanism == "expand_staged":
             segments = max(1, segments)
@@ -97,15 +103,22 @@ class CostModel:
         if mechanism == "expand_direct":
             bw = self.sm_gbps[direction] * 1e9
             per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)
-            return (nbytes / bw + items * per_copy) * self.sm_penalty
+            seconds = nbytes / bw + items * per_copy
+            return seconds * self.sm_weight(seconds)
         raise ValueError(f"unknown compact-job mechanism {mechanism!r}")
+
+    def sm_weight(self, seconds: float) -> float:
+        """What each second of a launch that holds SMs for `seconds` counts in the choice: 1
+        for a brief launch, rising to `sm_penalty` for one of `SM_HOLD_S` and longer (see the
+        module's docstring)."""
+        return 1.0 + (self.sm_penalty - 1.0) * min(1.0, seconds / SM_HOLD_S)
 
     def _ce_per_copy(self, direction: str, size: float) -> float:
         return max(self.ce_desc_s[direction], size / (self.ce_gbps[direction] * 1e9) + self.ce_tail_s)
 
     def choose(self, direction: str, n: int, nbytes: int, available: tuple[str, ...]) -> str:
         """The cheapest available mechanism (`cheapest`, in the order of `available`)."""
-        return cheapest({m: self.estimate(m, direction, n, nbytes, sm_weight=self.sm_penalty) for m in available})
+        return cheapest({m: self.estimate(m, direction, n, nbytes, weigh=True) for m in available})
 
     # ---- profiles ----------------------------------------------------------
 

@@ -11,7 +11,9 @@ launch (powers of four: jobs submitted back to back share launches, whose fixed 
 the larger they are), and whether the host rows come in runs. Each launch of a class under trial is timed
 by two events around its enqueue on the copy stream (its device time, from the moment the
 stream reaches it) and by the host's clock around the enqueue; its cost is the larger of the
-two per byte, since the host prepares the next launch while the device moves this one.
+two per byte, since the host prepares the next launch while the device moves this one, the
+device time weighed for the SMs the launch held as the cost model weighs it (`Timings`' `weigh`:
+a long launch that holds SMs slows the model's kernels beside it).
 
 Every setting of the search is a module constant here; tests inject timings, not thresholds.
 """
@@ -226,10 +228,12 @@ class Tuner:
 class Timings:
     """Timed launches whose events have not passed yet: each is `(key, name, nbytes, host_s,
     start, end)`, handed to the tuner once `end` has passed (asked without blocking, at the
-    next launch), or dropped where its events report a fault."""
+    next launch), its device time as ``weigh(name, device_s)`` counts it, or dropped where its
+    events report a fault."""
 
-    def __init__(self, tuner: Tuner):
+    def __init__(self, tuner: Tuner, weigh=lambda name, device_s: device_s):
         self.tuner = tuner
+        self.weigh = weigh
         self._pending: list[tuple] = []
 
     def room(self) -> bool:
@@ -251,7 +255,7 @@ class Timings:
                 self.tuner.dropped(key, name)
                 continue
             done += 1
-            self.tuner.observe(key, name, nbytes, host_s, device_s)
+            self.tuner.observe(key, name, nbytes, host_s, self.weigh(name, device_s))
         del self._pending[:done]
 
 
