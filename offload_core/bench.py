@@ -1,7 +1,6 @@
-"""`offload-core bench`: store blocks of a synthetic KV cache to host, load them back elsewhere, verify every byte.
-
-Speeds are reported next to the limit measured in the same run: the best of several single
-copies of the same number of bytes, in each direction, through the same backend.
+"""`offload-core bench`: store blocks of a synthetic KV cache to host, load them back elsewhere, verify
+every byte, and report speeds next to the limit measured in the same run (the best of several single
+copies of the same bytes, each way, through the same backend).
 """
 
 from __future__ import annotations
@@ -64,13 +63,10 @@ def _preset(name: str) -> Preset:
 
 
 def memory_needed(preset: str, blocks: int, backend: str | Backend | None = None) -> dict[str, int]:
-    """Peak memory `run` allocates for `blocks` blocks of `preset` on `backend`.
-
-    `run` holds, at its peak (the limit copies): the KV tensors of ``2 * blocks`` blocks on the
-    device, the worker's host copy of `blocks` blocks, and the limit copies' host and device
-    buffers of `blocks` blocks each: 5 x blocks x ``block_bytes``. The copies made while
-    verifying come and go before the limit buffers are allocated, and the backend's own small
-    buffers (staging, streams) are not counted.
+    """Peak memory `run` allocates for `blocks` blocks of `preset` on `backend`: at the limit copies,
+    the KV tensors of ``2 * blocks`` blocks on the device, the worker's host copy of `blocks` blocks,
+    and the limit copies' host and device buffers of `blocks` blocks each (the backend's own small
+    buffers are not counted).
 
     Returns:
         ``{"host_bytes": ..., "device_bytes": ...}``. A backend whose device is the cpu (the cpu
@@ -90,8 +86,7 @@ def memory_needed(preset: str, blocks: int, backend: str | Backend | None = None
 
 
 def _check_memory(be: Backend, preset: str, blocks: int, blocks_per_job: int) -> dict[str, int]:
-    """Refuse a run that would not fit, before anything is allocated: on the cpu backend the
-    out-of-memory killer would end the process without a word."""
+    """Refuse a run that would not fit before anything is allocated (rather than meet the OOM killer)."""
     need = memory_needed(preset, blocks, be)
     try:
         hostmem.check_host_bytes(need["host_bytes"], f"bench with {blocks} blocks of {preset}")
@@ -138,8 +133,7 @@ def build_kv_caches(preset: Preset, num_blocks: int, backend: Backend) -> KVCach
 
 
 def _limit_gbps(backend: Backend, nbytes: int, host, device) -> dict[str, float]:
-    """The best of `LIMIT_COPIES` single copies of `nbytes` each way, after a warm-up copy: the most
-    this backend can do for one transfer of that size."""
+    """GB/s each way: the best of `LIMIT_COPIES` single copies of `nbytes`, after a warm-up copy."""
     out = {}
     host.fill_(1)  # fault every page in first: untouched memory would read as the shared zero page
     device.fill_(1)
@@ -273,7 +267,7 @@ def run(
 
 
 def _verify(kv: KVCaches, worker: OffloadWorker, blocks: int, bpc: int) -> bool:
-    """Host copies equal the source pages, and loaded pages equal the source pages, for every byte."""
+    """Whether host copies and loaded pages equal the source pages, every byte."""
     import torch
 
     for t, host in zip(kv.tensors, worker.host_tensors):

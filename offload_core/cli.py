@@ -124,13 +124,9 @@ BENCH_COLUMNS = ("direction", "GB/s", "limit GB/s", "of limit", "descriptors/job
 
 
 def bench_report(r: dict) -> tuple[str, list[tuple[str, ...]], list[str]]:
-    """The human-readable form of `bench.run`'s result.
-
-    Returns:
-        The header line, one table row per direction (columns `BENCH_COLUMNS`), and the lines
-        printed under the table: a footnote when a ratio shows above 100% (its cell marked
-        ``*``), then plan+submit time and the verdict.
-    """
+    """The header line, one table row per direction (`BENCH_COLUMNS`) and the lines under the table
+    (a footnote where a ratio shows above 100%, its cell marked ``*``; plan+submit time and the
+    verdict) of `bench.run`'s result."""
     memory = f"{gib(r['host_memory_bytes'])} host"
     if r["device_memory_bytes"]:
         memory += f" and {gib(r['device_memory_bytes'])} device"

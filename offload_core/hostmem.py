@@ -9,6 +9,8 @@ import stat
 from offload_core.errors import InvalidSpecError, OffloadError
 
 _NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as a number near 2**63
+_MAX_READ = 1 << 20  # more than any of these files holds
+_MAX_DEPTH = 64  # cgroups nested deeper are not read (real ones nest a handful deep)
 
 
 def available_host_bytes(root: str = "/") -> int | None:
@@ -19,7 +21,13 @@ def available_host_bytes(root: str = "/") -> int | None:
     Args:
         root: where the kernel's ``proc`` and ``sys`` file systems are mounted.
     """
-    machine = _meminfo_available(os.path.join(root, "proc/meminfo"))
+    machine = None
+    for line in (_read(os.path.join(root, "proc/meminfo")) or b"").splitlines():
+        if line.startswith(b"MemAvailable:"):
+            fields = line.split()
+            kib = _number(fields[1]) if len(fields) > 1 else None
+            machine = None if kib is None else kib * 1024
+            break
     if machine is None:
         try:
             machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -29,22 +37,8 @@ def available_host_bytes(root: str = "/") -> int | None:
     return min((n for n in (machine, group) if n is not None), default=None)
 
 
-def _meminfo_available(meminfo: str) -> int | None:
-    for line in (_read(meminfo) or b"").splitlines():
-        if line.startswith(b"MemAvailable:"):
-            fields = line.split()
-            kib = _number(fields[1]) if len(fields) > 1 else None
-            return None if kib is None else kib * 1024
-    return None
-
-
-_MAX_READ = 1 << 20  # more than any of these files holds
-_MAX_DEPTH = 64  # cgroups nested deeper are not read (real ones nest a handful deep)
-
-
 def _read(path: str) -> bytes | None:
-    """The start of a regular file (at most `_MAX_READ` bytes), or None: a FIFO, a device or a
-    directory in its place is not read, nor waited on."""
+    """The start of a regular file (at most `_MAX_READ` bytes), else None: never waits on a FIFO or device."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (OSError, ValueError):  # ValueError: a NUL in the path
@@ -84,9 +78,8 @@ _V1 = (
 
 
 def _cgroup_headroom(cgroups: str, cgroup_root: str) -> int | None:
-    """The least headroom (limit less usage, page cache counted free) of the process's memory
-    cgroup and every cgroup above it, for cgroup v2 and v1; None where none has a limit or
-    nothing can be read."""
+    """The least headroom (limit less usage, page cache counted free) of the process's memory cgroup
+    and every cgroup above it (v2 and v1); None where none has a limit or nothing can be read."""
     text = _read(cgroups)
     if text is None:
         return None
@@ -105,8 +98,7 @@ def _cgroup_headroom(cgroups: str, cgroup_root: str) -> int | None:
         if len(parts) > _MAX_DEPTH or any(p in (".", "..") for p in parts):  # never read outside the mount
             continue
         for base in bases:
-            # from the process's own cgroup up to the root: a parent's limit binds the children
-            # (inside a container the own cgroup is usually mounted as the root: only that is read)
+            # from the own cgroup up to the root: a parent's limit binds the children
             for depth in range(len(parts), -1, -1):
                 directory = "/".join([base, *parts[:depth]])
                 if directory in seen:

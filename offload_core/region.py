@@ -1,34 +1,22 @@
 """SharedHostRegion: the host memory that the ranks of one engine share, in one file in /dev/shm.
 
-Rows are host blocks, page-aligned. Each row holds either one slot per rank, side by side
-(the direct layout), or one canonical area that every rank writes into (the canonical layout).
-A header at the start records the layout, so that a joiner with other expectations fails
-loudly.
+Rows are page-aligned host blocks, each holding one slot per rank side by side (direct layout)
+or one area every rank writes into (canonical layout). A header records the layout, so that a
+joiner expecting another fails loudly.
 
-Who may open it: only the user who made it. By default the file is
-``/dev/shm/offload-core-<euid>/<name>.shm``, in a directory that only this user may enter
-(made 0700; refused when it is a symlink, another user's, or open to group or others). No
-open follows a symlink, and a file is used only if it is a regular file of this user with no
-permission bits for group or others, of the size its header says: anything else is a
-`RegionError` rather than KV data read or injected by someone else.
+Only the user who made it may open it: the file lives in ``/dev/shm/offload-core-<euid>/`` (0700,
+this user's, not a symlink), no open follows a symlink, and only a regular file of this user,
+without group or other permissions and of its header's size, is used; anything else is a
+`RegionError`.
 
-Liveness: every process that has the region open holds a shared `flock` on it for as long as
-it does, and the kernel drops that lock when the process dies, whatever its PID namespace. So
-a file on which an exclusive lock can be taken has no live user, whatever its header says: the
-next process removes it and creates the region afresh. The creator builds the file under a
-temporary name, locks it before anyone can see it, and publishes it with `link`, so there is
-no moment at which the file is visible without a live holder. It then reserves the memory
-(`posix_fallocate`), so that a full tmpfs is a `RegionError` instead of SIGBUS at first touch,
-and writes the header last; joiners wait for the header.
-
-Removal: the last process to close (the one that then gets the exclusive lock) removes the
-file. A creator that leaves early does not pull the file from under the others, and a rank
-restarted after a crash joins the file the live ranks still use. Should the file be removed
-or replaced anyway (by hand, say), `check()` raises: ranks on two files would silently no
-longer share their KV. Making a region also removes any other region of this user's in its
-directory that nobody holds (a crashed engine's, whose name no later engine uses). A forked
-child shares its parent's lock: it may use or close an inherited region, but only the
-parent's close counts; a process of its own should open the region itself.
+Liveness: every process that has the region open holds a shared `flock` on it, which the kernel
+drops when the process dies, so a file that can be locked exclusively has no live user and is
+made afresh. The creator locks the file under a temporary name and publishes it with `link`,
+reserves the memory (`posix_fallocate`: a full tmpfs is a `RegionError`, not SIGBUS) and writes
+the header last; joiners wait for the header. The last process to close removes the file, and
+making a region also removes this user's regions in its directory that nobody holds. Should the
+file be removed or replaced anyway, `check()` raises. A forked child shares its parent's lock:
+only the parent's close counts.
 """
 
 from __future__ import annotations
@@ -97,11 +85,8 @@ def default_directory() -> pathlib.Path:
 
 
 class SharedHostRegion:
-    """Create or join the region `name`.
-
-    Who may open it, and when it is made afresh, joined or removed: see the module docstring.
-    Call `check()` to confirm that the file is still the one this rank mapped (the worker
-    does, now and then).
+    """Create or join the region `name` (who may open it, and when it is made, joined or removed:
+    see the module docstring).
 
     Args:
         name: the engine instance's name, 1 to 128 characters from ``A-Za-z0-9._-``, the first
@@ -116,9 +101,8 @@ class SharedHostRegion:
 
     Attributes:
         tensor: the rows, a (num_blocks, row_stride) uint8 tensor over the mapping.
-        is_creator: whether this process created the file (it need not be the one to remove it).
-        generation: a random token the creator wrote into the header, the same for every rank
-            of one region and new for each file.
+        is_creator: whether this process created the file.
+        generation: a random token from the header: the same for every rank of one file, new for each file.
 
     Raises:
         InvalidSpecError: a bad name or size (not an integer, or not positive), both or neither
@@ -186,11 +170,8 @@ class SharedHostRegion:
         self._identity: tuple[int, int] | None = None
         self._pid = os.getpid()
         self._open(float(timeout))
-        # A region dropped without close(): its fd, and so its lock, go when the mapping goes,
-        # which lives as long as any view of it (the file is then reclaimed at the next start).
+        # Dropped without close(): the fd, and so the lock, go with the mapping and its last view.
         self._closer = weakref.finalize(self._mmap, os.close, self._fd)
-
-    # ---- where this rank's bytes are -----------------------------------------
 
     @property
     def slot_offset(self) -> int:
@@ -225,8 +206,6 @@ class SharedHostRegion:
                 "ranks used it; restart every rank"
             )
 
-    # ---- life cycle ---------------------------------------------------------
-
     def close(self) -> None:
         """Release the mapping and the lock; the last process to close removes the file.
 
@@ -259,8 +238,6 @@ class SharedHostRegion:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- opening ------------------------------------------------------------
-
     def _open(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         attempt = 0
@@ -275,21 +252,18 @@ class SharedHostRegion:
                     return
                 continue  # another process published it first: join theirs
             except OSError as exc:
-                raise self._open_error(exc) from None
+                if exc.errno == errno.ELOOP:
+                    raise RegionError(
+                        f"{self.path} is a symbolic link; a region must be a regular file of this user: "
+                        "remove the link (and restart every rank)"
+                    ) from None
+                hint = "; it is not this user's region: remove it or pass directory="
+                raise RegionError(
+                    f"cannot open {self.path}: {exc.strerror}"
+                    + (hint if exc.errno in (errno.EACCES, errno.EPERM) else "")
+                ) from None
             if self._join(fd, deadline):
                 return
-
-    def _open_error(self, exc: OSError) -> RegionError:
-        if exc.errno == errno.ELOOP:
-            return RegionError(
-                f"{self.path} is a symbolic link; a region must be a regular file of this user: "
-                "remove the link (and restart every rank)"
-            )
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            return RegionError(
-                f"cannot open {self.path}: {exc.strerror}; it is not this user's region: remove it or pass directory="
-            )
-        return RegionError(f"cannot open {self.path}: {exc.strerror}")
 
     def _create(self) -> bool:
         """Make and publish the file; False when another process published one first."""
@@ -381,7 +355,12 @@ class SharedHostRegion:
                 time.sleep(_POLL_S)
             if not _open_at(self.path, fd):
                 return False  # removed (its last user left) or replaced since we opened it
-            header = self._read_header(fd)
+            header = _parse_header(os.pread(fd, _HEADER, 0))
+            if header is None:  # the creator's stores of body and magic may reach this CPU out of order
+                time.sleep(_POLL_S)
+                header = _parse_header(os.pread(fd, _HEADER, 0))
+            if header is None:
+                raise RegionError(f"region {self.path} has a corrupt header; remove the file and restart every rank")
             size = os.fstat(fd).st_size
             expected = _HEADER + header["layout"]["num_blocks"] * header["layout"]["row_stride"]
             if size != expected:
@@ -402,16 +381,6 @@ class SharedHostRegion:
             if not joined:
                 os.close(fd)
 
-    def _read_header(self, fd: int) -> dict:
-        header = _parse_header(os.pread(fd, _HEADER, 0))
-        if header is None:
-            # The creator's stores of body and magic may reach another CPU out of order.
-            time.sleep(_POLL_S)
-            header = _parse_header(os.pread(fd, _HEADER, 0))
-        if header is None:
-            raise RegionError(f"region {self.path} has a corrupt header; remove the file and restart every rank")
-        return header
-
     def _map(self, fd: int) -> None:
         try:
             self._mmap = mmap.mmap(fd, self.size)
@@ -427,12 +396,7 @@ class SharedHostRegion:
         flat = torch.frombuffer(memoryview(self._mmap)[_HEADER:], dtype=torch.uint8)
         return flat.view(self.num_blocks, self.row_stride)
 
-    # ---- leaving -------------------------------------------------------------
-
     def _release(self) -> None:
-        """Drop our lock and fd; remove the file if no one else holds it."""
-        if self._closer is not None:
-            self._closer.detach()
         fd, self._fd = self._fd, -1
         try:
             # A forked child shares its parent's lock (one open file description): only the
@@ -452,10 +416,8 @@ class SharedHostRegion:
                 raise RegionError(f"cannot remove the unused region {self.path}: {exc.strerror}") from None
 
     def _sweep(self) -> None:
-        """Remove what dead processes left in the directory: temporary files of this region whose
-        creator died before publishing (old, and unlocked: a live creator locks its file right
-        after making it), and regions of this user's that no process holds (their ranks died: a
-        crashed engine's file would otherwise stay in memory for good; our own name is `_open`'s)."""
+        """Remove what dead processes left in the directory: this region's temporary files whose
+        creator died before publishing, and this user's other regions that no process holds."""
         try:
             entries = list(self.path.parent.iterdir())
         except OSError as exc:  # writable but not readable, say: the region's own file is opened by name
@@ -481,8 +443,7 @@ class SharedHostRegion:
 
 
 def _check_private(st: os.stat_result, what: str, directory: bool, fix: str) -> None:
-    """Raise `RegionError` unless `what` is a directory (0700) or a regular file (0600) of this user's:
-    another user could read or change the KV data."""
+    """Raise `RegionError` unless `what` is a directory (0700) or a regular file (0600) of this user's."""
     kind, mode = ("directory", "0700") if directory else ("regular file", "0600")
     if not (stat.S_ISDIR if directory else stat.S_ISREG)(st.st_mode):
         raise RegionError(f"{what} is not a {kind}; {fix}")
@@ -509,9 +470,8 @@ def _open_at(path: pathlib.Path, fd: int) -> bool:
 
 
 def _unheld(fd: int, temporary: bool) -> bool:
-    """Whether the file open at `fd` is this user's region (or, where `temporary`, a creator's
-    temporary file older than `_TMP_AGE_S`) that no process holds: every live user keeps a
-    shared lock on it, so an exclusive one is granted only to a file whose users all died."""
+    """Whether the file open at `fd` is this user's region (or, where `temporary`, a temporary file
+    older than `_TMP_AGE_S`) that no process holds."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
         return False
@@ -554,7 +514,6 @@ def _header_body(layout: dict, token: str) -> bytes:
 
 
 def _parse_header(raw: bytes) -> dict | None:
-    """The header in `raw` if it is well formed, else None."""
     if not raw.startswith(_MAGIC):
         return None
     body, nul, _ = raw[len(_MAGIC) :].partition(b"\0")

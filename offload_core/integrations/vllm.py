@@ -1,30 +1,15 @@
-"""offload-core as vLLM's CPU-offloading worker, through vLLM's own plug-in path.
-
-vLLM's offloading connector builds its spec from ``kv_connector_extra_config``; name this
-module and class there and the GPU <-> host copies are offload-core's, on any backend
-(``cuda``, ``npu`` through vllm-ascend, ``xpu``, ``cpu``)::
+"""offload-core as vLLM's CPU-offloading worker, through vLLM's own plug-in path (see
+docs/integrations/vllm.md)::
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "OffloadCoreOffloadingSpec",
         "spec_module_path": "offload_core.integrations.vllm", "cpu_bytes_to_use": 8000000000}}'
 
-Everything on the scheduler side stays vLLM's: `OffloadCoreOffloadingSpec` subclasses
-vLLM's `CPUOffloadingSpec`, so host memory sizing (``cpu_bytes_to_use``, chunks of
-``blocks_per_chunk`` blocks), the manager, eviction policies and metrics are vLLM's own.
-Only `get_worker` differs: it returns `OffloadCoreWorker`, which converts vLLM's specs and
-KV-cache description to offload-core's and back. ``offload_core_backend`` in the extra config
-names a backend; by default it follows the KV tensors' device.
-
-Tensor-parallel ranks share one `SharedHostRegion` (in ``/dev/shm``, opened only by its user)
-where vLLM's layout asks for it: with its replicated layout (MLA models, whose KV every rank
-holds whole) rank 0 stores each block once and every rank loads it; with its canonical layout
-(``canonical_layout`` in the extra config) host pages are the unsharded, TP-independent pages,
-each rank writes the fragments it is elected for and reads its own. Otherwise each rank keeps
-its own host copy of its part.
-
-Importable only where vLLM is installed; offload-core never depends on vLLM. Tested against
-vLLM 0.33.0; the worker also accepts the older API vllm-ascend targets (``num_blocks``
-instead of ``num_chunks`` on the spec, specs without groups, loads without ``expedited``).
+The scheduler side (host memory sizing, manager, eviction, metrics) stays vLLM's `CPUOffloadingSpec`;
+only `get_worker` differs. ``offload_core_backend`` in the extra config names a backend (default: the
+KV tensors' device). Tensor-parallel ranks share a `SharedHostRegion` for vLLM's replicated and
+canonical layouts. Importable only where vLLM is installed; tested against vLLM 0.33.0, and the
+worker also accepts the older API that vllm-ascend targets.
 """
 
 from __future__ import annotations
@@ -45,8 +30,7 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading spec with offload-core's worker.
 
     Args:
-        config: vLLM's ``OffloadingConfig``. Replicated and canonical layouts are kept on every
-            platform: the ranks share a `SharedHostRegion`.
+        config: vLLM's ``OffloadingConfig``.
 
     Raises:
         InvalidSpecError: ``cpu_bytes_to_use`` missing, or not a positive number of bytes.
@@ -54,7 +38,17 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
     """
 
     def __init__(self, config: Any):
-        _check_cpu_bytes(getattr(config, "extra_config", None) or {})  # vLLM's own check raises bare errors
+        # read as vLLM reads it (int(value)), refused where vLLM would fail with a bare exception or size nothing
+        extra = getattr(config, "extra_config", None) or {}
+        value = extra.get("cpu_bytes_to_use") if isinstance(extra, dict) else None
+        try:
+            valid = not isinstance(value, bool) and int(value) > 0
+        except (TypeError, ValueError, OverflowError):
+            valid = False
+        if not valid:
+            raise InvalidSpecError(
+                f"cpu_bytes_to_use in kv_connector_extra_config must be a positive number of bytes, got {value!r}"
+            )
         super().__init__(config)
         self._offload_core_worker: OffloadCoreWorker | None = None
 
@@ -106,22 +100,7 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
         return self._offload_core_worker
 
 
-def _check_cpu_bytes(extra: Any) -> None:
-    """``cpu_bytes_to_use`` as vLLM reads it (``int(value)``), refused where vLLM would fail
-    with a bare exception or size nothing."""
-    value = extra.get("cpu_bytes_to_use") if isinstance(extra, dict) else None
-    try:
-        ok = not isinstance(value, bool) and int(value) > 0
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
-        raise InvalidSpecError(
-            f"cpu_bytes_to_use in kv_connector_extra_config must be a positive number of bytes, got {value!r}"
-        )
-
-
 class OffloadCoreWorker(WorkerAdapter, OffloadingWorker):
-    """vLLM's ``OffloadingWorker`` over an `OffloadWorker` (`WorkerAdapter` with vLLM's base
-    class and result type)."""
+    """`WorkerAdapter` with vLLM's ``OffloadingWorker`` base class and result type."""
 
     result_type = VllmTransferResult

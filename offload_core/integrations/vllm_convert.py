@@ -1,12 +1,6 @@
-"""vLLM's worker-side objects as offload-core's, and back, without importing vLLM: the part of
-the vLLM adapter (`offload_core.integrations.vllm`) that runs wherever offload-core does, so it
-is tested on every backend, on machines where vLLM cannot be installed too.
-
-The objects are duck-typed after vLLM 0.33.0's: ``CanonicalKVCaches`` (``tensors`` with
-``tensor`` and ``page_size_bytes``; ``group_data_refs`` with ``tensor_idx``,
-``page_size_bytes`` and ``mapping``), ``CanonicalPageMapping`` and ``CopyRun`` (same field
-names as offload-core's), ``GPULoadStoreSpec`` (``block_ids``, ``group_sizes``,
-``block_indices``) and ``CPULoadStoreSpec`` (``block_ids``: host chunk ids).
+"""The part of the vLLM adapter (`offload_core.integrations.vllm`) that needs no vLLM, so that it is
+tested on every backend: vLLM's worker-side objects, duck-typed after vLLM 0.33.0's, as offload-core's
+and back.
 """
 
 from __future__ import annotations
@@ -78,10 +72,8 @@ class WorkerAdapter:
         canonical = flag(canonical, "canonical")
         if canonical and shared_region is None:
             raise InvalidSpecError("a canonical layout needs the name of the region the ranks share (shared_region)")
-        num_chunks, blocks_per_chunk = (
-            positive_int(num_chunks, "num_chunks"),
-            positive_int(blocks_per_chunk, "blocks_per_chunk"),
-        )
+        num_chunks = positive_int(num_chunks, "num_chunks")
+        blocks_per_chunk = positive_int(blocks_per_chunk, "blocks_per_chunk")
         rank = integer(rank, "rank", 0)
         row_budget = None if row_budget is None else positive_int(row_budget, "row_budget")
         kv = to_kv_caches(kv_caches, canonical=canonical)
@@ -96,14 +88,10 @@ class WorkerAdapter:
             # The creator reserves and touches every page before a joiner may map it: give the
             # joiners time for that at a slow 0.25 GB/s, as well as the usual 30 s.
             timeout = 30.0 + num_chunks * row / 0.25e9
-            if canonical:  # the unsharded pages, one area for all ranks
-                self.region = SharedHostRegion(
-                    shared_region, num_blocks=num_chunks, rank=rank, canonical_bytes=row, timeout=timeout
-                )
-            else:  # every rank's slot 0: the replicas' bytes are the same, so one copy serves all
-                self.region = SharedHostRegion(
-                    shared_region, num_blocks=num_chunks, rank=0, slot_bytes=[row], timeout=timeout
-                )
+            # canonical: the unsharded pages, one area for all ranks; replicated: every rank uses
+            # slot 0, as the replicas' bytes are the same
+            area = {"rank": rank, "canonical_bytes": row} if canonical else {"rank": 0, "slot_bytes": [row]}
+            self.region = SharedHostRegion(shared_region, num_blocks=num_chunks, timeout=timeout, **area)
         try:
             self.worker = OffloadWorker(
                 kv,
@@ -186,38 +174,34 @@ def to_kv_caches(kv_caches: Any, canonical: bool = False) -> KVCaches:
             where `canonical`, a ref vLLM could not certify (no mapping); an object that lacks
             the fields read here.
     """
+    # vLLM's names: a tensor's page_size_bytes is its row (the padded page), a ref's the prefix
+    # of it that the layer uses and a copy moves
     try:
-        return _to_kv_caches(kv_caches, canonical)
+        tensors = [KVCacheTensor(t.tensor, t.page_size_bytes) for t in kv_caches.tensors]  # it checks the size
+        groups = []
+        for g, refs in enumerate(kv_caches.group_data_refs):
+            kept: dict[int, Any] = {}
+            for ref in refs:
+                if canonical and ref.mapping is None:
+                    raise InvalidSpecError(
+                        f"canonical_layout was requested, but vLLM could not certify the layout of group {g}'s ref "
+                        f"to tensor {ref.tensor_idx} (no canonical mapping): remove canonical_layout from "
+                        "kv_connector_extra_config"
+                    )
+                if ref.tensor_idx not in kept or ref.page_size_bytes > kept[ref.tensor_idx].page_size_bytes:
+                    kept[ref.tensor_idx] = ref
+            groups.append(
+                [
+                    KVCacheRef(i, r.page_size_bytes, mapping=to_mapping(r.mapping) if canonical else None)
+                    for i, r in kept.items()
+                ]
+            )
+        return KVCaches(tensors, groups)
     except (AttributeError, TypeError) as exc:  # not vLLM's objects, or a field of another kind
         raise InvalidSpecError(
             "kv_caches must be vLLM's CanonicalKVCaches: tensors (each .tensor and an int .page_size_bytes) "
             f"and group_data_refs (lists of refs, each an int .tensor_idx and .page_size_bytes): {exc}"
         ) from exc
-
-
-def _to_kv_caches(kv_caches: Any, canonical: bool) -> KVCaches:
-    # vLLM's names: a tensor's page_size_bytes is its row (the padded page), a ref's the prefix
-    # of it that the layer uses and a copy moves
-    tensors = [KVCacheTensor(t.tensor, t.page_size_bytes) for t in kv_caches.tensors]  # it checks the size
-    groups = []
-    for g, refs in enumerate(kv_caches.group_data_refs):
-        kept: dict[int, Any] = {}
-        for ref in refs:
-            if canonical and ref.mapping is None:
-                raise InvalidSpecError(
-                    f"canonical_layout was requested, but vLLM could not certify the layout of group {g}'s ref to "
-                    f"tensor {ref.tensor_idx} (no canonical mapping): remove canonical_layout from "
-                    "kv_connector_extra_config"
-                )
-            if ref.tensor_idx not in kept or ref.page_size_bytes > kept[ref.tensor_idx].page_size_bytes:
-                kept[ref.tensor_idx] = ref
-        groups.append(
-            [
-                KVCacheRef(i, r.page_size_bytes, mapping=to_mapping(r.mapping) if canonical else None)
-                for i, r in kept.items()
-            ]
-        )
-    return KVCaches(tensors, groups)
 
 
 def to_mapping(mapping: Any) -> CanonicalPageMapping:

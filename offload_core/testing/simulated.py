@@ -1,15 +1,11 @@
 """Simulated Ascend (torch_npu + ACL) and Intel (torch.xpu) runtimes, for tests without the hardware.
 
-Streams are threads running their queues in order (the cpu backend's), events mark positions in
-them, and copies really happen, asynchronously, on host memory. The simulated ACL checks what the
-real one requires of its callers: a valid stream handle, a non-empty batch, one attribute set
-starting at copy 0, host locations that are page-locked, device locations that are not, a known
-copy kind, and a destination at least as large as the copy. A violation returns an error code,
-which the backend must turn into a failed submission.
-
-The backends are the production ones, given a `SimRuntime` (and a `SimAcl`, or a `SimCopier`)
-through their constructors; `npu()` and `xpu()` register such backends under ``"npu"`` and
-``"xpu"`` for as long as they are entered, and nothing else is patched::
+Streams are the cpu backend's threads, and copies really happen, asynchronously, on host memory.
+The simulated ACL returns an error code where the real one's requirements are broken (a valid
+stream handle, a non-empty batch, one attribute set starting at copy 0, page-locked host and
+unlocked device locations, a known copy kind, a large enough destination). The backends are the
+production ones, given a `SimRuntime` (and a `SimAcl` or a `SimCopier`); `npu()` and `xpu()`
+register them under ``"npu"`` and ``"xpu"`` while entered, and nothing else is patched::
 
     with simulated.npu():          # or simulated.xpu()
         backend = get_backend("npu")
@@ -128,23 +124,19 @@ class SimRuntime:
         """Zero-filled host memory, marked page-locked for the simulated ACL's checks."""
         import torch
 
-        tensor = torch.zeros(nbytes, dtype=torch.uint8)
-        start = tensor.data_ptr()
-        self.pinned[start] = (start + tensor.nbytes, tensor)
-        return tensor
+        return self._mark_pinned(torch.zeros(nbytes, dtype=torch.uint8))
 
     def pin(self, tensor):
         """A copy, marked page-locked."""
-        copy = tensor.clone()
-        start = copy.data_ptr()
-        self.pinned[start] = (start + copy.nbytes, copy)
-        return copy
+        return self._mark_pinned(tensor.clone())
+
+    def _mark_pinned(self, tensor):
+        self.pinned[tensor.data_ptr()] = (tensor.data_ptr() + tensor.nbytes, tensor)
+        return tensor
 
     def is_pinned(self, tensor) -> bool:
-        """Always True, so the xpu backend stages nothing: staging exists because torch copies
-        from pageable memory synchronously, while every simulated copy runs on its stream's
-        thread anyway; and the simulated device memory is host memory that must never be
-        staged, but cannot be told apart from pageable host memory by its tensor."""
+        """Always True, so the xpu backend stages nothing: every simulated copy is asynchronous
+        anyway, and the simulated device memory (host memory) must never be staged."""
         return True
 
     def npurt(self) -> SimRuntime:
@@ -286,8 +278,7 @@ class SimulatedXpuBackend(XpuBackend):
 
 @contextlib.contextmanager
 def _registered(name: str, cls: type) -> Iterator[None]:
-    """`cls` as the backend `name` (cached instances of the previous one dropped), and the
-    previous registration back on exit."""
+    """`cls` as the backend `name`, and the previous registration back on exit."""
     from offload_core import registry
 
     previous: Any = registry.backend_class(name)
@@ -300,9 +291,8 @@ def _registered(name: str, cls: type) -> Iterator[None]:
 
 @contextlib.contextmanager
 def npu(with_batch: bool = True, with_operator: bool = False) -> Iterator[SimAcl]:
-    """Register a simulated npu backend: torch.npu and the ACL library simulated (optionally
-    without the batch entry point, optionally with vllm-ascend's operator); restore the
-    previous registration on exit. Yields the `SimAcl`; its ``runtime`` is the `SimRuntime`."""
+    """Register a simulated npu backend (optionally without ACL's batch entry point, optionally with
+    vllm-ascend's operator) until exit. Yields the `SimAcl`; its ``runtime`` is the `SimRuntime`."""
     runtime = SimRuntime("npu")
     acl = SimAcl(runtime, with_batch)
     bound = type("SimulatedNpuBackend", (SimulatedNpuBackend,), {"sim_acl": acl})
@@ -317,9 +307,8 @@ def npu(with_batch: bool = True, with_operator: bool = False) -> Iterator[SimAcl
 
 @contextlib.contextmanager
 def xpu(pool: int = 4) -> Iterator[SimRuntime]:
-    """Register a simulated xpu backend (copies by a `SimCopier`) whose streams come from a
-    round-robin pool that starts with the compute stream's queue, as torch.xpu's do; restore the
-    previous registration on exit. Yields the `SimRuntime`."""
+    """Register a simulated xpu backend until exit, its streams a round-robin pool of `pool` that
+    starts with the compute stream's queue, as torch.xpu's. Yields the `SimRuntime`."""
     runtime = SimRuntime("xpu", pool=pool)
     bound = type("SimulatedXpuBackend", (SimulatedXpuBackend,), {"sim_runtime": runtime})
     with _registered("xpu", bound):

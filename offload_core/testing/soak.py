@@ -1,20 +1,12 @@
-"""A soak test of one worker driven by several threads, with faults injected and shutdowns at
-random moments; every byte that a successful job moved is checked.
+"""Soak tests: `soak` drives one worker from several threads, with faults injected and shutdowns at
+random moments, and checks every byte a successful job moved; `region_soak` runs ranks in processes
+of their own around one shared region, crashing and restarting some of them.
 
-Each round makes a worker on a `FaultyCpuBackend` and starts submitter threads and poller
-threads. A submitter owns its own device blocks and host blocks, fills device blocks with
-fresh random bytes, stores them, waits, loads them back into other blocks, waits, and
-compares; pollers call `get_finished` meanwhile, so a submitter may find its results in
-another thread's hands. A controller shuts the worker down after a random delay; the
-submitters then see `OffloadError` and stop. At the end of a round every accepted job must
-have been reported exactly once; jobs the backend failed (at enqueue or on the device) must
-be reported as failed, or refused, and the bytes of every successful store-then-load must
-match.
-
-`region_soak` runs ranks in processes of their own around one shared region, crashing and
-restarting some of them (see its docstring).
-
-`tests/test_soak.py` runs a short soak, `benchmarks/soak.py` a long one.
+A `soak` round makes a worker on a `FaultyCpuBackend`. Submitter threads, each with device and host
+blocks of its own, fill blocks with fresh random bytes, store them, load them back into other
+blocks and compare, while poller threads call `get_finished` (so results may land in another
+thread's hands). The worker is shut down after a random delay. Every accepted job must be reported
+exactly once, and every successful store-then-load must move the right bytes.
 """
 
 from __future__ import annotations
