@@ -1,4 +1,4 @@
-"""The backend interface: everything the core needs from an accelerator, and nothing more.
+"""The backend interface: everything the core needs from an accelerator (docs/backends.md).
 
 Streams and events are whatever the device library returns (``torch.cuda.Stream``,
 ``torch.npu.Event``, ...): they satisfy the small protocols below without wrapping.
@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
-# For a backend's calls that user code may make on the main thread outside a worker call (the
-# worker's own calls are steps already): such a call is one step for Ctrl-C, whose
-# KeyboardInterrupt comes when it ends (docs/architecture.md, section 9).
+# For a backend's enqueues that user code may call directly: one step for Ctrl-C (docs/architecture.md §9).
 from offload_core.interrupts import deferred  # noqa: F401
 
 if TYPE_CHECKING:
@@ -86,11 +84,10 @@ class Backend(abc.ABC):
         """A new stream for copies, distinct from the compute stream."""
 
     def release_stream(self, stream: Stream) -> None:
-        """The core is done with `stream` (from `new_stream`): every job enqueued on it has
-        finished, and nothing will be again (a worker's shutdown calls it once per lane, and
-        again where a Ctrl-C cut the call short). Return only once no work this backend
-        enqueued for the stream, on it or beside it, can still run: the worker then lets the
-        host memory go. Free what this backend keeps per stream, such as staging buffers.
+        """The core is done with `stream` (from `new_stream`): every job on it has finished and
+        none will come (called once per lane at shutdown, again where a Ctrl-C cut that short).
+        Return only once no work this backend enqueued for it, on it or beside it, can still
+        run: the host memory is then freed. Free what this backend keeps per stream (staging).
         Default: nothing."""
 
     @abc.abstractmethod
@@ -125,12 +122,11 @@ class Backend(abc.ABC):
         """Undo `pin_host_memory`."""
 
     def register_buffer(self, tensor: torch.Tensor) -> None:
-        """Say that copies will touch `tensor`'s memory, without pinning anything (the worker
-        does, for its KV tensors and host buffer): the `span_bytes` from its ``data_ptr()``,
-        which for a strided view (rows a pitch apart) holds bytes between rows that copies
-        never touch. Backends that copy through tensor views rather than addresses need it
-        (`xpu`). Hold `tensor` weakly: the registry keeps a backend for the life of the
-        process, and a strong reference would keep every worker's memory alive."""
+        """Say that copies will touch the `span_bytes` from `tensor`'s ``data_ptr()`` (a strided
+        view's include bytes between rows that copies never touch), without pinning anything:
+        the worker calls it for its KV tensors and host buffer, for backends that copy through
+        tensor views rather than addresses (`xpu`). Hold `tensor` weakly: the registry keeps a
+        backend for the life of the process."""
 
     @abc.abstractmethod
     def copy_batch(
@@ -153,9 +149,8 @@ class Backend(abc.ABC):
         """
 
     def synchronize(self) -> None:
-        """Block until all work on this device has finished. The core never calls it (it waits
-        on events, per job); it is for callers that need the whole device idle, such as a
-        benchmark or a test checking freed memory."""
+        """Block until all work on this device has finished. The core never calls it; for
+        benchmarks and tests that need the whole device idle."""
 
     def prepare_layout(self, layout: CompactLayout) -> Any:
         """Take a worker's layout once, for `copy_blocks` (upload its tables to the device, say).
@@ -175,17 +170,14 @@ class Backend(abc.ABC):
         """Enqueue a job (see `offload_core.compact`) on `stream`: copy every entry of every
         block, as `offload_core.testing.expanding.descriptors` expands them, and nothing else.
 
-        Enqueue only, as `copy_batch`. The job's arrays stay alive and unchanged until an event
-        recorded after this call completes; the ids are validated against the layout. `stream`
-        already waits for the events `after`: the compute streams' events of the jobs in it, and
-        the ends of other lanes' jobs it must follow (a store still writing host blocks this job
-        loads, or a load still reading host blocks it stores into; also `job.host_after`); a
-        backend that copies on other streams of its own must make them wait too. This
-        call may run on another thread than the submit, so the current stream is not the
-        compute stream. The job may be several submitted jobs in one (`CompactJob.concat`).
+        Enqueue only, as `copy_batch`; the ids are validated against the layout. `stream` already
+        waits for the events `after` (the jobs' compute streams, and other lanes' jobs it must
+        follow, also in `job.host_after`): side streams of the backend must wait too. It may run
+        on another thread than the submit. The job may be several submitted jobs in one
+        (`CompactJob.concat`).
 
-        Default: the job expanded on the host, runs merged (`CompactLayout.copies`, kept with
-        the job), as one `copy_batch`; a backend that expands jobs on the device overrides it.
+        Default: the job expanded on the host, runs merged (`CompactLayout.copies`), as one
+        `copy_batch`; a backend that expands jobs on the device overrides it.
 
         Returns:
             The mechanism's name, as `copy_batch`.
@@ -199,11 +191,9 @@ class Backend(abc.ABC):
         return self.copy_batch(src, dst, sizes, job.direction, stream)
 
     def copy_jobs(self, jobs: list[CompactJob], prepared: Any, stream: Stream, after: list[Event]) -> str | None:
-        """Enqueue consecutive compact jobs of one launch as `copy_blocks` of them joined
-        (``CompactJob.concat(jobs).in_host_order()``) would, without the queue joining them: for a
-        backend that joins them faster itself. The default, and a backend that declines these
-        jobs, returns None having enqueued nothing; the queue then joins them and calls
-        `copy_blocks`.
+        """Enqueue a launch's jobs as `copy_blocks` of ``CompactJob.concat(jobs).in_host_order()``
+        would, for a backend that joins them faster itself; or return None having enqueued
+        nothing (the default): the queue then joins them and calls `copy_blocks`.
 
         Returns:
             The mechanism's name, or None: declined.
@@ -215,10 +205,9 @@ class Backend(abc.ABC):
         return None
 
     def buffer_waits(self) -> tuple[int, float]:
-        """How many times this backend's enqueues have waited for the device because a buffer of
-        its own was full (the cuda backend's descriptor ring), and for how many seconds in all:
-        a queue counts what grows over each of its enqueues (`QueueStats.buffer_waits`). The
-        default: never."""
+        """Running totals of this backend's enqueues that waited for the device because a buffer
+        of its own was full (cuda's descriptor ring), and their seconds (`QueueStats.buffer_waits`).
+        Default: never."""
         return 0, 0.0
 
     def calibrate(self, save: bool = True) -> dict:

@@ -1,24 +1,11 @@
 """Ctrl-C held back while a worker call changes its state (docs/architecture.md, section 9).
 
-CPython raises KeyboardInterrupt only on the main thread, from the Python-level SIGINT
-handler, run between two bytecodes. `deferred()` makes a section of main-thread code one step
-for it: the outermost section swaps the handler for one that only records the signal, and on
-leaving puts the handler back and, if a SIGINT came, raises it again (`signal.raise_signal`),
-so the engine's own handler (or Python's, which raises KeyboardInterrupt) runs right after the
-section, with the section's work whole. Blocking `pthread_sigmask` would not do: the kernel
-then hands the process's SIGINT to another thread, whose C handler still trips the main
-thread's Python handler.
-
-SIGTERM is held back the same way (an engine's SIGTERM handler may raise SystemExit); other
-signals' handlers still run inside a section, and must not call the worker. Off the main
-thread, where no KeyboardInterrupt is raised, it does nothing; nor for a signal whose handler
-is not a Python callable (ignored, the OS default, or installed from C), or where handlers
-cannot be set (a subinterpreter). Sections nest: only the outermost swaps the handlers.
-
-A section whose end was cut short (another signal's handler raising at its edge) leaves no
-signal held back for good: the recorder delivers at once where no live section holds it (it
-looks for the outermost section's frame on the stack), and the next section starts afresh. A
-child forked inside a section gets the handlers back.
+`deferred()` makes a section of main-thread code one step for SIGINT and SIGTERM: the outermost
+section swaps their Python handlers for one that only records the signal, and on leaving puts
+them back and raises what came (`signal.raise_signal`), so the engine's handler (or Python's
+KeyboardInterrupt) runs right after the section. Blocking with `pthread_sigmask` would not do:
+the kernel would hand SIGINT to another thread, whose C handler still trips the main thread's
+Python handler. Off the main thread, or for a handler that is not a Python callable, it does nothing.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A lane's jobs run in submission order on its one copy stream, each after the caller's compute
 stream as it was at submit; results come from the head of the queue, so in order. Pending jobs
 are coalesced into launches, made by the submitting thread, the lane's launcher thread or a
-`wait`: docs/architecture.md says when (§4), under which locks and how the launcher shares the
-GIL (§7), and what an interrupt or a failed launch does (§9).
+`wait`: docs/architecture.md says when (§4), under which locks (§7) and what an interrupt or a
+failed launch does (§9).
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's 
 _NOTHING: frozenset[int] = frozenset()  # `_launching` when nothing launches
 IDLE_POLL_S = 0.1  # how often an idle launcher looks whether its queue was dropped or the interpreter exits
 SETTLE_POLL_S = 0.001  # how often a drain asks an event whose wait failed whether the work has passed
-# The launcher's hand-over of the GIL: a sleep this short lets it go for about the kernel's timer
-# slack (50 us on Linux), long enough for a thread woken by the release to take it (a shorter
-# release, as time.sleep(0) makes, is usually won back by the launcher before the waiter runs).
+# The launcher lets the GIL go this long around an enqueue: about the kernel's timer slack, long
+# enough for a woken thread to take it (after time.sleep(0) the launcher usually wins it back).
 GIL_YIELD_S = 20e-6
 
 
@@ -149,8 +148,7 @@ class TransferQueue:
         self._stream = backend.new_stream()
         self._stream_released = False  # by `close`; a release that raised other than an Exception is redone
         self._enqueue = enqueue_lock(backend)
-        # Re-entrant: `Condition.wait` then lets it go and takes it back in C, where a Ctrl-C
-        # cannot come between the two.
+        # Re-entrant: `Condition.wait` then restores it in C, which a Ctrl-C cannot split.
         self._lock = threading.RLock()
         self._jobs: deque[_Job] = deque()
         self._ids: set[int] = set()
@@ -180,19 +178,18 @@ class TransferQueue:
 
     def add(self, job_id: int, job: CompactJob, prepared: Any, seq: int, waits: tuple) -> list[_Pending] | None:
         """Queue one job behind every earlier one and behind the caller's compute stream, waiting
-        for a launch (see the module docstring). Never enqueues on the device.
+        for a launch. Never enqueues on the device.
 
         Args:
-            job_id: reported back in the job's `TransferResult`; the caller (a worker) made sure
-                it is not in flight.
+            job_id: reported in the job's `TransferResult`; the caller made sure it is not in flight.
             job: the validated job (`CompactLayout.job`).
             prepared: what `Backend.prepare_layout` returned for the job's layout.
             seq: the job's place in the worker's submit order (increasing in each lane).
             waits: end events (of other lanes' launches) the job's copies must follow.
 
         Returns:
-            The jobs the caller must launch now (`launch`), taken for it: nothing else keeps the
-            device busy, or a burst's worth waits. Else None: the launcher thread will.
+            The jobs the caller must launch now (`launch`): nothing else keeps the device busy,
+            or a burst's worth waits. Else None: the launcher thread will.
 
         Raises:
             OffloadError: the queue is closed, or its launcher thread cannot be started.
@@ -206,21 +203,17 @@ class TransferQueue:
                 raise OffloadError(f"the {self.direction.value} queue was closed while the job waited")
             self._ensure_launcher()
             ready = self._event()
-            # Recorded under the lock: per compute stream, the pending order is the recording
-            # order, so a launch waits for the last event of each stream only (`_after`).
+            # Under the lock: per compute stream, pending order is recording order (`_after`).
             ready.record(compute)
-            pending = _Pending(job_id, job, prepared, ready, compute, seq, waits)
             self._ids.add(job_id)
-            self._pending.append(pending)
+            self._pending.append(_Pending(job_id, job, prepared, ready, compute, seq, waits))
             self.added_seq = seq
             self._pending_bytes += job.nbytes
-            # A burst: this submit follows the last one closer than a launch takes. Launching
-            # each job alone would keep the device waiting for the host, so they wait for the
-            # launcher thread, or until `burst_jobs` of them or `burst_bytes` wait, and go as one.
+            # In a burst (submits closer than a launch takes) jobs wait for the launcher or a
+            # full burst, and go as one: launched one by one, they would idle the device.
             burst = time.perf_counter() - self._last_submit < self._launch_s
-            go = not self._launching and (self._burst_full() or (not burst and self._device_idle()))
-            if go:  # waiting for the launcher (it may not get the GIL for a while) would idle the device
-                return self._take()
+            if not self._launching and (self._burst_full() or (not burst and self._device_idle())):
+                return self._take()  # the launcher may not get the GIL for a while
             self._last_submit = time.perf_counter()
             if len(self._pending) == 1:  # the launcher takes it; with more, it already knows of some
                 self._launched.notify_all()
@@ -234,7 +227,6 @@ class TransferQueue:
                 self._wait_for_room()
 
     def _wait_for_room(self) -> None:
-        """`wait_for_room`, with the lock held."""
         if len(self._pending) < self.max_pending:
             return
         t0 = time.perf_counter()
@@ -248,15 +240,15 @@ class TransferQueue:
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs completed so far, from the head of the queue, without blocking."""
-        passed = None  # (end event, seconds) of the launch of the last job reported: its other jobs share both
+        passed = None  # (end event, seconds) of the last reported job's launch: its other jobs share both
         results = []
         with self._lock:
             while self._jobs:
                 job = self._jobs[0]
                 try:
-                    # A failed launch is reported once what it enqueued has run: the engine may
-                    # reuse the blocks as soon as it sees the result.
-                    known = passed is not None and passed[0] is job.end  # an earlier job's launch: passed
+                    # A failed launch too waits for what it enqueued: the engine may reuse the
+                    # blocks as soon as it sees the result.
+                    known = passed is not None and passed[0] is job.end
                     if job.end is not None and not known and not job.end.query():
                         break
                     ok = not job.failed
@@ -295,15 +287,12 @@ class TransferQueue:
             wanted &= self._ids
 
         def through() -> tuple:
-            # A named job not launched yet is launched now, by this thread, with the jobs before
-            # it and none after it (unless a launch is under way: then after that).
+            # A named job not launched yet is launched now, on this thread, with the jobs before it.
             pos = max((i for i, p in enumerate(self._pending) if p.job_id in wanted), default=-1)
             if pos >= 0 or not self._launching.isdisjoint(wanted):
                 return pos + 1, None
-            # The newest named job's result comes once every job before it has ended: the last
-            # end recorded up to it (a launch that failed before enqueuing has none). From the
-            # newest, since an engine waits for recent jobs, and results it has not taken yet
-            # may be thousands.
+            # Else the last end recorded up to the newest named job (a launch that failed before
+            # enqueuing has none); searched from the newest: results not taken may be thousands.
             named = False
             for job in reversed(self._jobs):
                 named = named or job.job_id in wanted
@@ -316,12 +305,10 @@ class TransferQueue:
             _settle(last)
 
     def end_of(self, seq: int) -> Event | None:
-        """The end event of the launch that carries this lane's last job of submit order up to
-        `seq` not reported yet, launching it first (with the jobs before it, on this thread)
-        where it still waits; None where there is none, or its launch recorded no end (the
-        device is lost): nothing to wait for. The lane runs in order, so waiting for that job
-        waits for every earlier one, whatever became of job `seq` itself (a submit refused after
-        it was recorded, say)."""
+        """The end event of the launch carrying this lane's last unreported job of submit order up
+        to `seq`, launching it first on this thread where it still waits; None where there is no
+        such job or its launch recorded no end (the device is lost). The lane runs in order, so
+        this covers every earlier job, whatever became of job `seq` itself."""
 
         def through() -> tuple:
             pos = -1
@@ -343,11 +330,9 @@ class TransferQueue:
         return self._launch_through(through)
 
     def _launch_through(self, through) -> Any:
-        """Launch waiting jobs on this thread until `through` says it is done, and return what
-        it says then. `through()`, called under the lock each round, returns ``(n, None)``: the
-        first n waiting jobs must be launched (after the launch under way, if any; n 0: wait for
-        that launch), or ``(None, result)``: done. Each launch is one step for Ctrl-C
-        (`deferred`); waiting for another thread's launch is not, and changes nothing."""
+        """Launch waiting jobs on this thread until `through()` (called under the lock) returns
+        ``(None, result)``, and return `result`. ``(n, None)``: launch the first n waiting jobs,
+        after the launch under way (n 0: just wait for it). Each launch is one step for Ctrl-C."""
         while True:
             with deferred():
                 with self._lock:
@@ -362,14 +347,9 @@ class TransferQueue:
                 if self._launching:
                     self._launched.wait(IDLE_POLL_S)
 
-    def drain(self) -> list[TransferResult]:
-        """Wait for every queued job (those not launched yet launched first, by this thread where no launch
-        is under way) and return all pending results."""
-        self.finish()
-        return self.poll()
-
     def finish(self) -> None:
-        """Wait for every queued job, as `drain` does, leaving the results for `poll`."""
+        """Wait for every queued job, launching on this thread those not launched yet; the results
+        stay for `poll`."""
 
         def through() -> tuple:
             if self._pending or self._launching:
@@ -383,11 +363,12 @@ class TransferQueue:
             _settle(end)
 
     def close(self) -> list[TransferResult]:
-        """Refuse further jobs, drain, stop the launcher thread and release the stream (once, over
-        any number of calls). Returns all pending results."""
+        """Refuse further jobs, `finish`, stop the launcher thread and release the stream (once,
+        over any number of calls). Returns all pending results."""
         with self._lock:
             self._closed = True
-        results = self.drain()
+        self.finish()
+        results = self.poll()
         with self._lock:
             self._launched.notify_all()  # the launcher sees `_closed` with nothing left, and ends
         if not self._stream_released:
@@ -401,31 +382,26 @@ class TransferQueue:
     def _event(self) -> Event:
         return self._free_events.pop() if self._free_events else self.backend.new_event()
 
-    # ---- coalesced launches ------------------------------------------------------
-
     def waiting_for_launch(self) -> bool:
         """Whether jobs wait for a launch, or one is being enqueued."""
         return bool(self._pending or self._launching)
 
     def launch(self, batch: list[_Pending]) -> None:
-        """Launch `batch`, which `add` took for this thread to launch; failures are left to the
-        jobs' results (and the log)."""
+        """Launch `batch`, which `add` took for this thread; failures become the jobs' results."""
         try:
             self._run(batch)
         finally:
             self._last_submit = time.perf_counter()
 
     def _ensure_launcher(self) -> None:
-        """Start the launcher thread if there is none (it ends when idle once the main thread
-        has, and clears `_launcher` under the lock as it goes). Call with the lock held.
+        """Start the launcher thread if there is none. Call with the lock held.
 
         Raises:
             OffloadError: no thread can be started (none left, or the interpreter is exiting).
         """
         if self._launcher is not None:  # it clears the field under this lock on every way out (`_launch_loop`)
             return
-        # Not a daemon: at exit, a daemon thread inside a torch call that let go of the GIL
-        # (freeing a queue's events, say) is killed by the interpreter, which aborts the
+        # Not a daemon: one killed at exit inside a torch call that let go of the GIL aborts the
         # process (std::terminate). The launcher ends on its own once the main thread has.
         launcher = threading.Thread(
             target=_launch_loop, args=(weakref.ref(self),), name=f"offload-core-{self.direction.value}-launcher"
@@ -437,10 +413,8 @@ class TransferQueue:
         self._launcher = launcher
 
     def _run(self, batch: list[_Pending], background: bool = False) -> None:
-        """Launch `batch`, which this thread took (`_take`). Whatever fails or raises, its jobs are
-        accounted for: recorded by the launch, or failed (`_fail`). Failures are left to the
-        jobs' results and the log; other exceptions (an interrupt outside the worker's steps)
-        propagate."""
+        """Launch `batch`, which this thread took (`_take`): its jobs are recorded or failed,
+        whatever raises. Exceptions other than `Exception` (an interrupt) propagate."""
         try:
             self._launch(batch, background)
         except Exception:
@@ -451,17 +425,14 @@ class TransferQueue:
             raise
 
     def _fail(self, batch: list[_Pending]) -> None:
-        """Fail `batch`, whose launch stopped before recording it: its waiters get failed results
-        instead of waiting for ever. Nothing if it was recorded. If its enqueue had begun, the
-        results come once what it enqueued has run, and hold what it may read until then."""
+        """Fail `batch` unless its launch recorded it. If its enqueue had begun, the results come
+        once what it enqueued has run, holding what it may read until then."""
         with self._lock:
             if self._batch is not batch:
                 return
             end, held = None, batch
             if self._enqueued is not None and self._enqueued[0] is batch:
-                # Copies of it may be on the stream: the engine may reuse the blocks as soon as
-                # it sees a result, so the result waits for them. No launch of this queue can
-                # come between: the batch still holds `_launching`.
+                # No launch of this queue can come between: the batch still holds `_launching`.
                 try:
                     end, held = self._enqueued[1], self._enqueued[2]
                     end.record(self._stream)
@@ -472,7 +443,7 @@ class TransferQueue:
             self._launched.notify_all()
 
     def _burst_full(self) -> bool:
-        """Whether enough waits to launch now, burst or not: the device's time for it covers a launch."""
+        """Whether enough waits to launch now, burst or not: its device time covers a launch."""
         return len(self._pending) >= self.burst_jobs or self._pending_bytes >= self.burst_bytes
 
     def _device_idle(self) -> bool:
@@ -484,15 +455,13 @@ class TransferQueue:
 
     def _take(self, limit: int = MAX_LAUNCH) -> list[_Pending] | None:
         """The jobs of the next launch, marked as launching: the first `limit` waiting (at most
-        `MAX_LAUNCH`), up to the first one that would write bytes an earlier one of the launch
-        writes (copies within a launch run in any order); None if nothing waits. Call with the
-        lock held, nothing launching."""
+        `MAX_LAUNCH`), up to the first clash (`_first_clash`); None if nothing waits. Call with
+        the lock held, nothing launching."""
         pending = self._pending
         if not pending:
             return None
         n = min(limit, MAX_LAUNCH, len(pending))
-        # Windows growing fourfold from a burst's size (what usually waits): a clash early in a
-        # long pending list costs a short window, not a look at every job that waits.
+        # Windows growing fourfold from a burst's size: an early clash costs a short look.
         size = min(n, max(1, self.burst_jobs))
         while True:
             take = _first_clash([pending[i].job for i in range(size)])
@@ -506,7 +475,7 @@ class TransferQueue:
         return batch
 
     def _launch(self, batch: list[_Pending], background: bool = False) -> None:
-        """Enqueue `batch` as one job on the device; its jobs' results share the launch's events.
+        """Enqueue `batch` as one job on the device; its jobs share the launch's events.
         `background`: on the launcher thread, which lets the GIL go around the enqueue."""
         t0 = time.perf_counter()
         with self._lock:
@@ -531,7 +500,7 @@ class TransferQueue:
                 prepared = batch[0].prepared
                 mechanism = self.backend.copy_jobs(jobs, prepared, stream, after)
                 if mechanism is None:
-                    # in host-block order where that joins host rows: copies within a launch run in any order
+                    # host-block order where that joins host rows: copies within a launch run in any order
                     job = CompactJob.concat(jobs).in_host_order()
                     job.host_after = tuple(w for p in batch for w in p.waits)
                     held.append(job)
@@ -572,24 +541,18 @@ class TransferQueue:
                     self.stats.mechanisms[mechanism] += len(batch)
                 now = time.perf_counter()
                 self.stats.launch_s += now - t0
+                waits, wait_s = self.backend.buffer_waits()
+                self.stats.buffer_waits += waits - waited[0]
+                self.stats.buffer_wait_s += wait_s - waited[1]
                 # the host's own time: a wait for the device (a full buffer) says nothing of the next launches
-                self._launch_s += 0.25 * (now - t_locked - self._count_buffer_waits(waited) - self._launch_s)
+                self._launch_s += 0.25 * (now - t_locked - (wait_s - waited[1]) - self._launch_s)
         if background:
             time.sleep(GIL_YIELD_S)
 
-    def _count_buffer_waits(self, before: tuple[int, float]) -> float:
-        """Count the backend's buffer waits since `before` (its `buffer_waits` then) as this
-        lane's, with the enqueue lock and the lock held; returns their seconds."""
-        waits, seconds = self.backend.buffer_waits()
-        self.stats.buffer_waits += waits - before[0]
-        self.stats.buffer_wait_s += seconds - before[1]
-        return seconds - before[1]
-
 
 def _launch_loop(queue_ref: weakref.ref[TransferQueue]) -> None:
-    """The launcher thread of one queue: launches what is waiting until the queue is closed,
-    dropped, or the main thread has ended. Holds the queue only while it has work or waits for
-    some (`IDLE_POLL_S` at a time), so that a dropped queue can be collected."""
+    """The launcher thread of one queue: launches what waits until the queue is closed, dropped,
+    or the main thread has ended. Holds the queue only briefly, so a dropped one can be collected."""
     try:
         _launch_until_done(queue_ref)
     finally:  # however it ends, a submit must then start another (`_ensure_launcher` trusts the field)
@@ -609,17 +572,15 @@ def _launch_until_done(queue_ref: weakref.ref[TransferQueue]) -> None:
         with queue._lock:
             if not queue._pending or queue._launching:
                 if (queue._closed or exiting) and not queue._pending and not queue._launching:
-                    # Under the lock: a submit from now on starts a new launcher rather than
-                    # count on this one, which is still alive for a moment.
+                    # under the lock: a later submit starts a new launcher rather than count on this one
                     if queue._launcher is threading.current_thread():
                         queue._launcher = None
                     return
                 queue._launched.wait(IDLE_POLL_S)  # then let go of the queue a moment: a dropped one can be collected
                 del queue
                 continue
-            # While a burst goes on, its submits launch it: a launch here would stall whenever it
-            # lets go of the GIL (the submitting thread takes it for a switch interval), with
-            # the device waiting. It goes once no submit has come for a launch's time.
+            # A burst's submits launch it: a launch here would stall, the device waiting, whenever it
+            # let go of the GIL (a submitter keeps it a switch interval). It goes once submits pause.
             quiet = time.perf_counter() - queue._last_submit
             wait = min(queue._launch_s, MAX_QUIET_S) - quiet
             if wait > 0 and not queue._closed and not exiting and not queue._burst_full():
@@ -635,10 +596,9 @@ def _launch_until_done(queue_ref: weakref.ref[TransferQueue]) -> None:
 
 
 def _first_clash(jobs: list[CompactJob]) -> int:
-    """How many of `jobs`, from the first, may go in one launch: up to the first that writes
-    bytes an earlier one writes. Only keys of two different jobs clash: one job's blocks may
-    share a key (groups on different tensors write one host block), and `CompactLayout.job` has
-    checked those."""
+    """How many of `jobs`, from the first, may go in one launch (copies within it run in any
+    order): up to the first that writes bytes an earlier one writes. Keys within one job may
+    repeat (groups on different tensors write one host block): `CompactLayout.job` checked them."""
     if len(jobs) < 2:
         return len(jobs)
     keys = [j.destinations() for j in jobs]
@@ -662,9 +622,8 @@ def _first_clash(jobs: list[CompactJob]) -> int:
 
 
 def _after(batch: list[_Pending]) -> list[Event]:
-    """The events a launch of `batch` waits for: the last job's of each compute stream (each
-    stream's events were recorded in pending order), or every job's where a backend's streams
-    cannot be told apart by hashing; and the other lanes' launches its jobs must follow."""
+    """The events a launch of `batch` waits for: each compute stream's last ready event (every
+    job's, where streams are unhashable), then the other lanes' ends its jobs must follow."""
     last: dict = {}
     hazards = [w for p in batch for w in p.waits]
     try:
@@ -676,9 +635,8 @@ def _after(batch: list[_Pending]) -> list[Event]:
 
 
 def _settle(event: Event) -> None:
-    """Wait for an event; a failure is reported later by `poll`, not here. Where waiting fails but
-    the event can still be asked, it is asked until it has passed or fails too: a drain must not
-    return, and let memory go, while the work may still run."""
+    """Wait for an event; `poll` reports a failure. Where waiting fails, the event is queried until
+    it has passed or fails too: a drain must not let memory go while the work may still run."""
     try:
         event.synchronize()
         return

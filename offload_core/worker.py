@@ -99,7 +99,14 @@ class OffloadWorker:
         self._region = host_region
         self._registered = False
         if host_region is None:
-            self._host = _alloc_host(backend, self.num_host_blocks * layout.row_bytes)
+            nbytes = self.num_host_blocks * layout.row_bytes
+            check_host_bytes(nbytes, "the worker's host buffer (num_host_blocks x host_row_bytes)")
+            try:
+                self._host = backend.alloc_host(nbytes)
+            except Exception as exc:  # torch reports an allocation failure as RuntimeError
+                raise OffloadError(
+                    f"could not allocate the worker's host buffer of {nbytes} bytes on {backend.name}: {exc}"
+                ) from exc
             rows, stride, slot = self._host.view(self.num_host_blocks, layout.row_bytes), layout.row_bytes, 0
         else:
             layout.check_region(host_region, self.num_host_blocks)
@@ -221,9 +228,8 @@ class OffloadWorker:
     def _add(
         self, queue: TransferQueue, direction: Direction, job_id: int, device: DeviceBlocks, host: HostBlocks, expedited
     ) -> tuple[bool, list | None]:
-        """Validate a job whose id is reserved and add it to its lane: whether it was added (the
-        lane may refuse it: logged), and the jobs this submit must launch (`TransferQueue.add`).
-        The id is let go unless the job was added.
+        """Validate a job whose id is reserved and add it to its lane: whether it was added (a
+        refusal is logged; the id is let go), and the jobs this submit must launch.
 
         Raises:
             InvalidSpecError, RegionError: as `submit_store`.
@@ -235,8 +241,8 @@ class OffloadWorker:
                 self._next_region_check = time.monotonic() + _REGION_CHECK_S
             job = self._layout.job(direction, device, host)
             try:
-                # The hazard check and the job's entry in its lane together, so that a later
-                # job's check finds it there; its launch, which may wait for the device, after.
+                # Together, so that a later job's check finds this one in its lane; the launch,
+                # which may wait for the device, after.
                 with self._order:
                     self._seq += 1
                     waits = self._hazards(direction, expedited, job.host_ids, self._seq)
@@ -253,9 +259,8 @@ class OffloadWorker:
                     self._in_flight.discard(job_id)
 
     def _hazards(self, direction: Direction, expedited: bool, hosts: np.ndarray, seq: int) -> tuple:
-        """The end events a job's copies must follow on the device (a load: the last store into
-        its host blocks; a store: the last load from them in each load lane), recording the job
-        as the last of its direction there. Call under `_order` (docs/architecture.md §6)."""
+        """The end events a job's copies must follow (docs/architecture.md §6), recording the job
+        as the last of its direction on its host blocks. Call under `_order`."""
         if not hosts.size:
             return ()
         if direction is Direction.STORE:
@@ -292,9 +297,8 @@ class OffloadWorker:
                 results = [r for lane in lanes for r in lane]
                 self._in_flight.difference_update(r.job_id for r in results)
         except BaseException:
-            # A Ctrl-C that came during the step, raised as it ends: the results, ids and all,
-            # go back for the next call (none of their ids can have been submitted again: the
-            # caller has not seen them).
+            # A Ctrl-C raised as the step ends: the results, ids and all, go back for the next
+            # call (the caller has not seen them, so cannot have reused their ids).
             if lanes is not None:
                 with deferred(), self._lock:
                     for kept, lane in zip(self._kept, lanes):
@@ -372,11 +376,9 @@ class OffloadWorker:
 
 
 def _drain(queues, backend: Backend, host, registered: list[bool], kept) -> list[list[TransferResult]]:
-    """Wait for every job in `queues` and close them, then undo the host registration if
-    ``registered[0]`` (cleared first); returns each queue's results. Again after a close that
-    raised, it closes what is left (`TransferQueue.close`). `host` and `kept` (the KV caches, the backend's prepared
-    layout) are passed only to be held: they may be freed once this returns.
-    """
+    """Close `queues` (waiting for their jobs), then undo the host registration if
+    ``registered[0]`` (cleared first); returns each queue's results. `kept` (the KV caches, the
+    prepared layout) is passed only to be held until this returns."""
     results = [queue.close() for queue in queues]
     if registered[0]:
         registered[0] = False
@@ -424,10 +426,9 @@ def _dropped(pid: int, *held) -> None:
     pending = sum(len(q) for q in queues)
     if pending:
         log.warning("OffloadWorker dropped without shutdown() with %d jobs in flight: draining them first", pending)
-    # The collector may run on any thread, even one a backend's stream needs to make progress,
-    # or one that holds the backend's enqueue lock, which jobs still waiting for a launch need:
-    # only the main thread waits here, and only for jobs already launched; otherwise a thread
-    # of its own waits, holding the memory.
+    # The collector may run on any thread, even one a backend's stream needs, or one holding the
+    # enqueue lock that unlaunched jobs need: only the main thread waits here, and only for
+    # launched jobs; otherwise a thread of its own waits, holding the memory.
     unlaunched = any(q.waiting_for_launch() for q in queues)
     if pending and (unlaunched or threading.current_thread() is not threading.main_thread()):
         try:
@@ -438,13 +439,3 @@ def _dropped(pid: int, *held) -> None:
             pass
     with deferred():  # on the main thread: a Ctrl-C must not end the drain, which lets the memory go
         _drain(*held)
-
-
-def _alloc_host(backend: Backend, nbytes: int):
-    check_host_bytes(nbytes, "the worker's host buffer (num_host_blocks x host_row_bytes)")
-    try:
-        return backend.alloc_host(nbytes)
-    except Exception as exc:  # torch reports an allocation failure as RuntimeError
-        raise OffloadError(
-            f"could not allocate the worker's host buffer of {nbytes} bytes on {backend.name}: {exc}"
-        ) from exc
