@@ -1,11 +1,7 @@
-"""The canonical (tensor-parallel-independent) host layout: how one rank's page maps into the page
-the model would have unsharded, and which rank writes bytes that several ranks hold.
-
-A `CanonicalPageMapping` lists `CopyRun`s from the local page into the canonical page. Ranks that
-hold the same bytes (MLA latents, or KV heads replicated when TP exceeds their number) take
-turns writing them: page ``p`` is written by the rank whose ``writer_index == p % num_writers``.
-Helpers derive mappings for the common layouts; `verify_tiling` certifies that the ranks
-together write every canonical byte exactly once.
+"""The canonical (tensor-parallel-independent) host layout: a `CanonicalPageMapping` places one
+rank's page in the page the model would have unsharded. Ranks that hold the same bytes (MLA
+latents, KV heads replicated when TP exceeds their number) take turns writing them (`elected`);
+`verify_tiling` certifies that the ranks together write every canonical byte exactly once.
 """
 
 from __future__ import annotations
@@ -77,7 +73,7 @@ class CanonicalPageMapping:
         object.__setattr__(self, "runs", tuple(self.runs))
         if not all(isinstance(r, CopyRun) for r in self.runs):
             raise InvalidSpecError("runs must be CopyRun objects")
-        # checked on the counts before anything is unrolled, which bounds the unrolling
+        # checked on the counts before anything is unrolled, to bound the unrolling
         if sum(r.fragment_size * r.num_fragments for r in self.runs) != self.local_page_size_bytes:
             raise InvalidSpecError("runs must cover the local page exactly once")
         for name in ("canonical_page_size_bytes", "local_page_size_bytes"):
@@ -86,7 +82,7 @@ class CanonicalPageMapping:
         fragments = sum(r.num_fragments for r in self.runs)
         if fragments > MAX_FRAGMENTS:
             raise InvalidSpecError(f"a mapping of {fragments} fragments: at most {MAX_FRAGMENTS} are taken")
-        for r in self.runs:  # in Python's integers: no offset or stride can wrap around in int64 below
+        for r in self.runs:  # in Python's integers, so that nothing wraps around in int64 below
             for first, stride, page, side in (
                 (r.local_offset, r.local_stride, self.local_page_size_bytes, "local"),
                 (r.canonical_offset, r.canonical_stride, self.canonical_page_size_bytes, "canonical"),
@@ -97,7 +93,7 @@ class CanonicalPageMapping:
         local, canon, sizes = _unroll(self.runs)
         if _coverage(local, sizes, self.local_page_size_bytes).tolist() != [1]:
             raise InvalidSpecError("runs must cover the local page exactly once")
-        if _coverage(canon, sizes, self.canonical_page_size_bytes).max() > 1:  # one store would write a byte twice
+        if _coverage(canon, sizes, self.canonical_page_size_bytes).max() > 1:
             raise InvalidSpecError("runs must place no two local bytes on one canonical byte")
         merged = _joined(local, canon, sizes)
         object.__setattr__(self, "runs", _as_runs(*merged))
@@ -110,11 +106,8 @@ class CanonicalPageMapping:
 
 
 def elected(page_ids, num_writers, writer_index):
-    """The election: page ``p`` is written by the rank whose ``writer_index == p % num_writers``.
-
-    Vectorised over any arguments that broadcast (the compact layout asks it for every block
-    and entry at once, with each entry's writers).
-    """
+    """The election: page ``p`` is written by the rank whose ``writer_index == p % num_writers``
+    (over any arguments that broadcast)."""
     return page_ids % num_writers == writer_index
 
 
@@ -132,7 +125,7 @@ def _unroll(runs: Iterable[CopyRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 def _coverage(starts: np.ndarray, sizes: np.ndarray, length: int) -> np.ndarray:
     """Distinct counts of how often each byte of ``[0, length)`` is covered by fragments inside
-    it, from the fragments' ends alone: no array as long as the page."""
+    it, from the fragments' ends alone (no array as long as the page)."""
     points, where = np.unique(np.concatenate([starts, starts + sizes, [0, length]]), return_inverse=True)
     steps = np.zeros(points.size, dtype=np.int64)
     np.add.at(steps, where, np.concatenate([np.ones(starts.size, np.int64), -np.ones(starts.size, np.int64), [0, 0]]))
@@ -147,7 +140,7 @@ def _joined(local, canon, sizes):
 
 
 def _as_runs(local, canon, sizes) -> tuple[CopyRun, ...]:
-    """Fragments as few strided runs: equal sizes at constant strides on both sides become one run."""
+    """Fragments as strided runs: equal sizes at constant strides on both sides become one run."""
     runs, i, n = [], 0, sizes.size
     while i < n:
         j = i + 1
@@ -166,9 +159,6 @@ def _as_runs(local, canon, sizes) -> tuple[CopyRun, ...]:
             runs.append(CopyRun(int(local[i]), int(canon[i]), int(sizes[i])))
         i = j
     return tuple(runs)
-
-
-# ---- certification ----------------------------------------------------------
 
 
 def verify_tiling(mappings: Sequence[CanonicalPageMapping]) -> None:
@@ -199,9 +189,6 @@ def verify_tiling(mappings: Sequence[CanonicalPageMapping]) -> None:
             raise InvalidSpecError(
                 f"pages {page} mod {period}: the writers cover canonical bytes {counts} times, not exactly once"
             )
-
-
-# ---- mappings for the common layouts ----------------------------------------
 
 
 MAX_PAGE_SLOTS = 1 << 24  # (kv, token, head) slots of one page that `attention_mappings` lays out
@@ -244,7 +231,8 @@ def attention_mappings(
         raise InvalidSpecError(f"unknown attention page layout: order={order!r}, kv={kv!r}")
     if tp_size % total_kv_heads and total_kv_heads % tp_size:
         raise InvalidSpecError(f"{total_kv_heads} KV heads do not divide over TP={tp_size} (or the reverse)")
-    slots = (1 if kv is None else 2) * block_tokens * total_kv_heads
+    halves = 1 if kv is None else 2
+    slots = halves * block_tokens * total_kv_heads
     if slots > MAX_PAGE_SLOTS:  # each slot is a few int64 arrays' worth of memory here
         raise InvalidSpecError(
             f"a page of {block_tokens} tokens x {total_kv_heads} KV heads has {slots} head slots, "
@@ -253,10 +241,9 @@ def attention_mappings(
     shards = min(tp_size, total_kv_heads)
     replication = tp_size // shards
     local_heads = total_kv_heads // shards
-    halves = 1 if kv is None else 2
 
     def offsets(heads: int) -> np.ndarray:
-        """Byte offset of (kv, token, head) in a page holding `heads` heads, as an array [kv, t, h]."""
+        """Byte offsets of (kv, token, head) in a page holding `heads` heads, as an array [kv, t, h]."""
         k, t, h = np.meshgrid(np.arange(halves), np.arange(block_tokens), np.arange(heads), indexing="ij")
         if kv == "packed":  # token-major, then K heads, then V heads
             slot = (t * halves + k) * heads + h
@@ -266,24 +253,14 @@ def attention_mappings(
             slot = k * block_tokens * heads + h * block_tokens + t
         return slot * head_bytes
 
-    canonical = offsets(total_kv_heads)
-    local = offsets(local_heads)
-    local_page = halves * block_tokens * local_heads * head_bytes
+    canonical, local = offsets(total_kv_heads), offsets(local_heads)
+    canonical_page, local_page = int(canonical.size * head_bytes), int(local.size * head_bytes)
     out = []
     for rank in range(tp_size):
         shard = rank // replication
         canon = canonical[:, :, shard * local_heads : (shard + 1) * local_heads]
-        fragments = (local.ravel(), canon.ravel(), np.full(local.size, head_bytes, dtype=np.int64))
-        runs = _as_runs(*_joined(*fragments))
-        out.append(
-            CanonicalPageMapping(
-                canonical_page_size_bytes=int(canonical.size * head_bytes),
-                local_page_size_bytes=local_page,
-                runs=runs,
-                num_writers=replication,
-                writer_index=rank % replication,
-            )
-        )
+        runs = _as_runs(*_joined(local.ravel(), canon.ravel(), np.full(local.size, head_bytes, dtype=np.int64)))
+        out.append(CanonicalPageMapping(canonical_page, local_page, runs, replication, rank % replication))
     verify_tiling(out)
     return out
 

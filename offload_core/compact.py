@@ -1,25 +1,10 @@
-"""Jobs: a transfer as block ids against a table computed once per worker.
+"""Jobs: a transfer as block ids against a table computed once per worker (docs/architecture.md §3).
 
-The worker hands every backend, per job, one entry per device block (`CompactJob`) and, once
-per worker, a table of what every block copies (`CompactLayout`, built from the KV cache and
-the host layout). `CompactLayout.job` checks each transfer against it before anything is
-enqueued: every id in range, host ids consumed exactly, no destination named twice.
-
-* an **entry** is one contiguous copy a block makes: one ref's page, or one fragment of it
-  where a canonical mapping scatters the page. Entry ``e`` of a block ``b`` copies
-  ``size[e]`` bytes between device address
-  ``dev_base[e] + dev_id[b] * dev_page[e] + dev_off[e]`` and host address
-  ``row(b) + host_off[e] + sub[b] * host_sub[e]``, where ``row(b)`` is where the host block
-  (row) of ``b`` lies: in the host buffer, or in a staging buffer that mirrors host rows.
-  A store skips the entry unless ``writers[e] == 1`` or
-  ``page[b] % writers[e] == writer[e]`` (writer election of canonical layouts);
-* a **segment** is a contiguous range of host bytes a job touches: where staging mirrors host
-  rows, one copy per segment moves the whole job over the link (`CompactLayout.segments`).
-
-A backend that copies descriptors expands each job on the host (`CompactLayout.copies`, runs
-merged; the default `Backend.copy_blocks`); one that expands jobs on the device (cuda) takes
-the table once (`Backend.prepare_layout`). `offload_core.testing.expanding.descriptors` is the
-reference both are tested against.
+`CompactLayout` tables what every block copies, its *entries*, and validates each transfer
+(`CompactLayout.job`); a `CompactJob` is one validated transfer, one column per device block.
+Entry ``e`` of block ``b`` copies ``size[e]`` bytes between ``dev_base[e] + dev_id[b] * dev_page[e]
++ dev_off[e]`` and ``row(b) + host_off[e] + sub[b] * host_sub[e]`` (``row(b)``: its host row, or
+staging that mirrors it); a store skips it unless ``page[b] % writers[e] == writer[e]``.
 """
 
 from __future__ import annotations
@@ -46,7 +31,7 @@ SORTED_BLOCKS = 2048  # the most blocks `CompactJob.in_host_order` sorts (2048 i
 
 
 class CompactJob:
-    """One validated transfer, one entry per device block.
+    """One validated transfer, one column per device block.
 
     Attributes:
         layout: the layout the ids refer to.
@@ -54,14 +39,15 @@ class CompactJob:
         dev_ids: int64, the device block of each block.
         host_ids: int64, the host block of each chunk.
         groups: per group that moves blocks, ``(group, first block, end block, first chunk,
-            end chunk, skip)``: its range in `blocks` and in `host_ids`, and the sub-pages
-            of its first chunk it skips.
+            end chunk, skip)``: its range in `blocks` and in `host_ids`, and the sub-pages of
+            its first chunk it skips.
         nbytes: bytes the job copies.
         items: copies the job expands to (blocks times their group's entries).
         simple: one group, one block per chunk, block ``i`` in chunk ``i``: `dev_ids` and
             `host_ids` say everything, and `blocks` is built only when asked for.
-        jobs: how many submitted jobs that move blocks this one joins (`concat`), for a
-            backend that sizes its launch by their average size (1 for a job as submitted).
+        jobs: how many submitted jobs that move blocks this one joins (`concat`).
+        host_after: set by the queue at a launch: other lanes' end events that a stream touching
+            this job's host rows must wait for.
     """
 
     __slots__ = (
@@ -93,29 +79,25 @@ class CompactJob:
     ):
         self.layout, self.direction, self.host_ids = layout, direction, host_ids
         self.groups, self.nbytes, self.items = groups, nbytes, items
-        self._blocks = blocks
+        self._blocks, self.jobs = blocks, jobs
         self.dev_ids = blocks[0] if dev_ids is None else dev_ids
-        self.jobs = jobs
-        self._copies: tuple | None = None  # `CompactLayout.copies`, once asked for
-        self._segments: tuple | None = None  # `CompactLayout.segments`, once asked for
-        # At a launch: end events of other lanes' jobs that write or read this job's host blocks
-        # (hazards, set by the queue). The launch's stream waits for them; a backend's side stream
-        # that touches host rows must wait for them too.
+        self._copies: tuple | None = None  # cached by `CompactLayout.copies`
+        self._segments: tuple | None = None  # cached by `CompactLayout.segments`
         self.host_after: tuple = ()
 
     @property
     def simple(self) -> bool:
-        """See the class's attributes."""
         return self._blocks is None
 
     @property
     def blocks(self) -> np.ndarray:
         """int64 ``(5, n)``, rows named by `BLOCK_COLUMNS`: device block id, position of its host
         block in `host_ids` (its chunk), sub-page in that host block, canonical page id
-        (``host block * blocks_per_chunk + sub``) and KV-cache group."""
+        (``host block * blocks_per_chunk + sub``) and KV-cache group. A simple job's is built anew
+        on each call."""
         if self._blocks is not None:
             return self._blocks
-        n = self.dev_ids.size  # a simple job's, built anew on each call (the reference paths')
+        n = self.dev_ids.size
         table = np.zeros((5, n), dtype=np.int64)
         table[0] = self.dev_ids
         table[1] = np.arange(n)
@@ -136,17 +118,15 @@ class CompactJob:
     @property
     def destination_limit(self) -> int:
         """A bound on `destinations`: host pages for a store, device blocks for a load."""
-        layout = self.layout
         if self.direction is Direction.STORE:
-            return layout.host_blocks * layout.blocks_per_chunk
-        return layout.device_limit
+            return self.layout.host_blocks * self.layout.blocks_per_chunk
+        return self.layout.device_limit
 
     def in_host_order(self) -> CompactJob:
-        """The same copies with the blocks in host-block order, where that makes fewer of them
-        host-contiguous runs; else this job. For staging that mirrors a job's host rows: host
-        blocks an engine hands out in runs, in whatever order (a free list pops them backwards),
-        then move as one copy per run instead of one per row. Simple jobs of up to
-        `SORTED_BLOCKS` blocks only (larger ones are bound by the link, or by the sort)."""
+        """The same copies with the blocks in host-block order where that makes fewer host runs
+        (an engine's free list hands out host blocks backwards), else this job: staging that
+        mirrors host rows then moves one copy per run. Simple jobs of 2 to `SORTED_BLOCKS`
+        blocks only (larger ones are bound by the link, or by the sort)."""
         n = self.dev_ids.size
         if self._blocks is not None or not 2 <= n <= SORTED_BLOCKS:
             return self
@@ -166,8 +146,7 @@ class CompactJob:
         )
 
     def tail(self, first: int) -> CompactJob:
-        """A simple job's blocks from `first` on, as a job of their own (for a backend that
-        sends parts of a job different ways); `jobs` stays this job's."""
+        """A simple job's blocks from `first` on, as a job of their own; `jobs` stays this job's."""
         assert self._blocks is None, "only a simple job's blocks are its chunks"
         return self.layout._single(self.direction, self.dev_ids[first:], self.host_ids[first:], self.jobs)
 
@@ -178,7 +157,7 @@ class CompactJob:
         if len(jobs) == 1:
             return jobs[0]
         first = jobs[0]
-        # The usual launch: simple jobs (never empty), and at most general ones that move nothing.
+        # The usual launch: simple jobs, and at most general ones that move nothing.
         devs, hosts, nbytes, items, count = [], [], 0, 0, 0
         for j in jobs:
             if j._blocks is None:
@@ -219,10 +198,8 @@ class CompactLayout:
     validation of each (`job`).
 
     Args:
-        kv_caches: the device KV cache: its tensors' addresses, pitches and block counts, and
-            per group its refs.
-        host: the host row (`HostLayout`): each tensor's chunk offset and host page, and whether
-            refs' mappings scatter pages (canonical) or pages go whole (direct).
+        kv_caches: the device KV cache.
+        host: the host row (`HostLayout`).
         host_base: address of host block 0.
         row_stride: bytes between consecutive host blocks (`host.row_bytes`, or a shared
             region's stride).
@@ -237,12 +214,10 @@ class CompactLayout:
             (`row_bytes` is `row_stride`).
         device_limit: one above any device block id of any group.
         largest, smallest: the largest and the smallest entry, in bytes.
-        native: the compiled steps (`offload_core.native`) this layout's jobs take, or None
-            where they were not built or are switched off: numpy then.
-        simple_jobs: every job of this layout that moves blocks is simple (`CompactJob.simple`):
-            one group, one block per chunk.
-        id_limit: where `simple_jobs`, one above any id (device or host) that such a job may
-            hold, as its submit checked; else None.
+        native: the compiled steps this layout's jobs take, or None (numpy).
+        simple_jobs: every job of this layout that moves blocks is simple (`CompactJob.simple`).
+        id_limit: where `simple_jobs`, one above any id (device or host) such a job may hold;
+            else None.
     """
 
     def __init__(
@@ -257,11 +232,14 @@ class CompactLayout:
         self.row_bytes, self.host_base, self.host_blocks = row_stride, host_base, host_blocks
         self.blocks_per_chunk = host.blocks_per_chunk
         tensors = kv_caches.tensors
-        columns, self._device_limits = [], []  # per group: its entries; device block ids must be below its limit
-        for refs in kv_caches.group_refs:
+        columns, self._device_limits = [], []  # per group: its entries, and one above its device ids
+        users: dict[int, list[int]] = {}  # tensor -> the groups that copy it
+        for g, refs in enumerate(kv_caches.group_refs):
             self._device_limits.append(min(tensors[r.tensor_idx].num_blocks for r in refs))
-            # Refs of one page geometry go together (usually all: every layer alike), so that whole
-            # pages of one size are one run of entries (`copies`).
+            for r in refs:
+                users.setdefault(r.tensor_idx, []).append(g)
+            # Refs of one page geometry go together, so that whole pages of one size are one run
+            # of entries (`copies`).
             shapes = [
                 (tensors[r.tensor_idx].pitch_bytes, host.pages[r.tensor_idx], r.page_size_bytes, r.mapping)
                 for r in refs
@@ -276,41 +254,23 @@ class CompactLayout:
                 else:
                     local, canon, sizes = mapping.fragments
                     writers, writer = mapping.num_writers, mapping.writer_index
-                f = len(sizes)
-                dev_base = tensors[t].tensor.data_ptr()
-                rows.append(
-                    np.stack(
-                        [
-                            np.full(f, dev_base),
-                            np.full(f, dev_page),
-                            local,
-                            np.add(canon, host.offsets[t]),
-                            np.full(f, host_page),
-                            sizes,
-                            np.full(f, writers),
-                            np.full(f, writer),
-                        ]
-                    ).astype(np.int64)
-                )
+                dev_base, host_off = tensors[t].tensor.data_ptr(), np.add(canon, host.offsets[t])
+                fields = np.broadcast_arrays(dev_base, dev_page, local, host_off, host_page, sizes, writers, writer)
+                rows.append(np.array(fields, dtype=np.int64))
             columns.append(np.concatenate(rows, axis=1))
         self.entries = np.ascontiguousarray(np.concatenate(columns, axis=1))
         counts = [c.shape[1] for c in columns]
         self.group_entries = np.array([list(accumulate(counts[:-1], initial=0)), counts], dtype=np.int64)
         self.largest, self.smallest = int(self.entries[5].max()), int(self.entries[5].min())
         self._entry_bytes = [int(c[5].sum()) for c in columns]
-        # per group: the pattern of writer elections repeats every this many pages
-        self._periods = [math.lcm(*c[6].tolist()) for c in columns]
-        users: dict[int, list[int]] = {}  # tensor -> the groups that copy it
-        for g, refs in enumerate(kv_caches.group_refs):
-            for r in refs:
-                users.setdefault(r.tensor_idx, []).append(g)
-        # Groups that share a tensor can collide on a destination page of it; others cannot.
+        self._periods = [math.lcm(*c[6].tolist()) for c in columns]  # of each group's writer elections
+        # Only groups that share a tensor can collide on a destination page.
         self._collisions = sorted({tuple(gs) for gs in users.values() if len(gs) > 1})
         self._colliding = {g for gs in self._collisions for g in gs}
         self.device_limit = max(self._device_limits)
-        # per group, its entries in runs (start, end, page): a run of entries that copy whole pages
-        # of one size on both sides (device page, host sub-page and copy alike, no election) has
-        # that size, and `copies` merges runs of consecutive blocks there; others have 0
+        # Per group, its entries in runs (start, end, page): a run of entries that copy whole pages
+        # of one size on both sides, without election, has that size (`copies` merges consecutive
+        # blocks there); others have 0.
         self._runs_of_entries = []
         self._dev_entry = self.entries[0] + self.entries[2]  # an entry's device address less the block's offset
         self._host_entry = self.entries[3] + self.host_base  # its host address less the chunk's and sub-page's
@@ -322,18 +282,17 @@ class CompactLayout:
                 [(e0 + a, e0 + b, int(whole[a])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
             )
         self._templates: dict = {}
-        # Most engines' caches: one group, one block per host chunk. Their jobs skip the general
-        # per-group bookkeeping (`_job_single`), which is most of a small job's submit.
+        # One group, one block per chunk (most engines' caches): jobs take `_job_single`.
         one = len(columns) == 1 and self.blocks_per_chunk == 1
         self._single_limit = self._device_limits[0] if one else None
         self._single_entries = counts[0]  # copies per block
-        self.native = native.load() if compiled else None  # the compiled steps its jobs take, or None
-        self.simple_jobs = self._single_limit is not None  # every job that moves blocks is simple
+        self.native = native.load() if compiled else None
+        self.simple_jobs = self._single_limit is not None
         self.id_limit = max(self._single_limit, self.host_blocks) if self.simple_jobs else None
 
     @property
     def max_entries(self) -> int:
-        """The most entries of any group: the copies one block makes at most."""
+        """The most copies one block makes."""
         return int(self.group_entries[1].max())
 
     def job(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> CompactJob:
@@ -350,9 +309,7 @@ class CompactLayout:
         return self._job_general(direction, device, host)
 
     def _job_general(self, direction: Direction, device: DeviceBlocks, host: HostBlocks) -> CompactJob:
-        """`job` for any layout: the rules checked (before anything is enqueued) group by group,
-        the blocks' table built as they go."""
-        # Per-group bookkeeping is a handful of Python ints: cheaper than numpy calls on tiny arrays.
+        """`job` for any layout, group by group (Python ints: cheaper than numpy on tiny arrays)."""
         sizes, limits = device.group_sizes.tolist(), self._device_limits
         if len(sizes) != len(limits):
             raise InvalidSpecError(f"DeviceBlocks has {len(sizes)} groups, the KV cache has {len(limits)}")
@@ -365,8 +322,7 @@ class CompactLayout:
                 f"{host_ids.size} host block ids given, the device blocks need {sum(host_counts)} "
                 f"(per group: {host_counts}, blocks_per_chunk={bpc})"
             )
-        if any_outside(host_ids, self.host_blocks):
-            _raise_out_of_range("host", host_ids, self.host_blocks)
+        _check_range("host", host_ids, self.host_blocks)
         store = direction is Direction.STORE
         blocks = np.empty((5, device.block_ids.size), dtype=np.int64)
         groups, shared, d0, c0, nbytes, items = [], {}, 0, 0, 0, 0
@@ -375,8 +331,7 @@ class CompactLayout:
                 continue
             out = blocks[:, d0 : d0 + n]
             out[0] = dev_ids = device.block_ids[d0 : d0 + n]
-            if any_outside(dev_ids, limit):
-                _raise_out_of_range("device", dev_ids, limit)
+            _check_range("device", dev_ids, limit)
             group_hids = host_ids[c0 : c0 + hc]
             if bpc == 1:
                 out[1] = np.arange(c0, c0 + n)
@@ -431,7 +386,7 @@ class CompactLayout:
         return self._single(direction, dev_ids, host_ids)
 
     def _single(self, direction: Direction, dev_ids: np.ndarray, host_ids: np.ndarray, jobs: int = 1) -> CompactJob:
-        """The simple job of checked ids (`CompactJob.simple`)."""
+        """The simple job of checked ids."""
         n = dev_ids.size
         if direction is Direction.STORE and self._periods[0] > 1:
             nbytes = int(self._elected(0, host_ids).sum())
@@ -444,15 +399,13 @@ class CompactLayout:
         """Bytes each (block, entry) of `group` stores, given the blocks' canonical page ids."""
         e0, count = self.group_entries[:, group].tolist()
         e = self.entries[:, e0 : e0 + count]
-        mine = elected(pages[:, None], e[6], e[7])
-        return np.where(mine, e[5], 0)
+        return np.where(elected(pages[:, None], e[6], e[7]), e[5], 0)
 
     def copies(self, job: CompactJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`job` as the copies a backend that copies on the host enqueues (`Backend.copy_batch`):
         ``(src, dst, sizes)`` in the job's direction, group by group, entry by entry, block by
-        block; in a group whose entries all copy whole pages of one size (every layer alike),
-        consecutive blocks whose pages follow each other on the device and in a host block go
-        as one copy per entry.
+        block; where a run of entries copies whole pages of one size, consecutive blocks whose
+        pages follow each other on both sides go as one copy per entry.
 
         Computed once per job and kept with it: the queue holds a launched job until its copies
         have run, and so the arrays that `copy_batch` was handed.
@@ -496,18 +449,13 @@ class CompactLayout:
                 dev_parts.append(d)
                 host_parts.append(h)
                 size_parts.append(size)
-        if len(dev_parts) == 1:
-            dev, host, sizes = dev_parts[0], host_parts[0], size_parts[0]
-        elif dev_parts:
-            dev, host, sizes = (np.concatenate(p) for p in (dev_parts, host_parts, size_parts))
-        else:
-            dev = host = sizes = np.zeros(0, np.int64)
+        dev, host, sizes = (_concat(p) for p in (dev_parts, host_parts, size_parts))
         found = job._copies = (dev, host, sizes) if store else (host, dev, sizes)
         return found
 
     def segments(self, job: CompactJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The host bytes `job` touches, as contiguous ranges, for staging that mirrors host rows.
-        Computed once per job (a choice may ask before the copy does: `segment_summary`).
+        """The host bytes `job` touches, as contiguous ranges, for staging that mirrors host rows;
+        computed once per job.
 
         Returns:
             ``(stage, host, sizes)``: per range, its offset in the staging buffer (chunk ``j``
@@ -559,29 +507,20 @@ class CompactLayout:
                     pieces.append((chunks, *self._template(g, 0, bpc - 1, r, store)))
         stage_parts, host_parts, size_parts = [], [], []
         for chunks, starts, lengths in pieces:
-            if not starts.size:
-                continue
-            stage_parts.append((chunks[:, None] * row + starts).ravel())
-            host_parts.append((host_ids[chunks][:, None] * row + starts).ravel())
-            size_parts.append(np.broadcast_to(lengths, (chunks.size, lengths.size)).ravel())
-        if not stage_parts:
-            empty = np.zeros(0, np.int64)
-            return empty, empty, empty
-        stage, host, sizes = (np.concatenate(p) for p in (stage_parts, host_parts, size_parts))
+            if starts.size:
+                stage_parts.append((chunks[:, None] * row + starts).ravel())
+                host_parts.append((host_ids[chunks][:, None] * row + starts).ravel())
+                size_parts.append(np.broadcast_to(lengths, (chunks.size, lengths.size)).ravel())
+        stage, host, sizes = (_concat(p) for p in (stage_parts, host_parts, size_parts))
         if len(stage_parts) > 1:
             order = np.argsort(stage, kind="stable")
             stage, host, sizes = stage[order], host[order], sizes[order]
         return merge_runs((stage, host), sizes)
 
     def segment_summary(self, job: CompactJob, small_limit: int) -> tuple[int, int]:
-        """What a choice between staging and direct copies needs of `segments`, cheaply: how
-        many ranges it returns, and the bytes of those of at most `small_limit` bytes.
-
-        Where no range of a host row can continue into the next (one group, one block per
-        chunk, no row template touching both ends of the row), both follow from the row
-        templates and how many chunks use each: no pass over the job's copies. Otherwise, from
-        `segments` itself.
-        """
+        """How many ranges `segments` returns, and the bytes of those of at most `small_limit`
+        bytes; where no range of a host row can continue into the next, from the row templates
+        alone (no pass over the job's copies)."""
         row, store, groups = self.row_bytes, job.direction is Direction.STORE, job.groups
         if groups and self.blocks_per_chunk == 1 and all(grp[0] == groups[0][0] for grp in groups):
             g, c0, c1 = groups[0][0], groups[0][3], groups[-1][4]
@@ -604,9 +543,8 @@ class CompactLayout:
         return sizes.size, int(sizes[sizes <= small_limit].sum())
 
     def whole_rows(self, direction: Direction) -> bool:
-        """Whether each block of a simple job covers its whole host row in `direction` (one group
-        whose row template is the whole row, the same for every host block): its `segments` are
-        then the runs of consecutive host blocks, and `segment_summary` counts those."""
+        """Whether each block of a simple job covers its whole host row in `direction`: its
+        `segments` are then the runs of consecutive host blocks."""
         if not self.simple_jobs or not self.group_entries.size:
             return False
         store = direction is Direction.STORE
@@ -643,9 +581,14 @@ class CompactLayout:
         return found
 
 
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
 def _row_runs(hosts: np.ndarray, row: int, small_limit: int, compiled=None) -> tuple[int, int]:
-    """`CompactLayout.segment_summary` where every chunk covers its whole row: a run of
-    consecutive host blocks is one segment."""
+    """`CompactLayout.segment_summary` where every chunk covers its whole row."""
     if compiled is not None and hosts.size:
         runs, rows = compiled.row_runs(hosts, int(small_limit) // row)  # a profile's limit may be a float
         return runs, rows * row
@@ -660,30 +603,29 @@ _FEW = 64  # up to this many ids, Python's min, max and set beat numpy's per-cal
 
 
 def any_outside(ids: np.ndarray, limit: int) -> bool:
-    """Whether any id is negative or not below `limit`: one comparison, since a negative int64
-    read as uint64 is larger than any limit."""
+    """Whether any id is negative or not below `limit` (a negative int64 read as uint64 is
+    larger than any limit)."""
     if ids.size <= _FEW:
         few = ids.tolist()
         return bool(few) and (min(few) < 0 or max(few) >= limit)
     return bool((ids.view(np.uint64) >= limit).any())
 
 
-def _raise_out_of_range(side: str, ids: np.ndarray, limit: int) -> None:
-    bad = np.flatnonzero((ids < 0) | (ids >= limit))
-    raise InvalidSpecError(
-        f"{side} block id {int(ids[bad[0]])} out of range [0, {limit}) "
-        f"({bad.size} bad ids, first at position {int(bad[0])} of its group)"
-    )
+def _check_range(side: str, ids: np.ndarray, limit: int) -> None:
+    if any_outside(ids, limit):
+        bad = np.flatnonzero((ids < 0) | (ids >= limit))
+        raise InvalidSpecError(
+            f"{side} block id {int(ids[bad[0]])} out of range [0, {limit}) "
+            f"({bad.size} bad ids, first at position {int(bad[0])} of its group)"
+        )
 
 
 def _check_unique(ids: np.ndarray, side: str, limit: int) -> None:
-    """Two copies into the same destination page would race: reject them. Every id lies in
-    ``[0, limit)`` (checked before)."""
-    if not has_duplicates(ids, limit):
-        return
-    s = np.sort(ids)
-    dup = s[1:] == s[:-1]
-    raise InvalidSpecError(f"{side} {int(s[1:][dup][0])} is the destination of two copies in one transfer")
+    """Two copies into the same destination would race: reject them (ids lie in ``[0, limit)``)."""
+    if has_duplicates(ids, limit):
+        s = np.sort(ids)
+        dup = s[1:] == s[:-1]
+        raise InvalidSpecError(f"{side} {int(s[1:][dup][0])} is the destination of two copies in one transfer")
 
 
 def has_duplicates(ids: np.ndarray, limit: int) -> bool:

@@ -29,14 +29,11 @@ class BackendUnavailableError(OffloadError, RuntimeError):
     def __init__(self, name: str, reason: str, hint: str = ""):
         self.name = name
         self.reason = reason
-        message = f"offload backend {name!r} is unavailable: {reason}"
-        if hint:
-            message += f" ({hint})"
-        message += (
-            "; the host-memory reference backend is 'cpu' (backend='cpu', --backend cpu, or "
-            "OFFLOAD_CORE_BACKEND=cpu where no name is given)"
+        hint = f" ({hint})" if hint else ""
+        super().__init__(
+            f"offload backend {name!r} is unavailable: {reason}{hint}; the host-memory reference backend is "
+            "'cpu' (backend='cpu', --backend cpu, or OFFLOAD_CORE_BACKEND=cpu where no name is given)"
         )
-        super().__init__(message)
 
 
 class InvalidSpecError(OffloadError, ValueError):

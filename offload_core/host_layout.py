@@ -1,8 +1,5 @@
 """Where a worker's KV pages live in host memory: one row per host block, holding every KV
-tensor's chunk (``blocks_per_chunk`` pages) back to back, so that a host block is one
-contiguous range of bytes.
-
-`HostLayout` is the arithmetic only: page sizes, offsets and the row. It holds no memory;
+tensor's chunk (``blocks_per_chunk`` pages) back to back. `HostLayout` is the arithmetic only;
 the worker lays it over private host memory or over a `SharedHostRegion`'s slot.
 """
 
@@ -23,10 +20,9 @@ class HostLayout:
     """The host row of one worker.
 
     Attributes:
-        pages: per KV tensor, the bytes of one page on the host. The tensor's own page
-            (`KVCacheTensor.page_size_bytes`) in the direct layout; in the canonical one, the
-            largest canonical page among the refs into the tensor, which does not depend on
-            the TP size (its own page where no ref has a mapping).
+        pages: per KV tensor, the bytes of one page on the host: the tensor's own page in the
+            direct layout; in the canonical one, the largest canonical page among the refs into
+            the tensor (its own page where no ref has a mapping).
         offsets: per KV tensor, where its chunk starts in a row.
         row_bytes: the bytes of every tensor's chunk: what one host block needs.
         blocks_per_chunk: device blocks (pages) per host block.
@@ -41,12 +37,7 @@ class HostLayout:
 
     @classmethod
     def of(cls, kv_caches: KVCaches, blocks_per_chunk: int = 1, canonical: bool = False) -> HostLayout:
-        """The layout of `kv_caches`' pages, direct or canonical.
-
-        Two `page_size_bytes` meet here, both vLLM's name: a tensor's is its row (the padded
-        page; `KVCacheTensor.pitch_bytes` is the distance between rows), a ref's is the prefix
-        of that row it copies.
-        """
+        """The layout of `kv_caches`' pages, direct or canonical."""
         if canonical:
             pages = [0] * len(kv_caches.tensors)
             for refs in kv_caches.group_refs:

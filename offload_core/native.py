@@ -1,12 +1,10 @@
 """The optional compiled steps of the hot path (`offload_core._native`, from _native.c), and the
-loader a backend's own compiled module goes through (`load` of its name).
+loader a backend's own compiled module goes through (`load`).
 
-They do what a numpy (or ctypes) function next to them does, which stays the reference and the
-fallback: where the extension was not built (no C compiler at install), or ``OFFLOAD_CORE_NATIVE=0``
-is set, everything runs the same without it. Their passes over a large job's ids (a quarter of a
-million and more) are spread over a few threads, at most ``OFFLOAD_CORE_NATIVE_THREADS`` (default:
-the CPUs the process may run on, at most 4; 1 keeps them on the calling thread), in every compiled
-module loaded.
+Each does what a numpy (or ctypes) function next to it does, which stays the reference and the
+fallback where the extension was not built or ``OFFLOAD_CORE_NATIVE=0``. Passes over a large job's
+ids are spread over at most ``OFFLOAD_CORE_NATIVE_THREADS`` threads (default: the usable CPUs, at
+most 4; 1 keeps them on the calling thread), in every compiled module loaded.
 """
 
 from __future__ import annotations
@@ -14,6 +12,8 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
+
+from offload_core.errors import ConfigError
 
 ENV_NATIVE = "OFFLOAD_CORE_NATIVE"
 ENV_THREADS = "OFFLOAD_CORE_NATIVE_THREADS"
@@ -24,9 +24,8 @@ _loaded: dict[str, ModuleType] = {}  # the compiled modules loaded, each with th
 
 
 def load(name: str = NATIVE) -> ModuleType | None:
-    """The compiled module `name`: offload_core's own steps, or a backend's module built with
-    _spread.c (its ``spread_threads`` is handed ``OFFLOAD_CORE_NATIVE_THREADS`` as offload_core's
-    is); None where it is not built or switched off.
+    """The compiled module `name` (offload_core's own, or a backend's built with _spread.c), its
+    threads set from ``OFFLOAD_CORE_NATIVE_THREADS``; None where it is not built or switched off.
 
     Raises:
         ConfigError: ``OFFLOAD_CORE_NATIVE`` is set to anything but 0 or 1, or
@@ -46,8 +45,7 @@ def load(name: str = NATIVE) -> ModuleType | None:
 
 def status() -> str:
     """``"built"``, ``"off"`` (``OFFLOAD_CORE_NATIVE=0``) or ``"not built"`` (no C compiler or
-    Python headers at install: everything runs in numpy), for `offload-core backends`: of
-    offload_core's steps (setup.py builds a backend's module beside them, from the same compiler).
+    Python headers at install), of offload_core's steps, for `offload-core backends`.
 
     Raises:
         ConfigError: as `load`.
@@ -58,8 +56,8 @@ def status() -> str:
 
 
 def _apply_threads(module: ModuleType) -> None:
-    """Hand ``OFFLOAD_CORE_NATIVE_THREADS`` to a module loaded for the first time, and to every
-    module loaded where it changed since last time."""
+    """Hand ``OFFLOAD_CORE_NATIVE_THREADS`` to a module loaded for the first time, or to every
+    module loaded where it changed."""
     global _threads_applied
     setting = os.environ.get(ENV_THREADS, "").strip()
     fresh = _loaded.get(module.__name__) is not module
@@ -67,8 +65,6 @@ def _apply_threads(module: ModuleType) -> None:
         return
     threads = int(setting) if setting.isdigit() else -1
     if setting and not 1 <= threads <= MOST_THREADS:
-        from offload_core.errors import ConfigError
-
         rule = f"a whole number from 1 (the calling thread only) to {MOST_THREADS}"
         raise ConfigError(f"{ENV_THREADS} must be {rule}, got {setting!r}")
     _loaded[module.__name__] = module
@@ -82,8 +78,7 @@ def _apply_threads(module: ModuleType) -> None:
 def _switched_off() -> bool:
     setting = os.environ.get(ENV_NATIVE, "1").strip()
     if setting not in ("0", "1"):
-        from offload_core.errors import ConfigError
-
-        rule = "0 (numpy's steps) or 1 (the compiled ones, where built)"
-        raise ConfigError(f"{ENV_NATIVE} must be {rule}, got {setting!r}")
+        raise ConfigError(
+            f"{ENV_NATIVE} must be 0 (numpy's steps) or 1 (the compiled ones, where built), got {setting!r}"
+        )
     return setting == "0"

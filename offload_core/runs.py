@@ -1,10 +1,8 @@
 """Runs: neighbouring copies that continue one another, found in one vectorised pass.
 
-A job's host copies merge whole-page blocks that follow each other on both sides, a canonical
-mapping joins fragments that continue on both sides, and the compact layout joins the host
-ranges a job touches. One definition serves them all. The reference model
-(`offload_core.testing.reference`) keeps its own, on purpose: a mistake here must not
-hide in the model the layout is tested against.
+Host copies of a job, a canonical mapping's fragments and the compact layout's segments all
+merge runs here. The reference model (`offload_core.testing.reference`) keeps its own, on
+purpose: a mistake here must not hide in the model the layout is tested against.
 """
 
 from __future__ import annotations
@@ -15,29 +13,22 @@ import numpy as np
 
 
 def run_starts(sides: Sequence[np.ndarray], sizes: np.ndarray | int) -> np.ndarray:
-    """The indices where runs start.
-
-    Entry ``i`` continues entry ``i - 1`` where, on every side, its address is entry
-    ``i - 1``'s plus entry ``i - 1``'s size.
+    """The indices where runs start: entry ``i`` continues entry ``i - 1`` where, on every side,
+    its address is entry ``i - 1``'s plus entry ``i - 1``'s size.
 
     Args:
         sides: one or more int64 address arrays of one length (source and destination, say).
-        sizes: the entries' sizes: an array of that length, or one int for every entry
-            (which saves a pass).
+        sizes: the entries' sizes: an array of that length, or one int for every entry.
     """
     n = sides[0].size
-    new = np.empty(n, dtype=bool)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    step = sizes if np.ndim(sizes) == 0 else sizes[:-1]
+    new = np.empty(n, dtype=bool)
     new[0] = True
-    rest = new[1:]
-    uniform = np.ndim(sizes) == 0
-    for k, a in enumerate(sides):
-        step = a[1:] - a[:-1] if uniform else a[1:] - sizes[:-1]
-        if k == 0:
-            np.not_equal(step, sizes if uniform else a[:-1], out=rest)
-        else:
-            rest |= step != (sizes if uniform else a[:-1])
+    np.not_equal(sides[0][1:], sides[0][:-1] + step, out=new[1:])
+    for a in sides[1:]:
+        new[1:] |= a[1:] != a[:-1] + step
     return new.nonzero()[0]
 
 

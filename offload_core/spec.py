@@ -18,7 +18,7 @@ import numpy as np
 from offload_core import native
 from offload_core.errors import ConfigError, InvalidSpecError
 
-if TYPE_CHECKING:  # only needed for type names here
+if TYPE_CHECKING:
     import torch
 
     from offload_core.canonical import CanonicalPageMapping
@@ -29,13 +29,11 @@ class KVCacheTensor:
     """One device tensor of the KV cache, seen as int8 pages, one per block.
 
     Args:
-        tensor: a device tensor whose first dimension is the block index. Its rows (one per
-            block) are each contiguous; consecutive rows may lie further apart than a row is
-            long (a strided view, such as the int8 ``(num_blocks, page)`` views vLLM and
-            vllm-ascend hand over of interleaved K and V): only each row's bytes are ever
-            copied, never those between rows.
+        tensor: a device tensor whose first dimension is the block index. Each row (block) is
+            contiguous; rows may lie further apart than a row is long (vLLM's strided views of
+            interleaved K and V): only each row's bytes are ever copied.
         page_size_bytes: bytes of each row (the padded page; a `KVCacheRef` copies a prefix
-            of it). The row pitch, `pitch_bytes`, is ``tensor.stride(0)`` elements.
+            of it).
 
     Raises:
         InvalidSpecError: not a tensor, a page size that is not a positive integer, a tensor
@@ -78,8 +76,7 @@ class KVCacheTensor:
                 f"KV tensor rows overlap: a pitch of {pitch} bytes (stride(0)={t.stride(0)}) is below "
                 f"page_size_bytes={self.page_size_bytes}"
             )
-        # A private alias of what was checked: the caller's tensor object may be re-viewed after
-        # this (`as_strided_`, `set_`); this one keeps the checked geometry, and its memory alive.
+        # The caller's tensor may be re-viewed later (`as_strided_`, `set_`): keep the checked geometry.
         object.__setattr__(self, "tensor", t.detach().as_strided(t.size(), t.stride(), t.storage_offset()))
 
     @property
@@ -136,8 +133,7 @@ class KVCaches:
     group_refs: Sequence[Sequence[KVCacheRef]]
 
     def __post_init__(self) -> None:
-        # Kept as tuples: a worker holds these tensors' addresses, so the caller's lists must
-        # not be able to drop or swap a tensor after validation.
+        # Tuples: the caller's lists must not drop or swap a tensor after validation.
         object.__setattr__(self, "tensors", _tuple(self.tensors, "KVCaches.tensors"))
         groups = _tuple(self.group_refs, "KVCaches.group_refs")
         object.__setattr__(
@@ -199,8 +195,7 @@ def _tuple(values: Any, what: str) -> tuple:
 
 
 def integer(value: Any, what: str, minimum: int | None = None) -> int:
-    """`value` as an int if it is an integer (Python or numpy; not bool, float or str), at
-    least `minimum` when one is given.
+    """`value` as an int if it is an integer (not bool, float or str), at least `minimum` if given.
 
     Raises:
         InvalidSpecError: naming `what`, the value and the rule.
@@ -238,11 +233,10 @@ def positive_int(value: Any, what: str) -> int:
 
 
 def _ids(values: Any, what: str) -> np.ndarray:
-    """`values` as a 1-D int64 array; raises InvalidSpecError for any other dtype or shape."""
-    # The usual, an engine's int64 or int32 array, in as few steps as possible. (numpy's dtypes
-    # of these are one object each; one of another identity takes the general path, to the same end.)
+    """`values` as a frozen 1-D int64 array; raises InvalidSpecError for any other dtype or shape."""
+    # The usual, an engine's int64 or int32 (vLLM's) array, in as few steps as possible.
     if type(values) is np.ndarray and values.ndim == 1 and (values.dtype is _INT64 or values.dtype is _INT32):
-        return _frozen(values)  # vLLM's specs hold int32 ids: widened
+        return _frozen(values)
     try:
         arr = np.asarray(values)
     except Exception as exc:  # e.g. a device tensor: ids must live on the host
@@ -264,8 +258,7 @@ def _ids(values: Any, what: str) -> np.ndarray:
         raise InvalidSpecError(f"{what} must be integers, got dtype {arr.dtype}")
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > np.iinfo(np.int64).max:
         raise InvalidSpecError(f"{what} holds {int(arr.max())}, beyond any block id")
-    # A copy that nothing can change: the caller's array may change after validation (another
-    # thread, a reused buffer), and the job and the queue address exactly what was checked.
+    # A copy nothing can change: the caller's array may change after validation.
     return _frozen(arr.astype(np.int64, copy=False))
 
 
@@ -291,14 +284,13 @@ class DeviceBlocks:
 
     def __init__(self, block_ids: Any, group_sizes: Any = None, block_indices: Any = None):
         ids = _ids(block_ids, "DeviceBlocks.block_ids")
-        # One group, left implicit or spelled out (as vLLM's specs always do): nothing more to check
+        # One group, left implicit or spelled out (as vLLM's specs do): nothing more to check
         if group_sizes is None and block_indices is None:
             size, index = ids.size, 0
         else:
             size, index = _single(group_sizes), 0 if block_indices is None else _single(block_indices)
         if size == ids.size and index is not None and 0 <= index < 1 << 63:
             indices = _ZEROS[1] if index == 0 else _one(index)
-            # the fields at once (a frozen dataclass's own way, object.__setattr__, takes a call each)
             self.__dict__.update(block_ids=ids, group_sizes=_one(ids.size), block_indices=indices)
             return
         sizes = _one(ids.size) if group_sizes is None else _ids(group_sizes, "group_sizes")
@@ -314,9 +306,7 @@ class DeviceBlocks:
             raise InvalidSpecError("group sizes and block indices must be non-negative")
         if sum(size_list) != ids.size:
             raise InvalidSpecError(f"group sizes add up to {sum(size_list)}, but there are {ids.size} block ids")
-        object.__setattr__(self, "block_ids", ids)
-        object.__setattr__(self, "group_sizes", sizes)
-        object.__setattr__(self, "block_indices", indices)
+        self.__dict__.update(block_ids=ids, group_sizes=sizes, block_indices=indices)
 
     def __eq__(self, other: object) -> bool:  # the ids, the sizes and the indices alike
         return type(other) is DeviceBlocks and all(
@@ -331,17 +321,14 @@ class DeviceBlocks:
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:
-    """A copy of `array` over an immutable buffer: numpy refuses to make it writeable (a
-    read-only copy that owns its memory can be made writeable again, and a compact job reads
-    its ids when it launches, after they were checked). An int32 array's copy is of int64
-    values. Large ones through the compiled copy (`_native.frozen`, `frozen_widened` from
-    int32 in one pass), whose memory is reused from earlier copies: a fresh one's page faults
-    cost several times the copy."""
+    """A copy of `array` (int32 widened to int64) over an immutable buffer, which numpy refuses to
+    make writeable (a job reads its ids when it launches, after they were checked). Large ones go
+    through the compiled copy, which reuses memory: a fresh buffer's page faults cost more than the copy."""
     widen = array.dtype is _INT32
     if (8 if widen else array.itemsize) * array.size >= _FROZEN_NATIVE_BYTES and array.flags.c_contiguous:
         try:
             compiled = native.load()
-        except ConfigError:  # a malformed OFFLOAD_CORE_NATIVE is for the worker to name, not a spec
+        except ConfigError:  # a malformed OFFLOAD_CORE_NATIVE is for the worker to name
             compiled = None
         if compiled is not None:
             copy = compiled.frozen_widened if widen else compiled.frozen
@@ -353,7 +340,6 @@ def _frozen(array: np.ndarray) -> np.ndarray:
 
 _INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
 _FROZEN_NATIVE_BYTES = 4 << 20  # half a million ids: below, malloc reuses memory and tobytes' page faults are few
-
 
 _ZEROS = [_frozen(np.zeros(n, dtype=np.int64)) for n in range(17)]  # shared block_indices of few groups
 _ONE: dict[int, np.ndarray] = {}  # shared ``[n]`` arrays: the group_sizes and block_indices of one-group specs
@@ -369,8 +355,7 @@ def _one(n: int) -> np.ndarray:
 
 
 def _single(values: Any) -> int | None:
-    """The one value of a one-element list, tuple or int64 array of plain ints, else None (the
-    general path then checks `values`, and names what is wrong with it)."""
+    """The one value of a one-element list, tuple or int64 array of plain ints, else None."""
     if type(values) in (list, tuple):
         if len(values) == 1 and type(values[0]) is int:
             return values[0]
