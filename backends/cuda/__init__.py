@@ -1,24 +1,10 @@
-"""The cuda backend: NVIDIA GPUs, with several ways to move a batch, chosen per job.
+"""The cuda backend: NVIDIA GPUs, with several ways to move a job, chosen per job.
 
-`CudaBackend` is the adapter between the core's `Backend` interface and these modules:
-
-* `mechanisms`: each way to move a batch (``ce_batch``, ``sm_gather``, ``ce_loop``) as an
-  object, and `mechanisms.TABLE`, every mechanism by name, which availability, forcing and
-  auto's contenders all come from;
-* `blocks`: a worker's compact jobs (block ids), expanded on the device: ``expand_staged``
-  (a kernel into staging that mirrors host rows, then one copy per host segment) or
-  ``expand_direct`` (the kernel reads or writes the host rows themselves);
-* `select`: the cost model, and auto's choice per batch; `calibration`: measuring the cost
-  model on this GPU (``offload-core calibrate``) and finding a saved one;
-* `staging`: the per-stream device buffers of ``expand_staged``;
-* `driver`, `kernels`, `ring`: the CUDA driver through ctypes, the Triton kernels, and the
-  descriptor tables they read; `events`: the queue's events and the caller's stream through
-  the driver; `measure`: timing copies (calibration, benchmarks).
-
-``mechanism="auto"`` (the default) asks the cost model per job; a profile saved by
-``offload-core calibrate`` replaces its H200 defaults. Force a mechanism with
-``CudaBackend(mechanism=...)`` or ``OFFLOAD_CORE_CUDA_CONF=mechanism:...``; run one without forcing
-it with `CudaBackend.enqueue_with`.
+`CudaBackend` adapts the core's `Backend` interface to the modules beside it: `mechanisms`
+(every mechanism by name), `blocks` (a worker's jobs expanded on the device), `select` and
+`calibration` (the cost model behind ``auto``), `staging`, `driver`, `kernels`, `ring` and
+`events` (the CUDA driver through ctypes, the Triton kernels and their descriptor tables), and
+`measure` (timing copies).
 """
 
 from __future__ import annotations
@@ -30,6 +16,7 @@ import threading
 import weakref
 from collections import deque
 from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -55,65 +42,43 @@ __all__ = ["BLOCK_MECHANISMS", "MECHANISMS", "CudaBackend"]
 
 log = logging.getLogger(__name__)
 
-# Programs of the kernels that copy across the link: each holds an SM the model's kernels cannot
-# use while the bytes cross. On an H200, 8 keep the link as busy with stores (posted writes) as 32
-# did; loads wait for every read to come back and need more in flight.
+# Programs (SMs) of the kernels that copy across the link. On an H200, 8 keep the link as busy
+# with stores (posted writes) as 32 did; loads wait for every read and need more in flight.
 SM_PROGRAMS = {Direction.STORE: 8, Direction.LOAD: 32}
-
-
-class _Passed:
-    """An event that has passed: an enqueue's, where none could be recorded (`_enqueued`)."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-_PASSED = _Passed()
+# an event that has passed: an enqueue's, where none could be recorded (`_enqueued`)
+_PASSED = SimpleNamespace(query=lambda: True, synchronize=lambda: None)
 
 
 class CudaBackend(TorchDeviceBackend):
     """NVIDIA GPUs through torch.cuda streams and events and the CUDA driver.
 
+    Every argument left None takes its key of ``$OFFLOAD_CORE_CUDA_CONF`` (`config.conf`), else
+    its default.
+
     Args:
         device_index: the GPU.
-        mechanism: ``"auto"``, one of ``ce_batch``, ``sm_gather``, ``ce_loop`` (a worker then
-            plans descriptors on the host) or one of ``expand_staged``,
-            ``expand_direct``, ``expand_split`` (a worker's jobs; other batches as auto;
-            ``expand_split`` splits stores between the two others, for more of the link at
-            the cost of two SMs, and stages loads); default
-            ``mechanism`` of ``$OFFLOAD_CORE_CUDA_CONF`` (`conf`) or ``"auto"``.
-        max_programs: the programs of the kernels that copy across the link (the SMs they
-            may occupy), both directions, every launch; default ``sm_programs`` of the conf.
-            Unset: at most 8 for stores (``expand_direct`` stores of pages from 1 KiB take one
-            per 512 KiB of their jobs' average, at least 2; of smaller pages, 4 where their jobs
-            average more than 1 MiB) and 32 for loads.
-        staging_bytes: each staging half, the largest piece of an ``expand_staged`` job; the
-            compact path keeps two halves per copy stream (a worker has three: stores, loads,
-            expedited loads); default ``staging_mb`` of the conf or 16 MiB.
+        mechanism: ``"auto"`` (default), a batch mechanism (``ce_batch``, ``sm_gather``,
+            ``ce_loop``: a worker then plans descriptors on the host) or a compact-job one
+            (``expand_staged``, ``expand_direct``, ``expand_split``: other batches as auto;
+            ``expand_split`` splits stores between the other two and stages loads).
+        max_programs: the programs (SMs) of every launch of the kernels that copy across the
+            link. Unset: at most 8 for stores (``expand_direct`` sizes its stores' by their
+            jobs) and 32 for loads.
+        staging_bytes: each staging half, the largest piece of an ``expand_staged`` job (two
+            halves per copy stream); default 16 MiB.
         ring_bytes: the descriptor ring's device memory (and as much pinned host memory), one
-            per GPU: jobs' block ids and tables go through it; a job whose table is larger
-            takes one-off memory of its size until it has run, and a full ring makes the
-            next enqueue wait for its oldest job; default ``ring_mb`` of the conf or 16 MiB.
-        max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 for no limit; default
-            ``max_batch`` of the conf or 0.
-        tune: whether auto measures its choices (`tuning`): the first launches of each shape
-            class try the mechanisms the cost model rates near its pick, and the class keeps
-            the fastest, saved per GPU model beside its profile; False: the cost model's
-            rules alone. Default ``tune`` of the conf (0 or 1) or True.
-        cost_model: the selection model; default the calibrated profile of this GPU model if
-            one is saved, else H200 defaults. ``sm_penalty`` of the conf replaces its
-            `sm_penalty`, also in a model passed here (an operator's setting wins over the
-            engine's): how many times auto counts the time copies hold SMs (default 2;
-            higher protects the model's compute, lower favours the copies' speed). Above 2,
-            auto also stops sending small jobs (1 MiB on average, host rows apart) to
-            ``expand_direct`` unweighed.
+            per GPU; a larger table takes one-off memory, and a full ring makes the next
+            enqueue wait for its oldest job; default 16 MiB.
+        max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 (default) for no limit.
+        tune: whether auto measures its choices per shape class (`tuning`), saved per GPU
+            model beside its profile; False: the cost model alone. Default True.
+        cost_model: the selection model; default this GPU model's saved profile, else H200
+            defaults. The conf's ``sm_penalty`` replaces its `sm_penalty`, also in a model
+            passed here: how many times auto counts the time copies hold SMs (default 2;
+            above 2, small jobs no longer go to ``expand_direct`` unweighed).
         driver: the CUDA driver's entry points; default the system's libcuda (`Driver.load`).
         runtime: ``torch.cuda``'s surface (`torch_device.Runtime`, plus ``get_device_name``,
             ``get_device_properties``, ``ExternalStream`` and ``device``); default the real one.
-            Tests inject both to build the backend without a GPU.
 
     Raises:
         ConfigError: an unknown or unavailable forced mechanism, an argument or a conf value
@@ -212,29 +177,26 @@ class CudaBackend(TorchDeviceBackend):
     # ---- what the core needs ---------------------------------------------
 
     def new_stream(self):
-        """A dedicated stream. torch's pool hands out its 32 streams round robin, so a pooled
-        copy stream could be the caller's compute stream or the other direction's, which would
-        silently serialize them. These streams live as long as the process."""
+        """A dedicated stream: one of torch's pool (32, round robin) could be the caller's
+        compute stream or the other direction's, which would silently serialize them."""
         with self._context():
             return self.runtime.ExternalStream(self.driver.new_stream(), device=self._device)
 
     def _table_copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        """A descriptor table's upload (`ring.DescriptorRing`): a short call in the GPU's context
-        where the driver's events are used."""
+        """A descriptor table's upload (`ring.DescriptorRing`), in the GPU's context."""
         if self._driver_events:
             self.driver.call_in(self.driver.memcpy_in, "cuMemcpyAsync", self._ctx, dst, src, nbytes, stream)
         else:
             self.driver.memcpy_async(dst, src, nbytes, stream)
 
     def new_event(self):
-        """A driver event (`events.DriverEvent`): recorded, waited for and queried at a ctypes
-        call each, on torch's streams as on `current_stream`'s."""
+        """A driver event (`events.DriverEvent`), where the driver has them all."""
         if not self._driver_events:
             return super().new_event()
         return DriverEvent(self.driver, self._ctx)
 
     def _marker(self):
-        """An event that marks a stream position and is never timed: cheaper to record."""
+        """An event that is never timed: cheaper to record."""
         if not self._driver_events:
             return self.runtime.Event()
         return DriverEvent(self.driver, self._ctx, timing=False)
@@ -248,16 +210,13 @@ class CudaBackend(TorchDeviceBackend):
         return RawStream(self.runtime.current_stream(self.device_index).cuda_stream, self.new_event)
 
     def release_stream(self, stream) -> None:
-        # The queue waited for its jobs' end events (each after its side streams' work), and
-        # the worker lets its host memory go once this returns. The staging buffers go; the
-        # stream itself (driver state of a few kilobytes) stays, so that its handle, the key of
-        # these tables, is never another stream's.
+        # The staging buffers go; the stream itself stays, so that its handle, their key, is
+        # never another stream's.
         self._blocks.staging.discard(stream)
 
     def alloc_host(self, nbytes: int):
-        # torch's pinned allocator hands a freed block out again at once (it knows nothing of
-        # driver-level copies): whoever queues copies keeps the tensor until they finish, as
-        # the worker does. It rounds large requests up, which PYTORCH_CUDA_ALLOC_CONF can tune.
+        # torch's pinned allocator hands a freed block out again at once: whoever queues
+        # copies keeps the tensor until they finish, as the worker does.
         tensor = self.runtime.alloc_pinned(nbytes)
         self._track(tensor)
         return tensor
@@ -288,8 +247,8 @@ class CudaBackend(TorchDeviceBackend):
             self.driver.check(self.driver.host_unregister(tensor.data_ptr()), "cuMemHostUnregister")
 
     def prepare_layout(self, layout):
-        """The layout's tables on the GPU, or None where its jobs are expanded on the host and go
-        as descriptors (`copy_batch`): a forced descriptor mechanism, or no Triton."""
+        """The layout's tables on the GPU, or None where its jobs go as descriptors
+        (`copy_batch`): a forced batch mechanism, or no Triton."""
         forced = TABLE.get(self.mechanism)
         if (forced is not None and forced.takes_batches) or kernels.why_unavailable() is not None:
             return None
@@ -309,8 +268,7 @@ class CudaBackend(TorchDeviceBackend):
             return self._blocks.copy(job, prepared, stream, after, held, forced)
 
     def copy_jobs(self, jobs, prepared, stream, after) -> str | None:
-        # Only where copy_blocks would choose for itself: simple jobs of a class the tuner
-        # decided for expand_direct go joined by one compiled call (`BlockCopier.join_plan`).
+        # Only where copy_blocks would choose for itself (`BlockCopier.join_plan`).
         forced = TABLE.get(self.mechanism)
         if prepared is None or (forced is not None and not forced.takes_batches):
             return None
@@ -325,11 +283,10 @@ class CudaBackend(TorchDeviceBackend):
 
     @contextmanager
     def _enqueued(self, stream):
-        """Around an enqueue (under the queues' enqueue lock, inside a step for Ctrl-C:
-        `deferred`, entered by the caller, since a generator's frame is off the stack while its
-        `with` runs): yields a `Held` for what the device may still read afterwards, and holds
-        it, with the ring's regions reserved meanwhile, until an event recorded on `stream`
-        after the enqueue (and after the side streams still listed in it) has passed."""
+        """Around an enqueue, inside the caller's `deferred` (a generator's frame is off the
+        stack while its `with` runs): yields a `Held`, kept with the ring's regions reserved
+        meanwhile until an event recorded on `stream` after the enqueue, and after the side
+        streams still listed in it, has passed."""
         keepalive = self._keepalive
         with self._context():
             while keepalive and keepalive[0][0] is not None and keepalive[0][0].query():
@@ -343,11 +300,18 @@ class CudaBackend(TorchDeviceBackend):
                 yield held
             finally:  # also after a failed call: copies enqueued before it may still read
                 try:
-                    self._settle_entry(entry, self._spare_events.pop() if self._spare_events else self._marker())
+                    event = self._spare_events.pop() if self._spare_events else self._marker()
+                    for side in held.sides:
+                        joined = self._marker()
+                        joined.record(side)
+                        stream.wait_event(joined)
+                    # a passed event is recorded again: a ring region naming it is freed later, never sooner
+                    event.record(stream)
+                    self._ring.retire(event, entry[3])
+                    entry[0] = event
                 except Exception:
-                    # no event could be recorded (the driver failed): what the entry holds goes
-                    # once the whole GPU has run, never kept with no event at the head of
-                    # `_keepalive`, which would keep every later entry too
+                    # no event could be recorded: what the entry holds goes once the whole GPU
+                    # has run, rather than stay at the head of `_keepalive` with every later entry
                     try:
                         self.synchronize()
                     except Exception:  # the GPU failed: none of its work runs any more
@@ -355,20 +319,6 @@ class CudaBackend(TorchDeviceBackend):
                     self._ring.retire(_PASSED, entry[3])
                     entry[0] = _PASSED
                     raise
-
-    def _settle_entry(self, entry: list, event) -> None:
-        """Join the side streams an enqueue left listed, record `event` after them on its stream,
-        and set it on the enqueue's keepalive entry and ring regions."""
-        held, stream = entry[1], entry[2]
-        for side in held.sides:
-            # a marker (never timed: cheaper to record), as the mechanisms join
-            joined = self._marker()
-            joined.record(side)
-            stream.wait_event(joined)
-        # a passed event is recorded again: a ring region still naming it is then freed later, never sooner
-        event.record(stream)
-        self._ring.retire(event, entry[3])
-        entry[0] = event
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         return self.enqueue_with(self.mechanism, src, dst, sizes, direction, stream)
@@ -422,8 +372,7 @@ class CudaBackend(TorchDeviceBackend):
         """Whether every host range lies in pinned or registered memory the GPU can dereference."""
         lo, hi = int(host.min()), int(host.max())
         top = hi + (int(sizes.max()) if largest is None else largest)  # bounds every end: one pass less
-        # A snapshot in one step: other threads, and finalizers that a collection runs on this
-        # one, add and drop ranges, and an iterator over the live dict fails if it changes.
+        # a snapshot in one step: other threads and finalizers change the dict
         ranges = self._host_ranges.copy().values()
         if any(start <= lo and top <= end for start, end in ranges):
             return True
@@ -431,9 +380,8 @@ class CudaBackend(TorchDeviceBackend):
         return any(start <= lo and top <= end for start, end in ranges)
 
     def buffer_waits(self) -> tuple[int, float]:
-        """Reservations of descriptor-ring room that waited for an earlier table's job (`ring`),
-        and their seconds: the host ahead of the device by a ring's worth of tables (`ring_bytes` of
-        them; a million-block job's narrow table is 8 MiB)."""
+        """Reservations of descriptor-ring room that waited for an earlier table's job, and
+        their seconds."""
         return self._ring.waits, self._ring.wait_s
 
     def trials_pending(self) -> int:
@@ -444,8 +392,7 @@ class CudaBackend(TorchDeviceBackend):
 
     def calibrate(self, save: bool = True) -> dict:
         """Measure this GPU's copy costs (a few seconds), use them, and save them as its
-        profile (`calibration.calibrate`). Workers' launches on this backend wait meanwhile:
-        the measurements use its descriptor ring as any enqueue does.
+        profile (`calibration.calibrate`). Workers' launches on this backend wait meanwhile.
 
         Returns:
             The measured cost model as a dict, with ``profile`` (the file) and ``saved``.
@@ -454,7 +401,7 @@ class CudaBackend(TorchDeviceBackend):
             ConfigError: the driver lacks the batch API that measures the link.
             Exception: anything the GPU, its driver or the profile's folder raises.
         """
-        from offload_core.backend import enqueue_lock  # the lock every enqueue on this backend takes
+        from offload_core.backend import enqueue_lock  # the measurements use the descriptor ring
 
         with enqueue_lock(self):
             measured = calibration.calibrate(self, save)
@@ -476,14 +423,12 @@ class CudaBackend(TorchDeviceBackend):
 
     @contextmanager
     def _context(self):
-        """This GPU's context, current in the calling thread for driver calls: a thread that has
-        made no runtime call yet has none (a queue's launcher thread, a new thread of the
-        engine's), and the driver then fails its calls: the batch call with INVALID_VALUE. Made
-        current by a runtime call, once a thread: a context stays current on its thread until
-        that thread replaces it."""
+        """This GPU's context, current in the calling thread for driver calls: a thread that
+        made no runtime call yet has none, and the driver fails its calls. A runtime call makes
+        it current, once a thread."""
         with self._on_device():
             if not getattr(self._threads, "in_context", False):
-                self.runtime.current_stream(self.device_index).query()  # a runtime call makes it current
+                self.runtime.current_stream(self.device_index).query()
                 self._threads.in_context = True
             yield
 
@@ -492,41 +437,27 @@ class CudaBackend(TorchDeviceBackend):
         return nullcontext() if runtime.current_device() == self.device_index else runtime.device(self._device)
 
 
-def _setting(
-    settings: dict[str, str],
-    key: str,
-    default,
-    *,
-    given=None,
-    argument: str = "",
-    kind: type = int,
-    zero: bool = False,
-    scale: int = 1,
-):
-    """A setting: `given` (the constructor's `argument`) where it is not None, else the conf's
-    `key` (`conf`) times `scale`, else `default`. Integers (`kind` int) or finite numbers
-    (float), positive, or with `zero` non-negative.
+def _setting(settings: dict, key: str, default, *, given=None, argument="", kind=int, zero=False, scale=1):
+    """`given` (the constructor's `argument`) where not None, else the conf's `key` times
+    `scale`, else `default`: an integer (`kind` int) or a finite number (float), positive, or
+    with `zero` non-negative.
 
     Raises:
         ConfigError: a value of another kind or out of range, named with its argument or key.
     """
     if given is not None:
-        return _checked(given, argument, kind, zero, repr(given))
-    text = settings.get(key, "")
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    return _checked(value, f"{ENV_CONF} {key}", kind, zero, repr(text)) * scale
-
-
-def _checked(value, what: str, kind: type, zero: bool, shown: str):
+        value, what, shown, scale = given, argument, repr(given), 1
+    else:
+        text = settings.get(key, "")
+        if not text:
+            return default
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        what, shown = f"{ENV_CONF} {key}", repr(text)
     ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-    if ok:
-        ok = (value >= 0 if zero else value > 0) and (kind is int or math.isfinite(value))
-    if not ok:
+    if not (ok and (value >= 0 if zero else value > 0) and (kind is int or math.isfinite(value))):
         rule = ("a non-negative " if zero else "a positive ") + ("integer" if kind is int else "number")
         raise ConfigError(f"{what} must be {rule}, got {shown}")
-    return value
+    return value * scale

@@ -1,8 +1,5 @@
-"""Calibration: measure a GPU's copy costs into a `select.CostModel`, save it as that GPU
-model's profile, and find the saved profile when a backend starts (`offload-core calibrate`).
-
-Measurements run each mechanism by name (`CudaBackend.enqueue_with`, through `measure`), so
-the backend's own mechanism is never touched while they run.
+"""Calibration (`offload-core calibrate`): measure a GPU's copy costs into a `select.CostModel`,
+save it as that GPU model's profile, and find the saved profile when a backend starts.
 """
 
 from __future__ import annotations
@@ -32,8 +29,9 @@ def saved_profile(device_name: str) -> CostModel:
 
 
 def calibrate(backend, save: bool = True) -> dict:
-    """Measure `backend`'s copy costs (a few seconds), make them its cost model, and save
-    them as its GPU model's profile unless `save` is False.
+    """Measure `backend`'s copy costs (a few seconds): link speed and per-copy costs of each
+    available mechanism, the host time of their enqueues, and the staging gather. Make them its
+    cost model, and save them as its GPU model's profile unless `save` is False.
 
     Returns:
         The measured cost model as a dict, with ``profile`` (the file) and ``saved``.
@@ -43,45 +41,26 @@ def calibrate(backend, save: bool = True) -> dict:
             API measures the link).
         Exception: anything the GPU, its driver or the profile's folder raises.
     """
-    model = measure_costs(backend)
-    path = profile_path(backend.runtime.get_device_name(backend.device))
-    if save:
-        model.save(path)
-    backend.cost = model
-    return {"profile": str(path), "saved": save, **asdict(model)}
-
-
-def measure_costs(backend) -> CostModel:
-    """A cost model of `backend`'s GPU, from copies timed on it: link speed and per-copy costs
-    of each available mechanism, the host time of their enqueues, and the staging gather."""
     torch = backend._torch
     available = backend.available_mechanisms
     span = 256 << 20
     device = torch.zeros(2 * span, dtype=torch.uint8, device=backend.device)  # fragments scatter over 2x
     staging = torch.zeros(span, dtype=torch.uint8, device=backend.device)
     host = backend.alloc_host(span)
-    model = CostModel(source=f"offload-core calibrate on {backend.runtime.get_device_name(backend.device)}")
+    name = backend.runtime.get_device_name(backend.device)
+    model = CostModel(source=f"offload-core calibrate on {name}")
     one = np.ones(1, dtype=np.int64)
     for direction in Direction:
         d = direction.value
 
-        def run(mechanism, n, size):
-            dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr())
+        def timed(mechanism, dev, hst, sizes):
             src, dst = (dev, hst) if direction is Direction.STORE else (hst, dev)
             return measure.time_copy(backend, mechanism, src, dst, sizes, direction, busy=True)["event_s"]
 
-        whole = measure.time_copy(
-            backend,
-            "ce_batch",
-            *(
-                (one * device.data_ptr(), one * host.data_ptr())
-                if direction is Direction.STORE
-                else (one * host.data_ptr(), one * device.data_ptr())
-            ),
-            one * span,
-            direction,
-            busy=True,
-        )["event_s"]
+        def run(mechanism, n, size):
+            return timed(mechanism, *measure.fragments(n, size, device.data_ptr(), host.data_ptr()))
+
+        whole = timed("ce_batch", one * device.data_ptr(), one * host.data_ptr(), one * span)
         model.ce_gbps[d] = span / whole / 1e9
         if "ce_batch" in available:
             model.ce_desc_s[d] = run("ce_batch", 65536, 256) / 65536
@@ -90,9 +69,9 @@ def measure_costs(backend) -> CostModel:
             model.sm_gbps[d] = span / run("sm_gather", 4096, 65536) / 1e9
             model.sm_desc_s[d] = run("sm_gather", 65536, 256) / 65536
 
-    def host_s(mechanism, n, size, reps=15):  # the enqueue call's time on this machine's CPU
+    def host_s(mechanism, n, size, reps=15):  # median host time of one enqueue, job after job
         dev, hst, sizes = measure.fragments(n, size, device.data_ptr(), host.data_ptr())
-        return measure.host_time(backend, mechanism, dev, hst, sizes, Direction.STORE, reps)
+        return measure.time_jobs(backend, mechanism, dev, hst, sizes, Direction.STORE, jobs=reps)["host_s"]
 
     if "ce_batch" in available:
         model.ce_host_s = host_s("ce_batch", 16384, 16384, reps=5) / 16384
@@ -120,4 +99,8 @@ def measure_costs(backend) -> CostModel:
 
         model.gather_gbps = span / gather_s(16384, 16384) / 1e9
         model.gather_desc_s = max(0.0, gather_s(65536, 256) / 65536 - 256 / (model.gather_gbps * 1e9))
-    return model
+    path = profile_path(name)
+    if save:
+        model.save(path)
+    backend.cost = model
+    return {"profile": str(path), "saved": save, **asdict(model)}

@@ -1,7 +1,6 @@
 """The cuda backend's one environment variable, read in one place (as PYTORCH_CUDA_ALLOC_CONF is).
-
-Every setting is a constructor argument of `CudaBackend` too; the variable is for operators,
-and where both are given the argument wins (except ``sm_penalty``: the operator's).
+Every key sets a `CudaBackend` argument too (``sm_penalty``: the cost model's); the argument wins,
+except over ``sm_penalty``.
 """
 
 from __future__ import annotations
@@ -10,23 +9,13 @@ import os
 
 from offload_core.errors import ConfigError
 
-# ``key:value`` pairs, comma-separated; its keys, and what each sets:
 ENV_CONF = "OFFLOAD_CORE_CUDA_CONF"
-CONF_KEYS = {
-    "mechanism": "the `mechanism` argument",
-    "sm_programs": "the `max_programs` argument",
-    "staging_mb": "the `staging_bytes` argument, in MiB",
-    "ring_mb": "the `ring_bytes` argument, in MiB",
-    "max_batch": "the `max_batch` argument",
-    "sm_penalty": "the cost model's `sm_penalty` (the operator's wins over the engine's)",
-    "tune": "the `tune` argument: 1 measures auto's choices per shape class, 0 keeps the cost model's",
-}
+CONF_KEYS = ("mechanism", "sm_programs", "staging_mb", "ring_mb", "max_batch", "sm_penalty", "tune")
 
 
 def conf() -> dict[str, str]:
     """``$OFFLOAD_CORE_CUDA_CONF`` as a dict: ``key:value`` pairs, comma-separated (spaces
-    around either ignored; unset or empty: no settings), keys from `CONF_KEYS`. The one place
-    the cuda backend reads its environment.
+    around either ignored; unset or empty: no settings), keys from `CONF_KEYS`.
 
     Raises:
         ConfigError: a pair without ``:``, a key not in `CONF_KEYS` or given twice, or one of

@@ -1,10 +1,7 @@
-"""The few CUDA driver entry points the cuda backend calls directly, resolved at run time.
-
-They are called through ctypes with numpy arrays, so a batch of any size costs one
-foreign call and no Python object per descriptor. Entry points come from
-``cuGetProcAddress`` with an explicit ABI version: CUDA 13 headers rename
-``cuMemcpyBatchAsync`` to an 8-argument ``_v2`` without ``failIdx``, and asking for the
-12.8 version keeps the 9-argument form whatever the toolkit.
+"""The CUDA driver entry points the cuda backend calls directly, through ctypes with numpy arrays
+(a batch of any size is one foreign call). They come from ``cuGetProcAddress`` at an explicit
+ABI version: CUDA 13 renames ``cuMemcpyBatchAsync`` to an 8-argument ``_v2``, and asking for
+12.8 keeps the 9-argument form whatever the toolkit.
 """
 
 from __future__ import annotations
@@ -72,9 +69,8 @@ GET_PROC_ADDRESS = ctypes.CFUNCTYPE(
 )
 # CUresult cuGetErrorName(CUresult error, const char **pStr)
 GET_ERROR_NAME = ctypes.CFUNCTYPE(CUresult, CUresult, ctypes.POINTER(ctypes.c_char_p))
-# Events: cuEventCreate(CUevent *, unsigned flags); cuEventRecord(CUevent, CUstream);
-# cuStreamWaitEvent(CUstream, CUevent, unsigned flags); cuEventQuery, cuEventSynchronize,
-# cuEventDestroy(CUevent); cuEventElapsedTime(float *ms, CUevent start, CUevent end)
+# cuEventCreate(CUevent *, flags); cuEventRecord(CUevent, CUstream); cuStreamWaitEvent(CUstream,
+# CUevent, flags); cuEventQuery, Synchronize, Destroy(CUevent); cuEventElapsedTime(float *, start, end)
 EVENT_CREATE = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
 EVENT_RECORD = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p)
 STREAM_WAIT_EVENT = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
@@ -97,8 +93,7 @@ COMPILED = "offload_core.backends.cuda._driver"  # _driver.c: the short calls an
 
 
 def compiled() -> ModuleType | None:
-    """_driver.c's module (`context_call`, `table_launch`, `join_launch`), or None where it was not
-    built (no C compiler at install) or ``OFFLOAD_CORE_NATIVE=0``: the calls then go through ctypes.
+    """_driver.c's module, or None where it was not built or ``OFFLOAD_CORE_NATIVE=0`` (ctypes then).
 
     Raises:
         ConfigError: a malformed ``OFFLOAD_CORE_NATIVE`` or ``OFFLOAD_CORE_NATIVE_THREADS``.
@@ -131,8 +126,8 @@ class Driver:
     def __init__(self, lib: Any):
         self._attrs: dict = {}
         self._lib = lib
-        self._get_proc = GET_PROC_ADDRESS(ctypes.cast(lib.cuGetProcAddress_v2, ctypes.c_void_p).value)
-        self._error_name = GET_ERROR_NAME(ctypes.cast(lib.cuGetErrorName, ctypes.c_void_p).value)
+        self._get_proc = GET_PROC_ADDRESS(self.address(lib.cuGetProcAddress_v2))
+        self._error_name = GET_ERROR_NAME(self.address(lib.cuGetErrorName))
         self.memcpy_batch = self.resolve("cuMemcpyBatchAsync", BATCH_ABI_VERSION, MEMCPY_BATCH)
         self.memcpy = self.resolve("cuMemcpyAsync", 4000, MEMCPY)
         self.pointer_get_attribute = self.resolve("cuPointerGetAttribute", 4000, POINTER_GET_ATTRIBUTE)
@@ -156,15 +151,10 @@ class Driver:
         self.ctx_get_current = self.resolve("cuCtxGetCurrent", 4000, CTX_OUT)
         self.ctx_push_current = self.resolve("cuCtxPushCurrent", 4000, CTX_IN)
         self.ctx_pop_current = self.resolve("cuCtxPopCurrent", 4000, CTX_OUT)
-        # Short calls of the hot path, ``(context, *args) -> CUresult`` (the negated code where
-        # the context could not be made current): an event's record and query (once or twice a
-        # job), a stream's wait and an elapsed time (a few a launch), a descriptor table's
-        # upload (one a launch). Compiled where _driver.c was built (`compiled`: no ctypes
-        # marshalling), else through `in_context`. Compiled, they keep the GIL: each is
-        # asynchronous or asks about work already done, and letting go of the GIL hands it to
-        # the queue's launcher thread (or the submitting one) and back, 15-20 us of a job on
-        # the H200's host. One waits for the device only where a stream's command queue is
-        # full; other Python threads then wait for as long.
+        # The hot path's short calls, ``(context, *args) -> CUresult`` (the negated code where
+        # the context could not be made current). Compiled (`compiled`), they keep the GIL:
+        # each is asynchronous or asks about work done, and handing the GIL to another thread
+        # and back costs 15-20 us of a job on the H200's host.
         self.record_in = self._context_call(self.event_record)
         self.query_in = self._context_call(self.event_query)
         self.wait_in = self._context_call(self.stream_wait_event)
@@ -177,38 +167,28 @@ class Driver:
         module = compiled()
         if module is None:
             return functools.partial(self._in_context_or_code, fn)
-        address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
-        return functools.partial(
-            module.context_call,
-            True,  # keep the GIL
-            address(self.ctx_get_current),
-            address(self.ctx_push_current),
-            address(self.ctx_pop_current),
-            address(fn),
-        )
+        contexts = (self.ctx_get_current, self.ctx_push_current, self.ctx_pop_current)
+        return functools.partial(module.context_call, True, *map(self.address, contexts), self.address(fn))
 
     def table_launch_in(self, context: int) -> Callable[..., None] | None:
         """A descriptor table's upload and a kernel's launch in one compiled call in `context`
-        (`DescriptorRing.upload_launch`'s `launch`: `_driver.table_launch`), or None where the
-        module (`compiled`) or an entry point is missing.
-
-        The callable raises `CudaDriverError` naming the call that failed.
-        """
+        (`DescriptorRing.upload_launch`'s `launch`), or None where the module or an entry point
+        is missing. The callable raises `CudaDriverError` naming the call that failed."""
         return self._compiled_launch(context, "table_launch")
 
     def join_launch_in(self, context: int) -> Callable[..., tuple[int, int] | None] | None:
-        """`table_launch_in`'s call for simple jobs joined on the way (`DescriptorRing.join_launch`'s
-        `join`: `_driver.join_launch`), or None where it cannot be made. The callable returns
-        None where it launched, else the runs it counted (it declined, having called nothing)."""
+        """`table_launch_in` for simple jobs joined on the way (`DescriptorRing.join_launch`'s
+        `join`). The callable returns None where it launched, else the runs it counted."""
         return self._compiled_launch(context, "join_launch")
 
     def _compiled_launch(self, context: int, name: str) -> Callable | None:
         module = compiled()
         if module is None or self.launch_kernel is None or not self.has_events:
             return None
-        call = getattr(module, name)
         entry = [self.address(f) for f in (self.ctx_get_current, self.ctx_push_current, self.ctx_pop_current)]
-        bound = functools.partial(call, *entry, self.address(self.memcpy), self.address(self.launch_kernel), context)
+        bound = functools.partial(
+            getattr(module, name), *entry, self.address(self.memcpy), self.address(self.launch_kernel), context
+        )
 
         def launch(*args):
             result = bound(*args)
@@ -225,15 +205,17 @@ class Driver:
             CudaDriverError: naming `what`, or cuCtxPushCurrent where the context could not be
                 made current.
         """
-        code = call(context, *args)
-        if code:
-            self.fail(code, what)
+        self.check(call(context, *args), what)
 
     def fail(self, code: int, what: str) -> NoReturn:
-        """Raise for a short call's nonzero result (see `call_in`)."""
+        """Raise for a nonzero result (a short call's negated code: cuCtxPushCurrent's)."""
         if code < 0:
             what, code = "cuCtxPushCurrent", -code
         raise CudaDriverError(f"{what} failed: {self.error_name(code)}", code)
+
+    def check(self, code: int, what: str) -> None:
+        if code:
+            self.fail(code, what)
 
     def _in_context_or_code(self, fn: Callable, context: int, *args) -> int:
         try:
@@ -249,21 +231,10 @@ class Driver:
     @property
     def has_events(self) -> bool:
         """Whether every entry point `events.DriverEvent` calls was found."""
-        return all(
-            f is not None
-            for f in (
-                self.event_create,
-                self.event_record,
-                self.stream_wait_event,
-                self.event_query,
-                self.event_synchronize,
-                self.event_destroy,
-                self.event_elapsed_time,
-                self.ctx_get_current,
-                self.ctx_push_current,
-                self.ctx_pop_current,
-            )
-        )
+        events = (self.event_create, self.event_record, self.stream_wait_event, self.event_query)
+        events += (self.event_synchronize, self.event_destroy, self.event_elapsed_time)
+        contexts = (self.ctx_get_current, self.ctx_push_current, self.ctx_pop_current)
+        return all(f is not None for f in events + contexts)
 
     def current_context(self) -> int | None:
         """The calling thread's current context (None where it has none)."""
@@ -306,10 +277,6 @@ class Driver:
             return f"CUDA error {code}"
         return name.value.decode()
 
-    def check(self, code: int, what: str) -> None:
-        if code != 0:
-            raise CudaDriverError(f"{what} failed: {self.error_name(code)}", code)
-
     def memcpy_batch_async(
         self,
         dst: np.ndarray,
@@ -327,8 +294,7 @@ class Driver:
 
         Returns:
             What the caller must keep alive until the stream has passed the copies (the driver
-            does not promise to have read its argument arrays when it returns): the caller's
-            `held` holds it from before the first copy.
+            may read its argument arrays after it returns).
 
         Raises:
             CudaDriverError: naming the index of the failing copy within the whole batch.
@@ -337,26 +303,22 @@ class Driver:
             raise CudaDriverError("cuMemcpyBatchAsync needs a CUDA 12.8 driver", 0)
         if not stream:  # the legacy default stream is rejected with INVALID_VALUE
             raise CudaDriverError("cuMemcpyBatchAsync cannot run on the legacy default stream", 1)
-        attrs, first = self._batch_attrs(order)
+        if order not in self._attrs:  # one attribute set, for copies from 0 on: made once, never written after
+            self._attrs[order] = (CUmemcpyAttributes(srcAccessOrder=order), ctypes.c_size_t(0))
+        attrs, first = self._attrs[order]
         keep = (dst, src, sizes, attrs, first)
         if held is not None:
             held.append(keep)
         n = len(sizes)
         step = max_batch if max_batch > 0 else n
         fail = ctypes.c_size_t(0)
+        common = (ctypes.byref(attrs), ctypes.byref(first), 1, ctypes.byref(fail))  # every call's
         for start in range(0, n, step):
             count = min(step, n - start)
+            offset = 8 * start
             fail.value = 0
             code = self.memcpy_batch(
-                dst.ctypes.data + 8 * start,
-                src.ctypes.data + 8 * start,
-                sizes.ctypes.data + 8 * start,
-                count,
-                ctypes.byref(attrs),
-                ctypes.byref(first),
-                1,
-                ctypes.byref(fail),
-                stream,
+                dst.ctypes.data + offset, src.ctypes.data + offset, sizes.ctypes.data + offset, count, *common, stream
             )
             if code != 0:
                 where = (
@@ -365,15 +327,7 @@ class Driver:
                     else f"in copies {start}..{start + count - 1}"
                 )
                 raise CudaDriverError(f"cuMemcpyBatchAsync failed {where}: {self.error_name(code)}", code)
-        return keep  # `fail` is written during each call: it need not outlive them
-
-    def _batch_attrs(self, order: int) -> tuple:
-        """The attribute set of a batch that reads its sources in `order`, and its index array
-        (the one set applies from copy 0 on): made once per order, never written after."""
-        found = self._attrs.get(order)
-        if found is None:
-            found = self._attrs[order] = (CUmemcpyAttributes(srcAccessOrder=order), ctypes.c_size_t(0))
-        return found
+        return keep
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """One ``cuMemcpyAsync``.

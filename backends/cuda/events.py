@@ -1,16 +1,9 @@
-"""Events and the caller's stream through the CUDA driver, for the queue's hot path.
-
-Every submit records an event on the caller's compute stream, and every launch waits for such
-events and records two of its own. torch's wrappers cost several microseconds per call (a
-Python stream object built for each `current_stream`, device guards around each record); a
-ctypes call into the driver costs under one. `DriverEvent` and `RawStream` satisfy the core's
-`Event` and `Stream` protocols and mix with torch's streams: a torch stream's ``wait_event``
-calls the event's ``wait``, and recording reads any stream's ``cuda_stream`` handle.
-
-Every call runs in the backend's GPU context: a thread may have none current (it made no CUDA
-call yet), or another GPU's, and handle 0 (the default stream) means the current context's.
-Where the current context is another, the call pushes the backend's and pops it after
-(`Driver.in_context`), leaving the thread as it was.
+"""Events and the caller's stream through the CUDA driver, for the queue's hot path: torch's
+wrappers cost several microseconds per call, a call into the driver under one. `DriverEvent` and
+`RawStream` satisfy the core's `Event` and `Stream` protocols and mix with torch's streams (a
+torch stream's ``wait_event`` calls the event's ``wait``; recording reads any stream's
+``cuda_stream``). Every call runs in the backend's GPU context, whatever the thread's
+(`Driver.in_context`).
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ import ctypes
 import os
 import weakref
 
-from offload_core.backends.cuda.driver import ERROR_NOT_READY, CudaDriverError, Driver
+from offload_core.backends.cuda.driver import ERROR_NOT_READY, Driver
 
 EVENT_DISABLE_TIMING = 0x2
 
@@ -84,29 +77,23 @@ class DriverEvent:
             CudaDriverError: either has not been recorded, or has not passed.
         """
         ms, driver = ctypes.c_float(), self._driver
-        out = ctypes.addressof(ms)
-        driver.call_in(driver.elapsed_in, "cuEventElapsedTime", self._ctx, out, self.handle, end.handle)
+        driver.call_in(
+            driver.elapsed_in, "cuEventElapsedTime", self._ctx, ctypes.addressof(ms), self.handle, end.handle
+        )
         return ms.value
 
     def _call(self, fn, what: str, *args) -> None:
-        code = self._driver.in_context(self._ctx, fn, *args)
-        if code != 0:
-            raise CudaDriverError(f"{what} failed: {self._driver.error_name(code)}", code)
+        self._driver.check(self._driver.in_context(self._ctx, fn, *args), what)
 
 
 def _destroy(driver: Driver, context: int, handle: int, pid: int) -> None:
-    if os.getpid() != pid:  # a forked child must not touch its parent's driver state
-        return
-    driver.in_context(context, driver.event_destroy, handle)
+    if os.getpid() == pid:  # a forked child must not touch its parent's driver state
+        driver.in_context(context, driver.event_destroy, handle)
 
 
 class RawStream:
-    """A stream known by its handle: the caller's compute stream, as `CudaBackend.current_stream`
-    returns it. Equal streams have equal handles (the queue keys compute streams by them).
-
-    Its ``wait_event`` takes events that wait by handle (`DriverEvent`, what the backend's
-    `new_event` makes), not torch's.
-    """
+    """A stream known by its handle (`CudaBackend.current_stream`); equal streams have equal
+    handles. Its ``wait_event`` takes `DriverEvent`, not torch's events."""
 
     __slots__ = ("cuda_stream", "_new_event")
 

@@ -1,12 +1,5 @@
-"""Timing copies on the GPU, shared by `offload-core calibrate` and benchmarks/transfer_bench.py.
-
-A *busy* measurement first puts a sleep kernel on the copy stream, so the host has enqueued
-everything before the copies start and the events time the device alone; an *idle* one
-enqueues on an idle stream and also reports wall-clock time from submission to completion.
-
-Every function runs the mechanism it is given through `CudaBackend.enqueue_with`, leaving the
-backend's own `mechanism` alone (another thread may be copying through it); ``"auto"``
-measures what auto picks.
+"""Timing copies on the GPU, for `offload-core calibrate` and benchmarks/transfer_bench.py, each
+through `CudaBackend.enqueue_with` (the backend's own `mechanism` stays as it is).
 """
 
 from __future__ import annotations
@@ -21,10 +14,9 @@ SLEEP_CYCLES = 100_000_000  # about 50 ms: longer than enqueueing the largest ba
 
 
 def streams(backend) -> tuple:
-    """Three copy streams per backend, made once and reused by every measurement, as an
-    engine reuses its two: each new stream of the backend gets staging buffers, and the
-    GPU spreads streams over a few hardware queues (8 by default) in creation order, so a
-    benchmark that made a stream per case would pair streams an engine never pairs."""
+    """Three copy streams per backend, made once, as an engine reuses its two: the GPU spreads
+    streams over a few hardware queues in creation order, so a stream per case would pair
+    streams an engine never pairs."""
     made = getattr(backend, "_measure_streams", None)
     if made is None:
         made = backend._measure_streams = tuple(backend.new_stream() for _ in range(3))
@@ -33,7 +25,8 @@ def streams(backend) -> tuple:
 
 def time_copy(backend, mechanism: str, src, dst, sizes, direction: Direction, *, busy: bool) -> dict:
     """Best of three: device seconds (events), wall seconds (submit to completion) and host
-    seconds (the enqueue call alone)."""
+    seconds (the enqueue call alone). `busy` first puts a sleep on the stream, so that the
+    events time the device alone."""
     torch = backend._torch
     stream = streams(backend)[0]
     best = {"event_s": float("inf"), "wall_s": float("inf"), "host_s": float("inf"), "mechanism": mechanism}
@@ -49,24 +42,15 @@ def time_copy(backend, mechanism: str, src, dst, sizes, direction: Direction, *,
         best["host_s"] = min(best["host_s"], time.perf_counter() - t0)
         end.record(stream)
         end.synchronize()
-        wall = time.perf_counter() - t0
+        best["wall_s"] = min(best["wall_s"], time.perf_counter() - t0)
         best["event_s"] = min(best["event_s"], start.elapsed_time(end) / 1e3)
-        best["wall_s"] = min(best["wall_s"], wall)
     return best
-
-
-def host_time(backend, mechanism: str, src, dst, sizes, direction: Direction, reps: int = 15) -> float:
-    """Median host seconds of one enqueue (`CudaBackend.enqueue_with`) as an engine makes them: job after
-    job while the GPU works on the earlier ones (`time_jobs`). Two other ways read high on the
-    H200's host: the first enqueue after the GPU went idle (2-4x), and enqueues behind a
-    sleeping stream (1.3-1.5x)."""
-    return time_jobs(backend, mechanism, src, dst, sizes, direction, jobs=reps)["host_s"]
 
 
 def time_jobs(backend, mechanism: str, src, dst, sizes, direction: Direction, jobs: int = 8) -> dict:
     """What an engine that submits job after job sees: wall seconds from the first submission
-    on an idle GPU to the last job's completion (host and device time together), and the
-    median host seconds of one enqueue."""
+    on an idle GPU to the last job's completion, and the median host seconds of one enqueue
+    (the first enqueue after the GPU went idle, or one behind a sleeping stream, reads high)."""
     torch = backend._torch
     stream, end = streams(backend)[0], backend.new_event()
     backend.enqueue_with(mechanism, src, dst, sizes, direction, stream)  # staging buffers, compiled kernels
@@ -79,23 +63,20 @@ def time_jobs(backend, mechanism: str, src, dst, sizes, direction: Direction, jo
         enqueue.append(time.perf_counter() - t)
     end.record(stream)
     end.synchronize()
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "host_s": float(np.median(enqueue))}
+    return {"wall_s": time.perf_counter() - t0, "host_s": float(np.median(enqueue))}
 
 
 def time_both(backend, mechanism: str, store_args, load_args, *, released: str, reps: int = 3) -> list[float]:
     """Device seconds, per rep, for a store and a load on two streams at the same time.
 
-    A sleep on a third stream holds both until everything is enqueued. `released` says what
-    each copy stream then waits for: ``"together"``, that one event (both start at the same
-    instant, as when both wait for the same compute), or ``"own"``, a short sleep on its own
-    stream, both released by that event (each starts after its own stream's earlier work, at
-    the same time). The H200's copy engines treat the two differently.
+    A sleep on a third stream holds both until everything is enqueued; then, `released`
+    ``"together"``, both start at once, or ``"own"``, each after a short sleep on its own
+    stream (the H200's copy engines treat the two differently).
     """
     torch = backend._torch
     s1, s2, gate_stream = streams(backend)
     times = []
-    for rep in range(reps + 1):  # rep 0 warms up: the new streams' staging buffers are made in it
+    for rep in range(reps + 1):  # rep 0 warms up
         torch.cuda.synchronize()
         gate, start, e1, e2 = (backend.new_event() for _ in range(4))
         with torch.cuda.stream(gate_stream):

@@ -1,18 +1,10 @@
 """The cuda backend's mechanisms, one object each, and `TABLE`, the one place they are listed.
 
-A batch of descriptors (`CudaBackend.copy_batch`) goes by one of:
-
-* ``ce_batch``: one ``cuMemcpyBatchAsync`` on the copy engines (source order STREAM for
-  stores, which read the live KV cache; ANY for loads, which read stable host memory);
-* ``sm_gather``: one Triton kernel reading and writing pinned host memory through its
-  unified address; fast for small fragments, but it occupies SMs;
-* ``ce_loop``: one ``cuMemcpyAsync`` per descriptor, for drivers without the batch API.
-
-A worker's compact jobs go by ``expand_staged``, ``expand_direct`` or ``expand_split`` (`blocks`;
-the last where forced or the SM penalty is lowered), listed here too so that availability and
-names come from one table.
-Mechanisms keep no state: what they need (driver, descriptor ring) belongs to the backend
-they are handed.
+A batch of descriptors (`CudaBackend.copy_batch`) goes by ``ce_batch`` (one
+``cuMemcpyBatchAsync`` on the copy engines), ``sm_gather`` (the Triton kernel reading or writing
+pinned host memory: fast for small fragments, but it occupies SMs) or ``ce_loop`` (one
+``cuMemcpyAsync`` per descriptor, for drivers without the batch API). A worker's compact jobs go
+by the mechanisms of `blocks`, listed here too. Mechanisms keep no state.
 """
 
 from __future__ import annotations
@@ -58,21 +50,11 @@ class Mechanism(abc.ABC):
         held: list,
         summary: BatchSummary | None,
     ) -> None:
-        """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes on `stream`.
-
-        Args:
-            held: what the device may still read after the call is appended here; the
-                backend keeps it until an event after the enqueue has passed.
-            summary: what auto learned about the batch while choosing, or None.
-
-        Raises:
-            Exception: anything that stops the copies from being enqueued.
-        """
+        """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes on `stream`; what the device may
+        still read afterwards goes to `held`. `summary`: what auto learned choosing, or None."""
 
 
 class CeBatch(Mechanism):
-    """One ``cuMemcpyBatchAsync``, split at the backend's `max_batch`."""
-
     name = "ce_batch"
 
     def why_unavailable(self, backend) -> str | None:
@@ -81,25 +63,20 @@ class CeBatch(Mechanism):
         return None
 
     def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
+        # stores read the live KV cache in stream order; loads read stable host memory
         order = SRC_ACCESS_ORDER_STREAM if direction is Direction.STORE else SRC_ACCESS_ORDER_ANY
         backend.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, backend.max_batch, held)
 
 
 class CeLoop(Mechanism):
-    """One ``cuMemcpyAsync`` per descriptor: a host call each, so auto takes it only where
-    the batch API is missing."""
-
     name = "ce_loop"
-    fallback_for = "ce_batch"
+    fallback_for = "ce_batch"  # a host call per descriptor
 
     def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
         backend.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
 
 
 class SmGather(Mechanism):
-    """The copy kernel, reading or writing host memory through its unified address: the
-    descriptors go up in one copy, then one launch."""
-
     name = "sm_gather"
 
     def why_unavailable(self, backend) -> str | None:
@@ -116,12 +93,8 @@ class SmGather(Mechanism):
         kernels.launch(src, dst, sizes, stream, programs, backend._ring, held, largest, uniform, backend.device_index)
 
 
-CE_BATCH, SM_GATHER, CE_LOOP = CeBatch(), SmGather(), CeLoop()
-
-# Every mechanism by name. The batch mechanisms come in order of preference on a tie in the
-# cost model: copy engines first, then the SM kernel (SMs for the whole transfer), then the
-# per-copy loop.
-TABLE: dict = {m.name: m for m in (CE_BATCH, SM_GATHER, CE_LOOP, EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT)}
+# Every mechanism by name; the batch ones in order of preference on a tie in the cost model.
+TABLE: dict = {m.name: m for m in (CeBatch(), SmGather(), CeLoop(), EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT)}
 MECHANISMS = tuple(name for name, m in TABLE.items() if m.takes_batches)  # for descriptor batches
 BLOCK_MECHANISMS = tuple(name for name, m in TABLE.items() if not m.takes_batches)  # for compact jobs (a worker's)
 

@@ -1,11 +1,7 @@
-"""Descriptor tables for the copy kernels: pinned host memory and device memory, reused job
-after job, so that an upload costs one numpy copy and one ``cuMemcpyAsync``.
-
-Tables allocated per job would cost a ``cudaHostAlloc`` each time the stream is busy: torch's
-pinned allocator cannot reuse a buffer while the copy that reads it is pending. So a full ring
-waits for its oldest table's job (back-pressure: the device is behind the host); only a table
-larger than the ring, or one that would have to wait for the enqueue under way, takes one-off
-memory.
+"""Descriptor tables for the copy kernels: pinned host memory and device memory, reused job after
+job, so that an upload costs one numpy copy and one ``cuMemcpyAsync``. (Tables allocated per job
+would cost a ``cudaHostAlloc`` each time the stream is busy: torch's pinned allocator cannot
+reuse a buffer while the copy that reads it is pending.)
 """
 
 from __future__ import annotations
@@ -20,23 +16,24 @@ import numpy as np
 class DescriptorRing:
     """A ring of int64 entries in pinned host memory, mirrored by device memory.
 
-    Regions are reserved during a job's enqueue (`upload`) and retired with an event
-    recorded after the last work that reads them (`retire`); a region is reused only after
-    its event has passed, and a reservation that finds no room waits for the oldest ones'
-    (`waits`, `wait_s`). Uploads are not thread-safe: they run under the backend's enqueue lock.
+    Regions are reserved during a job's enqueue and retired with an event recorded after the
+    last work that reads them (`retire`); a region is reused only after its event has passed, and
+    a reservation that finds no room waits for the oldest ones' (`waits`, `wait_s`: the device is
+    behind the host). A table larger than the ring, or one that would have to wait for the
+    enqueue under way, takes one-off memory. Not thread-safe: uploads run under the backend's
+    enqueue lock.
 
     Args:
         torch: the torch module.
         device: the torch device of the mirror.
         memcpy: ``(dst, src, nbytes, stream_handle) -> None``, an asynchronous host-to-device copy.
-        entries: capacity; the memory is allocated on first use (an upload, or `device_address`).
+        entries: capacity; the memory is allocated on first use.
         launch: ``(host, device, room, columns, narrow, stream_handle, function, grid, threads,
             shared, params) -> None``, the table's upload and a kernel's launch in one call
-            (`upload_launch`), or None where there is none.
+            (`upload_launch`), or None.
         join: the same for simple jobs' columns joined on the way (`join_launch`), taking
-            ``(devs, hosts)`` for the columns and ``order, least_runs`` after the
-            params and returning None or the runs it counted where it declined
-            (`_driver.join_launch`), or None.
+            ``(devs, hosts)`` for the columns and ``order, least_runs`` after the params and
+            returning None, or the runs it counted where it declined; or None.
     """
 
     def __init__(self, torch, device, memcpy, entries: int = 1 << 21, launch=None, join=None):
@@ -52,11 +49,8 @@ class DescriptorRing:
 
     def upload(self, columns, stream, held: list, narrow: bool = False) -> list:
         """Copy int64 `columns` (equal lengths n) to the device on `stream`; as int32 where
-        `narrow` (the caller knows every value fits: block ids checked against their counts),
-        which halves the bytes copied, uploaded and held.
-
-        What must outlive the copies (one-off memory, where the ring was full) goes to `held`
-        before the upload is enqueued.
+        `narrow` (the caller knows every value fits). What must outlive the copies goes to
+        `held` before the upload is enqueued.
 
         Returns:
             A list of one item: the device address of the first column (column j is at
@@ -81,10 +75,10 @@ class DescriptorRing:
     def upload_launch(
         self, columns, stream, narrow: bool, function: int, grid: int, threads: int, shared: int, params, held: list
     ) -> None:
-        """`upload` of `columns` as one part, and the launch on `stream` of the kernel `function`
-        whose parameters are the table's device address followed by `params` (64-bit values), in
-        one call that keeps the GIL (see `launches`). What must outlive the copies (as `upload`
-        returns it) goes to `held` first: the launch may fail with the upload enqueued.
+        """`upload` of `columns`, and the launch on `stream` of the kernel `function` whose
+        parameters are the table's device address followed by `params` (64-bit values), in one
+        call. What must outlive the copies goes to `held` first: the launch may fail with the
+        upload enqueued.
 
         Raises:
             CudaDriverError: the upload or the launch failed (nothing is launched after a failed upload).
@@ -92,19 +86,8 @@ class DescriptorRing:
         entries = -(-len(columns) * len(columns[0]) * (4 if narrow else 8) // 8)
         _, host_ptr, dev_ptr, keep = self._region(entries)
         held.append(keep)
-        self._launch(
-            host_ptr,
-            dev_ptr,
-            8 * entries,
-            columns,
-            narrow,
-            stream.cuda_stream,
-            function,
-            grid,
-            threads,
-            shared,
-            (dev_ptr, *params),
-        )
+        launch_args = (stream.cuda_stream, function, grid, threads, shared, (dev_ptr, *params))
+        self._launch(host_ptr, dev_ptr, 8 * entries, columns, narrow, *launch_args)
 
     @property
     def joins(self) -> bool:
@@ -112,24 +95,13 @@ class DescriptorRing:
         return self._join is not None
 
     def join_launch(
-        self,
-        parts,
-        stream,
-        narrow: bool,
-        order: bool,
-        least_runs: int,
-        function: int,
-        grid: int,
-        threads: int,
-        shared: int,
-        params,
+        self, parts, stream, narrow: bool, order: bool, least_runs: int, function, grid, threads, shared, params
     ) -> bool | None:
         """`upload_launch` of a table of two columns joined from `parts`, ``(devs, hosts)``: lists
-        of int64 arrays, the i-th of each of one length (simple jobs' ids), the pairs in host
-        order on the way where `order` makes fewer runs of consecutive hosts. Returns True where
-        it launched; False where the hosts then make fewer than `least_runs` runs (rows in runs:
-        another shape class), None where the ring has no room for the table (see `_reserve`):
-        both with nothing enqueued (the caller then takes its general path).
+        of int64 arrays, the i-th of each of one length, the pairs in host order on the way where
+        `order` makes fewer runs of consecutive hosts. Returns True where it launched; False where
+        the hosts make fewer than `least_runs` runs, None where the ring has no room for the
+        table: both with nothing enqueued.
 
         Raises:
             CudaDriverError: the upload or the launch failed (nothing is launched after a failed upload).
@@ -140,20 +112,8 @@ class DescriptorRing:
         if start is None:
             return None
         host, dev = self._host_ptr + 8 * start, self._dev_ptr + 8 * start
-        args = (
-            host,
-            dev,
-            8 * entries,
-            parts,
-            narrow,
-            stream.cuda_stream,
-            function,
-            grid,
-            threads,
-            shared,
-            (dev, *params),
-        )
-        return self._join(*args, order, least_runs) is None  # else declined: the runs it counted
+        launch_args = (stream.cuda_stream, function, grid, threads, shared, (dev, *params))
+        return self._join(host, dev, 8 * entries, parts, narrow, *launch_args, order, least_runs) is None
 
     def _region(self, entries: int) -> tuple:
         """``(flat, host, device, keep)`` for `entries` int64 entries: a numpy view of the host
@@ -166,8 +126,7 @@ class DescriptorRing:
         return self._flat[start:], self._host_ptr + 8 * start, self._dev_ptr + 8 * start, []
 
     def device_address(self) -> int:
-        """Where the ring's tables lie on the device (allocated now if they were not): what a
-        kernel's table argument looks like, for warming its builds up (`blocks.BlockCopier.prepare`)."""
+        """Where the ring's tables lie on the device (allocated now if they were not)."""
         self._allocate()
         return self._dev_ptr
 
@@ -179,8 +138,8 @@ class DescriptorRing:
 
     def retire(self, event, regions: list) -> None:
         """`regions` (a list `open` returned) are free once `event` has passed."""
-        # `_opened` stays: only `open` replaces it (a late retire from another thread, an
-        # enqueue's `finally` run at collection, must not unlist the enqueue under way)
+        # `_opened` stays: a late retire (from another thread, or at collection) must not
+        # unlist the enqueue under way
         for region in regions:
             region[2] = event
 
@@ -197,14 +156,9 @@ class DescriptorRing:
                 self._host = host  # last: another thread that finds it set finds the rest set too
 
     def _reserve(self, count: int) -> int | None:
-        """The first of `count` free entries, reserved for the enqueue under way; where the ring
-        is full, after waiting for the oldest tables' jobs (counted in `waits` and `wait_s`).
-        None where the table is larger than the ring, or the room would have to come from the
-        enqueue under way itself.
-
-        Raises:
-            Exception: a wait failed (the device faulted): what the event raised.
-        """
+        """The first of `count` free entries, reserved for the enqueue under way, where the ring
+        is full after waiting for the oldest tables' jobs; None where the table is larger than
+        the ring, or the room would have to come from the enqueue under way itself."""
         if count > self.entries:
             return None
         self._allocate()

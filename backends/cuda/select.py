@@ -1,27 +1,11 @@
-"""Which mechanism moves a job fastest: a small cost model, per-GPU defaults, calibration
-profiles, and `choose`, which weighs a batch's contenders (`mechanisms.contenders`) with it.
+"""Which mechanism moves a job fastest: a small cost model (`CostModel`, an H200's defaults or a
+profile of `offload-core calibrate`), and `choose`, which weighs a batch's contenders with it.
 
-A job costs the larger of its device time and the host time it takes to enqueue, counted as
-an engine submits: job after job while the GPU works on the earlier ones. Per mechanism,
-from the job's direction, descriptor count and bytes:
-
-* ``ce_batch``: ``n * max(c_desc, mean_size / bw_ce + c_tail) + launch``: copy engines pay a
-  fixed cost per descriptor or move at link speed plus a per-copy tail, whichever is slower;
-  plus the batch call's host time per copy (plus, not the larger: on an idle stream the
-  copies start while the call still feeds them);
-* ``sm_gather``: ``bytes / bw_sm + n * (t_256 - 256 / bw_sm) + upload + launch``: link speed
-  plus what a 256-byte copy costs beyond its bytes;
-* ``ce_loop``: a host call per descriptor: only where nothing else exists.
-
-In the choice, the device time of a mechanism that holds SMs for the whole transfer
-(``sm_gather``, ``expand_direct``) is weighed by `CostModel.sm_weight`: a kernel of the model
-that needs an SM such a launch holds waits for it, so a launch of milliseconds slows each of
-the model's kernels beside it by up to its length (docs/integrations/vllm.md measures it), where
-a brief one costs them next to nothing. The tuner weighs its timings the same way
-(`blocks.BlockCopier`).
-
-The defaults are an H200's (the measurements behind them are in the git history);
-`offload-core calibrate` replaces them with this GPU's.
+A job costs the larger of its device time and the host time it takes to enqueue, counted as an
+engine submits: job after job while the GPU works on the earlier ones. The device time of a
+launch that holds SMs for the whole transfer (``sm_gather``, ``expand_direct``) is weighed by
+`CostModel.sm_weight`: a kernel of the model that needs such an SM waits for it, so a long
+launch slows the model's kernels beside it, a brief one next to nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +22,7 @@ import numpy as np
 from offload_core.backend import Direction
 
 # A launch that holds SMs this long counts its whole `CostModel.sm_penalty`: about the length
-# of a model's kernels, which wait for the SMs it holds.
+# of a model's kernels.
 SM_HOLD_S = 100e-6
 
 
@@ -50,9 +34,8 @@ class CostModel:
     ce_gbps: dict = field(default_factory=lambda: {"store": 55.3, "load": 55.5})
     ce_tail_s: float = 1.4e-9  # what a 16 KiB copy costs beyond its bytes at link speed
     ce_host_s: float = 0.44e-6  # host time per copy inside the batch call (16 KiB copies)
-    # Host-to-device copies this small cost the batch call host time by their bytes besides
-    # (several microseconds per 16 KiB copy, against under one for stores): the driver moves
-    # them through the CPU.
+    # host-to-device copies this small cost the batch call host time by their bytes too: the
+    # driver moves them through the CPU
     inline_h2d_bytes: int = 16384
     inline_h2d_gbps: float = 6.0
     # host time of one enqueue, back to back behind a busy stream: per job, per copy
@@ -70,35 +53,31 @@ class CostModel:
     def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, weigh: bool = False) -> float:
         """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total; with
         `weigh`, sm_gather's device time weighed for the SMs it holds (`sm_weight`)."""
-        ce_bw = self.ce_gbps[direction] * 1e9
         if mechanism == "ce_batch":
+            # per copy, a fixed cost or the link's speed plus a tail, whichever is slower
             device = n * self._ce_per_copy(direction, nbytes / n) + self.launch_s
             return device + n * self.ce_host_s  # not max: the call overlaps its own copies poorly
         if mechanism == "sm_gather":
             bw = self.sm_gbps[direction] * 1e9
-            per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)
+            per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)  # a 256-byte copy beyond its bytes
             device = nbytes / bw + n * (per_copy + self.upload_s_per_desc) + self.launch_s
             return max(device * (self.sm_weight(device) if weigh else 1.0), self.sm_host_s[0] + n * self.sm_host_s[1])
         if mechanism == "ce_loop":
-            return n * self.loop_s_per_desc + nbytes / ce_bw
+            return n * self.loop_s_per_desc + nbytes / (self.ce_gbps[direction] * 1e9)
         raise ValueError(f"unknown mechanism {mechanism!r}")
 
     def estimate_job(
         self, mechanism: str, direction: str, items: int, nbytes: int, segments: int, small_bytes: int = 0
     ) -> float:
         """Predicted seconds for a compact job of `items` expanded copies and `nbytes`, whose host
-        bytes form `segments` contiguous ranges: ``expand_staged`` is the gather (or scatter)
-        and the copy engines' copies of the segments, pipelined through two staging halves, plus
-        the batch call's host time (on loads, also the `small_bytes` in segments of up to
-        `inline_h2d_bytes`, at `inline_h2d_gbps`); ``expand_direct`` is ``sm_gather``'s device
-        time for the items, weighed for the SMs it holds while the bytes cross the link
-        (`sm_weight`). Their fixed host time (the upload, the launch, the events) is the same, and left
-        out."""
+        bytes form `segments` contiguous ranges (on loads, `small_bytes` of them in segments of
+        up to `inline_h2d_bytes`), less the fixed host time both mechanisms share."""
         if mechanism == "expand_staged":
             segments = max(1, segments)
             link = segments * self._ce_per_copy(direction, nbytes / segments)
             gather = nbytes / (self.gather_gbps * 1e9) + items * self.gather_desc_s
             inline = small_bytes / (self.inline_h2d_gbps * 1e9) if direction == "load" else 0.0
+            # the gather and the link's copies pipelined through two staging halves
             return max(link, gather) + min(link, gather) / 6 + segments * self.ce_host_s + inline
         if mechanism == "expand_direct":
             bw = self.sm_gbps[direction] * 1e9
@@ -109,8 +88,7 @@ class CostModel:
 
     def sm_weight(self, seconds: float) -> float:
         """What each second of a launch that holds SMs for `seconds` counts in the choice: 1
-        for a brief launch, rising to `sm_penalty` for one of `SM_HOLD_S` and longer (see the
-        module's docstring)."""
+        for a brief launch, rising to `sm_penalty` for one of `SM_HOLD_S` and longer."""
         return 1.0 + (self.sm_penalty - 1.0) * min(1.0, seconds / SM_HOLD_S)
 
     def _ce_per_copy(self, direction: str, size: float) -> float:
@@ -119,8 +97,6 @@ class CostModel:
     def choose(self, direction: str, n: int, nbytes: int, available: tuple[str, ...]) -> str:
         """The cheapest available mechanism (`cheapest`, in the order of `available`)."""
         return cheapest({m: self.estimate(m, direction, n, nbytes, weigh=True) for m in available})
-
-    # ---- profiles ----------------------------------------------------------
 
     def save(self, path: pathlib.Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -161,9 +137,8 @@ def _number(value, positive: bool) -> bool:
 
 
 def _check_field(name: str, value, default) -> None:
-    """Raise ValueError where a profile's field is not of its default's shape: per direction,
-    a number; a tuple, as many numbers; rates
-    (``*_gbps``) and the SM penalty above 0, times and sizes at least 0; the source a string."""
+    """Raise ValueError where a profile's field is not of its default's shape; rates (``*_gbps``)
+    and the SM penalty above 0, times and sizes at least 0."""
     positive = name.endswith("_gbps") or name == "sm_penalty"
     if isinstance(default, dict):
         ok = isinstance(value, dict) and set(value) == set(default)
@@ -189,8 +164,7 @@ def profile_path(device_name: str) -> pathlib.Path:
 
 
 class BatchSummary(NamedTuple):
-    """What `choose` learned about a batch on the way, handed to the mechanism it picked so
-    that no pass over the descriptors is made twice."""
+    """What `choose` learned about a batch, handed to the mechanism it picked (no second pass)."""
 
     largest: int  # the largest size
     uniform: bool  # whether every size equals `largest`
@@ -199,16 +173,9 @@ class BatchSummary(NamedTuple):
 def choose(
     backend, contenders, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction
 ) -> tuple[str, BatchSummary]:
-    """The mechanism ``auto`` picks for a batch, by `backend.cost`, and what was learned on the way.
-
-    Args:
-        backend: the `CudaBackend` (its cost model and host ranges).
-        contenders: the batch mechanisms that may compete (`mechanisms.contenders`), in order
-            of preference on a tie; one that refuses this batch (`Mechanism.refuses`) drops out.
-        src, dst, sizes, direction: the batch, as `copy_batch` takes it (int64 arrays).
-    """
-    store = direction is Direction.STORE
-    host = dst if store else src
+    """The mechanism ``auto`` picks for a batch, by `backend.cost`, among the `contenders`
+    (`mechanisms.contenders`) that do not refuse it, and what was learned on the way."""
+    host = dst if direction is Direction.STORE else src
     largest = int(sizes.max())
     uniform = int(sizes.min()) == largest
     nbytes = len(sizes) * largest if uniform else int(sizes.sum())

@@ -1,11 +1,7 @@
-"""Staging: device memory that copies pass through between scattered device pages and
-host-contiguous runs, one set per copy stream, made on the stream's first use: for compact
-jobs (``expand_staged``, `blocks`), `StagingHalves`: a side stream, one buffer in two halves,
-and the events that hand a half from one step to the next.
-
-A set lives until its stream is released (`CudaBackend.release_stream`, when its queue closes,
-once drained) or the backend goes: a queue's stream is used job after job, and a job still in
-flight may read its buffers.
+"""Staging (``expand_staged``, `blocks`): device memory that copies pass through between
+scattered device pages and host-contiguous runs, one set per copy stream, made on its first use
+and kept until the stream is released (`CudaBackend.release_stream`); and `Held`, what an
+enqueue's work may still read.
 """
 
 from __future__ import annotations
@@ -14,11 +10,9 @@ from collections.abc import Callable
 
 
 class Held(list):
-    """What one enqueue's work may read until it has run (`CudaBackend._enqueued` keeps it until
-    an event recorded after the enqueue has passed), and `sides`: streams beside the queue's
-    stream that the work went to and that are not joined back yet. A mechanism lists a side
-    stream before its first work there and takes it off once the queue's stream waits for it;
-    `_enqueued` joins whatever is still listed (a failure cut the join short)."""
+    """What one enqueue's work may read until it has run (`CudaBackend._enqueued`), and `sides`:
+    streams beside the queue's stream that the work went to, listed before the first work there
+    until the queue's stream waits for them; `_enqueued` joins what a failure left listed."""
 
     __slots__ = ("sides",)
 
@@ -28,11 +22,9 @@ class Held(list):
 
 
 class PerStream:
-    """What each copy stream needs, made by `make(stream)` on the stream's first use.
-
-    Keyed by the stream's handle; the entry holds the stream, so the handle stays its own.
-    Not thread-safe: a stream is enqueued on by one queue at a time.
-    """
+    """What each copy stream needs, made by `make(stream)` on its first use and keyed by its
+    handle (the entry holds the stream, so the handle stays its own). Not thread-safe: a stream
+    is enqueued on by one queue at a time."""
 
     def __init__(self, make: Callable):
         self._make = make
@@ -55,8 +47,7 @@ class PerStream:
 
 class StagingHalves:
     """Compact jobs' staging for one queue stream: its side stream, two halves of one buffer
-    and their hand-over events, made by `new_event` (the backend's untimed markers: four of
-    their calls a piece, each a fraction of what torch's event wrappers cost)."""
+    and their hand-over events, made by `new_event` (the backend's untimed markers)."""
 
     def __init__(self, torch, device, stream, side, half_bytes: int, new_event: Callable):
         self.stream, self.side = stream, side  # the stream is held so its handle stays ours
