@@ -20,7 +20,7 @@ from offload_core.backends.torch_device import Runtime, TorchDeviceBackend
 from offload_core.errors import OffloadError
 
 MAX_STREAM_TRIES = 64  # torch.xpu's pool has 32 queues per priority
-UNREGISTERED = "xpu copies need their memory registered (register_buffer or alloc_host)"
+_UNREGISTERED = "xpu copies need their memory registered (register_buffer or alloc_host)"
 
 
 class StreamCopier:
@@ -138,13 +138,13 @@ class XpuBackend(TorchDeviceBackend):
         entries, starts, ends, reach = self._table
         i = np.searchsorted(starts, addresses, side="right") - 1
         if i.min(initial=0) < 0 or np.any(addresses + sizes > ends[reach[i]]):
-            raise ValueError(UNREGISTERED)
+            raise ValueError(_UNREGISTERED)
         i = reach[i]
         views = {}
         for k in set(i.tolist()):
             tensor = entries[k][2]()
             if tensor is None:  # freed since: its address range is no longer the caller's
-                raise ValueError(UNREGISTERED)
+                raise ValueError(_UNREGISTERED)
             # its bytes from data_ptr on, between the rows of a strided view too
             flat = self._torch.empty(0, dtype=self._torch.uint8, device=tensor.device)
             views[k] = flat.set_(
