@@ -132,13 +132,8 @@ class CpuEvent:
 
 
 def memmove_all(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
-    """Copy ``sizes[i]`` bytes from address ``src[i]`` to address ``dst[i]``, for every i, now,
-    on the calling thread (what a `CpuStream` runs for the cpu backend's copies).
-
-    Args:
-        src, dst, sizes: int64 addresses and byte counts of equal length; the memory must be
-            valid, and each destination must not overlap another copy's.
-    """
+    """Copy ``sizes[i]`` bytes from address ``src[i]`` to address ``dst[i]`` for every i, now, on
+    the calling thread. The memory must be valid, and no destination may overlap another copy's."""
     move = ctypes.memmove  # a foreign call: releases the GIL while it copies
     for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
         move(d, s, n)

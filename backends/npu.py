@@ -2,8 +2,7 @@
 
 Batched copies, best available first:
 
-* ``acl_batch``: ``aclrtMemcpyBatchAsync`` (CANN 8.5+), resolved at run time from libascendcl
-  and called through ctypes with the job's copy arrays, with source and destination locations;
+* ``acl_batch``: ``aclrtMemcpyBatchAsync`` (CANN 8.5+), through ctypes;
 * ``swap_blocks_batch``: vllm-ascend's operator, when it is registered;
 * ``acl_loop``: one ``aclrtMemcpyAsync`` per copy.
 
@@ -128,12 +127,15 @@ class NpuBackend(TorchDeviceBackend):
         super().__init__(device_index, runtime=runtime)
         if acl is None:
             acl = load_acl()
-        self._acl = acl  # held: its entry points may be callbacks that live only as long as it
+        self._acl = acl  # its entry points may be callbacks that live only as long as it
         self._batch = _entry(acl, "aclrtMemcpyBatchAsync", ACL_MEMCPY_BATCH)
         self._memcpy = _entry(acl, "aclrtMemcpyAsync", ACL_MEMCPY)
         if self._memcpy is None:
             raise OSError("the ACL library has no aclrtMemcpyAsync")
-        self._swap_op = _swap_blocks_batch_op(self._torch)
+        try:
+            self._swap_op = self._torch.ops._C_ascend.swap_blocks_batch
+        except (AttributeError, RuntimeError):
+            self._swap_op = None
         self.mechanism = "acl_batch" if self._batch else "swap_blocks_batch" if self._swap_op else "acl_loop"
 
     def pin_host_memory(self, tensor) -> bool:
@@ -163,7 +165,9 @@ class NpuBackend(TorchDeviceBackend):
             kind = ACL_MEMCPY_DEVICE_TO_HOST if store else ACL_MEMCPY_HOST_TO_DEVICE
             handle = stream.npu_stream
             for i, (d, s, n) in enumerate(zip(dst.tolist(), src.tolist(), sizes.tolist())):
-                _check(self._memcpy(d, n, s, n, kind, handle), f"aclrtMemcpyAsync failed at index {i} of {len(sizes)}")
+                code = self._memcpy(d, n, s, n, kind, handle)
+                if code != 0:
+                    raise RuntimeError(f"aclrtMemcpyAsync failed at index {i} of {len(sizes)}: aclError {code}")
         return self.mechanism
 
     def _acl_batch(self, src, dst, sizes, store: bool, stream) -> None:
@@ -188,23 +192,10 @@ class NpuBackend(TorchDeviceBackend):
             raise RuntimeError(f"aclrtMemcpyBatchAsync failed {where} of {len(sizes)}: aclError {code}")
 
 
-def _check(code: int, what: str) -> None:
-    if code != 0:
-        raise RuntimeError(f"{what}: aclError {code}")
-
-
-def _swap_blocks_batch_op(torch):
-    try:
-        return torch.ops._C_ascend.swap_blocks_batch
-    except (AttributeError, RuntimeError):
-        return None
-
-
 def ascend_kv_caches(layers: Mapping[str, Sequence[Any]], groups: Sequence[Sequence[str]] | None = None) -> KVCaches:
     """KVCaches from vllm-ascend's layout: per layer a (key, value) pair of tensors whose first
-    dimension is the block, possibly padded between blocks for alignment. Each becomes an int8
-    view of its blocks' bytes, a pitch apart (`KVCacheTensor`): the padding is never copied
-    and takes no host memory.
+    dimension is the block, possibly padded between blocks. Each becomes an int8 view of its
+    blocks' bytes, a pitch apart (`KVCacheTensor`): the padding is neither copied nor stored.
 
     Args:
         layers: layer name -> (key_cache, value_cache).
@@ -213,6 +204,8 @@ def ascend_kv_caches(layers: Mapping[str, Sequence[Any]], groups: Sequence[Seque
     Raises:
         InvalidSpecError: a tensor whose blocks are not each contiguous and evenly spaced.
     """
+    import torch
+
     tensors, refs_of = [], {}
     for name, pair in layers.items():
         refs_of[name] = []
@@ -222,14 +215,8 @@ def ascend_kv_caches(layers: Mapping[str, Sequence[Any]], groups: Sequence[Seque
             if not t[0].is_contiguous() or pitch < data:
                 raise InvalidSpecError(f"layer {name}: each block must be contiguous, blocks evenly spaced")
             refs_of[name].append(KVCacheRef(len(tensors), data))
-            tensors.append(KVCacheTensor(_byte_rows(t, data, pitch), data))
+            raw = torch.empty(0, dtype=torch.int8, device=t.device)  # rows of `data` bytes, `pitch` apart
+            rows = raw.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (t.shape[0], data), (pitch, 1))
+            tensors.append(KVCacheTensor(rows, data))
     group_names = groups if groups is not None else [list(layers)]
     return KVCaches(tensors, [[r for n in names for r in refs_of[n]] for names in group_names])
-
-
-def _byte_rows(t, data: int, pitch: int):
-    """`t` as an int8 ``(num_blocks, data)`` view, rows `pitch` bytes apart: nothing copied."""
-    import torch
-
-    raw = torch.empty(0, dtype=torch.int8, device=t.device)
-    return raw.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (t.shape[0], data), (pitch, 1))

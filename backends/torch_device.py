@@ -1,10 +1,7 @@
 """A base for backends over one of torch's per-device modules (``torch.cuda``, ``torch.npu``,
-``torch.xpu``, ...): streams, events, the current stream, pinned memory and synchronisation
-come from a *runtime*, an object with that module's surface, injected or, by default,
-`TorchRuntime` over the real module.
-
-Importing this module imports nothing beyond the core: torch and the device SDK are imported
-when a backend or runtime is created.
+``torch.xpu``, ...), whose streams, events and pinned memory come from a *runtime*: that module
+(`TorchRuntime`) or an injected stand-in. torch and the device SDK are imported only when a
+backend or runtime is created.
 """
 
 from __future__ import annotations
@@ -18,38 +15,45 @@ if TYPE_CHECKING:
 
 
 class Runtime(Protocol):
-    """What a `TorchDeviceBackend` needs of its runtime (see the class's docstring for each
-    member): ``torch.cuda``'s surface, plus `torch_device`, `alloc_pinned`, `is_pinned`, `pin`."""
+    """What a `TorchDeviceBackend` needs of its runtime: ``torch.cuda``'s surface, plus the last
+    four members, which `TorchRuntime` adds."""
 
-    def Stream(self, device: int = ...) -> Any: ...  # noqa: N802  (torch's name)
+    def Stream(self, device: int = ...) -> Any:  # noqa: N802  (torch's name)
+        """A new stream on `device`, with ``wait_event`` and ``wait_stream`` (`backend.Stream`)."""
 
-    def Event(self, enable_timing: bool = ...) -> Any: ...  # noqa: N802
+    def Event(self, enable_timing: bool = ...) -> Any:  # noqa: N802
+        """A new event, with ``record``, ``query``, ``synchronize`` and ``elapsed_time`` (`backend.Event`)."""
 
-    def current_stream(self, index: int) -> Any: ...
+    def current_stream(self, index: int) -> Any:
+        """The calling thread's current (compute) stream on device `index`."""
 
     def current_device(self) -> int: ...
 
     def set_device(self, index: int) -> None: ...
 
-    def synchronize(self, index: int) -> None: ...
+    def synchronize(self, index: int) -> None:
+        """Block until all work on device `index` has finished."""
 
-    def stream(self, stream: Any) -> Any: ...
+    def stream(self, stream: Any) -> Any:
+        """A context manager making `stream` the calling thread's current stream."""
 
-    def torch_device(self, index: int) -> torch.device: ...
+    def torch_device(self, index: int) -> torch.device:
+        """Where device `index`'s memory lives (`Backend.device`)."""
 
-    def alloc_pinned(self, nbytes: int) -> torch.Tensor: ...
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        """A zero-filled 1-D uint8 CPU tensor, page-locked for this device's asynchronous copies."""
 
-    def is_pinned(self, tensor: torch.Tensor) -> bool: ...
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether host `tensor` can be the source of an asynchronous copy as it is."""
 
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A page-locked copy of host `tensor` (staging for one that is not)."""
 
 
 class TorchRuntime:
-    """``torch.<module_name>`` as a `TorchDeviceBackend` runtime.
-
-    Every attribute the runtime contract does not define is read from the module itself
-    (``Stream``, ``Event``, ``current_stream``, ...), so vendor extras such as torch_npu's
-    ``npurt`` stay reachable.
+    """``torch.<module_name>`` as a `TorchDeviceBackend` runtime. Attributes it does not define
+    are the module's (``Stream``, ``Event``, ...), so vendor extras such as torch_npu's ``npurt``
+    stay reachable.
 
     Args:
         module_name: the attribute of ``torch`` to wrap: ``"cuda"``, ``"npu"``, ``"xpu"``.
@@ -77,20 +81,16 @@ class TorchRuntime:
         return getattr(module, name)
 
     def torch_device(self, index: int) -> torch.device:
-        """``torch.device(module_name, index)``."""
         return self._torch.device(self.module_name, index)
 
     def alloc_pinned(self, nbytes: int) -> torch.Tensor:
-        """Zero-filled page-locked host memory from torch's pinned allocator."""
         torch = self._torch
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        """``tensor.is_pinned()``."""
         return bool(tensor.is_pinned())
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor.pin_memory()``: a page-locked copy."""
         return tensor.pin_memory()
 
     def __repr__(self) -> str:
@@ -98,35 +98,9 @@ class TorchRuntime:
 
 
 class TorchDeviceBackend(Backend):
-    """A backend whose streams, events and pinned memory come from a torch-style runtime.
-
-    Subclasses set `name`, `module_name`, `priority` and `install_hint` and implement `probe`
-    and `copy_batch` (see `Backend`); everything else is implemented here over `runtime`.
-    A backend for another torch device module needs nothing more than that::
-
-        class MyBackend(TorchDeviceBackend):
-            name = module_name = "mydev"
-            ...
-
-    The runtime contract, what `runtime` must provide (``torch.cuda``-like modules provide
-    all but the last four, which `TorchRuntime` adds):
-
-    * ``Stream(device=index)``: a new stream on device `index`, with ``wait_event`` and
-      ``wait_stream`` (`offload_core.backend.Stream`);
-    * ``Event(enable_timing=True)``: a new event with ``record``, ``query``, ``synchronize``
-      and ``elapsed_time`` (`offload_core.backend.Event`);
-    * ``current_stream(index)``: the calling thread's current (compute) stream on `index`;
-    * ``current_device()`` and ``set_device(index)``: the calling thread's current device;
-    * ``synchronize(index)``: block until all work on device `index` has finished;
-    * ``stream(s)``: a context manager making `s` the calling thread's current stream (the
-      subclasses here use it to issue copies on a given stream);
-    * ``torch_device(index)``: the `torch.device` of device `index`, where its memory lives
-      (what `device` returns);
-    * ``alloc_pinned(nbytes)``: a zero-filled 1-D uint8 CPU tensor of `nbytes`, page-locked
-      for this device's asynchronous copies (what `alloc_host` returns);
-    * ``is_pinned(tensor)``: whether a host tensor can be the source of an asynchronous copy
-      as it is, or must first be staged through page-locked memory;
-    * ``pin(tensor)``: a page-locked copy of a host tensor (that staging).
+    """A backend whose streams, events and pinned memory come from a torch-style runtime
+    (`Runtime`). Subclasses set `name`, `module_name`, `priority` and `install_hint` and implement
+    `probe` and `copy_batch` (see `Backend`); everything else is implemented here.
 
     Args:
         device_index: the device.

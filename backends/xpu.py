@@ -1,12 +1,9 @@
-"""The xpu backend: Intel GPUs through upstream torch.xpu (torch 2.5+).
-
-intel-extension-for-pytorch is not needed; it reached end of life in 2026 and only older
-torch releases relied on it for the device itself.
+"""The xpu backend: Intel GPUs through upstream torch.xpu (torch 2.5+; no
+intel-extension-for-pytorch).
 
 SYCL offers no batched copy, so each coalesced run is one ``copy_`` between tensor views of
-the memory the worker registered (its KV tensors and host buffer), enqueued on the copy
-stream. Host memory that is not pinned is first staged through pinned memory, so the copy
-stays asynchronous and the source may change as soon as the call returns.
+the memory the worker registered (its KV tensors and host buffer), on the copy stream. Host
+memory that is not pinned is staged through pinned memory, so the copy stays asynchronous.
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ from offload_core.backends.torch_device import Runtime, TorchDeviceBackend
 from offload_core.errors import OffloadError
 
 MAX_STREAM_TRIES = 64  # torch.xpu's pool has 32 queues per priority
+_UNREGISTERED = "xpu copies need their memory registered (register_buffer or alloc_host)"
 
 
 class StreamCopier:
@@ -32,14 +30,8 @@ class StreamCopier:
 
     def enqueue(self, pairs: Sequence[tuple[Any, Any]], stream: Any, runtime: Runtime) -> None:
         """Enqueue ``dst <- src`` for every ``(dst, src)`` pair of same-sized uint8 tensors on
-        `stream`, without waiting for the copies.
-
-        Args:
-            pairs: (destination, source) tensor views; they stay alive until an event recorded
-                on `stream` after this call has completed.
-            stream: the copy stream, from `runtime`.
-            runtime: the backend's runtime (see `TorchDeviceBackend`).
-        """
+        `stream` (from `runtime`), without waiting. The tensors stay alive until an event
+        recorded on `stream` after this call has completed."""
         with runtime.stream(stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
@@ -81,14 +73,10 @@ class XpuBackend(TorchDeviceBackend):
     def __init__(self, device_index: int = 0, *, runtime: Runtime | None = None, copier: StreamCopier | None = None):
         super().__init__(device_index, runtime=runtime)
         self.copier = copier if copier is not None else StreamCopier()
-        # Registered buffers: (start, end, weak ref to the tensor), sorted by address, with their
-        # starts as an array for searchsorted and, per position, the entry up to it that reaches
-        # furthest (`_rebuild`), in one tuple so that a reader never sees a mix of two versions
-        # (a tensor's collection rebuilds it from any thread). Several tensors may cover the same
-        # memory (two workers' views of one cache): each stays until it is collected. Weak: the
-        # backend outlives workers (the registry keeps it) and must neither keep their memory
-        # alive nor pin a shared region's mapping; whoever queues copies keeps the memory until
-        # they finish.
+        # Registered buffers (start, end, weak ref to the tensor) by address, their starts, ends
+        # and `_rebuild`'s reach, in one tuple so that a reader never sees a mix of two versions
+        # (a collection rebuilds it from any thread). Weak: the backend outlives workers (the
+        # registry keeps it) and must not keep their memory or a shared region's mapping alive.
         self._table: tuple[list, np.ndarray, np.ndarray, np.ndarray] = ([], *(np.zeros(0, np.int64),) * 3)
         self._table_lock = threading.RLock()  # re-entrant: a collection during a rebuild calls _forget
 
@@ -149,16 +137,14 @@ class XpuBackend(TorchDeviceBackend):
         """Each address as (a flat byte view of its registered buffer, offset in it)."""
         entries, starts, ends, reach = self._table
         i = np.searchsorted(starts, addresses, side="right") - 1
-        if i.min(initial=0) < 0:
-            raise ValueError("xpu copies need their memory registered (register_buffer or alloc_host)")
+        if i.min(initial=0) < 0 or np.any(addresses + sizes > ends[reach[i]]):
+            raise ValueError(_UNREGISTERED)
         i = reach[i]
-        if np.any(addresses + sizes > ends[i]):
-            raise ValueError("xpu copies need their memory registered (register_buffer or alloc_host)")
         views = {}
         for k in set(i.tolist()):
             tensor = entries[k][2]()
             if tensor is None:  # freed since: its address range is no longer the caller's
-                raise ValueError("xpu copies need their memory registered (register_buffer or alloc_host)")
+                raise ValueError(_UNREGISTERED)
             # its bytes from data_ptr on, between the rows of a strided view too
             flat = self._torch.empty(0, dtype=self._torch.uint8, device=tensor.device)
             views[k] = flat.set_(

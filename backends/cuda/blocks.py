@@ -1,32 +1,25 @@
 """Compact jobs on the GPU: the block ids go up, the device expands them (`offload_core.compact`).
 
-Per job the host uploads one small table (for simple jobs two ids per block, int32 where they
-fit; five int64 for others, through the descriptor ring)
-and enqueues one expansion kernel and at most one batch of copies per piece:
+Per job the host uploads one small table (two ids per block for simple jobs, int32 where they
+fit; five int64 columns for others) and enqueues one expansion kernel and at most one batch of
+copies per piece:
 
-* ``expand_staged``: the kernel gathers every entry of every block into a staging buffer that
-  mirrors the job's host rows (store), or scatters them out of it (load); the copy engines move
-  the job's segments (`CompactLayout.segments`): host-contiguous ranges, a whole row or a run
-  of rows each where the layout allows. The first step runs on a side stream and the second
-  on the queue's stream, into two alternating halves of the staging buffer, so the kernel of
-  one job overlaps the copies of the one before;
+* ``expand_staged``: the kernel gathers every entry of the job's blocks into a staging buffer
+  that mirrors its host rows (store), or scatters them out of it (load), on a side stream; the
+  copy engines move the job's host-contiguous segments on the queue's stream. Pieces alternate
+  between two halves of the buffer, so the kernel of one overlaps the copies of the one before;
 * ``expand_direct``: the kernel reads or writes the host rows themselves through their unified
-  addresses; no staging, no copy engines, but it holds SMs while the bytes cross the link. For
-  jobs whose segments are too small for the copy engines (a single tensor's pages in
-  scattered host blocks), and for small jobs, which the host's time per job bounds (on few
-  programs: `BlockCopier.direct_programs`);
-* ``expand_split``: a store's first half of blocks as ``expand_direct`` on a stream of their
-  own, the rest as ``expand_staged``, at once: the SMs and the copy engines together move
-  mid-sized stores faster than either alone, at the cost of two SMs. Auto takes it only where
-  the SM penalty is lowered below its default (`BlockCopier._splits`);
-* ``ce_batch`` (host-expanded): the descriptors, expanded on the host, in one batched copy, for
-  jobs whose host row does not fit a staging half or whose copies the gather would not join.
+  addresses: no staging, but it holds SMs while the bytes cross the link. For segments too
+  small for the copy engines, and for small jobs, which the host's time per job bounds;
+* ``expand_split``: a store's first half of blocks direct on a stream of their own, the rest
+  staged, at once: the SMs and the copy engines together beat either alone on mid-sized
+  stores. Auto takes it only where the SM penalty is lowered below its default;
+* ``ce_batch`` (host-expanded): the copies, expanded on the host, in one batched copy, for jobs
+  whose host row does not fit a staging half or whose copies the gather would not join.
 
 Staging takes ``2 * half_bytes`` of device memory per queue stream, allocated on first use
 (`staging.StagingHalves`). A job larger than a half is cut into pieces of whole host rows.
-
-Each is an object (`JobMechanism`); they stand in `mechanisms.TABLE` beside the batch
-mechanisms, which says whether they can run.
+The mechanisms stand in `mechanisms.TABLE` beside the batch mechanisms.
 """
 
 from __future__ import annotations
@@ -46,8 +39,7 @@ from offload_core.compact import SORTED_BLOCKS, CompactJob, CompactLayout
 
 # How many programs an ``expand_direct`` launch takes (`BlockCopier.direct_programs`): each
 # holds an SM while its bytes cross the link, so as few as keep up with it. Loads need more
-# requests in flight than stores; pages under `SIZED_PAGE` move slower per program and keep the
-# backend's count, but long-row stores of them, bound by the link, take fewer.
+# requests in flight than stores; pages under `SIZED_PAGE` move slower per program.
 HOST_BOUND_BYTES = 1 << 20  # jobs averaging at most this are bound by the host's time per job
 LONG_ROW_BYTES = 4096
 SIZED_PAGE = 1024  # the smallest entry whose jobs `direct_programs` sizes
@@ -62,9 +54,7 @@ DIRECT_STORE_PAGE = 4096
 DEFAULT_SM_PENALTY = CostModel.__dataclass_fields__["sm_penalty"].default
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
 JOIN_BACKOFF = 64  # launches that go to `BlockCopier.copy` at most after a declined joined launch
-# `expand_split`'s share of a store's blocks sent direct (the rest staged at once): the SMs and
-# the copy engines together beat either alone on mid-sized stores; loads gain nothing.
-SPLIT_DIRECT_SHARE = 0.5
+SPLIT_DIRECT_SHARE = 0.5  # `expand_split`'s share of a store's blocks sent direct
 
 
 class Prepared:
@@ -85,11 +75,9 @@ class Prepared:
 
 
 def narrow_ids(layout: CompactLayout) -> bool:
-    """Whether `layout`'s jobs are simple and their ids go up as int32: half the bytes to copy,
-    upload and hold (a million-block job's table then fits the ring beside the one before).
-    Sound because a simple job's ids reach a launch only through the submit's checks against
-    `CompactLayout.id_limit` (joining and reordering jobs keep them); the upload casts without
-    a check of its own."""
+    """Whether `layout`'s jobs are simple and their ids go up as int32 (half the bytes to upload
+    and hold). The upload casts unchecked: a simple job's ids reach a launch only through the
+    submit's checks against `CompactLayout.id_limit`."""
     return layout.id_limit is not None and layout.id_limit <= 1 << 31
 
 
@@ -110,8 +98,8 @@ class BlockCopier:
         self.timings = tuning.Timings(tuner, self._weighed) if tuner is not None else None
 
     def _weighed(self, name: str, device_s: float) -> float:
-        """A timed launch's device time as the choice counts it: ``expand_direct``'s weighed for
-        the SMs it held (`select.CostModel.sm_weight`), as the cost model weighs its estimate."""
+        """A timed launch's device time, ``expand_direct``'s weighed for the SMs it held, as the
+        cost model weighs its estimate (`select.CostModel.sm_weight`)."""
         return device_s * self.backend.cost.sm_weight(device_s) if name == EXPAND_DIRECT.name else device_s
 
     def _staging_for(self, stream) -> StagingHalves:
@@ -121,32 +109,27 @@ class BlockCopier:
         )
 
     def prepare(self, layout: CompactLayout) -> Prepared:
-        """Upload the layout's tables, and compile the kernel for it in both directions (a
-        second or so, once per process and tile) so that no job waits for the compiler."""
+        """Upload the layout's tables, and build the kernel for its jobs in both directions so
+        that no job waits for the compiler."""
         b = self.backend
         with b._on_device():
             prepared = Prepared(b._torch, b.device, layout)
             stream = b.runtime.current_stream(b.device_index)
-            # Simple jobs' tables: host rows found from the host block (direct) or from the block
-            # (staged, in a device buffer; the entry table's address stands in for it). Triton
-            # compiles per type of each int argument (32 or 64 bits), and the first launch of each
-            # build loads it, waiting for the device to go idle: the values must be of a job's kind,
-            # the block table's an address in the ring that jobs' tables come from (a table that
-            # finds the ring full takes one-off device memory: an address of the same kind).
+            # Triton builds per type of each int argument (32 or 64 bits), and the first launch of
+            # a build loads it, waiting for the device to go idle: the values must be of a job's
+            # kind. Simple jobs' rows are found from the host block (direct) or from the block
+            # (staged, in a device buffer, for which the entry table's address stands in).
             row = layout.row_bytes
             staged_base = prepared.entries.data_ptr()
             variants = ((layout.host_base, row, True), (staged_base, row, False)) if layout.simple_jobs else (None,)
+            tables = _tables(prepared)
             for store in (True, False):
                 for rows in variants:
                     kernels.expand(
                         b._ring,
                         None,
                         0,
-                        prepared.entries.data_ptr(),
-                        prepared.entry_count,
-                        prepared.groups.data_ptr(),
-                        prepared.group_count,
-                        prepared.per_block,
+                        *tables,
                         store,
                         layout.largest,
                         stream,
@@ -167,23 +150,20 @@ class BlockCopier:
         return prepared.direct_ok
 
     def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
-        """The cost model's pick for `job`, which auto takes alone without a tuner and measures
-        its rivals against with one (`_tuned`): the cheapest of `_estimates` (`select.cheapest`:
-        on a near tie the copy engines, which leave the SMs to the model), or ``expand_split``
-        where the operator lowered the SM penalty (`_splits`)."""
+        """The cost model's pick for `job` (auto's, without a tuner): ``expand_split`` where the
+        operator lowered the SM penalty (`_splits`), else the cheapest of `_estimates`."""
         count, small = prepared.layout.segment_summary(job, self._small_limit(job.direction))
         if self._splits(job, count) and self.direct_ok(prepared):
             return EXPAND_SPLIT
         return _BY_NAME[cheapest(self._estimates(job.direction, prepared, job.items, job.nbytes, count, small))]
 
     def _small_limit(self, direction: Direction) -> int:
-        """Loads: segments this small the batch call moves through the CPU (their bytes weigh in
-        the cost model); stores: none."""
+        """Loads: segments this small the batch call moves through the CPU; stores: none."""
         return self.backend.cost.inline_h2d_bytes if direction is Direction.LOAD else 0
 
     def _splits(self, job: CompactJob, segments: int) -> bool:
-        """Whether auto sends `job` to ``expand_split``: jobs `_split_sized`, their host rows
-        mostly apart (segments at least half the rows), that `split_at` can split."""
+        """Whether auto sends `job` to ``expand_split``: `_split_sized`, its host rows mostly
+        apart, and `split_at` can split it."""
         return (
             self._split_sized(job.direction, job.layout, job.nbytes, job.jobs)
             and 2 * segments >= job.host_ids.size
@@ -191,30 +171,22 @@ class BlockCopier:
         )
 
     def _split_sized(self, direction: Direction, layout: CompactLayout, nbytes: int, jobs: int) -> bool:
-        """Where the SM penalty is lowered below its default (the engine prefers the link to its
-        SMs): stores of entries from `SIZED_PAGE` to `DIRECT_STORE_PAGE` whose `jobs` jobs of
-        `nbytes` all told average more than `HOST_BOUND_BYTES`."""
+        """Where the SM penalty is lowered below its default: mid-sized stores whose `jobs` jobs
+        average more than `HOST_BOUND_BYTES`."""
         if self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY or not _mid_sized_store(direction, layout):
             return False
         return nbytes > HOST_BOUND_BYTES * max(1, jobs)
 
     def direct_programs(self, job: CompactJob, prepared: Prepared) -> int:
-        """Programs of an ``expand_direct`` launch, at most the backend's. Where its pages are
-        of `SIZED_PAGE` and more: for stores, `MIN_STORE_PROGRAMS` where its pages are of at most
-        `DIRECT_STORE_PAGE` and its jobs average at most `DIRECT_STORE_BYTES`, else one per
-        `STORE_BYTES_PER_PROGRAM` of its average job, from `MIN_STORE_PROGRAMS`; for loads of
-        jobs averaging at most `HOST_BOUND_BYTES`, `SMALL_LOAD_PROGRAMS` (small jobs are bound by
-        the host, and each program holds an SM while its bytes cross the link). Where its pages
-        are smaller: for stores of jobs averaging more than `HOST_BOUND_BYTES` into whole host rows
-        of `LONG_ROW_BYTES` and more, `SMALL_PAGE_STORE_PROGRAMS`. Otherwise, and where programs
-        were set (`max_programs`, ``sm_programs`` of ``OFFLOAD_CORE_CUDA_CONF``), the backend's."""
+        """Programs of an ``expand_direct`` launch of `job`: at most the backend's, all of them
+        where they were set (``sm_programs``), else sized by the constants above."""
         layout = job.layout
         rows = layout.row_bytes if prepared.whole_rows[job.direction] else 0
         return self._programs(job.direction, layout, job.nbytes, job.jobs, rows)
 
     def _programs(self, direction: Direction, layout: CompactLayout, nbytes: int, jobs: int, whole_row: int) -> int:
-        """`direct_programs`; `whole_row` is the bytes of a host row where each block writes its
-        whole row, else 0."""
+        """`direct_programs`; `whole_row` is a host row's bytes where each block writes its whole
+        row, else 0."""
         b = self.backend
         most = b.sm_programs[direction]
         if b.programs_given:
@@ -232,10 +204,9 @@ class BlockCopier:
     def copy(
         self, job: CompactJob, prepared: Prepared, stream, after: list, held: list, forced: JobMechanism | None = None
     ) -> str:
-        """Enqueue `job` on `stream` (the queue's, which waits already for `after`: the compute
-        streams' events and the hazards' ends, which are also `job.host_after`) by `forced`, or by
-        what auto picks (`choose`, measured by the tuner where there is one: `_tuned`);
-        returns the mechanism used."""
+        """Enqueue `job` on `stream` (the queue's, which already waits for `after`: the compute
+        streams' events and the hazards' ends, `job.host_after`) by `forced`, or by auto's pick
+        (`choose`, or `_tuned` with a tuner); returns the mechanism used."""
         key = timed = None
         if forced is not None:
             mechanism = forced
@@ -249,8 +220,8 @@ class BlockCopier:
             segments = prepared.layout.segments(job) if mechanism.needs_segments else None
             mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
             return mechanism.name
-        # a trial: the launch between two events on the stream (every side stream of the job
-        # is joined into it before `enqueue_job` returns), and the host's clock around it
+        # a trial: the launch between two events on the stream (which every side stream of the
+        # job joins before `enqueue_job` returns), and the host's clock around it
         b = self.backend
         try:
             segments = prepared.layout.segments(job) if mechanism.needs_segments else None
@@ -271,23 +242,19 @@ class BlockCopier:
         return mechanism.name
 
     def _tuned(self, job: CompactJob, prepared: Prepared) -> tuple[JobMechanism, tuning.ShapeClass, bool]:
-        """Auto's mechanism for `job` by measurement: its shape class's winner where one is
-        decided and can run here, else the tuner's pick among the candidates the cost model
-        rates near its own choice (`tuning.candidates`); and whether to time the launch.
-        ``expand_split`` (the operator lowered the SM penalty) is never put on trial."""
+        """Auto's mechanism for `job` by measurement, its shape class, and whether to time the
+        launch: the class's winner where one is decided and can run here, else the tuner's pick
+        among `tuning.candidates`. ``expand_split`` is never put on trial."""
         self.timings.collect()
         layout = prepared.layout
         count, small = layout.segment_summary(job, self._small_limit(job.direction))
         per_job, d = job.nbytes // max(1, job.jobs), job.direction.value
         key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids.size, count, job.nbytes)
         winner = self.tuner.decided(key)
-        # decided: no cost model on the launch's host time (but where the operator lowered the
-        # SM penalty, which may split what a winner of the default would not)
-        if (
-            winner is not None
-            and self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY
-            and self._runs_here(winner, prepared)
-        ):
+        # decided: no cost model on the launch's host time (unless the SM penalty is lowered,
+        # which may split what a winner of the default would not)
+        default_penalty = self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY
+        if winner is not None and default_penalty and self._runs_here(winner, prepared):
             return _BY_NAME[winner], key, False
         if self._splits(job, count) and self.direct_ok(prepared):
             return EXPAND_SPLIT, key, False
@@ -307,8 +274,8 @@ class BlockCopier:
         self, direction: Direction, prepared: Prepared, items: int, nbytes: int, count: int, small: int
     ) -> dict[str, float]:
         """The cost model's seconds for a launch of `items` copies and `nbytes` whose host bytes
-        form `count` segments (`small` bytes of them of at most `_small_limit`), by each mechanism
-        that can move it here, the copy engines' first (`select.cheapest`'s order on a tie)."""
+        form `count` segments (`small` bytes in those of at most `_small_limit`), by each
+        mechanism that can move it here, the copy engines' first (`select.cheapest`'s tie order)."""
         cost, d = self.backend.cost, direction.value
         out = {}
         if prepared.layout.row_bytes <= self.half_bytes:
@@ -319,14 +286,12 @@ class BlockCopier:
         return out
 
     def join_plan(self, jobs: list[CompactJob], prepared: Prepared | None) -> tuple | None:
-        """How to enqueue consecutive simple jobs as `copy` would enqueue them joined, in host
-        order (`CompactJob.concat`, `in_host_order`), where auto sends them to ``expand_direct``
-        (whole host rows that fit a staging half): joined, ordered and launched by one compiled
-        call, without building the joined job. Auto sends them there where the tuner decided
-        their shape class (host rows apart, as given) for it; the call declines where the rows
-        then come in runs (another class). Returns the arguments of `DescriptorRing.join_launch`
-        after the stream; or None where that cannot be so, or the call cannot be made (no
-        compiled step, the build not launchable by hand yet, the last offers declined:
+        """The arguments of `DescriptorRing.join_launch` after the stream, which joins, orders
+        (`CompactJob.concat`, `in_host_order`) and launches consecutive simple jobs in one
+        compiled call, as `copy` would the joined job, where the tuner decided their shape class
+        (host rows apart, as given) for ``expand_direct``; the call declines where the rows then
+        come in runs (another class). None where that cannot be so, or the call cannot be made
+        (no compiled step, the build not launchable by hand yet, the last offers declined:
         `joined`). Enqueues nothing."""
         b = self.backend
         if self.tuner is None or prepared is None or not b._ring.joins:
@@ -350,20 +315,10 @@ class BlockCopier:
         key = tuning.shape_class(direction.value, layout.smallest, layout.row_bytes, nbytes // count, n, n, nbytes)
         if self.tuner.decided(key) != EXPAND_DIRECT.name:
             return None
+        programs = self._programs(direction, layout, nbytes, count, layout.row_bytes)
+        store, rows = direction is Direction.STORE, (layout.host_base, layout.row_bytes, True)
         raw = kernels.raw_expansion(
-            b._ring,
-            n,
-            prepared.entries.data_ptr(),
-            prepared.entry_count,
-            prepared.groups.data_ptr(),
-            prepared.group_count,
-            prepared.per_block,
-            direction is Direction.STORE,
-            layout.largest,
-            self._programs(direction, layout, nbytes, count, layout.row_bytes),
-            (layout.host_base, layout.row_bytes, True),
-            prepared.narrow,
-            b.device_index,
+            b._ring, n, *_tables(prepared), store, layout.largest, programs, rows, prepared.narrow, b.device_index
         )
         if raw is None:
             return None
@@ -373,18 +328,17 @@ class BlockCopier:
 
     @staticmethod
     def joined(prepared: Prepared, direction: Direction, launched: bool) -> None:
-        """What became of a `join_plan` offer. A declined one (host blocks in runs: the jobs go
-        staged) cost a join, a sort and an event for nothing, and an engine's next launches are
-        likely alike: the next offers are skipped, twice as many after each decline, up to
-        `JOIN_BACKOFF`; a taken one offers every launch again."""
+        """What became of a `join_plan` offer. A declined one cost a join, a sort and an event for
+        nothing, and an engine's next launches are likely alike: the next offers are skipped,
+        twice as many after each decline, up to `JOIN_BACKOFF`; a taken one resets that."""
         backoff = prepared.join_backoff[direction]
         backoff[1] = 0 if launched else min(JOIN_BACKOFF, 2 * backoff[1] or 1)
         backoff[0] = backoff[1]
 
     def expand(self, job, prepared, b0, b1, stream, held, programs: int, stage: int | None = None) -> None:
         """Upload the table of blocks b0..b1 and enqueue the kernel on `stream` with at most
-        `programs` programs; the host rows are the host buffer's where `stage` is None, else
-        a staging buffer's that mirrors the job's host rows, chunk j at ``stage + j * row_bytes``."""
+        `programs` programs, on the host buffer's rows where `stage` is None, else on a staging
+        buffer's that mirrors them, chunk j at ``stage + j * row_bytes``."""
         layout, b = prepared.layout, self.backend
         if job.simple:  # two columns; the kernel finds the rows
             cols = (job.dev_ids[b0:b1], job.host_ids[b0:b1])
@@ -398,38 +352,24 @@ class BlockCopier:
             else:
                 addresses = stage + chunks * layout.row_bytes
             cols, rows = (blocks[0, b0:b1], addresses, blocks[2, b0:b1], blocks[3, b0:b1], blocks[4, b0:b1]), None
+        store, narrow, tables = job.direction is Direction.STORE, job.simple and prepared.narrow, _tables(prepared)
         kernels.expand(
-            b._ring,
-            cols,
-            b1 - b0,
-            prepared.entries.data_ptr(),
-            prepared.entry_count,
-            prepared.groups.data_ptr(),
-            prepared.group_count,
-            prepared.per_block,
-            job.direction is Direction.STORE,
-            layout.largest,
-            stream,
-            programs,
-            rows,
-            job.simple and prepared.narrow,
-            held,
-            b.device_index,
+            b._ring, cols, b1 - b0, *tables, store, layout.largest, stream, programs, rows, narrow, held, b.device_index
         )
 
     @staticmethod
     def split_at(job: CompactJob) -> int:
         """How many of `job`'s first blocks ``expand_split`` sends direct: `SPLIT_DIRECT_SHARE`
-        of a store's blocks, at least one each way, where the job is simple (block i in chunk
-        i: the rest is a job of its own, `CompactJob.tail`); else 0, all staged."""
+        of a simple store's blocks (the rest is a job of its own, `CompactJob.tail`), at least
+        one each way; else 0, all staged."""
         n = job.host_ids.size  # a simple job's blocks
         if job.direction is not Direction.STORE or not job.simple or n < 2:
             return 0
         return min(n - 1, max(1, round(n * SPLIT_DIRECT_SHARE)))
 
     def direct_side(self, st: StagingHalves):
-        """The stream of ``expand_split``'s direct part beside `st`'s queue stream, and its two
-        events, made at the first split job."""
+        """The stream of ``expand_split``'s direct part beside `st`'s, made with its two events
+        at the first split job."""
         if st.direct is None:
             b = self.backend
             stream = b.new_stream()
@@ -437,15 +377,9 @@ class BlockCopier:
             st.direct = stream
         return st.direct
 
-    @property
-    def device_bytes(self) -> int:
-        """Device memory held for staging."""
-        return sum(st.buffer.numel() for st in self.staging.values())
-
 
 class JobMechanism(abc.ABC):
-    """One way to enqueue a compact job, for `BlockCopier`. Keeps no state: the copier holds
-    the staging, the backend the rest."""
+    """One way to enqueue a compact job, for `BlockCopier`; stateless."""
 
     name: ClassVar[str]
     takes_batches: ClassVar[bool] = False  # a bare batch on a backend forced to it goes as auto
@@ -468,10 +402,8 @@ class JobMechanism(abc.ABC):
 
 
 class HostExpanded(JobMechanism):
-    """A job whose host row does not fit a staging half, or whose copies staging would not join
-    (`BlockCopier.choose`): its copies, expanded on the host (`CompactLayout.copies`, runs merged),
-    in one ``cuMemcpyBatchAsync``. Reported as ``ce_batch``; `BlockCopier.choose` picks it, never
-    a caller, so it is not in the table."""
+    """The job's copies, expanded on the host (`CompactLayout.copies`), in one
+    ``cuMemcpyBatchAsync``; reported as ``ce_batch``. Only auto picks it: not in the table."""
 
     name = "ce_batch"
 
@@ -490,8 +422,6 @@ class _Expansion(JobMechanism):
 
 
 class ExpandDirect(_Expansion):
-    """The kernel reads or writes the host rows themselves, through their unified addresses."""
-
     name = "expand_direct"
 
     def refuses_layout(self, copier, prepared) -> str | None:
@@ -505,9 +435,6 @@ class ExpandDirect(_Expansion):
 
 
 class ExpandStaged(_Expansion):
-    """The kernel gathers into staging that mirrors the job's host rows (or scatters out of
-    it), the copy engines move the job's segments; pieces alternate between two halves."""
-
     name = "expand_staged"
     needs_segments = True
 
@@ -536,13 +463,12 @@ class ExpandStaged(_Expansion):
         if len(cuts) > 2:  # a segment may run across a cut (consecutive host rows): split it there
             seg_stage, seg_host, seg_sizes = _split(seg_stage, seg_host, seg_sizes, np.array(cuts[1:-1]) * row)
         chunk_of = None if job.simple else job.blocks[1]  # a simple job's block i is in chunk i
-        if store:  # the gather reads what the compute streams wrote; the queue's stream already waits for them
-            for event in after:
-                st.side.wait_event(event)
-        else:  # the copies into staging read host rows that another lane's job may still write (hazards)
-            for event in job.host_after:
-                st.side.wait_event(event)
+        # a store's gather reads what the compute streams wrote (the queue's stream already waits for
+        # them); a load's copies into staging read host rows another lane's job may still write
+        for event in after if store else job.host_after:
+            st.side.wait_event(event)
         held.sides.append(st.side)  # each piece joins it; `_enqueued` does if a failure cuts a piece short
+        batch = b.driver.memcpy_batch_async
         for j0, j1 in zip(cuts[:-1], cuts[1:]):
             half = st.halves[st.next]
             free = st.free[st.next]
@@ -553,7 +479,7 @@ class ExpandStaged(_Expansion):
                 b0, b1 = (j0, j1) if chunk_of is None else np.searchsorted(chunk_of, (j0, j1)).tolist()
                 s0, s1 = np.searchsorted(seg_stage, (j0 * row, j1 * row)).tolist()
             stage = half - j0 * row  # where chunk 0 would lie: chunk j0 lies at the half's start
-            stage_addr = seg_stage[s0:s1] + stage
+            staged, host, sizes = seg_stage[s0:s1] + stage, seg_host[s0:s1], seg_sizes[s0:s1]
             if store:
                 st.side.wait_event(free)  # the copies that last read this half are done
                 if b1 > b0:
@@ -561,28 +487,12 @@ class ExpandStaged(_Expansion):
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if s1 > s0:
-                    b.driver.memcpy_batch_async(
-                        seg_host[s0:s1],
-                        stage_addr,
-                        seg_sizes[s0:s1],
-                        SRC_ACCESS_ORDER_STREAM,
-                        stream.cuda_stream,
-                        0,
-                        held,
-                    )
+                    batch(host, staged, sizes, SRC_ACCESS_ORDER_STREAM, stream.cuda_stream, 0, held)
                 free.record(stream)
             else:
                 st.side.wait_event(free)  # the scatter that last read this half is done
                 if s1 > s0:
-                    b.driver.memcpy_batch_async(
-                        stage_addr,
-                        seg_host[s0:s1],
-                        seg_sizes[s0:s1],
-                        SRC_ACCESS_ORDER_ANY,
-                        st.side.cuda_stream,
-                        0,
-                        held,
-                    )
+                    batch(staged, host, sizes, SRC_ACCESS_ORDER_ANY, st.side.cuda_stream, 0, held)
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if b1 > b0:
@@ -592,13 +502,7 @@ class ExpandStaged(_Expansion):
 
 
 class ExpandSplit(_Expansion):
-    """Stores: the first `SPLIT_DIRECT_SHARE` of a job's blocks go straight to their host rows
-    (as ``expand_direct``, on `MIN_STORE_PROGRAMS` programs, on a stream of their own) while the
-    rest is staged (as ``expand_staged``), so that the SMs and the copy engines cross the link
-    at once. For an engine that prefers the link to a few percent of its compute: auto's choice
-    only where its SM penalty is lowered (`BlockCopier._splits`). Loads, jobs of one block and
-    jobs of several groups or chunks of several blocks go as ``expand_staged``
-    (`BlockCopier.split_at`)."""
+    """Jobs `BlockCopier.split_at` cannot split go as ``expand_staged``."""
 
     name = "expand_split"
 
@@ -626,13 +530,17 @@ class ExpandSplit(_Expansion):
         held.sides.pop()
 
 
-HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT = (
-    HostExpanded(),
-    ExpandStaged(),
-    ExpandDirect(),
-    ExpandSplit(),
-)
+HOST_EXPANDED = HostExpanded()
+EXPAND_STAGED = ExpandStaged()
+EXPAND_DIRECT = ExpandDirect()
+EXPAND_SPLIT = ExpandSplit()
 _BY_NAME = {m.name: m for m in (HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT)}
+
+
+def _tables(prepared: Prepared) -> tuple:
+    """`kernels.expand`'s arguments `entries` to `per_block`."""
+    p = prepared
+    return p.entries.data_ptr(), p.entry_count, p.groups.data_ptr(), p.group_count, p.per_block
 
 
 def _mid_sized_store(direction: Direction, layout: CompactLayout) -> bool:

@@ -222,25 +222,12 @@ MAX_SHARED = 49152  # above it, Triton's own loader sets the kernel up for dynam
 RAW_TYPES = ("i32", "u32", "i64", "u64")  # what a 64-bit parameter slot passes as it is
 
 
-def _launch(
-    kernel,
-    programs: int,
-    args: list,
-    constexprs: dict,
-    stream,
-    key_args=None,
-    device: int = 0,
-    warps: int = 4,
-) -> None:
-    """Launch `kernel` on `stream`; from the second launch of a specialization on, through the
-    compiled kernel's launcher with the stream handle, which skips Triton's dispatch and
-    torch's stream context (two thirds of a launch's host time).
-
-    The arguments are all ints, so the key here covers everything Triton specializes on; it is
-    made from `key_args` where given (values a kernel's build does not tell from `args`'), and
-    names the GPU (`device`, its index): a build is loaded into one GPU's context. `warps` is
-    the build's warps per program (Triton's ``num_warps``).
-    """
+def _launch(kernel, programs: int, args: list, constexprs: dict, stream, key_args=None, device=0, warps=4) -> None:
+    """Launch `kernel` on `stream`; from the second launch of a build on, through the compiled
+    kernel's launcher with the stream handle, which skips Triton's dispatch and torch's stream
+    context (two thirds of a launch's host time). The build is found by `_key`, of `key_args`
+    where given (values that tell the build where `args` would not); `warps` is Triton's
+    ``num_warps``."""
     global _fast
     key = _key(kernel, device, warps, constexprs, args if key_args is None else key_args)
     compiled = _compiled.get(key)
@@ -257,41 +244,27 @@ def _launch(
 
 
 def _key(kernel, device: int, warps: int, constexprs: dict, args) -> tuple:
-    """What finds a compiled build: the kernel, the GPU, its warps, its constexprs and Triton's
-    view of each int."""
+    """What finds a compiled build: the arguments are all ints, so this covers all Triton
+    specializes on; the GPU too, as a build is loaded into one GPU's context."""
     return (kernel, device, warps, *constexprs.values(), *map(_spec, args))
 
 
-def _raw_for(key: tuple, compiled) -> tuple | None:
-    """`_raw_launch` of the compiled kernel of `key`, found once."""
-    raw = _raw.get(key, False)
-    if raw is False:
-        raw = _raw[key] = _raw_launch(compiled)
-    return raw
-
-
 def _raw_launch(compiled) -> tuple | None:
-    """What a plain ``cuLaunchKernel`` of a Triton-compiled kernel needs, or None where it needs
-    more than that (launch hooks, clusters, cooperative or dependent launches, scratch memory,
-    large shared memory, parameter types a 64-bit slot does not pass as they are).
-
-    Returns:
-        ``(function, threads, shared, kept, hidden)``: the CUfunction, threads per program,
-        dynamic shared bytes, the indices of the arguments (in the kernel's order, constexprs
-        included) that are parameters, and how many null scratch pointers follow them (Triton
-        adds one per scratch size its metadata names).
-    """
+    """``(function, threads, shared, kept, hidden)`` for a plain ``cuLaunchKernel`` of a
+    Triton-compiled kernel: the CUfunction, threads per program, dynamic shared bytes, the
+    indices of the arguments (constexprs included) that are parameters, and how many null
+    scratch pointers follow them (one per scratch size the metadata names). None where it
+    needs more (hooks, clusters, cooperative or dependent launches, scratch memory, large
+    shared memory, parameter types a 64-bit slot does not pass as they are)."""
     try:
         md, src = compiled.metadata, compiled.src
-        if _hooked(compiled):
-            return None
         if (
-            getattr(md, "num_ctas", 1) != 1
+            _hooked(compiled)
+            or getattr(md, "num_ctas", 1) != 1
             or getattr(md, "launch_cooperative_grid", False)
             or getattr(md, "launch_pdl", False)
+            or any(d != 1 for d in (getattr(md, "cluster_dims", None) or ()))
         ):
-            return None
-        if any(d != 1 for d in (getattr(md, "cluster_dims", None) or ())):
             return None
         hidden = 0
         for name in ("global_scratch_size", "profile_scratch_size"):
@@ -324,43 +297,15 @@ def _raw_launch(compiled) -> tuple | None:
 
 
 def _hooked(compiled) -> bool:
-    """Whether Triton calls launch hooks (a profiler's) around this kernel's launches: on the
-    compiled kernel (older Triton) or in ``triton.knobs.runtime`` (3.4 on)."""
+    """Whether Triton calls launch hooks (a profiler's) around this kernel's launches, set on
+    the compiled kernel (older Triton) or in ``triton.knobs.runtime`` (3.4 on)."""
     import sys
 
-    holders = [compiled]
     knobs = getattr(sys.modules.get("triton"), "knobs", None)
-    if knobs is not None:
-        holders.append(getattr(knobs, "runtime", None))
+    holders = (compiled, getattr(knobs, "runtime", None))
     hooks = [getattr(h, name, None) for h in holders for name in ("launch_enter_hook", "launch_exit_hook")]
     # a hook, or a chain of them (Triton 3.5 on: an object whose `calls` may be empty)
     return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
-
-
-def run(src, dst, size, n: int, largest: int, stream, max_programs: int, device: int = 0) -> None:
-    """Enqueue the copy kernel on `stream` for `n` copies: copy i moves ``size[i]`` bytes from
-    ``src[i]`` to ``dst[i]``, each address one the device can dereference.
-
-    Each of `src`, `dst` and `size` is the device address (an int) of `n` int64 values, or a
-    pair ``(base, step)`` standing for ``base + i * step`` (for `size`, a step of 0): a
-    column that costs no upload. `largest` is the largest size; `device` the GPU's index.
-    """
-    copy_kernel, copy_small_kernel, _ = _compile()
-    args, arrays = [], {}
-    for name, col in (("SRC", src), ("DST", dst), ("SIZE", size)):
-        arrays[f"{name}_ARRAY"] = not isinstance(col, tuple)
-        args += [col, 0] if arrays[f"{name}_ARRAY"] else [int(col[0]), int(col[1])]
-    args.pop()  # size has no step
-    if largest <= SMALL_BYTES:
-        width = 32 if largest <= 256 else 128  # words per copy per step: little masked waste
-        rows = TILE_WORDS // width
-        programs = max(1, min(max_programs, -(-n // rows)))
-        _launch(copy_small_kernel, programs, args + [n], {**arrays, "D": rows, "W": width}, stream, device=device)
-    else:
-        pieces = -(-largest // PIECE_BYTES)
-        programs = max(1, min(max_programs, n * pieces))
-        constexprs = {**arrays, "PIECE": PIECE_BYTES, "BLOCK": BLOCK}
-        _launch(copy_kernel, programs, args + [n, pieces], constexprs, stream, device=device)
 
 
 def launch(
@@ -375,25 +320,38 @@ def launch(
     uniform: bool | None = None,
     device: int = 0,
 ) -> None:
-    """Upload the descriptors through `ring` (the sizes only if they differ) and enqueue the
-    copy kernel on `stream`; `largest` and `uniform` (all sizes equal) where already known.
-    What must outlive the kernel (see `DescriptorRing.upload`) goes to `held` before the
-    launch, which may fail with the upload enqueued."""
+    """Upload the descriptors through `ring` (the sizes only if they differ) and enqueue the copy
+    kernel on `stream`: copy i moves ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]``, addresses
+    the device can dereference. `largest` and `uniform` (all sizes equal) where already known;
+    `device` is the GPU's index. What must outlive the kernel (see `DescriptorRing.upload`) goes
+    to `held` before the launch, which may fail with the upload enqueued."""
     n = len(sizes)
     if largest is None:
         largest = int(sizes.max())
         uniform = int(sizes.min()) == largest
     (table,) = ring.upload((src, dst) if uniform else (src, dst, sizes), stream, held)
-    run(table, table + 8 * n, (largest, 0) if uniform else table + 16 * n, n, largest, stream, max_programs, device)
+    copy_kernel, copy_small_kernel, _ = _compile()
+    # columns read from the table; uniform sizes are one value (`size_col` itself)
+    args = [table, 0, table + 8 * n, 0, int(largest) if uniform else table + 16 * n]
+    arrays = {"SRC_ARRAY": True, "DST_ARRAY": True, "SIZE_ARRAY": not uniform}
+    if largest <= SMALL_BYTES:
+        width = 32 if largest <= 256 else 128  # words per copy per step: little masked waste
+        rows = TILE_WORDS // width
+        programs = max(1, min(max_programs, -(-n // rows)))
+        _launch(copy_small_kernel, programs, args + [n], {**arrays, "D": rows, "W": width}, stream, device=device)
+    else:
+        pieces = -(-largest // PIECE_BYTES)
+        programs = max(1, min(max_programs, n * pieces))
+        constexprs = {**arrays, "PIECE": PIECE_BYTES, "BLOCK": BLOCK}
+        _launch(copy_kernel, programs, args + [n, pieces], constexprs, stream, device=device)
 
 
 def expand_tile(largest: int) -> tuple[int, int, int]:
     """The expansion kernel's tile for entries of up to `largest` bytes: (items, words per step,
-    warps per program). Up to 4 KiB entries, 256 bytes of each of 256 at a time on 8 warps, a
-    row of 256 bytes a thread: host rows written through unified addresses go over the link in
-    whole 256-byte writes, and a program keeps 64 KiB in flight, which its few programs need to
-    keep the link busy (reads across it wait for their replies). Larger entries: 32 KiB a step
-    on 4 warps."""
+    warps per program). Up to 4 KiB, 256 bytes of each of 256 items on 8 warps: host rows
+    written through unified addresses cross the link in whole 256-byte writes, and a program
+    keeps the 64 KiB in flight that few programs need to keep the link busy. Larger entries:
+    32 KiB a step on 4 warps."""
     if largest <= 4096:
         return 256, 32, 8
     if largest <= 8192:
@@ -423,17 +381,15 @@ def expand(
     its expansion on `stream`; `entries` and `groups` are the device addresses of the entry
     table (``ENTRY_COLUMNS``, `num_entries` wide) and of the group table (first entry, count;
     `num_groups` wide); `per_block` is the most entries of any group. `columns` None launches
-    with no table (`n` is 0: a build's warm-up). What must outlive the kernel (see
-    `DescriptorRing.upload`) goes to `held` before the launch, which may fail with the upload
-    enqueued; `device` is the GPU's index.
+    with no table (a build's warm-up). What must outlive the kernel (see `DescriptorRing.upload`)
+    goes to `held` before the launch, which may fail with the upload enqueued.
 
     The block table is `offload_core.compact.BLOCK_COLUMNS` with the host row's address in place
-    of the chunk where `rows` is None; else it is a simple job's two columns, device and host
-    block ids (uploaded as int32 where `narrow`), and `rows` is ``(base, step, by_host)``: block
-    i's host row lies at ``base + step * (its host block if by_host else i)``.
-
-    Where the ring `launches` and the compiled kernel allows a plain ``cuLaunchKernel``, the
-    upload and the launch are one compiled call that keeps the GIL (`_driver.table_launch`).
+    of the chunk where `rows` is None; else a simple job's device and host block ids (int32
+    where `narrow`), and `rows` is ``(base, step, by_host)``: block i's host row lies at
+    ``base + step * (its host block if by_host else i)``. Where the ring `launches` and the build
+    allows a plain ``cuLaunchKernel``, upload and launch are one compiled call
+    (`_driver.table_launch`).
 
     Raises:
         CudaDriverError: the upload or the launch failed.
@@ -442,6 +398,7 @@ def expand(
         ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow
     )
     kernel = _compile()[2]
+    key_args = None
     if columns is not None:
         if ring.launches:
             raw = _raw_expansion(programs, args, constexprs, warps, device)
@@ -449,12 +406,10 @@ def expand(
                 ring.upload_launch(columns, stream, constexprs["NARROW"], *raw, held)
                 return
         (table,) = ring.upload(columns, stream, held, narrow=constexprs["NARROW"])
-        same_build = (table < 1 << 31) == (args[0] < 1 << 31)  # else one of 32 bits and one of 64
-        key_args = args.copy() if same_build else None
+        if (table < 1 << 31) == (args[0] < 1 << 31):  # else one of 32 bits and one of 64: not the same build
+            key_args = args.copy()
         args[0] = table
-        _launch(kernel, programs, args, constexprs, stream, key_args, device, warps)
-        return
-    _launch(kernel, programs, args, constexprs, stream, device=device, warps=warps)
+    _launch(kernel, programs, args, constexprs, stream, key_args, device, warps)
 
 
 def _expansion(
@@ -488,7 +443,9 @@ def _raw_expansion(programs: int, args: list, constexprs: dict, warps: int, devi
         return None
     key = _key(_compile()[2], device, warps, constexprs, args)
     compiled = _compiled.get(key)
-    raw = None if compiled is None else _raw_for(key, compiled)
+    raw = None if compiled is None else _raw.get(key, False)
+    if raw is False:
+        raw = _raw[key] = _raw_launch(compiled)
     if raw is None or raw[3][:1] != (0,):
         return None
     function, threads, shared, kept, hidden = raw
@@ -497,19 +454,7 @@ def _raw_expansion(programs: int, args: list, constexprs: dict, warps: int, devi
 
 
 def raw_expansion(
-    ring,
-    n: int,
-    entries: int,
-    num_entries: int,
-    groups: int,
-    num_groups: int,
-    per_block: int,
-    store: bool,
-    largest: int,
-    max_programs: int,
-    rows: tuple[int, int, bool],
-    narrow: bool,
-    device: int = 0,
+    ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow, device=0
 ) -> tuple | None:
     """What `expand` of a simple job's `n` blocks would launch by hand, as `_raw_expansion`
     returns it: for `DescriptorRing.join_launch`, which writes the table itself."""

@@ -1,20 +1,12 @@
 """`auto` by measurement: the first launches of each shape class try the mechanisms the cost
-model rates close to its own pick, timed on the host and the device, and the class keeps the
-fastest (as cuDNN's benchmark mode and Triton's autotune do). The cost model stays the prior:
-it names the candidates and wins ties, so its sparing of the SMs holds where measurements
-cannot tell the candidates apart. Winners persist per GPU model beside its calibration profile
-(`select.profile_path`), so later processes on that GPU model start from them.
+model rates close to its own pick, and the class keeps the fastest (as cuDNN's benchmark mode
+and Triton's autotune do). The cost model stays the prior: it names the candidates and wins
+ties, so its sparing of the SMs holds where measurements cannot tell the candidates apart.
+Winners persist per GPU model beside its calibration profile (`select.profile_path`).
 
-A shape class is what decides between the mechanisms and stays put over an engine's life: the
-direction, the layout's smallest entry and host row (powers of two), the bytes per job and per
-launch (powers of four: jobs submitted back to back share launches, whose fixed costs weigh less
-the larger they are), and whether the host rows come in runs. Each launch of a class under trial is timed
-by two events around its enqueue on the copy stream (its device time, from the moment the
-stream reaches it) and by the host's clock around the enqueue; its cost is the larger of the
-two per byte, since the host prepares the next launch while the device moves this one, the
-device time weighed for the SMs the launch held as the cost model weighs it (`Timings`' `weigh`:
-a long launch that holds SMs slows the model's kernels beside it).
-
+A launch's cost is the larger, per byte, of its host time around the enqueue and its device
+time between two events on the copy stream (the host prepares the next launch while the device
+moves this one), the device time weighed for the SMs the launch held (`Timings`' `weigh`).
 Every setting of the search is a module constant here; tests inject timings, not thresholds.
 """
 
@@ -41,6 +33,10 @@ MAX_PENDING = 64  # timed launches whose events have not passed yet, at most (mo
 
 
 class ShapeClass(NamedTuple):
+    """What decides between the mechanisms and stays put over an engine's life. Bytes go in
+    powers of four: jobs submitted back to back share launches, whose fixed costs weigh less
+    the larger they are."""
+
     direction: str  # "store" or "load"
     entry: int  # log2 of the layout's smallest entry (page or head fragment)
     row: int  # log2 of a host row
@@ -60,7 +56,7 @@ class ShapeClass(NamedTuple):
 def shape_class(
     direction: str, smallest: int, row_bytes: int, job_bytes: int, rows: int, segments: int, launch_bytes: int
 ) -> ShapeClass:
-    """The class of a launch of `launch_bytes`: `job_bytes` per job, over `rows` host rows that
+    """The class of a launch of `launch_bytes`, `job_bytes` per job, whose `rows` host rows
     merge into `segments` host-contiguous segments."""
     return ShapeClass(
         direction,
@@ -73,23 +69,18 @@ def shape_class(
 
 
 def candidates(estimates: dict[str, float], prior: str) -> list[str]:
-    """The mechanisms to try for a class, the cost model's pick `prior` first: those whose
-    estimated cost (`estimates`, seconds by name) is at most `WITHIN` times the prior's."""
+    """The mechanisms to try for a class, the cost model's pick `prior` first, then those
+    `estimates` (seconds by name) rates at most `WITHIN` times the prior."""
     limit = WITHIN * estimates.get(prior, math.inf)
     rest = sorted((cost, name) for name, cost in estimates.items() if name != prior and cost <= limit)
     return [prior] + [name for _, name in rest]
 
 
 class _Trial:
-    """A class's trial: the costs per byte of each candidate timed so far, the timed launches
-    of each not observed yet (`pending`: their events pass launches later), the cost model's
-    pick when it began (`prior`), the candidates the last launch offered (`offered`) and those
-    struck off (`struck`: two launches, the faster still `STRIKE` times the best of any). Two,
-    not one, since a launch that compiles a kernel is slow once. The candidates may differ from
-    launch to launch of one class (the cost model weighs each launch's own bytes and segments):
-    costs are kept per name, and the class is decided once every candidate last offered and not
-    struck has `TRIALS`. A candidate gets at most `TRIALS` timed launches in flight or done, so
-    launches that come faster than their timings go, untimed, to the prior."""
+    """A class's trial. Candidates may differ between launches of one class (the cost model
+    weighs each launch's bytes), so costs per byte are kept per name; `pending` counts timed
+    launches not observed yet. A candidate is struck off once the faster of two of its launches
+    is `STRIKE` times the best of any (two: a launch that compiles a kernel is slow once)."""
 
     __slots__ = ("prior", "offered", "costs", "pending", "struck")
 
@@ -104,14 +95,13 @@ class _Trial:
         return len(self.costs[name]) + self.pending[name]
 
     def left(self) -> list[str]:
-        """The candidates offered and not struck off (all offered, where every one was: the
-        best was struck off by none, but need not be offered by the last launch)."""
+        """The candidates offered and not struck off (all offered where every one was: the best
+        need not be offered by the last launch)."""
         return [n for n in self.offered if n not in self.struck] or self.offered
 
 
 class Tuner:
-    """The winners per shape class, and the trials still under way. Safe to call from any
-    thread (the backend's enqueues are serialized, but results are read where they pass).
+    """The winners per shape class, and the trials still under way; safe from any thread.
 
     Args:
         path: where the winners persist (a JSON file), or None to keep them in memory.
@@ -123,15 +113,17 @@ class Tuner:
         self._trials: dict[ShapeClass, _Trial] = {}
         self._saved: dict[ShapeClass, str] = {}
         self._single: set[ShapeClass] = set()  # decided with one candidate: nothing to save
-        if path is not None:
-            self._saved = _load(path)
+        for name, winner in (_read(path) if path is not None else {}).items():
+            try:
+                self._saved[ShapeClass.parse(name)] = winner
+            except (ValueError, TypeError):  # another version's name
+                pass
 
     def pick(self, key: ShapeClass, names: list[str], can_time: bool = True) -> tuple[str, bool]:
-        """The mechanism for a launch of class `key` among `names` (the cost model's pick
-        first: `candidates`), and whether to time it (a trial: `observe` or `dropped` must
-        follow). A class with one candidate is decided at once (in memory: nothing was
-        measured). Without `can_time` (no room for another timing) the launch goes untimed to
-        the cost model's pick."""
+        """The mechanism for a launch of class `key` among `names` (`candidates`), and whether to
+        time it (then `observe` or `dropped` must follow). A class with one candidate is decided
+        at once, in memory only. Without `can_time`, or where every candidate has `TRIALS`
+        timed launches in flight or done, the launch goes untimed to the cost model's pick."""
         with self._lock:
             saved = self._saved.get(key)
             if saved is not None and saved in names:
@@ -149,15 +141,14 @@ class Tuner:
                 trial.costs.setdefault(n, [])
                 trial.pending.setdefault(n, 0)
             need = [n for n in trial.left() if trial.tried(n) < TRIALS]
-            if not can_time or not need:  # every candidate's trials are in flight
+            if not can_time or not need:
                 return names[0], False
             name = min(need, key=trial.tried)  # the least tried, the prior first
             trial.pending[name] += 1
             return name, True
 
     def dropped(self, key: ShapeClass, name: str) -> None:
-        """A timed launch of class `key` by `name` gave no timing (its events reported a
-        fault): another launch will be timed in its place."""
+        """A timed launch of class `key` by `name` gave no timing: another is timed in its place."""
         with self._lock:
             trial = self._trials.get(key)
             if trial is not None and trial.pending.get(name, 0) > 0:
@@ -170,9 +161,9 @@ class Tuner:
 
     def observe(self, key: ShapeClass, name: str, nbytes: int, host_s: float, device_s: float) -> None:
         """Record a timed launch of class `key` by `name`: `nbytes` moved, `host_s` of enqueue
-        and `device_s` on the stream. Decides the class once every candidate the last launch
-        offered and not struck off has `TRIALS`: the fastest by median, the prior unless another
-        is `MARGIN` faster (the prior: the cost model's pick when the trial began, if still in)."""
+        and `device_s` on the stream. Once every candidate left has `TRIALS`, the class goes to
+        the fastest by median, or to the prior (the cost model's first pick, if still in) unless
+        another is `MARGIN` faster."""
         with self._lock:
             trial = self._trials.get(key)
             if trial is None or name not in trial.costs:
@@ -218,18 +209,15 @@ class Tuner:
             self._trials.clear()
         if self.path is not None:
             try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+                self.path.unlink(missing_ok=True)
             except OSError as exc:
                 log.warning("cannot remove %s: %s", self.path, exc)
 
 
 class Timings:
-    """Timed launches whose events have not passed yet: each is `(key, name, nbytes, host_s,
-    start, end)`, handed to the tuner once `end` has passed (asked without blocking, at the
-    next launch), its device time as ``weigh(name, device_s)`` counts it, or dropped where its
-    events report a fault."""
+    """Timed launches whose events have not passed yet, handed to the tuner once they have
+    (asked without blocking, at the next launch), their device time as ``weigh(name, device_s)``
+    counts it."""
 
     def __init__(self, tuner: Tuner, weigh=lambda name, device_s: device_s):
         self.tuner = tuner
@@ -260,7 +248,6 @@ class Timings:
 
 
 def _read(path: Path) -> dict[str, str]:
-    """The file's winners by name, as written (by this version or another)."""
     try:
         raw = json.loads(path.read_text())
         return {str(k): str(v) for k, v in raw["winners"].items()}
@@ -271,21 +258,9 @@ def _read(path: Path) -> dict[str, str]:
         return {}
 
 
-def _load(path: Path) -> dict[ShapeClass, str]:
-    """The winners this version can read; names it cannot parse (another version's) are left."""
-    out = {}
-    for name, winner in _read(path).items():
-        try:
-            out[ShapeClass.parse(name)] = winner
-        except (ValueError, TypeError):
-            pass
-    return out
-
-
 def _save(path: Path, winners: dict[ShapeClass, str]) -> None:
-    """Merge `winners` into the file (other processes on this GPU model write it too, maybe
-    of another version: what this one cannot parse stays), by writing a new file and renaming
-    it over the old one."""
+    """Merge `winners` into the file (other processes, maybe of another version, write it too)
+    through a new file renamed over it."""
     merged = _read(path)
     merged.update({k.name(): v for k, v in winners.items()})
     try:
