@@ -1,4 +1,4 @@
-"""The long soak: many rounds of `offload_core.testing.soak` (threads submitting, waiting and
+"""The long soak: many rounds of `soak_rounds.soak` (threads submitting, waiting and
 polling; faults injected at enqueue and on the streams; shutdowns at random moments; every
 byte of every successful store-then-load checked), then ranks in separate processes sharing
 a region while some of them crash and restart. Prints one JSON object; exit status 1 if a
@@ -17,8 +17,9 @@ import sys
 import time
 from dataclasses import asdict
 
+from soak_rounds import region_soak, soak
+
 from offload_core import get_backend
-from offload_core.testing.soak import region_soak, soak
 
 
 def main() -> int:

@@ -25,7 +25,7 @@ _simulations = contextlib.ExitStack()
 
 
 def pytest_configure(config):
-    from offload_core.testing import simulated
+    import simulated
 
     # the cuda backend's saved profile and tuned choices: the suite's own, not the user's
     os.environ["OFFLOAD_CORE_PROFILE_DIR"] = tempfile.mkdtemp(prefix="offload-core-test-profiles-")

@@ -6,12 +6,12 @@ import time
 
 import numpy as np
 import pytest
+import simulated
 import torch
 from helpers import small_kv
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, OffloadError, OffloadWorker, get_backend
 from offload_core.backends.npu import AclMemcpyBatchAttr, ascend_kv_caches
-from offload_core.testing import simulated
 from offload_core.testing.conformance import BackendConformance
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

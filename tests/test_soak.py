@@ -1,11 +1,16 @@
 """A short soak: threads submitting, waiting and polling, injected faults, shutdowns at random
-moments; every byte checked (`offload_core.testing.soak`; `benchmarks/soak.py` runs it longer)."""
+moments; every byte checked (`benchmarks/soak_rounds.py`; `benchmarks/soak.py` runs it longer)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from offload_core.testing.soak import soak
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from soak_rounds import soak  # noqa: E402
 
 pytestmark = pytest.mark.cpu
 
@@ -20,7 +25,7 @@ def test_short_soak_loses_nothing_and_reports_each_job_once():
 
 
 def test_ranks_crashing_and_restarting_keep_sharing_one_region():
-    from offload_core.testing.soak import region_soak
+    from soak_rounds import region_soak
 
     report = region_soak(cycles=4, ranks=2, crash_share=0.3, seed=2)
     assert report.clean, report

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+import simulated
 import torch
 from helpers import small_kv
 
@@ -21,7 +22,6 @@ from offload_core.backends.cpu import CpuEvent, CpuStream, memmove_all
 from offload_core.backends.npu import NpuBackend
 from offload_core.backends.torch_device import TorchDeviceBackend, TorchRuntime
 from offload_core.backends.xpu import StreamCopier, XpuBackend
-from offload_core.testing import simulated
 from offload_core.testing.conformance import BackendConformance
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

@@ -45,10 +45,6 @@ class BackendConformance:
         assert type(backend).probe() is None
 
     def test_device_type_is_the_backend_name(self, backend: Backend) -> None:
-        from offload_core.testing.simulated import SimRuntime
-
-        if isinstance(getattr(backend, "runtime", None), SimRuntime):
-            pytest.skip("a simulated runtime keeps its device memory on the host")
         # A worker finds the backend of its KV tensors' device by this name; a backend over
         # host memory (a third party's: the name `cpu` is taken) is found by name only.
         assert backend.device.type in (backend.name, "cpu"), (
