@@ -28,7 +28,7 @@ from offload_core.backends.cuda import BLOCK_MECHANISMS, MECHANISMS, CudaBackend
 from offload_core.backends.cuda import blocks as cuda_blocks
 from offload_core.backends.cuda import driver as drv
 from offload_core.backends.cuda.events import DriverEvent
-from offload_core.backends.cuda.mechanisms import TABLE, contenders
+from offload_core.backends.cuda.mechanisms import TABLE
 from offload_core.backends.cuda.select import CostModel, profile_path
 from offload_core.backends.cuda.staging import Held
 from offload_core.canonical import CanonicalPageMapping, CopyRun
@@ -65,42 +65,6 @@ def test_missing_triton_takes_kernel_mechanisms_away(monkeypatch):
 # ---- the cost model: its choice against injected estimates, how its terms combine ---------------
 
 
-def rated(seconds, **fields):
-    """A `CostModel` that rates each mechanism at `seconds[name]`, noting in `asked` what
-    `estimate` was asked: (mechanism, sm_weight)."""
-    model = CostModel(**fields)
-    model.asked = []
-
-    def estimate(mechanism, direction, n, nbytes, weigh=False):
-        model.asked.append((mechanism, weigh))
-        return seconds[mechanism]
-
-    model.estimate = estimate
-    return model
-
-
-@pytest.mark.parametrize(
-    "seconds, available, expected",
-    [
-        ((3, 1, 9), MECHANISMS, "sm_gather"),
-        ((3, 1, 9), ("ce_batch", "ce_loop"), "ce_batch"),
-        ((2, 2, 2), ("ce_batch", "sm_gather"), "ce_batch"),  # a tie: the earlier, which spares the SMs
-        ((2, 2, 2), ("sm_gather", "ce_batch"), "sm_gather"),
-        ((9, 9, 9), ("ce_loop",), "ce_loop"),
-    ],
-)
-def test_the_cost_model_chooses_the_cheapest_available_the_earlier_on_a_tie(seconds, available, expected):
-    model = rated(dict(zip(MECHANISMS, seconds)))
-    assert model.choose("store", 64, 64 << 10, available) == expected
-    assert [a[0] for a in model.asked] == list(available)
-
-
-def test_sm_time_is_weighed_in_the_choice():
-    model = rated(dict.fromkeys(MECHANISMS, 1.0), sm_penalty=3.5)
-    model.choose("load", 64, 1 << 20, ("ce_batch", "sm_gather"))
-    assert model.asked == [("ce_batch", True), ("sm_gather", True)]
-
-
 @pytest.mark.parametrize("penalty", [3.0, 0.5])
 def test_a_launch_that_holds_sms_counts_its_penalty_by_its_length(penalty):
     """Brief launches hardly (the model's kernels wait for them briefly), those of SM_HOLD_S
@@ -116,8 +80,8 @@ def free(**fields) -> CostModel:
     zero = {"store": 0.0, "load": 0.0}
     fast = {"store": 1e12, "load": 1e12}
     base = dict(
-        ce_desc_s=zero, ce_gbps=fast, ce_tail_s=0.0, ce_host_s=0.0, sm_host_s=(0.0, 0.0),
-        sm_gbps=fast, sm_desc_s=zero, gather_gbps=1e12, gather_desc_s=0.0, launch_s=0.0, upload_s_per_desc=0.0,
+        ce_desc_s=zero, ce_gbps=fast, ce_tail_s=0.0, ce_host_s=0.0,
+        sm_gbps=fast, sm_desc_s=zero, gather_gbps=1e12, gather_desc_s=0.0, launch_s=0.0,
     )  # fmt: skip
     return CostModel(**{**base, **fields})
 
@@ -128,45 +92,21 @@ def test_the_estimates_add_the_host_time_where_it_does_not_hide_behind_the_copie
     assert free(ce_host_s=1e-6, launch_s=1e-3).estimate("ce_batch", "store", n, nbytes) == pytest.approx(
         1e-3 + n * 1e-6
     )
-    # ce_loop: a host call per copy
-    assert free(loop_s_per_desc=3e-6).estimate("ce_loop", "load", n, nbytes) == pytest.approx(n * 3e-6)
-    # the device time of sm_gather (where weighed) and of expand_direct, weighed for the SMs they hold
-    sm = free(launch_s=1e-3, sm_penalty=3.0)
-    assert sm.estimate("sm_gather", "load", n, nbytes) == pytest.approx(1e-3)
-    assert sm.estimate("sm_gather", "load", n, nbytes, weigh=True) == pytest.approx(3e-3)
+    # expand_direct's device time weighed for the SMs it holds
     penalized = [free(sm_gbps={"store": 50.0, "load": 50.0}, sm_penalty=p) for p in (1.0, 3.0)]
-    one, three = (m.estimate_job("expand_direct", "store", n, 64 * nbytes, 64) for m in penalized)
+    one, three = (m.estimate("expand_direct", "store", n, 64 * nbytes, 64) for m in penalized)
     assert three == pytest.approx(3 * one) and one > select.SM_HOLD_S  # long: the whole penalty
-    for mechanism in ("nosuch", "expand_direct"):
+    for mechanism in ("nosuch", "sm_gather", "ce_loop"):
         with pytest.raises(ValueError, match="unknown"):
             free().estimate(mechanism, "store", n, nbytes)
-    with pytest.raises(ValueError, match="unknown"):
-        free().estimate_job("ce_batch", "store", n, nbytes, 64)
 
 
 @pytest.mark.parametrize("direction, weighed", [("load", True), ("store", False)])
 def test_small_host_to_device_copies_weigh_their_bytes_in_expand_staged_loads_only(direction, weighed):
     """The batch call moves small host-to-device copies through the CPU, at `inline_h2d_gbps`."""
     model = free(inline_h2d_gbps=2.0)
-    plain, small = (model.estimate_job("expand_staged", direction, 4096, 1 << 20, 64, s) for s in (0, 1 << 19))
+    plain, small = (model.estimate("expand_staged", direction, 4096, 1 << 20, 64, s) for s in (0, 1 << 19))
     assert small - plain == pytest.approx((1 << 19) / 2e9 if weighed else 0.0)
-
-
-def test_auto_drops_the_contenders_that_refuse_and_hands_on_what_it_learned():
-    """`select.choose`: a contender that refuses the batch drops out; the summary hands the
-    largest size and whether every size equals it on to the mechanism."""
-    mib = 1 << 20
-    model = rated({"ce_batch": 2.0, "sm_gather": 1.0, "ce_loop": 3.0})
-    backend = SimpleNamespace(cost=model, addressable=lambda *args: False)
-    host = np.array([0, 1, 2, 10, 11], dtype=np.int64) * mib
-    dev, sizes = np.arange(5, dtype=np.int64) * 7 * mib, np.full(5, mib, dtype=np.int64)
-    name, summary = select.choose(backend, contenders(MECHANISMS), dev, host, sizes, Direction.STORE)
-    assert name == "ce_batch" and summary == (mib, True)
-    assert model.asked == [("ce_batch", True)]  # host memory not addressable: no sm_gather
-    backend.addressable = lambda *args: True
-    sizes[3] = mib // 2
-    name, summary = select.choose(backend, contenders(MECHANISMS), host, dev, sizes, Direction.LOAD)
-    assert name == "sm_gather" and summary == (mib, False) and model.asked[-1][0] == "sm_gather"
 
 
 def test_profiles_round_trip(tmp_path, monkeypatch):
@@ -189,8 +129,6 @@ def test_profiles_round_trip(tmp_path, monkeypatch):
         '{"ce_gbps": {"store": 0, "load": 0}}',
         '{"ce_gbps": {"store": 55}}',
         '{"sm_penalty": -5}',
-        '{"sm_host_s": [1e-5]}',
-        '{"sm_host_s": [1e-5, 1e-9, 1e-6]}',
         '{"inline_h2d_bytes": 1.5}',
         '{"launch_s": NaN}',
         "{not json",
@@ -206,26 +144,15 @@ def test_a_malformed_profile_is_ignored_for_the_defaults(tmp_path, monkeypatch, 
         CostModel.load(profile_path("Some GPU"))
     assert saved_profile("Some GPU") == CostModel()
     assert "ignoring unreadable cuda profile" in caplog.text
-    # a profile saved when the mechanism ``staged`` existed: its field is ignored, the rest loads
-    old = {"staged_host_s": [28e-6, 3.3e-9, 70e-6], "sm_host_s": [44e-6, 3.3e-9]}
+    # a profile of an older version: the fields this one no longer has are ignored, the rest loads
+    old = {"staged_host_s": [28e-6, 3.3e-9, 70e-6], "sm_host_s": [44e-6, 3.3e-9], "ce_host_s": 5e-7}
     profile_path("Old GPU").write_text(json.dumps(old))
     loaded = saved_profile("Old GPU")
-    assert loaded.sm_host_s == (44e-6, 3.3e-9) and not hasattr(loaded, "staged_host_s")
+    assert loaded.ce_host_s == 5e-7 and not hasattr(loaded, "staged_host_s") and not hasattr(loaded, "sm_host_s")
     assert "old-gpu" not in caplog.text
 
 
 # ---- the adapter: one table of mechanisms, runs by name, calibration as a capability ------------
-
-
-class Weigh:
-    """A cost model that records what it was asked to weigh and picks `pick`."""
-
-    def __init__(self, pick):
-        self.pick, self.asked = pick, []
-
-    def choose(self, direction, n, nbytes, available):
-        self.asked.append(available)
-        return self.pick
 
 
 def test_availability_comes_from_the_table(monkeypatch):
@@ -241,22 +168,15 @@ def test_availability_comes_from_the_table(monkeypatch):
     assert host_only_backend(monkeypatch, FakeLib()).available_mechanisms == MECHANISMS + BLOCK_MECHANISMS
 
 
-def test_auto_weighs_the_available_batch_mechanisms_a_fallback_only_without_its_original(monkeypatch):
-    """ce_loop stands in for ce_batch; sm_gather drops out where the host side is not
-    device-addressable, and is weighed where it is."""
+def test_a_bare_batch_under_auto_goes_to_the_batch_call_or_without_it_the_loop(monkeypatch):
+    """Descriptor batches under auto take the copy engines: one batch call where the driver has
+    it, else one call per copy; never sm_gather, which must be forced (it holds SMs)."""
     dst, src, sizes = arrays(4)
-    model = Weigh("ce_loop")
-    backend = host_only_backend(monkeypatch, FakeLib(with_batch=False), cost=model)
-    backend._host_ranges[0] = (0, 1 << 20)  # the host side is addressable: sm_gather competes
-    assert backend.copy_batch(src, dst, sizes, Direction.LOAD, SimpleNamespace(cuda_stream=7)) == "ce_loop"
-    assert model.asked == [("sm_gather", "ce_loop")]
-
-    model = Weigh("ce_batch")
-    backend = host_only_backend(monkeypatch, FakeLib(), cost=model)
-    backend.copy_batch(src, dst, sizes, Direction.STORE, SimpleNamespace(cuda_stream=7))
-    backend._host_ranges[0] = (0, 1 << 20)  # now the host side is addressable
-    backend.copy_batch(src, dst, sizes, Direction.STORE, SimpleNamespace(cuda_stream=7))
-    assert model.asked == [("ce_batch",), ("ce_batch", "sm_gather")]
+    for lib, expected in ((FakeLib(with_batch=False), "ce_loop"), (FakeLib(), "ce_batch")):
+        backend = host_only_backend(monkeypatch, lib)
+        backend._host_ranges[0] = (0, 1 << 20)  # the host side is addressable: sm_gather could run
+        for direction in Direction:
+            assert backend.copy_batch(src, dst, sizes, direction, SimpleNamespace(cuda_stream=7)) == expected
 
 
 def test_enqueue_with_runs_one_mechanism_and_leaves_the_backends_alone(monkeypatch):
@@ -274,7 +194,7 @@ def test_enqueue_with_runs_one_mechanism_and_leaves_the_backends_alone(monkeypat
     (call,) = copies(lib)
     assert call[0] == "batch" and call[4] == drv.SRC_ACCESS_ORDER_STREAM
     # a compact-job mechanism takes a bare batch as auto
-    auto = host_only_backend(monkeypatch, lib, cost=Weigh("ce_loop"))
+    auto = host_only_backend(monkeypatch, FakeLib(with_batch=False))
     assert auto.enqueue_with("expand_staged", src, dst, sizes, Direction.LOAD, stream) == "ce_loop"
 
 
@@ -548,7 +468,9 @@ def test_a_constructor_setting_wins_over_the_environment(monkeypatch):
 
 def test_kernels_that_copy_across_the_link_get_the_programs_of_their_direction(monkeypatch):
     launched = []
-    monkeypatch.setattr(kernels, "launch", lambda src, dst, sizes, stream, programs, *rest: launched.append(programs))
+    monkeypatch.setattr(
+        kernels, "launch", lambda src, dst, sizes, stream, programs, *rest, **kw: launched.append(programs)
+    )
     backend = host_only_backend(monkeypatch, FakeLib(), mechanism="sm_gather")
     backend.sm_programs = {Direction.STORE: 3, Direction.LOAD: 5}
     monkeypatch.setattr(backend, "addressable", lambda *args: True)

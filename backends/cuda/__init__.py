@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from offload_core.backend import Direction, deferred
-from offload_core.backends.cuda import calibration, kernels, select
+from offload_core.backends.cuda import calibration, kernels
 from offload_core.backends.cuda.blocks import EXPAND_DIRECT, BlockCopier
 from offload_core.backends.cuda.config import ENV_CONF, conf
 from offload_core.backends.cuda.driver import (
@@ -30,7 +30,7 @@ from offload_core.backends.cuda.driver import (
     Driver,
 )
 from offload_core.backends.cuda.events import DriverEvent, RawStream
-from offload_core.backends.cuda.mechanisms import BLOCK_MECHANISMS, MECHANISMS, TABLE, contenders
+from offload_core.backends.cuda.mechanisms import BLOCK_MECHANISMS, MECHANISMS, TABLE
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import CostModel, profile_path
 from offload_core.backends.cuda.staging import Held
@@ -139,7 +139,8 @@ class CudaBackend(TorchDeviceBackend):
         if penalty is not None:
             self.cost = dataclasses.replace(self.cost, sm_penalty=penalty)
         self.available_mechanisms = tuple(name for name, m in TABLE.items() if m.why_unavailable(self) is None)
-        self._contenders = contenders(self.available_mechanisms)  # auto's, in order of preference on a tie
+        # auto's for a bare batch: the copy engines, in one call where the driver can
+        self._batch_auto = TABLE["ce_batch" if "ce_batch" in self.available_mechanisms else "ce_loop"]
         self.mechanism = mechanism or settings.get("mechanism") or "auto"
         if self.mechanism != "auto":
             reason = self.why_unavailable(self.mechanism)
@@ -330,8 +331,9 @@ class CudaBackend(TorchDeviceBackend):
         (measurements run one mechanism after another while other threads may copy).
 
         Args:
-            mechanism: ``"auto"`` (choose per batch), a batch mechanism (`MECHANISMS`), or a
-                compact-job one (`BLOCK_MECHANISMS`: a bare batch then goes as auto).
+            mechanism: ``"auto"`` (``ce_batch``, or ``ce_loop`` where the driver lacks the batch
+                call), a batch mechanism (`MECHANISMS`), or a compact-job one (`BLOCK_MECHANISMS`:
+                a bare batch then goes as auto).
 
         Returns:
             The mechanism that carried the copies.
@@ -343,7 +345,6 @@ class CudaBackend(TorchDeviceBackend):
         """
         src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
         chosen = TABLE.get(mechanism)
-        summary = None
         if chosen is not None and chosen.takes_batches:
             if mechanism not in self.available_mechanisms:
                 raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {chosen.why_unavailable(self)}")
@@ -351,12 +352,11 @@ class CudaBackend(TorchDeviceBackend):
             if reason:
                 raise ConfigError(reason)
         elif chosen is not None or mechanism == "auto":
-            name, summary = select.choose(self, self._contenders, src, dst, sizes, direction)
-            chosen = TABLE[name]
+            chosen = self._batch_auto
         else:
             raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
         with deferred(), self._enqueued(stream) as held:
-            chosen.enqueue(self, src, dst, sizes, direction, stream, held, summary)
+            chosen.enqueue(self, src, dst, sizes, direction, stream, held)
         return chosen.name
 
     # ---- choosing ----------------------------------------------------------

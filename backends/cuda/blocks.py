@@ -279,10 +279,10 @@ class BlockCopier:
         cost, d = self.backend.cost, direction.value
         out = {}
         if prepared.layout.row_bytes <= self.half_bytes:
-            out[EXPAND_STAGED.name] = cost.estimate_job("expand_staged", d, items, nbytes, count, small)
-        out[HOST_EXPANDED.name] = cost.estimate("ce_batch", d, max(1, items), nbytes)
+            out[EXPAND_STAGED.name] = cost.estimate("expand_staged", d, items, nbytes, count, small)
+        out[HOST_EXPANDED.name] = cost.estimate("ce_batch", d, items, nbytes)
         if self.direct_ok(prepared):
-            out[EXPAND_DIRECT.name] = cost.estimate_job("expand_direct", d, items, nbytes, count)
+            out[EXPAND_DIRECT.name] = cost.estimate("expand_direct", d, items, nbytes, count)
         return out
 
     def join_plan(self, jobs: list[CompactJob], prepared: Prepared | None) -> tuple | None:
@@ -412,7 +412,7 @@ class HostExpanded(JobMechanism):
 
         src, dst, sizes = prepared.layout.copies(job)
         if sizes.size:
-            TABLE["ce_batch"].enqueue(copier.backend, src, dst, sizes, job.direction, stream, held, None)
+            TABLE["ce_batch"].enqueue(copier.backend, src, dst, sizes, job.direction, stream, held)
 
 
 class _Expansion(JobMechanism):

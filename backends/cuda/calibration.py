@@ -75,10 +75,6 @@ def calibrate(backend, save: bool = True) -> dict:
 
     if "ce_batch" in available:
         model.ce_host_s = host_s("ce_batch", 16384, 16384, reps=5) / 16384
-    if "sm_gather" in available:
-        few, many = host_s("sm_gather", 4096, 256), host_s("sm_gather", 65536, 256)
-        per_copy = max(0.0, (many - few) / (65536 - 4096))
-        model.sm_host_s = (max(0.0, few - 4096 * per_copy), per_copy)
     if kernels.why_unavailable() is None:
         stream, start, end = backend.new_stream(), backend.new_event(), backend.new_event()
         ring = backend._ring

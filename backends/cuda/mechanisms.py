@@ -1,10 +1,10 @@
 """The cuda backend's mechanisms, one object each, and `TABLE`, the one place they are listed.
 
 A batch of descriptors (`CudaBackend.copy_batch`) goes by ``ce_batch`` (one
-``cuMemcpyBatchAsync`` on the copy engines), ``sm_gather`` (the Triton kernel reading or writing
-pinned host memory: fast for small fragments, but it occupies SMs) or ``ce_loop`` (one
-``cuMemcpyAsync`` per descriptor, for drivers without the batch API). A worker's compact jobs go
-by the mechanisms of `blocks`, listed here too. Mechanisms keep no state.
+``cuMemcpyBatchAsync`` on the copy engines; auto's, where the driver has it), ``ce_loop`` (one
+``cuMemcpyAsync`` per descriptor, for drivers without the batch API; auto's there) or, forced,
+``sm_gather`` (the Triton kernel reading or writing pinned host memory: it occupies SMs). A
+worker's compact jobs go by the mechanisms of `blocks`, listed here too. Mechanisms keep no state.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from offload_core.backend import Direction
 from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.blocks import EXPAND_DIRECT, EXPAND_SPLIT, EXPAND_STAGED
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
-from offload_core.backends.cuda.select import BatchSummary
 
 
 class Mechanism(abc.ABC):
@@ -26,16 +25,13 @@ class Mechanism(abc.ABC):
 
     name: ClassVar[str]
     takes_batches: ClassVar[bool] = True  # False for the compact-job mechanisms in the table
-    # auto weighs this one only where the mechanism named here is unavailable
-    fallback_for: ClassVar[str | None] = None
 
     def why_unavailable(self, backend) -> str | None:
         """None if this mechanism can run on `backend`, else why not."""
         return None
 
-    def refuses(self, backend, host: np.ndarray, sizes: np.ndarray, largest: int | None = None) -> str | None:
-        """None if this mechanism can take a batch whose host side is `host` (`largest`, the
-        largest size, where known), else why not."""
+    def refuses(self, backend, host: np.ndarray, sizes: np.ndarray) -> str | None:
+        """None if this mechanism can take a batch whose host side is `host`, else why not."""
         return None
 
     @abc.abstractmethod
@@ -48,10 +44,9 @@ class Mechanism(abc.ABC):
         direction: Direction,
         stream,
         held: list,
-        summary: BatchSummary | None,
     ) -> None:
         """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes on `stream`; what the device may
-        still read afterwards goes to `held`. `summary`: what auto learned choosing, or None."""
+        still read afterwards goes to `held`."""
 
 
 class CeBatch(Mechanism):
@@ -62,7 +57,7 @@ class CeBatch(Mechanism):
             return "the driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)"
         return None
 
-    def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
+    def enqueue(self, backend, src, dst, sizes, direction, stream, held) -> None:
         # stores read the live KV cache in stream order; loads read stable host memory
         order = SRC_ACCESS_ORDER_STREAM if direction is Direction.STORE else SRC_ACCESS_ORDER_ANY
         backend.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, backend.max_batch, held)
@@ -70,9 +65,8 @@ class CeBatch(Mechanism):
 
 class CeLoop(Mechanism):
     name = "ce_loop"
-    fallback_for = "ce_batch"  # a host call per descriptor
 
-    def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
+    def enqueue(self, backend, src, dst, sizes, direction, stream, held) -> None:
         backend.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
 
 
@@ -82,26 +76,17 @@ class SmGather(Mechanism):
     def why_unavailable(self, backend) -> str | None:
         return kernels.why_unavailable()
 
-    def refuses(self, backend, host, sizes, largest=None) -> str | None:
-        if backend.addressable(host, sizes, largest):
+    def refuses(self, backend, host, sizes) -> str | None:
+        if backend.addressable(host, sizes):
             return None
         return "sm_gather needs host memory from alloc_host or pin_host_memory (device-addressable)"
 
-    def enqueue(self, backend, src, dst, sizes, direction, stream, held, summary) -> None:
+    def enqueue(self, backend, src, dst, sizes, direction, stream, held) -> None:
         programs = backend.sm_programs[direction]
-        largest, uniform = summary or (None, None)
-        kernels.launch(src, dst, sizes, stream, programs, backend._ring, held, largest, uniform, backend.device_index)
+        kernels.launch(src, dst, sizes, stream, programs, backend._ring, held, device=backend.device_index)
 
 
-# Every mechanism by name; the batch ones in order of preference on a tie in the cost model.
+# Every mechanism by name.
 TABLE: dict = {m.name: m for m in (CeBatch(), SmGather(), CeLoop(), EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT)}
 MECHANISMS = tuple(name for name, m in TABLE.items() if m.takes_batches)  # for descriptor batches
 BLOCK_MECHANISMS = tuple(name for name, m in TABLE.items() if not m.takes_batches)  # for compact jobs (a worker's)
-
-
-def contenders(available) -> tuple[Mechanism, ...]:
-    """The batch mechanisms auto weighs, in the table's order, given the names of those
-    `available`: each available one, but a fallback only where what it stands in for is not."""
-    return tuple(
-        m for name, m in TABLE.items() if m.takes_batches and name in available and m.fallback_for not in available
-    )

@@ -1,9 +1,10 @@
-"""Which mechanism moves a job fastest: a small cost model (`CostModel`, an H200's defaults or a
-profile of `offload-core calibrate`), and `choose`, which weighs a batch's contenders with it.
+"""Which mechanism moves a job fastest, as `auto` first rates them: a small cost model
+(`CostModel`, an H200's defaults or a profile of `offload-core calibrate`), the prior that
+`tuning` measures against.
 
 A job costs the larger of its device time and the host time it takes to enqueue, counted as an
 engine submits: job after job while the GPU works on the earlier ones. The device time of a
-launch that holds SMs for the whole transfer (``sm_gather``, ``expand_direct``) is weighed by
+launch that holds SMs for the whole transfer (``expand_direct``) is weighed by
 `CostModel.sm_weight`: a kernel of the model that needs such an SM waits for it, so a long
 launch slows the model's kernels beside it, a brief one next to nothing.
 """
@@ -15,11 +16,6 @@ import math
 import os
 import pathlib
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
-
-import numpy as np
-
-from offload_core.backend import Direction
 
 # A launch that holds SMs this long counts its whole `CostModel.sm_penalty`: about the length
 # of a model's kernels.
@@ -38,40 +34,30 @@ class CostModel:
     # driver moves them through the CPU
     inline_h2d_bytes: int = 16384
     inline_h2d_gbps: float = 6.0
-    # host time of one enqueue, back to back behind a busy stream: per job, per copy
-    sm_host_s: tuple = (44e-6, 3.4e-9)
     sm_gbps: dict = field(default_factory=lambda: {"store": 52.6, "load": 51.3})
     sm_desc_s: dict = field(default_factory=lambda: {"store": 5.3e-9, "load": 5.5e-9})  # a 256 B copy, whole: job / n
     gather_gbps: float = 1350.0  # device-side gather of scattered 16 KiB pages into staging
     gather_desc_s: float = 2.6e-9
     sm_penalty: float = 2.0  # what a second of a long launch that holds SMs counts in the choice (`sm_weight`)
-    launch_s: float = 8e-6  # a kernel launch or a batch call
-    upload_s_per_desc: float = 0.3e-9  # two 8-byte columns per descriptor over the link
-    loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync
+    launch_s: float = 8e-6  # a batch call
     source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit 8932a85"
 
-    def estimate(self, mechanism: str, direction: str, n: int, nbytes: int, weigh: bool = False) -> float:
-        """Predicted seconds for `mechanism` to move `n` descriptors of `nbytes` in total; with
-        `weigh`, sm_gather's device time weighed for the SMs it holds (`sm_weight`)."""
-        if mechanism == "ce_batch":
-            # per copy, a fixed cost or the link's speed plus a tail, whichever is slower
-            device = n * self._ce_per_copy(direction, nbytes / n) + self.launch_s
-            return device + n * self.ce_host_s  # not max: the call overlaps its own copies poorly
-        if mechanism == "sm_gather":
-            bw = self.sm_gbps[direction] * 1e9
-            per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)  # a 256-byte copy beyond its bytes
-            device = nbytes / bw + n * (per_copy + self.upload_s_per_desc) + self.launch_s
-            return max(device * (self.sm_weight(device) if weigh else 1.0), self.sm_host_s[0] + n * self.sm_host_s[1])
-        if mechanism == "ce_loop":
-            return n * self.loop_s_per_desc + nbytes / (self.ce_gbps[direction] * 1e9)
-        raise ValueError(f"unknown mechanism {mechanism!r}")
-
-    def estimate_job(
-        self, mechanism: str, direction: str, items: int, nbytes: int, segments: int, small_bytes: int = 0
+    def estimate(
+        self, mechanism: str, direction: str, items: int, nbytes: int, segments: int = 0, small_bytes: int = 0
     ) -> float:
-        """Predicted seconds for a compact job of `items` expanded copies and `nbytes`, whose host
-        bytes form `segments` contiguous ranges (on loads, `small_bytes` of them in segments of
-        up to `inline_h2d_bytes`), less the fixed host time both mechanisms share."""
+        """Predicted seconds for a job of `items` copies (expanded, unmerged) and `nbytes` by
+        `mechanism` (``ce_batch``, ``expand_staged`` or ``expand_direct``), its host bytes in
+        `segments` contiguous ranges (on loads, `small_bytes` of them in segments of up to
+        `inline_h2d_bytes`).
+
+        Raises:
+            ValueError: an unknown mechanism.
+        """
+        if mechanism == "ce_batch":
+            items = max(1, items)
+            # per copy, a fixed cost or the link's speed plus a tail, whichever is slower
+            device = items * self._ce_per_copy(direction, nbytes / items) + self.launch_s
+            return device + items * self.ce_host_s  # not max: the call overlaps its own copies poorly
         if mechanism == "expand_staged":
             segments = max(1, segments)
             link = segments * self._ce_per_copy(direction, nbytes / segments)
@@ -81,10 +67,10 @@ class CostModel:
             return max(link, gather) + min(link, gather) / 6 + segments * self.ce_host_s + inline
         if mechanism == "expand_direct":
             bw = self.sm_gbps[direction] * 1e9
-            per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)
+            per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)  # a 256-byte copy beyond its bytes
             seconds = nbytes / bw + items * per_copy
             return seconds * self.sm_weight(seconds)
-        raise ValueError(f"unknown compact-job mechanism {mechanism!r}")
+        raise ValueError(f"unknown mechanism {mechanism!r}")
 
     def sm_weight(self, seconds: float) -> float:
         """What each second of a launch that holds SMs for `seconds` counts in the choice: 1
@@ -93,10 +79,6 @@ class CostModel:
 
     def _ce_per_copy(self, direction: str, size: float) -> float:
         return max(self.ce_desc_s[direction], size / (self.ce_gbps[direction] * 1e9) + self.ce_tail_s)
-
-    def choose(self, direction: str, n: int, nbytes: int, available: tuple[str, ...]) -> str:
-        """The cheapest available mechanism (`cheapest`, in the order of `available`)."""
-        return cheapest({m: self.estimate(m, direction, n, nbytes, weigh=True) for m in available})
 
     def save(self, path: pathlib.Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +98,7 @@ class CostModel:
         defaults = cls()
         for name, value in known.items():
             _check_field(name, value, getattr(defaults, name))
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in known.items()})
+        return cls(**known)
 
 
 def cheapest(estimates: dict[str, float]) -> str:
@@ -143,9 +125,6 @@ def _check_field(name: str, value, default) -> None:
     if isinstance(default, dict):
         ok = isinstance(value, dict) and set(value) == set(default)
         ok = ok and all(_number(v, positive) for v in value.values())
-    elif isinstance(default, tuple):
-        ok = isinstance(value, (list, tuple)) and len(value) == len(default)
-        ok = ok and all(_number(v, positive) for v in value)
     elif isinstance(default, str):
         ok = isinstance(value, str)
     elif isinstance(default, int):
@@ -161,24 +140,3 @@ def profile_path(device_name: str) -> pathlib.Path:
     root = os.environ.get("OFFLOAD_CORE_PROFILE_DIR") or pathlib.Path.home() / ".cache" / "offload-core"
     slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
     return pathlib.Path(root) / f"cuda-{slug}.json"
-
-
-class BatchSummary(NamedTuple):
-    """What `choose` learned about a batch, handed to the mechanism it picked (no second pass)."""
-
-    largest: int  # the largest size
-    uniform: bool  # whether every size equals `largest`
-
-
-def choose(
-    backend, contenders, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction
-) -> tuple[str, BatchSummary]:
-    """The mechanism ``auto`` picks for a batch, by `backend.cost`, among the `contenders`
-    (`mechanisms.contenders`) that do not refuse it, and what was learned on the way."""
-    host = dst if direction is Direction.STORE else src
-    largest = int(sizes.max())
-    uniform = int(sizes.min()) == largest
-    nbytes = len(sizes) * largest if uniform else int(sizes.sum())
-    names = tuple(m.name for m in contenders if m.refuses(backend, host, sizes, largest) is None)
-    mechanism = backend.cost.choose(direction.value, len(sizes), nbytes, names)
-    return mechanism, BatchSummary(largest, uniform)
