@@ -145,11 +145,6 @@ class CompactJob:
             self.layout, self.direction, None, ordered, self.groups, self.nbytes, self.items, devs, self.jobs
         )
 
-    def tail(self, first: int) -> CompactJob:
-        """A simple job's blocks from `first` on, as a job of their own; `jobs` stays this job's."""
-        assert self._blocks is None, "only a simple job's blocks are its chunks"
-        return self.layout._single(self.direction, self.dev_ids[first:], self.host_ids[first:], self.jobs)
-
     @staticmethod
     def concat(jobs: list[CompactJob]) -> CompactJob:
         """Consecutive jobs of one layout and direction as one job (their chunks renumbered).

@@ -486,40 +486,6 @@ def test_simple_jobs_join_as_their_ids_and_copy_what_each_would(compiled, direct
         np.testing.assert_array_equal(got, expected)
 
 
-@given(case=single_group_specs(), cut=st.floats(0, 1))
-@settings(max_examples=60)
-def test_a_simple_jobs_tail_is_the_job_of_its_last_blocks(case, cut):
-    """What a backend that sends a job's first blocks one way and the rest another relies on
-    (cuda's ``expand_split``): `tail(k)` is the job that the blocks from k on would make
-    (bytes of elected writers included), and the first k blocks' copies with the tail's are
-    the job's."""
-    model, direction, dev, host = case
-    layout = model.layout()
-    try:
-        job = layout.job(direction, DeviceBlocks(dev), HostBlocks(host))
-    except InvalidSpecError:
-        return
-    assert job.simple
-    k = int(cut * len(job))
-    tail = job.tail(k)
-    want = layout.job(direction, DeviceBlocks(dev[k:]), HostBlocks(host[k:])) if k < len(job) else None
-    if want is None:
-        assert len(tail) == 0 and tail.nbytes == tail.items == 0
-        return
-    assert tail.simple and (tail.groups, tail.nbytes, tail.items, tail.jobs) == (
-        want.groups,
-        want.nbytes,
-        want.items,
-        1,
-    )
-    np.testing.assert_array_equal(tail.dev_ids, want.dev_ids)
-    np.testing.assert_array_equal(tail.host_ids, want.host_ids)
-    if k:
-        head = layout.job(direction, DeviceBlocks(dev[:k]), HostBlocks(host[:k]))
-        assert head.nbytes + tail.nbytes == job.nbytes and head.items + tail.items == job.items
-        assert sorted(_copies(layout, head) + _copies(layout, tail)) == _copies(layout, job)
-
-
 def test_empty_jobs_join_as_an_empty_job_of_no_group():
     model = Model([16, 24], [[(0, 16)], [(1, 24)]], 2, 64, 64)
     layout = model.layout()

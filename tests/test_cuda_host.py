@@ -162,8 +162,7 @@ def test_availability_comes_from_the_table(monkeypatch):
     assert "12.8" in backend.why_unavailable("ce_batch")
     assert all("triton" in backend.why_unavailable(m) for m in ("sm_gather", *BLOCK_MECHANISMS))
     assert backend.why_unavailable("nosuch") == (
-        "unknown mechanism; choose one of ce_batch, sm_gather, ce_loop, expand_staged, expand_direct, expand_split"
-        " or auto"
+        "unknown mechanism; choose one of ce_batch, sm_gather, ce_loop, expand_staged, expand_direct or auto"
     )
     assert host_only_backend(monkeypatch, FakeLib()).available_mechanisms == MECHANISMS + BLOCK_MECHANISMS
 
@@ -419,7 +418,7 @@ def test_a_malformed_conf_or_a_variable_of_earlier_versions_is_refused_by_name(m
 @pytest.mark.parametrize("through_conf", [False, True])
 def test_a_removed_or_unknown_mechanism_is_refused_with_the_valid_ones(monkeypatch, through_conf):
     """``staged`` (a descriptor mechanism that was removed) is as unknown as any other name."""
-    valid = "choose one of ce_batch, sm_gather, ce_loop, expand_staged, expand_direct, expand_split or auto"
+    valid = "choose one of ce_batch, sm_gather, ce_loop, expand_staged, expand_direct or auto"
     for name in ("staged", "nosuch"):
         if through_conf:
             monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", f"mechanism:{name}")
@@ -485,7 +484,7 @@ def test_kernels_that_copy_across_the_link_get_the_programs_of_their_direction(m
 RULES = dict(  # the test's own thresholds, not the shipped (tuned) ones; pages of SIZED_PAGE are mid-sized
     HOST_BOUND_BYTES=256 << 10, DIRECT_STORE_BYTES=1 << 20, SIZED_PAGE=512, DIRECT_STORE_PAGE=2048,
     LONG_ROW_BYTES=2048, STORE_BYTES_PER_PROGRAM=256 << 10, MIN_STORE_PROGRAMS=3,
-    SMALL_LOAD_PROGRAMS=5, SMALL_PAGE_STORE_PROGRAMS=6, SPLIT_DIRECT_SHARE=0.25,
+    SMALL_LOAD_PROGRAMS=5, SMALL_PAGE_STORE_PROGRAMS=6,
 )  # fmt: skip
 
 
@@ -500,19 +499,15 @@ def rules(monkeypatch):
 
 
 class Costs:
-    """A cost model for `BlockCopier`: each mechanism at `seconds` (1 unless given), the SM penalty
-    `penalty` times the default."""
+    """A cost model for `BlockCopier`: each mechanism at `seconds` (1 unless given)."""
 
     inline_h2d_bytes = 1  # loads count their small segments (`_small_limit`)
 
-    def __init__(self, penalty=1.0, **seconds):
-        self.sm_penalty = cuda_blocks.DEFAULT_SM_PENALTY * penalty
+    def __init__(self, **seconds):
         self.seconds = {"ce_batch": 1.0, "expand_staged": 1.0, "expand_direct": 1.0, **seconds}
 
     def estimate(self, mechanism, *args, **kwargs):
         return self.seconds[mechanism]
-
-    estimate_job = estimate
 
 
 CHEAP_DIRECT = Costs(expand_direct=0.5)
@@ -574,41 +569,6 @@ def test_the_prior_is_the_cost_models_cheapest_ties_to_the_copy_engines(rules, d
         assert chosen(_copier(Costs(**seconds), direct_ok=direct_ok), launch) == expected
 
 
-def test_a_lowered_sm_penalty_splits_mid_sized_stores_above_the_host_bound(rules):
-    """Below the default penalty, stores of mid-sized pages too large to be bound by the host go
-    to expand_split, their rows apart; jobs it cannot split go where the cost model says."""
-    lowered, above = Costs(penalty=0.5), rules.HOST_BOUND_BYTES + 8 * rules.SIZED_PAGE
-    assert chosen(_copier(lowered), _launch(Direction.STORE, above)) == "expand_split"
-    for unsplit in (
-        chosen(_copier(lowered), _launch(Direction.STORE, rules.HOST_BOUND_BYTES)),
-        chosen(_copier(lowered), _launch(Direction.STORE, above, simple=False)),
-        chosen(_copier(), _launch(Direction.STORE, above)),  # the default never splits
-        chosen(_copier(lowered), _launch(Direction.LOAD, above)),
-        chosen(_copier(lowered), _launch(Direction.STORE, above, runs=1)),
-        chosen(_copier(lowered), _launch(Direction.STORE, above, page=256)),
-        chosen(_copier(lowered, direct_ok=False), _launch(Direction.STORE, above)),
-    ):
-        assert unsplit == "expand_staged"
-    # forced on a job it cannot split (a load): expand_staged
-    staged = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cuda_blocks.EXPAND_STAGED, "enqueue_job", lambda *args: staged.append(args[1]))
-        job, prepared = _launch(Direction.LOAD, above)
-        assert _copier(lowered).copy(job, prepared, None, [], [], cuda_blocks.EXPAND_SPLIT) == "expand_staged"
-    assert staged == [job]
-
-
-def test_a_split_sends_a_share_of_a_simple_stores_blocks_direct_at_least_one_each_way(rules, monkeypatch):
-    def job(n, direction=Direction.STORE, simple=True):
-        return SimpleNamespace(direction=direction, simple=simple, host_ids=np.arange(n))
-
-    split_at = cuda_blocks.BlockCopier.split_at
-    assert [split_at(job(n)) for n in (1, 2, 3, 16, 64)] == [0, 1, 1, 4, 16]
-    assert split_at(job(16, Direction.LOAD)) == split_at(job(16, simple=False)) == 0
-    monkeypatch.setattr(cuda_blocks, "SPLIT_DIRECT_SHARE", 1.0)
-    assert [split_at(job(n)) for n in (1, 2, 3, 16)] == [0, 1, 2, 15]
-
-
 @pytest.mark.parametrize("direction", list(Direction))
 def test_rows_larger_than_a_staging_half_go_direct_if_cheaper_else_host_expanded(rules, direction):
     launch = _launch(direction, rules.HOST_BOUND_BYTES)  # no staging
@@ -662,71 +622,6 @@ def test_expand_direct_launches_on_the_programs_direct_programs_gives():
         job.direction = direction
         TABLE["expand_direct"].enqueue_job(copier, job, None, None, None, [], [])
     assert expanded == [(0, 2, 7, None), (0, 2, 9, None)]
-
-
-def test_a_lowered_penalty_keeps_launches_it_would_split_from_the_joined_direct_launch(rules, monkeypatch):
-    """The compiled joined launch only ever launches expand_direct: where `choose` would split, it declines."""
-    monkeypatch.setattr(cuda_blocks.kernels, "raw_expansion", lambda *args: ("raw",))
-    job, prepared = _launch(Direction.STORE, rules.HOST_BOUND_BYTES + 8 * rules.SIZED_PAGE)
-    job.dev_ids = np.empty(job.host_ids.size)
-    address = SimpleNamespace(data_ptr=lambda: 0)
-    prepared = SimpleNamespace(
-        layout=prepared.layout, whole_rows=prepared.whole_rows, join_backoff={d: [0, 0] for d in Direction},
-        entries=address, groups=address, entry_count=8, group_count=1, per_block=8, narrow=True,
-    )  # fmt: skip
-    plans = {}
-    for penalty in (1.0, 0.5):
-        copier = _copier(Costs(penalty=penalty, expand_direct=0.5))
-        copier.tuner = SimpleNamespace(decided=lambda key: "expand_direct")  # the class decided for it
-        copier.backend._ring, copier.backend.device_index = SimpleNamespace(joins=True), 0
-        plans[penalty] = (copier.choose(job, prepared).name, copier.join_plan([job, job], prepared))
-    assert plans[1.0][0] == "expand_direct" and plans[1.0][1] is not None
-    assert plans[0.5] == ("expand_split", None)
-
-
-def test_a_split_job_that_fails_part_way_still_ends_after_its_direct_part(monkeypatch):
-    """The direct half runs on a stream of its own: where the staged rest fails to enqueue, the
-    queue's stream must still wait for it, or the job's end event (and the tables it holds)
-    would pass while the kernel still writes host rows."""
-    log = []
-
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_event(self, event):
-            log.append(f"{self.name} waits {event.name}")
-
-    class Event(Stream):
-        def record(self, stream):
-            log.append(f"{self.name} on {stream.name}")
-
-    class Copier(cuda_blocks.BlockCopier):
-        def __init__(self):
-            self.backend = SimpleNamespace(sm_programs={Direction.STORE: 8})
-            self.st = SimpleNamespace(direct=Stream("direct"), direct_go=Event("go"), direct_done=Event("done"))
-            self.staging = SimpleNamespace(for_stream=lambda stream: self.st)
-
-        def expand(self, job, prepared, b0, b1, stream, held, programs, stage=None):
-            log.append(f"blocks {b0}-{b1} on {stream.name}")
-
-    class Failing(cuda_blocks.ExpandStaged):
-        def enqueue_job(self, *args):
-            raise RuntimeError("cuMemcpyBatchAsync failed")
-
-    job = SimpleNamespace(direction=Direction.STORE, simple=True, host_ids=np.arange(8), tail=lambda k: "rest")
-    prepared = SimpleNamespace(layout=SimpleNamespace(segments=lambda job: None))
-    monkeypatch.setattr(cuda_blocks, "EXPAND_STAGED", Failing())
-    held = Held()
-    with pytest.raises(RuntimeError, match="failed"):
-        cuda_blocks.EXPAND_SPLIT.enqueue_job(Copier(), job, prepared, None, Stream("queue"), [], held)
-    k = cuda_blocks.BlockCopier.split_at(job)
-    assert log == ["go on queue", "direct waits go", f"blocks 0-{k} on direct", "done on direct", "queue waits done"]
-    # still listed: `_enqueued` joins it again (its own join may have been what was cut short)
-    assert [side.name for side in held.sides] == ["direct"]
-
-
-# ---- compact jobs: what is enqueued ----------------------------------------------------------------
 
 
 def host_prepared(layout):

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(REASON is not None, reason=f"
         ("auto", "load", "0"),
         ("auto", "store", "1"),
         ("expand_staged", "store", "0"),
-        ("expand_split", "store", "0"),
+        ("expand_direct", "store", "0"),
         ("ce_batch", "store", "0"),
     ],
 )

@@ -59,8 +59,7 @@ class CudaBackend(TorchDeviceBackend):
         device_index: the GPU.
         mechanism: ``"auto"`` (default), a batch mechanism (``ce_batch``, ``sm_gather``,
             ``ce_loop``: a worker then plans descriptors on the host) or a compact-job one
-            (``expand_staged``, ``expand_direct``, ``expand_split``: other batches as auto;
-            ``expand_split`` splits stores between the other two and stages loads).
+            (``expand_staged``, ``expand_direct``: other batches as auto).
         max_programs: the programs (SMs) of every launch of the kernels that copy across the
             link. Unset: at most 8 for stores (``expand_direct`` sizes its stores' by their
             jobs) and 32 for loads.

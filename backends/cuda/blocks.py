@@ -11,9 +11,6 @@ copies per piece:
 * ``expand_direct``: the kernel reads or writes the host rows themselves through their unified
   addresses: no staging, but it holds SMs while the bytes cross the link. For segments too
   small for the copy engines, and for small jobs, which the host's time per job bounds;
-* ``expand_split``: a store's first half of blocks direct on a stream of their own, the rest
-  staged, at once: the SMs and the copy engines together beat either alone on mid-sized
-  stores. Auto takes it only where the SM penalty is lowered below its default;
 * ``ce_batch`` (host-expanded): the copies, expanded on the host, in one batched copy, for jobs
   whose host row does not fit a staging half or whose copies the gather would not join.
 
@@ -33,7 +30,7 @@ import numpy as np
 from offload_core.backend import Direction
 from offload_core.backends.cuda import kernels, tuning
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
-from offload_core.backends.cuda.select import CostModel, cheapest
+from offload_core.backends.cuda.select import cheapest
 from offload_core.backends.cuda.staging import PerStream, StagingHalves
 from offload_core.compact import SORTED_BLOCKS, CompactJob, CompactLayout
 
@@ -51,10 +48,8 @@ SMALL_PAGE_STORE_PROGRAMS = 4  # a store of smaller pages averaging more than HO
 # MIN_STORE_PROGRAMS.
 DIRECT_STORE_BYTES = 4 << 20
 DIRECT_STORE_PAGE = 4096
-DEFAULT_SM_PENALTY = CostModel.__dataclass_fields__["sm_penalty"].default
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
 JOIN_BACKOFF = 64  # launches that go to `BlockCopier.copy` at most after a declined joined launch
-SPLIT_DIRECT_SHARE = 0.5  # `expand_split`'s share of a store's blocks sent direct
 
 
 class Prepared:
@@ -150,32 +145,13 @@ class BlockCopier:
         return prepared.direct_ok
 
     def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
-        """The cost model's pick for `job` (auto's, without a tuner): ``expand_split`` where the
-        operator lowered the SM penalty (`_splits`), else the cheapest of `_estimates`."""
+        """The cost model's pick for `job` (auto's, without a tuner): the cheapest of `_estimates`."""
         count, small = prepared.layout.segment_summary(job, self._small_limit(job.direction))
-        if self._splits(job, count) and self.direct_ok(prepared):
-            return EXPAND_SPLIT
         return _BY_NAME[cheapest(self._estimates(job.direction, prepared, job.items, job.nbytes, count, small))]
 
     def _small_limit(self, direction: Direction) -> int:
         """Loads: segments this small the batch call moves through the CPU; stores: none."""
         return self.backend.cost.inline_h2d_bytes if direction is Direction.LOAD else 0
-
-    def _splits(self, job: CompactJob, segments: int) -> bool:
-        """Whether auto sends `job` to ``expand_split``: `_split_sized`, its host rows mostly
-        apart, and `split_at` can split it."""
-        return (
-            self._split_sized(job.direction, job.layout, job.nbytes, job.jobs)
-            and 2 * segments >= job.host_ids.size
-            and bool(self.split_at(job))
-        )
-
-    def _split_sized(self, direction: Direction, layout: CompactLayout, nbytes: int, jobs: int) -> bool:
-        """Where the SM penalty is lowered below its default: mid-sized stores whose `jobs` jobs
-        average more than `HOST_BOUND_BYTES`."""
-        if self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY or not _mid_sized_store(direction, layout):
-            return False
-        return nbytes > HOST_BOUND_BYTES * max(1, jobs)
 
     def direct_programs(self, job: CompactJob, prepared: Prepared) -> int:
         """Programs of an ``expand_direct`` launch of `job`: at most the backend's, all of them
@@ -214,8 +190,6 @@ class BlockCopier:
             mechanism, key, timed = self._tuned(job, prepared)
         else:
             mechanism = self.choose(job, prepared)
-        if mechanism is EXPAND_SPLIT and not self.split_at(job):
-            mechanism = EXPAND_STAGED
         if not timed:
             segments = prepared.layout.segments(job) if mechanism.needs_segments else None
             mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
@@ -227,7 +201,7 @@ class BlockCopier:
             segments = prepared.layout.segments(job) if mechanism.needs_segments else None
             start, end = b.new_event(), b.new_event()
             start.record(stream)
-            if mechanism is EXPAND_STAGED or mechanism is EXPAND_SPLIT:
+            if mechanism is EXPAND_STAGED:
                 # its side stream would start the job's first piece beside the launches before it
                 # (a pipelining each trial then shares): timed, the job starts where `start` stands
                 self.staging.for_stream(stream).side.wait_event(start)
@@ -244,20 +218,15 @@ class BlockCopier:
     def _tuned(self, job: CompactJob, prepared: Prepared) -> tuple[JobMechanism, tuning.ShapeClass, bool]:
         """Auto's mechanism for `job` by measurement, its shape class, and whether to time the
         launch: the class's winner where one is decided and can run here, else the tuner's pick
-        among `tuning.candidates`. ``expand_split`` is never put on trial."""
+        among `tuning.candidates`."""
         self.timings.collect()
         layout = prepared.layout
         count, small = layout.segment_summary(job, self._small_limit(job.direction))
         per_job, d = job.nbytes // max(1, job.jobs), job.direction.value
         key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids.size, count, job.nbytes)
         winner = self.tuner.decided(key)
-        # decided: no cost model on the launch's host time (unless the SM penalty is lowered,
-        # which may split what a winner of the default would not)
-        default_penalty = self.backend.cost.sm_penalty >= DEFAULT_SM_PENALTY
-        if winner is not None and default_penalty and self._runs_here(winner, prepared):
+        if winner is not None and self._runs_here(winner, prepared):  # no cost model on the launch's host time
             return _BY_NAME[winner], key, False
-        if self._splits(job, count) and self.direct_ok(prepared):
-            return EXPAND_SPLIT, key, False
         estimates = self._estimates(job.direction, prepared, job.items, job.nbytes, count, small)
         name, timed = self.tuner.pick(key, tuning.candidates(estimates, cheapest(estimates)), self.timings.room())
         return _BY_NAME[name], key, timed
@@ -309,8 +278,8 @@ class BlockCopier:
             if not job.simple:
                 return None
             n, nbytes, count = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs
-        if self._split_sized(direction, layout, nbytes, count) or not self.direct_ok(prepared):
-            return None  # `choose` may split them: not here
+        if not self.direct_ok(prepared):
+            return None
         # joined launches are not timed: the trials go through `copy`
         key = tuning.shape_class(direction.value, layout.smallest, layout.row_bytes, nbytes // count, n, n, nbytes)
         if self.tuner.decided(key) != EXPAND_DIRECT.name:
@@ -356,26 +325,6 @@ class BlockCopier:
         kernels.expand(
             b._ring, cols, b1 - b0, *tables, store, layout.largest, stream, programs, rows, narrow, held, b.device_index
         )
-
-    @staticmethod
-    def split_at(job: CompactJob) -> int:
-        """How many of `job`'s first blocks ``expand_split`` sends direct: `SPLIT_DIRECT_SHARE`
-        of a simple store's blocks (the rest is a job of its own, `CompactJob.tail`), at least
-        one each way; else 0, all staged."""
-        n = job.host_ids.size  # a simple job's blocks
-        if job.direction is not Direction.STORE or not job.simple or n < 2:
-            return 0
-        return min(n - 1, max(1, round(n * SPLIT_DIRECT_SHARE)))
-
-    def direct_side(self, st: StagingHalves):
-        """The stream of ``expand_split``'s direct part beside `st`'s, made with its two events
-        at the first split job."""
-        if st.direct is None:
-            b = self.backend
-            stream = b.new_stream()
-            st.direct_go, st.direct_done = b._marker(), b._marker()
-            st.direct = stream
-        return st.direct
 
 
 class JobMechanism(abc.ABC):
@@ -501,40 +450,10 @@ class ExpandStaged(_Expansion):
         held.sides.pop()
 
 
-class ExpandSplit(_Expansion):
-    """Jobs `BlockCopier.split_at` cannot split go as ``expand_staged``."""
-
-    name = "expand_split"
-
-    def refuses_layout(self, copier, prepared) -> str | None:
-        return EXPAND_STAGED.refuses_layout(copier, prepared) or EXPAND_DIRECT.refuses_layout(copier, prepared)
-
-    def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
-        k = copier.split_at(job)  # more than 0: `BlockCopier.copy` stages the jobs it cannot split
-        st = copier.staging.for_stream(stream)
-        direct = copier.direct_side(st)
-        # The queue's stream waits for the compute streams (`after`) and for the jobs before
-        # this one, which may write the same host rows: the direct part starts where it stands
-        # now, beside this job's staged part, not after it.
-        held.sides.append(direct)  # joined by `_enqueued` if the `finally` below fails
-        st.direct_go.record(stream)
-        direct.wait_event(st.direct_go)
-        try:
-            programs = min(MIN_STORE_PROGRAMS, copier.backend.sm_programs[job.direction])
-            copier.expand(job, prepared, 0, k, direct, held, programs)
-            rest = job.tail(k)
-            EXPAND_STAGED.enqueue_job(copier, rest, prepared, prepared.layout.segments(rest), stream, after, held)
-        finally:  # also after a failure: the job's end event, and what it holds, must follow the direct part
-            st.direct_done.record(direct)
-            stream.wait_event(st.direct_done)
-        held.sides.pop()
-
-
 HOST_EXPANDED = HostExpanded()
 EXPAND_STAGED = ExpandStaged()
 EXPAND_DIRECT = ExpandDirect()
-EXPAND_SPLIT = ExpandSplit()
-_BY_NAME = {m.name: m for m in (HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT)}
+_BY_NAME = {m.name: m for m in (HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT)}
 
 
 def _tables(prepared: Prepared) -> tuple:

@@ -16,7 +16,7 @@ import numpy as np
 
 from offload_core.backend import Direction
 from offload_core.backends.cuda import kernels
-from offload_core.backends.cuda.blocks import EXPAND_DIRECT, EXPAND_SPLIT, EXPAND_STAGED
+from offload_core.backends.cuda.blocks import EXPAND_DIRECT, EXPAND_STAGED
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 
 
@@ -87,6 +87,6 @@ class SmGather(Mechanism):
 
 
 # Every mechanism by name.
-TABLE: dict = {m.name: m for m in (CeBatch(), SmGather(), CeLoop(), EXPAND_STAGED, EXPAND_DIRECT, EXPAND_SPLIT)}
+TABLE: dict = {m.name: m for m in (CeBatch(), SmGather(), CeLoop(), EXPAND_STAGED, EXPAND_DIRECT)}
 MECHANISMS = tuple(name for name, m in TABLE.items() if m.takes_batches)  # for descriptor batches
 BLOCK_MECHANISMS = tuple(name for name, m in TABLE.items() if not m.takes_batches)  # for compact jobs (a worker's)

@@ -57,5 +57,3 @@ class StagingHalves:
         self.free = [new_event(), new_event()]  # a half may be overwritten once passed
         self.ready = new_event()  # the side stream's step is done
         self.next = 0  # the half the next piece uses
-        # expand_split's direct part: its stream, and the events that start and join it (`BlockCopier.direct_side`)
-        self.direct = self.direct_go = self.direct_done = None
