@@ -96,7 +96,8 @@ def test_the_estimates_add_the_host_time_where_it_does_not_hide_behind_the_copie
     penalized = [free(sm_gbps={"store": 50.0, "load": 50.0}, sm_penalty=p) for p in (1.0, 3.0)]
     one, three = (m.estimate("expand_direct", "store", n, 64 * nbytes, 64) for m in penalized)
     assert three == pytest.approx(3 * one) and one > select.SM_HOLD_S  # long: the whole penalty
-    for mechanism in ("nosuch", "sm_gather", "ce_loop"):
+    assert free(loop_s_per_desc=3e-6).estimate("ce_loop", "load", n, nbytes) == pytest.approx(n * 3e-6)
+    for mechanism in ("nosuch", "sm_gather"):
         with pytest.raises(ValueError, match="unknown"):
             free().estimate(mechanism, "store", n, nbytes)
 
@@ -159,8 +160,11 @@ def test_availability_comes_from_the_table(monkeypatch):
     assert tuple(TABLE) == MECHANISMS + BLOCK_MECHANISMS and all(name == m.name for name, m in TABLE.items())
     backend = host_only_backend(monkeypatch, FakeLib(with_batch=False), triton=False)
     assert backend.available_mechanisms == ("ce_loop",)
-    assert "12.8" in backend.why_unavailable("ce_batch")
-    assert all("triton" in backend.why_unavailable(m) for m in ("sm_gather", *BLOCK_MECHANISMS))
+    assert "12.8" in backend.why_unavailable("ce_batch") and "12.8" in backend.why_unavailable("expand_staged")
+    assert all("triton" in backend.why_unavailable(m) for m in ("sm_gather", "expand_direct"))
+    # with Triton but without the batch call: staging cannot copy its segments
+    older = host_only_backend(monkeypatch, FakeLib(with_batch=False))
+    assert older.available_mechanisms == ("sm_gather", "ce_loop", "expand_direct")
     assert backend.why_unavailable("nosuch") == (
         "unknown mechanism; choose one of ce_batch, sm_gather, ce_loop, expand_staged, expand_direct or auto"
     )
@@ -504,7 +508,7 @@ class Costs:
     inline_h2d_bytes = 1  # loads count their small segments (`_small_limit`)
 
     def __init__(self, **seconds):
-        self.seconds = {"ce_batch": 1.0, "expand_staged": 1.0, "expand_direct": 1.0, **seconds}
+        self.seconds = {"ce_batch": 1.0, "ce_loop": 1.0, "expand_staged": 1.0, "expand_direct": 1.0, **seconds}
 
     def estimate(self, mechanism, *args, **kwargs):
         return self.seconds[mechanism]
@@ -518,7 +522,10 @@ def _copier(cost=None, given=None, half_bytes=24 << 20, direct_ok=True):
     backend has 16 programs for stores and 64 for loads, or `given` for both as an engine set them."""
     store, load = (given, given) if given else (16, 64)
     backend = SimpleNamespace(
-        cost=cost or Costs(), sm_programs={Direction.STORE: store, Direction.LOAD: load}, programs_given=bool(given)
+        cost=cost or Costs(),
+        sm_programs={Direction.STORE: store, Direction.LOAD: load},
+        programs_given=bool(given),
+        available_mechanisms=("ce_batch",),
     )
     copier = cuda_blocks.BlockCopier(backend, half_bytes)
     copier.direct_ok = lambda prepared: direct_ok
@@ -559,6 +566,7 @@ def chosen(copier, job_and_prepared, smallest=None):
         (dict(expand_direct=0.5), True, "expand_direct"),
         (dict(expand_direct=0.99), True, "expand_staged"),  # within 2%: a tie
         (dict(expand_direct=0.97, ce_batch=0.99), True, "expand_direct"),
+        (dict(expand_direct=0.975, ce_batch=0.99), True, "expand_staged"),  # 2% below every earlier one
         (dict(expand_direct=0.5), False, "expand_staged"),  # the rows are not addressable
     ],
 )
@@ -567,6 +575,16 @@ def test_the_prior_is_the_cost_models_cheapest_ties_to_the_copy_engines(rules, d
     job's size or segments, the cost model decides (no rules of its own besides)."""
     for launch in (_launch(direction, 3 * rules.HOST_BOUND_BYTES), _launch(direction, rules.HOST_BOUND_BYTES, runs=1)):
         assert chosen(_copier(Costs(**seconds), direct_ok=direct_ok), launch) == expected
+
+
+@pytest.mark.parametrize("direct_ok, expected", [(True, "expand_direct"), (False, "ce_loop")])
+def test_without_the_batch_call_jobs_go_direct_or_one_copy_a_call(rules, direct_ok, expected):
+    """A driver before CUDA 12.8 has no cuMemcpyBatchAsync: staging cannot copy its segments nor
+    ce_batch its copies, so auto weighs what is left, the copies expanded on the host going one
+    cuMemcpyAsync each."""
+    copier = _copier(Costs(ce_loop=2.0), direct_ok=direct_ok)
+    copier.backend.available_mechanisms = ("ce_loop", "expand_direct")
+    assert chosen(copier, _launch(Direction.STORE, rules.HOST_BOUND_BYTES)) == expected
 
 
 @pytest.mark.parametrize("direction", list(Direction))

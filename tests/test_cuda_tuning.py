@@ -174,14 +174,18 @@ def test_winners_persist_per_file_and_merge(tmp_path):
 
 
 def test_names_another_version_wrote_are_kept_not_read(tmp_path):
+    """Winners measured under other rules (older fields, or the same fields decided otherwise:
+    `RULES`) are left to the versions that wrote them."""
     path = tmp_path / "tuned.json"
-    path.write_text(json.dumps({"winners": {"store:12:15:9:0": "ce_batch", KEY.name(): "expand_direct"}}))
+    fields = KEY.name().partition("/")[2]
+    older = {"store:12:15:9:0": "ce_batch", fields: "expand_direct", f"{tuning.RULES - 1}/{fields}": "ce_batch"}
+    path.write_text(json.dumps({"winners": {KEY.name(): "expand_staged", **older}}))
     tuner = Tuner(path)
-    assert tuner.winners() == {KEY.name(): "expand_direct"}
+    assert tuner.winners() == {KEY.name(): "expand_staged"}
     other = KEY._replace(job=KEY.job + 1)
     run_trial(tuner, other, ["expand_staged", "expand_direct"], {"expand_staged": 1.0, "expand_direct": 1.5})
     saved = json.loads(path.read_text())["winners"]
-    assert saved == {"store:12:15:9:0": "ce_batch", KEY.name(): "expand_direct", other.name(): "expand_staged"}
+    assert saved == {**older, KEY.name(): "expand_staged", other.name(): "expand_staged"}
 
 
 def test_an_unreadable_file_is_ignored(tmp_path, caplog):
@@ -294,7 +298,9 @@ def copier_over_stubs(monkeypatch, seconds: dict[str, float]):
             Clock.now += seconds[name]
 
         monkeypatch.setattr(mechanism, "enqueue_job", enqueue_job)
-    backend = SimpleNamespace(cost=CostModel(), new_event=TimedEvent, addressable=lambda *a: True)
+    backend = SimpleNamespace(
+        cost=CostModel(), new_event=TimedEvent, addressable=lambda *a: True, available_mechanisms=("ce_batch",)
+    )
     copier = blocks.BlockCopier(backend, 16 << 20, Tuner())
     side = SimpleNamespace(waited=[])
     side.wait_event = side.waited.append  # a staged trial's side stream waits for its start event

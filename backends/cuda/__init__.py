@@ -73,8 +73,8 @@ class CudaBackend(TorchDeviceBackend):
             model beside its profile; False: the cost model alone. Default True.
         cost_model: the selection model; default this GPU model's saved profile, else H200
             defaults. The conf's ``sm_penalty`` replaces its `sm_penalty`, also in a model
-            passed here: how many times auto counts the time copies hold SMs (default 2;
-            above 2, small jobs no longer go to ``expand_direct`` unweighed).
+            passed here: how many times auto counts each second of a launch that holds SMs
+            for 100 µs or longer (`select.CostModel.sm_weight`; default 2).
         driver: the CUDA driver's entry points; default the system's libcuda (`Driver.load`).
         runtime: ``torch.cuda``'s surface (`torch_device.Runtime`, plus ``get_device_name``,
             ``get_device_properties``, ``ExternalStream`` and ``device``); default the real one.

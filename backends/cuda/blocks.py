@@ -231,13 +231,23 @@ class BlockCopier:
         name, timed = self.tuner.pick(key, tuning.candidates(estimates, cheapest(estimates)), self.timings.room())
         return _BY_NAME[name], key, timed
 
+    @property
+    def batch_ok(self) -> bool:
+        """Whether the driver has ``cuMemcpyBatchAsync`` (CUDA 12.8 on), which staging's copies
+        and host-expanded jobs take; without it, host-expanded jobs go one copy per call."""
+        return "ce_batch" in self.backend.available_mechanisms
+
     def _runs_here(self, name: str, prepared: Prepared) -> bool:
         """Whether mechanism `name` can move this layout's jobs (as `_estimates` offers them)."""
         if name == EXPAND_STAGED.name:
-            return prepared.layout.row_bytes <= self.half_bytes
+            return self.batch_ok and prepared.layout.row_bytes <= self.half_bytes
         if name == EXPAND_DIRECT.name:
             return self.direct_ok(prepared)
-        return name == HOST_EXPANDED.name
+        return name == self._host_expanded.name
+
+    @property
+    def _host_expanded(self) -> HostExpanded:
+        return HOST_EXPANDED if self.batch_ok else HOST_LOOPED
 
     def _estimates(
         self, direction: Direction, prepared: Prepared, items: int, nbytes: int, count: int, small: int
@@ -247,9 +257,10 @@ class BlockCopier:
         mechanism that can move it here, the copy engines' first (`select.cheapest`'s tie order)."""
         cost, d = self.backend.cost, direction.value
         out = {}
-        if prepared.layout.row_bytes <= self.half_bytes:
+        if self.batch_ok and prepared.layout.row_bytes <= self.half_bytes:
             out[EXPAND_STAGED.name] = cost.estimate("expand_staged", d, items, nbytes, count, small)
-        out[HOST_EXPANDED.name] = cost.estimate("ce_batch", d, items, nbytes)
+        host = self._host_expanded.name
+        out[host] = cost.estimate(host, d, items, nbytes)
         if self.direct_ok(prepared):
             out[EXPAND_DIRECT.name] = cost.estimate("expand_direct", d, items, nbytes, count)
         return out
@@ -281,7 +292,9 @@ class BlockCopier:
         if not self.direct_ok(prepared):
             return None
         # joined launches are not timed: the trials go through `copy`
-        key = tuning.shape_class(direction.value, layout.smallest, layout.row_bytes, nbytes // count, n, n, nbytes)
+        key = tuning.shape_class(
+            direction.value, layout.smallest, layout.row_bytes, nbytes // max(1, count), n, n, nbytes
+        )
         if self.tuner.decided(key) != EXPAND_DIRECT.name:
             return None
         programs = self._programs(direction, layout, nbytes, count, layout.row_bytes)
@@ -351,17 +364,19 @@ class JobMechanism(abc.ABC):
 
 
 class HostExpanded(JobMechanism):
-    """The job's copies, expanded on the host (`CompactLayout.copies`), in one
-    ``cuMemcpyBatchAsync``; reported as ``ce_batch``. Only auto picks it: not in the table."""
+    """The job's copies, expanded on the host (`CompactLayout.copies`), by the batch mechanism
+    `name` (``ce_batch``: one ``cuMemcpyBatchAsync``; ``ce_loop`` where the driver lacks it),
+    under whose name it is reported. Only auto picks it: not in the table."""
 
-    name = "ce_batch"
+    def __init__(self, name: str):
+        self.name = name
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
         from offload_core.backends.cuda.mechanisms import TABLE  # it lists this module's mechanisms
 
         src, dst, sizes = prepared.layout.copies(job)
         if sizes.size:
-            TABLE["ce_batch"].enqueue(copier.backend, src, dst, sizes, job.direction, stream, held)
+            TABLE[self.name].enqueue(copier.backend, src, dst, sizes, job.direction, stream, held)
 
 
 class _Expansion(JobMechanism):
@@ -386,6 +401,11 @@ class ExpandDirect(_Expansion):
 class ExpandStaged(_Expansion):
     name = "expand_staged"
     needs_segments = True
+
+    def why_unavailable(self, backend) -> str | None:
+        if backend.driver.memcpy_batch is None:
+            return "its copies need the driver's cuMemcpyBatchAsync (CUDA 12.8 or later)"
+        return super().why_unavailable(backend)
 
     def refuses_layout(self, copier, prepared) -> str | None:
         row = prepared.layout.row_bytes
@@ -450,10 +470,10 @@ class ExpandStaged(_Expansion):
         held.sides.pop()
 
 
-HOST_EXPANDED = HostExpanded()
+HOST_EXPANDED, HOST_LOOPED = HostExpanded("ce_batch"), HostExpanded("ce_loop")
 EXPAND_STAGED = ExpandStaged()
 EXPAND_DIRECT = ExpandDirect()
-_BY_NAME = {m.name: m for m in (HOST_EXPANDED, EXPAND_STAGED, EXPAND_DIRECT)}
+_BY_NAME = {m.name: m for m in (HOST_EXPANDED, HOST_LOOPED, EXPAND_STAGED, EXPAND_DIRECT)}
 
 
 def _tables(prepared: Prepared) -> tuple:

@@ -40,13 +40,14 @@ class CostModel:
     gather_desc_s: float = 2.6e-9
     sm_penalty: float = 2.0  # what a second of a long launch that holds SMs counts in the choice (`sm_weight`)
     launch_s: float = 8e-6  # a batch call
+    loop_s_per_desc: float = 3e-6  # one ctypes call and one cuMemcpyAsync (drivers without the batch call)
     source: str = "defaults: offload-core calibrate on an NVIDIA H200 (PCIe Gen5), 2026-11-29, commit 8932a85"
 
     def estimate(
         self, mechanism: str, direction: str, items: int, nbytes: int, segments: int = 0, small_bytes: int = 0
     ) -> float:
         """Predicted seconds for a job of `items` copies (expanded, unmerged) and `nbytes` by
-        `mechanism` (``ce_batch``, ``expand_staged`` or ``expand_direct``), its host bytes in
+        `mechanism` (``ce_batch``, ``ce_loop``, ``expand_staged`` or ``expand_direct``), its host bytes in
         `segments` contiguous ranges (on loads, `small_bytes` of them in segments of up to
         `inline_h2d_bytes`).
 
@@ -58,6 +59,8 @@ class CostModel:
             # per copy, a fixed cost or the link's speed plus a tail, whichever is slower
             device = items * self._ce_per_copy(direction, nbytes / items) + self.launch_s
             return device + items * self.ce_host_s  # not max: the call overlaps its own copies poorly
+        if mechanism == "ce_loop":
+            return max(1, items) * self.loop_s_per_desc + nbytes / (self.ce_gbps[direction] * 1e9)
         if mechanism == "expand_staged":
             segments = max(1, segments)
             link = segments * self._ce_per_copy(direction, nbytes / segments)
@@ -104,10 +107,11 @@ class CostModel:
 def cheapest(estimates: dict[str, float]) -> str:
     """The cheapest of `estimates` (seconds by name), where one later in their order must be 2%
     cheaper to win: near ties go to the earlier (the copy engines', which leave the SMs alone)."""
-    best, best_t = "", math.inf
+    best, low = "", math.inf
     for name, t in estimates.items():
-        if not best or t < best_t * 0.98:
-            best, best_t = name, t
+        if not best or t < 0.98 * low:  # 2% below every earlier one
+            best = name
+        low = min(low, t)
     return best
 
 

@@ -30,6 +30,10 @@ WITHIN = 8.0
 STRIKE = 2.0  # a candidate whose best of two launches is this many times the class's best leaves
 MARGIN = 0.05  # another candidate replaces the cost model's pick only if this much faster
 MAX_PENDING = 64  # timed launches whose events have not passed yet, at most (more go untimed)
+# The rules a saved winner was measured under (its name's prefix): raised where what decides
+# a class changes (its fields, the candidates, how timings are weighed), so that winners saved
+# under other rules are neither read nor lost (another version may still use them).
+RULES = 2
 
 
 class ShapeClass(NamedTuple):
@@ -45,11 +49,19 @@ class ShapeClass(NamedTuple):
     launch: int  # log4 of the launch's bytes
 
     def name(self) -> str:
-        return f"{self.direction}:{self.entry}:{self.row}:{self.job}:{int(self.runs)}:{self.launch}"
+        return f"{RULES}/{self.direction}:{self.entry}:{self.row}:{self.job}:{int(self.runs)}:{self.launch}"
 
     @classmethod
     def parse(cls, text: str) -> ShapeClass:
-        d, e, r, j, runs, launch = text.split(":")
+        """The class `name` gave.
+
+        Raises:
+            ValueError: a name of other rules (`RULES`) or of no class.
+        """
+        rules, _, fields = text.partition("/")
+        if rules != str(RULES):
+            raise ValueError(f"a class of rules {rules!r}, not {RULES}")
+        d, e, r, j, runs, launch = fields.split(":")
         return cls(d, int(e), int(r), int(j), runs == "1", int(launch))
 
 
