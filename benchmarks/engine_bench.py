@@ -10,7 +10,8 @@ took per job (compact jobs, enqueued by the submit, `wait` or the queue's launch
 enqueues waited for the device (a buffer of the backend full: cuda's descriptor ring), how much of the
 wall time the copy stream was busy (each launch's start to end event), device memory the backend allocated beyond
 the KV cache, and whether the last job's bytes arrived. On `cuda`, every mechanism is also
-forced in turn; forced `ce_batch` is the seed's way (one batched copy per job).
+forced beside `auto`, each on a worker of its own, their measured passes taken in turn (a VM's
+host drifts over seconds); forced `ce_batch` is the seed's way (one batched copy per job).
 
     python benchmarks/engine_bench.py [--backend cuda] [--pages 256,1024,4096,32768]
         [--blocks-per-job 1,16,128 | --job-mib 256] [--layers 32 | --tensors 1] [--jobs 32] [--json FILE]
@@ -79,6 +80,35 @@ def run_shape(
     consecutive blocks handed out backwards (as a free list, last freed first, gives them).
     Each direction's rate is the median of `passes` measured passes (a pass of small jobs lasts
     a millisecond or two: one alone is noise); the other figures are the last pass's."""
+    (row,) = run_interleaved([backend], page, per_job, count, jobs, seed, host_runs, passes)
+    return row
+
+
+def run_interleaved(
+    backends: list,
+    page: int,
+    per_job: int,
+    count: int,
+    jobs: int,
+    seed: int = 0,
+    host_runs: bool = False,
+    passes: int = 3,
+) -> list[dict]:
+    """`run_shape` on each of `backends` (a worker each, alive together), their measured passes
+    taken in turn: each backend's first, then each one's second...: a VM's host, whose speed
+    drifts over seconds to minutes, then weighs on every backend alike."""
+    outs = [{} for _ in backends]
+    live = [_shape_steps(b, page, per_job, count, jobs, seed, host_runs, passes, out) for b, out in zip(backends, outs)]
+    while live:
+        for steps in list(live):
+            if next(steps, None) is None:
+                live.remove(steps)
+    return outs
+
+
+def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, out: dict):
+    """`run_shape` into `out`, yielding True after each measured pass (another backend's turn):
+    the first turn also sets up and warms up, the turn after the last pass finishes."""
     # about 512 MiB of KV (at most 8192 blocks), and at least two jobs' worth
     blocks = max(2 * per_job, min(8192, (1 << 29) // (count * page)), 64)
     device = backend.device
@@ -100,14 +130,16 @@ def run_shape(
         specs = [(take(dev_perm, j), take(host_perm, j)) for j in range(jobs)]
     job_bytes = per_job * page * len(tensors)
     before = _allocated(backend)
-    out = {
-        "page": page,
-        "blocks_per_job": per_job,
-        "tensors": len(tensors),
-        "job_bytes": job_bytes,
-        "jobs": jobs,
-        "host_runs": host_runs,
-    }
+    out.update(
+        {
+            "page": page,
+            "blocks_per_job": per_job,
+            "tensors": len(tensors),
+            "job_bytes": job_bytes,
+            "jobs": jobs,
+            "host_runs": host_runs,
+        }
+    )
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         pending = getattr(backend, "trials_pending", lambda: 0)
 
@@ -174,8 +206,10 @@ def run_shape(
                         torch.equal(h[host_ids].to(device), t.tensor[dev_ids])
                         for h, t in zip(worker.host_tensors, tensors)
                     )  # every measured pass's
+            if not warm:  # another backend's turn; what this one allocated is known before it
+                out.setdefault("device_bytes_beyond_kv", _allocated(backend) - before)
+                yield True
         out["verified"] = out.pop("store_verified") and out.pop("load_verified")
-        out["device_bytes_beyond_kv"] = _allocated(backend) - before
         total = jobs * job_bytes
         limit_host = backend.alloc_host(total)
         limit_dev = torch.empty(total, dtype=torch.uint8, device=device)
@@ -350,23 +384,25 @@ def main() -> None:
             bursts = [(int(j), float(m)) for j, m in (b.split(":") for b in args.bursts.split(","))]
         except ValueError:
             parser.error(f"--bursts takes JOBS:MIB pairs, got {args.bursts!r}")
-    for name, backend in _backends(args.backend, mechanisms):
-        for page in map(int, args.pages.split(",")):
-            count = args.tensors or 2 * args.layers
-            sizes = (
-                [max(1, int(args.job_mib * 2**20) // (page * count))]
-                if args.job_mib
-                else map(int, args.blocks_per_job.split(","))
-            )
-            for per_job, (jobs_, mib), repeat in _runs(sizes, bursts, args.repeat):
-                TransferQueue.burst_jobs, TransferQueue.burst_bytes = jobs_, int(mib * 2**20)
+    named = _backends(args.backend, mechanisms)
+    for page in map(int, args.pages.split(",")):
+        count = args.tensors or 2 * args.layers
+        sizes = (
+            [max(1, int(args.job_mib * 2**20) // (page * count))]
+            if args.job_mib
+            else map(int, args.blocks_per_job.split(","))
+        )
+        for per_job, (jobs_, mib), repeat in _runs(sizes, bursts, args.repeat):
+            TransferQueue.burst_jobs, TransferQueue.burst_bytes = jobs_, int(mib * 2**20)
+            shapes = run_interleaved([b for _, b in named], page, per_job, count, args.jobs, host_runs=args.host_runs)
+            for (name, backend), shape in zip(named, shapes):
                 row = {
                     "backend": backend.name,
                     "mechanism": name,
                     "burst_jobs": jobs_,
                     "burst_mib": mib,
                     "repeat": repeat,
-                    **run_shape(backend, page, per_job, count, args.jobs, host_runs=args.host_runs),
+                    **shape,
                 }
                 rows.append(row)
                 burst = f" burst {jobs_}:{mib:g}" if args.bursts else ""

@@ -55,6 +55,26 @@ def test_every_jobs_bytes_are_checked_not_only_the_last_ones():
     assert not row["verified"]
 
 
+def test_backends_take_their_measured_passes_in_turn_each_with_its_own_bytes():
+    """`run_interleaved`: every backend warms up, then their measured passes alternate (a
+    drifting host weighs on each alike), and each row's figures and bytes are its own."""
+    log = []
+
+    class Tagged(CpuBackend):
+        def __init__(self, tag):
+            super().__init__()
+            self.tag = tag
+
+        def copy_jobs(self, jobs, prepared, stream, after):
+            log.append(self.tag)
+            return super().copy_jobs(jobs, prepared, stream, after)
+
+    rows = engine_bench.run_interleaved([Tagged("a"), Tagged("b")], page=256, per_job=4, count=2, jobs=6, passes=3)
+    assert len(rows) == 2 and all(r["verified"] and r["store_ok"] and r["load_ok"] for r in rows)
+    turns = [tag for i, tag in enumerate(log) if i == 0 or log[i - 1] != tag]
+    assert turns == ["a", "b", "a", "b", "a", "b"]  # warm-up and pass 1, then passes 2 and 3 in turn
+
+
 def test_the_last_writer_of_each_block_is_the_one_compared():
     written, source = engine_bench._last_writers(
         [np.array([3, 1]), np.array([1, 2]), np.array([3])], [np.array([10, 11]), np.array([12, 13]), np.array([14])]
