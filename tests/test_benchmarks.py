@@ -109,6 +109,14 @@ def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and
         ("store", 0.90, "expand_staged", "expand_staged", 0.90),
         ("load", 0.50, "expand_staged", "expand_direct", 0.75),
     ]
+    # the best on the SMs for a whole launch of SM_HOLD_S or more: auto's copy engines are by design
+    for r in rows:
+        r.update(load_limit_gbps=50.0, load_jobs_per_launch=4.0)  # 16 MiB launches: 0.45 ms at 0.75 of 50 GB/s
+    (load,) = [c for c in auto_vs_best.cells(rows) if c[1] == "load"]
+    assert "SMs spared: expand_direct holds them 0.45 ms a launch" in load[3]
+    rows[0]["load_mechanisms"] = ["expand_direct"]
+    (load,) = [c for c in auto_vs_best.cells(rows) if c[1] == "load"]
+    assert "SMs spared" not in load[3]
 
 
 def test_serve_times_the_decode_steps_while_stores_run_against_those_after():
