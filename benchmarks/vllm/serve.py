@@ -18,7 +18,8 @@ own ``CPUOffloadingSpec``, and no offloading. Each engine runs three phases:
 
 What the engine submitted (jobs, blocks and bytes per job, jobs per second, submit time,
 threads, failures, and offload-core's per-lane stats with the mechanisms ``auto`` chose) is
-noted by `recording_spec`, which wraps both specs' workers the same way.
+noted by `recording_spec`, which wraps both specs' workers the same way. ``offload-core:MECH``
+is offload-core's spec with the cuda backend forced to one mechanism (``OFFLOAD_CORE_CUDA_CONF``).
 
 The model is a Llama of the shape asked for, with dummy weights drawn again as a random
 network (``N(0, 1/fan_in)``; vLLM's dummy weights are so small that every token ties) so that
@@ -26,7 +27,7 @@ every token depends on the KV bytes it attends to; prompts are token ids, so not
 downloaded.
 
     python benchmarks/vllm/serve.py [--shapes llama8b,small] [--host-blocks 16,64]
-        [--specs offload-core,vllm-cpu,off] [--iters 10] [--rounds 1] [--phases latency,mix,decode]
+        [--specs offload-core,vllm-cpu,off,offload-core:ce_batch] [--iters 10] [--rounds 1] [--phases latency,mix,decode]
         [--out DIR] [--report-only]
 
 Writes DIR/results.json (every run's figures), DIR/report.md (the tables) and a log per run.
@@ -313,7 +314,7 @@ def child(cfg: dict) -> dict:
     kv_transfer = None
     if cfg["spec"] != "off":
         extra = {
-            "spec_name": SPECS[cfg["spec"]],
+            "spec_name": SPECS[cfg["spec"].partition(":")[0]],
             "spec_module_path": "recording_spec",
             "cpu_bytes_to_use": shape["cpu_bytes"],
         }
@@ -373,6 +374,12 @@ def child(cfg: dict) -> dict:
 # the parent: every engine in a process of its own, then the report
 
 
+def _forced(env: dict, spec: str) -> dict:
+    """`env` for a child of `spec`: ``offload-core:MECH`` forces the cuda backend to MECH."""
+    _, _, mechanism = spec.partition(":")
+    return dict(env, OFFLOAD_CORE_CUDA_CONF=f"mechanism:{mechanism}") if mechanism else env
+
+
 def runs(args) -> list[dict]:
     """The engines to run, in order. With ``--rounds N`` each shape's engines run N times, the
     order reversed every other round: engines of one machine differ from run to run (a first
@@ -386,7 +393,7 @@ def runs(args) -> list[dict]:
                     if spec == "off" and hb != args.host_blocks[0]:
                         continue  # without offloading the host block changes nothing
                     name = (
-                        f"{shape}-{spec}"
+                        f"{shape}-{spec.replace(':', '-')}"
                         + (f"-hb{hb}" if spec != "off" else "")
                         + (f"-r{r}" if args.rounds > 1 else "")
                     )
@@ -556,7 +563,7 @@ def main() -> None:
         (out / "report.md").write_text(report(json.loads(path.read_text())))
         return
     for s in args.shapes + args.specs:
-        if s not in SHAPES and s not in SPECS:
+        if s not in SHAPES and s.partition(":")[0] not in SPECS:
             ap.error(f"unknown shape or spec {s!r}: shapes {list(SHAPES)}, specs {list(SPECS)}")
     if not set(args.phases) <= set(PHASES):
         ap.error(f"unknown phase in {args.phases}: phases {list(PHASES)}")
@@ -580,7 +587,7 @@ def main() -> None:
                 [sys.executable, __file__, "--child", json.dumps(cfg)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env=_forced(env, cfg["spec"]),
                 start_new_session=True,
             )
             try:
