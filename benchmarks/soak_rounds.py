@@ -241,11 +241,35 @@ class RegionSoakReport:
     wrong_bytes: int = 0
     split: int = 0  # a rank mapped another file than the live keeper's
     left_behind: list = field(default_factory=list)
+    holders: list = field(default_factory=list)  # where files were left behind: who held a lock on them
     errors: list = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
         return not (self.split or self.wrong_bytes or self.errors or self.left_behind)
+
+
+def _lock_holders(path: str) -> list[str]:
+    """The processes holding a lock on the file at `path`, from /proc/locks (Linux), each as
+    "pid (command line)"; whether it is alive shows in the command line ("gone" if not)."""
+    try:
+        inode = os.stat(path).st_ino
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        return [f"unknown: {exc}"]
+    out = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+            pid = fields[4]
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+            except OSError:
+                cmd = "gone"
+            out.append(f"{pid} {fields[3]} ({cmd})")
+    return out
 
 
 def _join(name: str, directory: str, rank: int, ranks: int) -> SharedHostRegion:
@@ -373,4 +397,5 @@ def region_soak(cycles: int = 6, *, ranks: int = 2, crash_share: float = 0.3, se
         report.wrong_bytes += int((after != keeper_bytes).sum())  # no rank wrote outside its slot
         keeper.close()
         report.left_behind = sorted(os.listdir(directory))
+        report.holders = [h for f in report.left_behind for h in _lock_holders(os.path.join(directory, f))]
     return report

@@ -27,7 +27,7 @@ every token depends on the KV bytes it attends to; prompts are token ids, so not
 downloaded.
 
     python benchmarks/vllm/serve.py [--shapes llama8b,small] [--host-blocks 16,64]
-        [--specs offload-core,vllm-cpu,off,offload-core:ce_batch] [--iters 10] [--rounds 1] [--phases latency,mix,decode]
+        [--specs offload-core,vllm-cpu,off,offload-core:ce_batch] [--iters 10] [--rounds 1] [--phases latency,mix,decode] [--graphs]
         [--out DIR] [--report-only]
 
 Writes DIR/results.json (every run's figures), DIR/report.md (the tables) and a log per run.
@@ -97,6 +97,7 @@ DECODE = dict(requests=16, prompt_len=2048, out_tokens=64)
 # another (its GPU's clocks, its process) and leaves what the stores cost the decode
 DECODE_EARLY, DECODE_LATE = 8, 24
 PHASES = ("latency", "mix", "decode")
+GRAPHS = dict(mode=0, cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=[1, 2, 4, 8, 16])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,7 +329,10 @@ def child(cfg: dict) -> dict:
         model=model_dir,
         load_format="dummy",
         skip_tokenizer_init=True,
-        enforce_eager=True,
+        # eager steps are bound by the host, whose speed on a VM drifts between engines; with
+        # --graphs the decode replays CUDA graphs (no torch.compile), so its steps are the GPU's
+        enforce_eager=not cfg.get("graphs"),
+        compilation_config=GRAPHS if cfg.get("graphs") else None,
         dtype="bfloat16",
         max_model_len=16384,
         num_gpu_blocks_override=shape["gpu_blocks"],
@@ -405,6 +409,7 @@ def runs(args) -> list[dict]:
                         "iters": args.iters,
                         "round": r,
                         "phases": args.phases,
+                        "graphs": args.graphs,
                     }
                     out.append(cfg)
     return out
@@ -545,6 +550,7 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=1, help="runs of each shape's engines, the order reversed every other"
     )
+    ap.add_argument("--graphs", action="store_true", help="decode by CUDA graphs (FULL_DECODE_ONLY), not eagerly")
     ap.add_argument("--out", default="vllm-serve")
     ap.add_argument("--timeout", type=int, default=400, help="seconds per engine")
     ap.add_argument("--budget", type=int, default=0, help="seconds for every engine together (0: no limit)")
