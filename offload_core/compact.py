@@ -317,7 +317,7 @@ class CompactLayout:
                 f"{host_ids.size} host block ids given, the device blocks need {sum(host_counts)} "
                 f"(per group: {host_counts}, blocks_per_chunk={bpc})"
             )
-        _check_range("host", host_ids, self.host_blocks)
+        _check_range("host", host_ids, self.host_blocks, host_counts)
         store = direction is Direction.STORE
         blocks = np.empty((5, device.block_ids.size), dtype=np.int64)
         groups, shared, d0, c0, nbytes, items = [], {}, 0, 0, 0, 0
@@ -326,7 +326,7 @@ class CompactLayout:
                 continue
             out = blocks[:, d0 : d0 + n]
             out[0] = dev_ids = device.block_ids[d0 : d0 + n]
-            _check_range("device", dev_ids, limit)
+            _check_range("device", dev_ids, limit, group=g)
             group_hids = host_ids[c0 : c0 + hc]
             if bpc == 1:
                 out[1] = np.arange(c0, c0 + n)
@@ -606,12 +606,21 @@ def any_outside(ids: np.ndarray, limit: int) -> bool:
     return bool((ids.view(np.uint64) >= limit).any())
 
 
-def _check_range(side: str, ids: np.ndarray, limit: int) -> None:
+def _check_range(side: str, ids: np.ndarray, limit: int, counts: list[int] | None = None, group: int = 0) -> None:
+    """Refuse an id outside ``[0, limit)``, naming the first, its group and its position there: `ids`
+    are group `group`'s, or, given `counts`, consecutive groups' of those many ids each."""
     if any_outside(ids, limit):
         bad = np.flatnonzero((ids < 0) | (ids >= limit))
+        at = int(bad[0])
+        for g, n in enumerate(counts or ()):  # the group of position `at`, and `at` within it
+            if at < n:
+                group = g
+                break
+            at -= n
+        also = f"; {bad.size - 1} more out of range" if bad.size > 1 else ""
         raise InvalidSpecError(
-            f"{side} block id {int(ids[bad[0]])} out of range [0, {limit}) "
-            f"({bad.size} bad ids, first at position {int(bad[0])} of its group)"
+            f"{side} block id {int(ids[bad[0]])} out of range [0, {limit}): position {at} of group {group}'s "
+            f"{side} block ids{also}"
         )
 
 

@@ -165,14 +165,68 @@ def test_duplicate_load_destination_is_rejected_but_duplicate_source_is_not():
         (dict(block_ids=[[1, 2]]), "1-D"),
         (dict(block_ids=[1.0, 2.0]), r"block_ids\[0\] must be an integer, got 1.0"),
         (dict(block_ids=[1, 2], group_sizes=[1]), "add up to 1"),
-        (dict(block_ids=[1, 2], group_sizes=[3, -1]), "non-negative"),
+        (dict(block_ids=[1, 2], group_sizes=[3, -1]), r"^DeviceBlocks\.group_sizes\[1\] must be non-negative, got -1$"),
         (dict(block_ids=[1, 2], group_sizes=[2], block_indices=[0, 0]), "1 group sizes but 2"),
-        (dict(block_ids=[1], block_indices=[-2]), "non-negative"),
+        (dict(block_ids=[1], block_indices=[-2]), r"^DeviceBlocks\.block_indices\[0\] must be non-negative, got -2$"),
+        (
+            dict(block_ids=[1, 2], group_sizes=[1, 1], block_indices=np.array([4, -7])),
+            r"^DeviceBlocks\.block_indices\[1\] must be non-negative, got -7$",
+        ),
     ],
 )
 def test_malformed_device_blocks(kwargs, message):
     with pytest.raises(InvalidSpecError, match=message):
         DeviceBlocks(**kwargs)
+
+
+BOOLS_AMONG_IDS = [
+    ([1, True], 1, "True"),
+    ((5, np.True_), 1, "np.True_"),
+    ([True], 0, "True"),
+    ([0, 1, False], 2, "False"),
+    ([*range(2, 102), True], 100, "True"),  # past the few ids scanned at once: numpy's 1 gives it away
+    ([*range(100), np.False_], 100, "np.False_"),
+    ([False] * 60, 0, "False"),
+]
+
+
+@pytest.mark.parametrize("spec", [DeviceBlocks, HostBlocks])
+@pytest.mark.parametrize("ids, at, shown", BOOLS_AMONG_IDS)
+def test_a_bool_among_ids_is_refused_wherever_it_stands(spec, ids, at, shown):
+    """numpy makes 1 of a bool among ints; a lone bool was refused, one in a list must be too."""
+    with pytest.raises(InvalidSpecError) as caught:
+        spec(ids)
+    name = "DeviceBlocks" if spec is DeviceBlocks else "HostBlocks"
+    assert (
+        str(caught.value)
+        == f"{name}.block_ids must be integers, got {shown} at position {at} (bools are not taken for integers)"
+    )
+
+
+@pytest.mark.parametrize("ids, at, shown", BOOLS_AMONG_IDS[:2])
+def test_a_bool_among_group_sizes_or_indices_is_refused(ids, at, shown):
+    with pytest.raises(InvalidSpecError, match=rf"^DeviceBlocks\.group_sizes must be integers, got {shown}"):
+        DeviceBlocks(list(range(len(ids))), ids)
+    with pytest.raises(InvalidSpecError, match=rf"^DeviceBlocks\.block_indices must be integers, got {shown}"):
+        DeviceBlocks([7] * len(ids), [1] * len(ids), ids)
+
+
+@pytest.mark.parametrize("ids", [[0, 1, 2, 3], list(range(200)), list(range(5, 205)), (0, np.int64(1), np.int32(2))])
+def test_ids_of_0_and_1_are_not_bools(ids):
+    want = [int(i) for i in ids]
+    assert DeviceBlocks(ids).block_ids.tolist() == HostBlocks(ids).block_ids.tolist() == want
+
+
+@pytest.mark.parametrize(
+    "ids", [b"\x01\x02", bytearray(b"\x01\x02"), memoryview(b"\x07\x09"), memoryview(np.arange(3)), "12"]
+)
+def test_bytes_like_ids_are_refused(ids):
+    kind = type(ids).__name__
+    for spec in (DeviceBlocks, HostBlocks):
+        with pytest.raises(InvalidSpecError, match=rf"block_ids must be integers .*, got a {kind}: its bytes"):
+            spec(ids)
+    with pytest.raises(InvalidSpecError, match=rf"^DeviceBlocks\.group_sizes must be integers .*, got a {kind}"):
+        DeviceBlocks([1, 2], ids)
 
 
 @pytest.mark.parametrize(
