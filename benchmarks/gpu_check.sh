@@ -53,7 +53,7 @@ if [ "$phase" != bench ]; then
   timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_conformance.py tests/test_worker.py \
       tests/test_cli.py tests/test_queue.py tests/test_canonical.py tests/test_cuda_host.py tests/test_cuda_driver.py tests/test_cuda_launch.py tests/test_coalesce.py \
       tests/test_threads.py tests/test_vllm_convert.py tests/test_cuda_joined.py tests/test_cuda_tuning.py \
-      tests/test_spread.py tests/test_interrupts.py tests/test_cuda_interrupts.py tests/test_benchmarks.py > "$out/pytest.log" 2>&1
+      tests/test_interrupts.py tests/test_cuda_interrupts.py tests/test_benchmarks.py > "$out/pytest.log" 2>&1
   echo "pytest rc=$?"; tail -1 "$out/pytest.log"; grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head
   echo "== sanitizer"
   # Device backtraces only: for host ones the sanitizer keeps the Python frames of the launch

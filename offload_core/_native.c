@@ -4,10 +4,8 @@
  * joined for one launch), `first_clash` what `queue._first_clash` does (which waiting jobs may
  * share a launch, offload_core/queue.py), `host_order` what `CompactJob.in_host_order` does (a
  * launch's blocks in host order), `row_runs` what `compact._row_runs` does (a job's
- * host-contiguous runs, for a backend's choice of mechanism), `frozen` (_frozen.c) what a
- * large array's `tobytes` does (`layout._frozen`, a spec's private copy of its ids), and
- * `frozen_widened` the same of int32 ids widened to int64. Helpers shared with a backend's own
- * compiled module are in _arrays.c.
+ * host-contiguous runs, for a backend's choice of mechanism). Helpers shared with a backend's
+ * own compiled module are in _arrays.c.
  * Built where a C compiler is found (setup.py); offload_core works the same without it.
  *
  * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
@@ -20,10 +18,6 @@
 
 /* Up to this many ids, pairwise comparison finds duplicates faster than a bitmap or a hash set. */
 #define FEW 64
-#define MOST_PARTS 8 /* _spread.c's: the most parts a pass is split into */
-
-int offload_parts(Py_ssize_t n); /* _spread.c */
-void offload_spread(Py_ssize_t n, int parts, void (*fn)(void *, Py_ssize_t, Py_ssize_t, int), void *ctx);
 int offload_int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name); /* _arrays.c */
 int offload_arity(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most);
 Py_ssize_t offload_runs_of(const uint64_t *h, Py_ssize_t n);
@@ -90,82 +84,6 @@ static int has_duplicates(const int64_t *ids, Py_ssize_t n, int64_t limit) {
     return dup;
 }
 
-static uint64_t popcount(uint64_t x) {
-#if defined(__GNUC__) || defined(__clang__)
-    return (uint64_t)__builtin_popcountll(x);
-#else
-    x -= (x >> 1) & 0x5555555555555555ull;
-    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
-    return (((x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full) * 0x0101010101010101ull) >> 56;
-#endif
-}
-
-/* One part's `outside_or_repeated` (its ids' bits in its own bitset of `words` words). */
-typedef struct {
-    const int64_t *ids;
-    uint64_t top, *seen;
-    size_t words;
-    uint64_t bad[MOST_PARTS];
-} Seen;
-
-static void seen_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
-    Seen *c = ctx;
-    uint64_t *seen = c->seen + (size_t)part * c->words, bad = 0;
-    const uint64_t top = c->top;
-    for (Py_ssize_t i = lo; i < hi; i++) {
-        uint64_t id = (uint64_t)c->ids[i], in = id < top;
-        bad += 1 - in;
-        id *= in;
-        seen[id >> 6] |= in << (id & 63);
-    }
-    c->bad[part] = bad;
-}
-
-/* Whether an id lies outside [0, limit) or occurs twice, in one pass: a bit per possible id,
- * set without a branch (an id outside sets no bit, it ORs in 0, and is counted as bad), and the
- * bits counted at the end (as many as ids where none repeats). For many ids among few possible
- * ones: a million ids read once instead of twice (`any_outside`, then `has_duplicates`), about
- * 0.7 of 3 ms less on the CI-class CPU. Spread over threads (`offload_spread`) where the bitsets,
- * one per part and ORed at the end, are small against the ids. -1 with an exception on no memory. */
-static int outside_or_repeated(const int64_t *ids, Py_ssize_t n, int64_t limit) {
-    if (limit <= 0) return n > 0;
-    Seen c = {ids, (uint64_t)limit, NULL, ((size_t)limit / 64 + 8) & ~(size_t)7, {0}};
-    int parts = c.top <= 8 * (uint64_t)n ? offload_parts(n) : 1; /* a part's bitset at most its ids' bytes */
-    if ((c.seen = calloc(c.words * (size_t)parts, sizeof(uint64_t))) == NULL) /* an id outside is still named as such */
-        return any_outside(ids, n, limit) ? 1 : has_duplicates(ids, n, limit);
-    offload_spread(n, parts, seen_part, &c);
-    uint64_t bits = 0, bad = 0;
-    for (int k = 0; k < parts; k++) bad += c.bad[k];
-    for (size_t w = 0; w < c.words; w++) {
-        uint64_t word = c.seen[w];
-        for (int k = 1; k < parts; k++) word |= c.seen[(size_t)k * c.words + w];
-        bits += popcount(word);
-    }
-    free(c.seen);
-    return bad != 0 || bits != (uint64_t)n;
-}
-
-/* One part's `any_outside`. */
-typedef struct {
-    const int64_t *ids;
-    int64_t limit;
-    int bad[MOST_PARTS];
-} Outside;
-
-static void outside_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
-    Outside *c = ctx;
-    c->bad[part] = any_outside(c->ids + lo, hi - lo, c->limit);
-}
-
-/* `any_outside`, spread over threads for many ids. */
-static int any_outside_spread(const int64_t *ids, Py_ssize_t n, int64_t limit) {
-    Outside c = {ids, limit, {0}};
-    int parts = offload_parts(n), bad = 0;
-    offload_spread(n, parts, outside_part, &c);
-    for (int k = 0; k < parts; k++) bad |= c.bad[k];
-    return bad;
-}
-
 /* An int argument as int64: one above every int64 saturates (no id reaches it). */
 static int as_limit(PyObject *obj, int64_t *out) {
     int overflow = 0;
@@ -190,12 +108,8 @@ static int single_fit(PyObject *dev_ids, PyObject *host_ids, int64_t dev_limit, 
     int fit = 0;
     const int64_t *unique = unique_dev ? d : h, *other = unique_dev ? h : d;
     int64_t unique_limit = unique_dev ? dev_limit : host_limit, other_limit = unique_dev ? host_limit : dev_limit;
-    if (n > 0 && host.len == dev.len && !any_outside_spread(other, n, other_limit)) {
-        int bad;
-        if (n > FEW && (uint64_t)n * 64 >= (uint64_t)unique_limit)
-            bad = outside_or_repeated(unique, n, unique_limit);
-        else
-            bad = any_outside(unique, n, unique_limit) ? 1 : has_duplicates(unique, n, unique_limit);
+    if (n > 0 && host.len == dev.len && !any_outside(other, n, other_limit)) {
+        int bad = any_outside(unique, n, unique_limit) ? 1 : has_duplicates(unique, n, unique_limit);
         fit = bad < 0 ? -1 : !bad;
     }
     PyBuffer_Release(&dev);
@@ -450,22 +364,12 @@ static PyObject *row_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("nn", runs, in_short);
 }
 
-PyObject *offload_frozen(PyObject *self, PyObject *arg); /* _frozen.c */
-PyObject *offload_frozen_widened(PyObject *self, PyObject *arg);
-extern const char offload_frozen_doc[], offload_frozen_widened_doc[];
-
-extern const char offload_spread_threads_doc[]; /* _spread.c */
-PyObject *offload_spread_threads(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-
 static PyMethodDef methods[] = {
     {"concat", (PyCFunction)(void (*)(void))concat, METH_FASTCALL, concat_doc},
     {"first_clash", first_clash, METH_O, first_clash_doc},
-    {"frozen", offload_frozen, METH_O, offload_frozen_doc},
-    {"frozen_widened", offload_frozen_widened, METH_O, offload_frozen_widened_doc},
     {"host_order", (PyCFunction)(void (*)(void))host_order, METH_FASTCALL, host_order_doc},
     {"row_runs", (PyCFunction)(void (*)(void))row_runs, METH_FASTCALL, row_runs_doc},
     {"single_check", (PyCFunction)(void (*)(void))single_check, METH_FASTCALL, single_check_doc},
-    {"spread_threads", (PyCFunction)(void (*)(void))offload_spread_threads, METH_FASTCALL, offload_spread_threads_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -473,10 +377,4 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "offload_core._native", "Compiled steps of offload-core's hot path.", -1, methods,
 };
 
-int add_frozen(PyObject *module); /* _frozen.c */
-
-PyMODINIT_FUNC PyInit__native(void) {
-    PyObject *m = PyModule_Create(&module);
-    if (m != NULL && add_frozen(m) < 0) Py_CLEAR(m);
-    return m;
-}
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

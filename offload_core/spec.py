@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from offload_core import native
-from offload_core.errors import ConfigError, InvalidSpecError
+from offload_core.errors import InvalidSpecError
 
 if TYPE_CHECKING:
     import torch
@@ -233,10 +232,17 @@ def positive_int(value: Any, what: str) -> int:
 
 
 def _ids(values: Any, what: str) -> np.ndarray:
-    """`values` as a frozen 1-D int64 array; raises InvalidSpecError for any other dtype or shape."""
+    """`values` as a frozen 1-D int64 array; raises InvalidSpecError for any other dtype or shape, a
+    bool in a list or tuple, or a bytes-like object (bytes, bytearray, memoryview) or str."""
     # The usual, an engine's int64 or int32 (vLLM's) array, in as few steps as possible.
     if type(values) is np.ndarray and values.ndim == 1 and (values.dtype is _INT64 or values.dtype is _INT32):
         return _frozen(values)
+    listed = isinstance(values, (list, tuple))
+    if not listed and isinstance(values, (bytes, bytearray, memoryview, str)):  # numpy reads bytes as uint8s
+        raise InvalidSpecError(
+            f"{what} must be integers (list, numpy array or CPU tensor), got a {type(values).__name__}: "
+            f"its bytes or characters are not ids"
+        )
     try:
         arr = np.asarray(values)
     except Exception as exc:  # e.g. a device tensor: ids must live on the host
@@ -244,22 +250,45 @@ def _ids(values: Any, what: str) -> np.ndarray:
     if arr.ndim != 1:
         raise InvalidSpecError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
-        if arr.dtype.kind not in "iu" and not isinstance(values, (list, tuple)):  # [] is float64 to numpy
+        if arr.dtype.kind not in "iu" and not listed:  # [] is float64 to numpy
             raise InvalidSpecError(f"{what} must be integers, got dtype {arr.dtype}")
         return _ZEROS[0]
-    if arr.dtype.kind in "fO" and isinstance(values, (list, tuple)):
+    if arr.dtype.kind in "fO" and listed:
         # numpy made floats or objects of Python ints beyond int64, or of mixed numpy integer types
         ids = [integer(v, f"{what}[{i}]") for i, v in enumerate(values)]
         bad = next((v for v in ids if not -(1 << 63) <= v < (1 << 63)), None)
         if bad is not None:
             raise InvalidSpecError(f"{what} holds {bad}, beyond any block id")
         return _frozen(np.array(ids, dtype=np.int64))
-    if arr.dtype.kind not in "iu":
+    kind = arr.dtype.kind
+    if listed and kind in "iub":
+        at = _first_bool(values, arr)
+        if at is not None:
+            raise InvalidSpecError(
+                f"{what} must be integers, got {values[at]!r} at position {at} (bools are not taken for integers)"
+            )
+    if kind not in "iu":
         raise InvalidSpecError(f"{what} must be integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > np.iinfo(np.int64).max:
+    if kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > np.iinfo(np.int64).max:
         raise InvalidSpecError(f"{what} holds {int(arr.max())}, beyond any block id")
     # A copy nothing can change: the caller's array may change after validation.
     return _frozen(arr.astype(np.int64, copy=False))
+
+
+def _first_bool(values: list | tuple, arr: np.ndarray) -> int | None:
+    """Where the first bool (Python's or numpy's) of `values` stands, None if none does: numpy made
+    `arr` of them, each bool a 0 or a 1 (np.array([1, True]) is int64). A few ids are looked at by
+    type (a C-level pass, about 20 ns an id); more only where numpy gave a 0 or a 1 (its min, about
+    1 us), and then only those."""
+    if arr.size <= _SCANNED:
+        if _BOOLS.isdisjoint(map(type, values)):
+            return None
+        suspects: Iterable[int] = range(len(values))
+    elif _MIN(arr) > 1:
+        return None
+    else:
+        suspects = np.flatnonzero(arr <= 1).tolist()
+    return next((i for i in suspects if type(values[i]) in _BOOLS), None)
 
 
 @dataclass(frozen=True, init=False)
@@ -274,7 +303,8 @@ class DeviceBlocks:
             first host chunk are skipped. None means all zero.
 
     Raises:
-        InvalidSpecError: non-integer or non-1-D ids, negative sizes or indices, sizes that
+        InvalidSpecError: non-integer (a bool among them, or a bytes-like object) or non-1-D ids,
+            negative sizes or indices, sizes that
             do not add up to the number of ids, or lengths of sizes and indices that differ.
     """
 
@@ -293,17 +323,19 @@ class DeviceBlocks:
             indices = _ZEROS[1] if index == 0 else _one(index)
             self.__dict__.update(block_ids=ids, group_sizes=_one(ids.size), block_indices=indices)
             return
-        sizes = _one(ids.size) if group_sizes is None else _ids(group_sizes, "group_sizes")
+        sizes = _one(ids.size) if group_sizes is None else _ids(group_sizes, "DeviceBlocks.group_sizes")
         if block_indices is None:
             indices = _ZEROS[sizes.size] if sizes.size < len(_ZEROS) else _frozen(np.zeros(sizes.size, dtype=np.int64))
         else:
-            indices = _ids(block_indices, "block_indices")
+            indices = _ids(block_indices, "DeviceBlocks.block_indices")
         # A few groups: plain Python on lists is cheaper than numpy reductions here.
         size_list, index_list = sizes.tolist(), indices.tolist()
         if len(index_list) != len(size_list):
             raise InvalidSpecError(f"{len(size_list)} group sizes but {len(index_list)} block indices")
         if size_list and (min(size_list) < 0 or min(index_list) < 0):
-            raise InvalidSpecError("group sizes and block indices must be non-negative")
+            name, values = ("group_sizes", size_list) if min(size_list) < 0 else ("block_indices", index_list)
+            g = next(i for i, v in enumerate(values) if v < 0)
+            raise InvalidSpecError(f"DeviceBlocks.{name}[{g}] must be non-negative, got {values[g]}")
         if sum(size_list) != ids.size:
             raise InvalidSpecError(f"group sizes add up to {sum(size_list)}, but there are {ids.size} block ids")
         self.__dict__.update(block_ids=ids, group_sizes=sizes, block_indices=indices)
@@ -322,24 +354,15 @@ class DeviceBlocks:
 
 def _frozen(array: np.ndarray) -> np.ndarray:
     """A copy of `array` (int32 widened to int64) over an immutable buffer, which numpy refuses to
-    make writeable (a job reads its ids when it launches, after they were checked). Large ones go
-    through the compiled copy, which reuses memory: a fresh buffer's page faults cost more than the copy."""
-    widen = array.dtype is _INT32
-    if (8 if widen else array.itemsize) * array.size >= _FROZEN_NATIVE_BYTES and array.flags.c_contiguous:
-        try:
-            compiled = native.load()
-        except ConfigError:  # a malformed OFFLOAD_CORE_NATIVE is for the worker to name
-            compiled = None
-        if compiled is not None:
-            copy = compiled.frozen_widened if widen else compiled.frozen
-            return np.frombuffer(copy(array), _INT64 if widen else array.dtype)
-    if widen:
+    make writeable (a job reads its ids when it launches, after they were checked)."""
+    if array.dtype is _INT32:
         array = array.astype(_INT64)
     return np.frombuffer(array.tobytes(), array.dtype)  # dtype by position: numpy parses keywords slower
 
 
 _INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
-_FROZEN_NATIVE_BYTES = 4 << 20  # half a million ids: below, malloc reuses memory and tobytes' page faults are few
+_BOOLS = frozenset((bool, np.bool_))  # neither can be subclassed: a type test finds them
+_SCANNED, _MIN = 48, np.minimum.reduce  # up to 48 listed ids, a scan for bools costs less than numpy's min
 
 _ZEROS = [_frozen(np.zeros(n, dtype=np.int64)) for n in range(17)]  # shared block_indices of few groups
 _ONE: dict[int, np.ndarray] = {}  # shared ``[n]`` arrays: the group_sizes and block_indices of one-group specs
@@ -371,7 +394,7 @@ class HostBlocks:
     Group ``g`` consumes ``ceil((group_sizes[g] + skip_g) / blocks_per_chunk)`` ids.
 
     Raises:
-        InvalidSpecError: non-integer or non-1-D ids.
+        InvalidSpecError: non-integer (a bool among them, or a bytes-like object) or non-1-D ids.
     """
 
     block_ids: np.ndarray

@@ -60,7 +60,7 @@ class OffloadWorker:
         OffloadError: the host buffer is larger than the host memory available, or cannot be
             allocated.
         UnknownBackendError, BackendUnavailableError: the backend cannot be had.
-        ConfigError: ``OFFLOAD_CORE_NATIVE`` or ``OFFLOAD_CORE_NATIVE_THREADS`` is malformed.
+        ConfigError: ``OFFLOAD_CORE_NATIVE`` is malformed.
     """
 
     def __init__(
@@ -81,7 +81,7 @@ class OffloadWorker:
 
         device = kv_caches.device
         canonical_layout = flag(canonical_layout, "canonical_layout")
-        native.load()  # a malformed OFFLOAD_CORE_NATIVE(_THREADS) is named here, whichever path the jobs take
+        native.load()  # a malformed OFFLOAD_CORE_NATIVE is named here, whichever path the jobs take
         if backend is not None and not isinstance(backend, (Backend, str)):
             raise InvalidSpecError(f"backend must be a Backend, a backend name or None, got {backend!r}")
         if host_region is not None and not isinstance(host_region, SharedHostRegion):

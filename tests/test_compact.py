@@ -195,6 +195,67 @@ def test_compact_jobs_are_validated_as_plans_are(device, host, message):
         model.layout().job(Direction.STORE, device, host)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
+@pytest.mark.parametrize(
+    "groups, device, host, message",
+    [
+        # two groups: positions count from the start of the id's own group, which is named
+        (
+            2,
+            DeviceBlocks([1, 2, 3, 4], [2, 2]),
+            HostBlocks([0, 1, 2, 99]),
+            "host block id 99 out of range [0, 12): position 1 of group 1's host block ids",
+        ),
+        (
+            2,
+            DeviceBlocks([1, 2, 3, 44], [2, 2]),
+            HostBlocks([0, 1, 2, 3]),
+            "device block id 44 out of range [0, 16): position 1 of group 1's device block ids",
+        ),
+        (
+            2,
+            DeviceBlocks([1, 2, 3, 4], [2, 2]),
+            HostBlocks([0, -1, 2, 12]),
+            "host block id -1 out of range [0, 12): position 1 of group 0's host block ids; 1 more out of range",
+        ),
+        (
+            2,
+            DeviceBlocks([3, 4], [0, 2]),
+            HostBlocks([0, 50]),
+            "host block id 50 out of range [0, 12): position 1 of group 1's host block ids",
+        ),
+        # one group (the compiled check only detects: the message is the same either way)
+        (
+            1,
+            DeviceBlocks([1, 2, 3, 4]),
+            HostBlocks([0, 1, 2, 12]),
+            "host block id 12 out of range [0, 12): position 3 of group 0's host block ids",
+        ),
+        (
+            1,
+            DeviceBlocks([1, 2, -3, 4]),
+            HostBlocks([0, 1, 2, 3]),
+            "device block id -3 out of range [0, 16): position 2 of group 0's device block ids",
+        ),
+    ],
+    ids=[
+        "host-2nd-group",
+        "device-2nd-group",
+        "host-two-bad",
+        "host-after-empty-group",
+        "host-one-group",
+        "device-one-group",
+    ],
+)
+def test_an_id_out_of_range_is_named_with_its_group_and_position_there(compiled, groups, device, host, message):
+    model = Model([64, 64], [[(0, 64)], [(1, 64)]], 1, 16, 12) if groups == 2 else Model([64], [[(0, 64)]], 1, 16, 12)
+    layout = compact_layout(model, compiled)
+    for direction in Direction:
+        with pytest.raises(InvalidSpecError) as caught:
+            layout.job(direction, device, host)
+        assert str(caught.value) == message
+
+
 @st.composite
 def single_group_specs(draw):
     """One group, one block per chunk (the layout `CompactLayout.job` takes a short path for):
@@ -606,40 +667,9 @@ def test_only_simple_jobs_of_a_bounded_size_are_put_in_host_order():
     assert shorter.in_host_order().host_ids.tolist() == list(range(n - 1))
 
 
-@pytest.mark.parametrize("n", [0, 1, 17, (4 << 20) // 8 - 1, (4 << 20) // 8, (4 << 20) // 8 + 12345])
-def test_the_compiled_frozen_copy_is_tobytes(n):
-    """`_native.frozen` (large specs' private copy of their ids) gives what `tobytes` gives, at
-    sizes around 4 MiB (from there specs take it), from an offset view too, read-only."""
-    compiled = compiled_or_skip(True)
-    ids = np.random.default_rng(n).integers(-(1 << 62), 1 << 62, n + 3)
-    for array in (ids[:n], ids[3:]):
-        got = compiled.frozen(array)
-        assert bytes(memoryview(got)) == array.tobytes() and memoryview(got).readonly
-        with pytest.raises(ValueError, match="WRITEABLE"):  # no array over it can write
-            np.frombuffer(got, np.uint8).setflags(write=True)
-        with pytest.raises(TypeError, match="not writable"):  # nor anything else
-            (ctypes.c_char * 1).from_buffer(got)
-
-
-@pytest.mark.parametrize("n", [0, 1, (4 << 20) // 8, (4 << 20) // 8 + 12345])
-def test_the_compiled_widened_copy_is_int32_ids_as_int64(n):
-    """`_native.frozen_widened` (vLLM's int32 ids, widened on the way) gives what
-    ``astype(int64).tobytes()`` gives, read-only, and refuses values of another type."""
-    compiled = compiled_or_skip(True)
-    ids = np.random.default_rng(n).integers(-(1 << 31), 1 << 31, n + 3).astype(np.int32)
-    for array in (ids[:n], ids[3:]):
-        got = compiled.frozen_widened(array)
-        assert bytes(memoryview(got)) == array.astype(np.int64).tobytes() and memoryview(got).readonly
-    for other in (np.arange(4), np.arange(4, dtype=np.uint32), np.arange(4, dtype=np.float32), b"abcd"):
-        with pytest.raises(TypeError, match="int32"):
-            compiled.frozen_widened(other)
-
-
-@pytest.mark.parametrize("native", ["1", "0"])
-def test_large_int32_specs_hold_an_immutable_int64_copy(native, monkeypatch):
-    """A spec of half a million int32 ids and more (vLLM's) holds int64 ids equal to them that no
-    one can change, with the compiled steps and without; a strided view too."""
-    monkeypatch.setenv("OFFLOAD_CORE_NATIVE", native)
+def test_large_int32_specs_hold_an_immutable_int64_copy():
+    """A spec of a million int32 ids (vLLM's) holds int64 ids equal to them that no one can
+    change; a strided view too."""
     ids = np.random.default_rng(3).permutation(1 << 20).astype(np.int32)
     for caller in (ids, ids[::2]):
         spec = HostBlocks(caller)
@@ -650,56 +680,6 @@ def test_large_int32_specs_hold_an_immutable_int64_copy(native, monkeypatch):
             spec.block_ids.setflags(write=True)
 
 
-def test_frozen_copies_reuse_the_memory_of_dead_ones_and_never_share_a_live_ones():
-    """The pool behind `_native.frozen`: a copy made after another died may take its memory
-    (and then holds the new bytes, not the old); copies alive together never share memory,
-    whatever the sizes (below, within and above the pool's, and more copies than its slots)."""
-    compiled = compiled_or_skip(True)
-    rng = np.random.default_rng(5)
-    sizes = [1 << 19, (1 << 19) + 5, 1 << 20, 3 << 20, 1 << 21, 9 << 20, 1 << 19] + [1 << 18] * 5  # > 8 slots
-    for _ in range(3):
-        arrays = [rng.integers(0, 1 << 40, n) for n in sizes]
-        copies = [compiled.frozen(a) for a in arrays]
-        views = [np.frombuffer(c, np.int64) for c in copies]
-        spans = sorted((v.ctypes.data, v.ctypes.data + v.nbytes) for v in views)
-        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
-        for a, v in zip(arrays, views):
-            assert np.array_equal(a, v) and not v.flags.writeable
-        del copies, views, v
-    dead = compiled.frozen(np.arange(1 << 20))
-    address = np.frombuffer(dead, np.int64).ctypes.data
-    del dead
-    again = np.frombuffer(compiled.frozen(np.arange(1 << 20)[::-1].copy()), np.int64)
-    assert again.ctypes.data == address and again[0] == (1 << 20) - 1
-
-
-def test_frozen_copies_made_and_dropped_on_several_threads_keep_their_own_bytes():
-    """The pool behind `_native.frozen` under threads: copies made while others die on other
-    threads hold their own bytes for as long as they live."""
-    import threading
-
-    compiled = compiled_or_skip(True)
-    errors = []
-
-    def churn(seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        alive = []
-        for _ in range(12):
-            ids = rng.integers(0, 1 << 40, int(rng.integers(1 << 19, 1 << 20)))
-            alive.append((ids, np.frombuffer(compiled.frozen(ids), np.int64)))
-            if len(alive) > 2:
-                alive.pop(int(rng.integers(0, len(alive))))
-            if not all(np.array_equal(a, v) for a, v in alive):
-                errors.append(seed)
-
-    threads = [threading.Thread(target=churn, args=(seed,)) for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-
-
 def test_large_specs_keep_an_immutable_copy_of_their_ids():
     ids = np.arange((4 << 20) // 8 + 1, dtype=np.int64)[::-1].copy()
     spec = DeviceBlocks(ids)
@@ -707,12 +687,3 @@ def test_large_specs_keep_an_immutable_copy_of_their_ids():
     assert spec.block_ids[0] == ids.size - 1 and not spec.block_ids.flags.writeable
     with pytest.raises(ValueError):
         spec.block_ids.flags.writeable = True
-
-
-def test_a_large_spec_is_built_whatever_offload_core_native_says(monkeypatch):
-    """The compiled copy of a large spec's ids is an optimisation: a malformed setting is the
-    worker's to refuse (`ConfigError` where it builds its layout), not a spec's."""
-    monkeypatch.setenv("OFFLOAD_CORE_NATIVE", "yes")
-    ids = np.arange(1 << 19, dtype=np.int64)
-    np.testing.assert_array_equal(DeviceBlocks(ids).block_ids, ids)
-    np.testing.assert_array_equal(HostBlocks(ids[::2]).block_ids, ids[::2])  # not contiguous: tobytes

@@ -6,9 +6,8 @@
  * the same for simple jobs joined and put in host order on the way (what `CompactJob.concat` and
  * `in_host_order` do). Every entry point's address comes from driver.py, which resolves them: no
  * CUDA header, no libcuda to link.
- * Built where a C compiler is found (setup.py, with a copy of offload_core's _arrays.c and
- * _spread.c: the helpers and the thread spreading of offload_core._native); the backend works the
- * same without it.
+ * Built where a C compiler is found (setup.py, with a copy of offload_core's _arrays.c: the
+ * helpers of offload_core._native); the backend works the same without it.
  *
  * Only the CPython buffer protocol is used (no numpy headers): arrays arrive as int64 buffers.
  */
@@ -18,12 +17,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MOST_PARTS 8 /* _spread.c's: the most parts a pass is split into */
-
-int offload_parts(Py_ssize_t n); /* offload_core/_spread.c */
-void offload_spread(Py_ssize_t n, int parts, void (*fn)(void *, Py_ssize_t, Py_ssize_t, int), void *ctx);
-extern const char offload_spread_threads_doc[];
-PyObject *offload_spread_threads(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 int offload_int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name); /* offload_core/_arrays.c */
 int offload_arity(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most);
 Py_ssize_t offload_runs_of(const uint64_t *h, Py_ssize_t n);
@@ -308,88 +301,41 @@ typedef struct {
     Py_ssize_t n;
 } Part;
 
-/* Host i of the parts joined (0 <= i < their total). */
-static uint64_t host_at(const Part *p, Py_ssize_t i) {
-    while (i >= p->n) i -= p->n, p++;
-    return p->host[i];
-}
-
-/* One part of `parts_runs`: the rows [lo, hi) of the joined parts that start a run of consecutive
- * hosts (the first row, or a host not the one before plus 1); where `out` is given, the hosts'
- * column of the table there is written on the same pass. */
-typedef struct {
-    const Part *p;
-    Py_ssize_t m, n;
-    void *out;
-    int narrow;
-    Py_ssize_t starts[MOST_PARTS];
-} RunsPass;
-
-static void runs_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
-    RunsPass *c = ctx;
-    Py_ssize_t starts = 0;
-    uint64_t prev = lo > 0 ? host_at(c->p, lo - 1) : 0;
-    for (Py_ssize_t k = 0, at = 0; k < c->m && at < hi; at += c->p[k].n, k++) {
-        Py_ssize_t from = lo > at ? lo - at : 0, to = hi - at < c->p[k].n ? hi - at : c->p[k].n;
-        if (from >= to) continue;
-        const uint64_t *h = c->p[k].host;
-        int32_t *o32 = c->out == NULL ? NULL : (int32_t *)c->out + c->n + at;
-        uint64_t *o64 = c->out == NULL ? NULL : (uint64_t *)c->out + c->n + at;
-        for (Py_ssize_t i = from; i < to; i++) {
-            if (c->out != NULL) {
-                if (c->narrow)
-                    o32[i] = (int32_t)h[i];
+/* Runs of consecutive hosts over the parts in turn, as `offload_runs_of` counts them in the joined
+ * hosts: rows that are the first or whose host is not the one before plus 1. Where `out` is
+ * given, the hosts are written on the same pass as column 1 of the `n`-row table there (as
+ * `write_parts` writes it). */
+static Py_ssize_t parts_runs(const Part *p, Py_ssize_t m, void *out, int narrow, Py_ssize_t n) {
+    Py_ssize_t runs = 0, at = 0;
+    uint64_t prev = 0;
+    for (Py_ssize_t k = 0; k < m; at += p[k].n, k++) {
+        const uint64_t *h = p[k].host;
+        for (Py_ssize_t i = 0; i < p[k].n; i++) {
+            if (out != NULL) {
+                if (narrow)
+                    ((int32_t *)out)[n + at + i] = (int32_t)h[i];
                 else
-                    o64[i] = h[i];
+                    ((uint64_t *)out)[n + at + i] = h[i];
             }
-            starts += at + i == 0 || h[i] - prev != 1;
+            runs += at + i == 0 || h[i] - prev != 1;
             prev = h[i];
         }
     }
-    c->starts[part] = starts;
-}
-
-/* Runs of consecutive hosts over the parts in turn, as `offload_runs_of` counts them in the joined
- * hosts; where `out` is given, the hosts written on the same pass as column 1 of the `n`-row table
- * there (as `write_parts` writes it). The ids are memory-bound (a million are 8 MB): many of them
- * are spread over threads. */
-static Py_ssize_t parts_runs(const Part *p, Py_ssize_t m, void *out, int narrow, Py_ssize_t n) {
-    RunsPass c = {p, m, n, out, narrow, {0}};
-    int parts = offload_parts(n);
-    offload_spread(n, parts, runs_part, &c);
-    Py_ssize_t runs = 0;
-    for (int k = 0; k < parts; k++) runs += c.starts[k];
     return runs;
 }
 
-/* One part of `write_parts`: rows [lo, hi) of column `j`. */
-typedef struct {
-    const Part *p;
-    Py_ssize_t m, n, j;
-    void *out;
-    int narrow, hosts;
-} Column;
-
-static void column_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
-    const Column *c = ctx;
-    for (Py_ssize_t k = 0, at = 0; k < c->m && at < hi; at += c->p[k].n, k++) {
-        Py_ssize_t from = lo > at ? lo - at : 0, to = hi - at < c->p[k].n ? hi - at : c->p[k].n;
-        if (from >= to) continue;
-        const int64_t *col = (const int64_t *)(c->hosts ? c->p[k].host : c->p[k].dev);
-        if (c->narrow) {
-            int32_t *o = (int32_t *)c->out + c->j * c->n + at;
-            for (Py_ssize_t i = from; i < to; i++) o[i] = (int32_t)col[i];
+/* The parts' column (`host`s where `hosts`, else `dev`s) as column `j` of the table at `out`,
+ * `n` rows long: int32 where `narrow`, as `write_column` writes it. */
+static void write_parts(void *out, int narrow, Py_ssize_t j, Py_ssize_t n, const Part *p, Py_ssize_t m, int hosts) {
+    for (Py_ssize_t k = 0, at = 0; k < m; at += p[k].n, k++) {
+        const int64_t *col = (const int64_t *)(hosts ? p[k].host : p[k].dev);
+        if (narrow) {
+            int32_t *o = (int32_t *)out + j * n + at;
+            for (Py_ssize_t i = 0; i < p[k].n; i++) o[i] = (int32_t)col[i];
         } else {
-            memcpy((int64_t *)c->out + c->j * c->n + at + from, col + from, (size_t)(to - from) * 8);
+            memcpy((int64_t *)out + j * n + at, col, (size_t)p[k].n * 8);
         }
     }
-}
-
-/* The parts' column (`host`s where `hosts`, else `dev`s) as column `j` of the table at `out`,
- * `n` rows long: int32 where `narrow`, as `write_column` writes it; many rows spread over threads. */
-static void write_parts(void *out, int narrow, Py_ssize_t j, Py_ssize_t n, const Part *p, Py_ssize_t m, int hosts) {
-    Column c = {p, m, n, j, out, narrow, hosts};
-    offload_spread(n, offload_parts(n), column_part, &c);
 }
 
 static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -489,7 +435,6 @@ done:
 static PyMethodDef methods[] = {
     {"context_call", (PyCFunction)(void (*)(void))context_call, METH_FASTCALL, context_call_doc},
     {"join_launch", (PyCFunction)(void (*)(void))join_launch, METH_FASTCALL, join_launch_doc},
-    {"spread_threads", (PyCFunction)(void (*)(void))offload_spread_threads, METH_FASTCALL, offload_spread_threads_doc},
     {"table_launch", (PyCFunction)(void (*)(void))table_launch, METH_FASTCALL, table_launch_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -96,7 +96,7 @@ def compiled() -> ModuleType | None:
     """_driver.c's module, or None where it was not built or ``OFFLOAD_CORE_NATIVE=0`` (ctypes then).
 
     Raises:
-        ConfigError: a malformed ``OFFLOAD_CORE_NATIVE`` or ``OFFLOAD_CORE_NATIVE_THREADS``.
+        ConfigError: a malformed ``OFFLOAD_CORE_NATIVE``.
     """
     from offload_core import native
 
