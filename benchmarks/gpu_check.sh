@@ -2,7 +2,7 @@
 # Everything the cuda backend needs checked on a GPU (how docs/performance.md's H200 figures were
 # made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|reliability|grid|all]   (default ./gpu-check, all)
 # "checks": tests, compute-sanitizer, the canonical benchmark per mechanism (about 5 minutes);
-# "bench": calibrate, offload-core bench, benchmarks/transfer_bench.py, canonical layouts with jobs back to back,
+# "bench": offload-core bench, benchmarks/transfer_bench.py, canonical layouts with jobs back to back,
 # benchmarks/engine_bench.py (about 7 minutes);
 # "reliability" (not part of "all"): the whole suite, the lifetime cases under compute-sanitizer,
 # the soak on cuda, submit overhead, offload-core bench (about 6 minutes);
@@ -67,7 +67,6 @@ if [ "$phase" != bench ]; then
   tail -34 "$out/canonical.md"
 fi
 if [ "$phase" != checks ]; then
-  echo "== calibrate"; timeout 60 python3 -m offload_core calibrate > "$out/calibrate.json" 2>&1; tail -5 "$out/calibrate.json"
   echo "== bench"; timeout 60 python3 -m offload_core bench --blocks 256 --blocks-per-job 64 --json > "$out/bench.json" 2>&1; cat "$out/bench.json"
   echo "== transfer"; timeout 400 python3 benchmarks/transfer_bench.py --out "$out" > "$out/transfer.log" 2>&1; tail -3 "$out/transfer.log"
   echo "== canonical, jobs back to back"; timeout 150 python3 benchmarks/canonical_bench.py --backend cuda --mechanisms auto \

@@ -71,7 +71,6 @@ def main() -> None:
         "torch": torch.__version__,
         "driver_batch_api": be.driver.memcpy_batch is not None,
         "mechanisms": mechs,
-        "cost_model": be.cost.source,
     }
 
     # 1. the limit
@@ -235,7 +234,7 @@ def both(x: dict, released: str) -> str:
 def markdown(r: dict) -> str:
     lim = r["limit_gbps"]
     lines = [
-        f"{r['device']}, torch {r['torch']}, {r['date']}; auto's cost model: {r['cost_model']}.",
+        f"{r['device']}, torch {r['torch']}, {r['date']}.",
         "",
         f"Limit: store {lim['store']:.1f} GB/s, load {lim['load']:.1f} GB/s, both at once {lim['both']:.1f} GB/s.",
         "",

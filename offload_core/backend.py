@@ -57,8 +57,6 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     priority: ClassVar[int] = 0
     install_hint: ClassVar[str] = ""
-    # Whether this backend measures its copy costs (`calibrate`, `offload-core calibrate`).
-    calibrates: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -210,21 +208,6 @@ class Backend(abc.ABC):
         Default: never."""
         return 0, 0.0
 
-    def calibrate(self, save: bool = True) -> dict:
-        """Measure this device's copy costs, use them from now on, and save them as its
-        profile unless `save` is False (`offload-core calibrate`).
-
-        Implemented only where `calibrates` is True.
-
-        Returns:
-            What was measured, as a JSON-serializable dict.
-
-        Raises:
-            NotImplementedError: this backend has nothing to calibrate.
-            Exception: anything the measurement raises.
-        """
-        raise NotImplementedError(f"backend {self.name!r} has nothing to calibrate")
-
 
 def span_bytes(tensor: torch.Tensor) -> int:
     """Bytes from ``tensor.data_ptr()`` to the end of its last element: ``nbytes`` for a
@@ -240,8 +223,8 @@ _enqueue_locks_guard = threading.Lock()
 
 def enqueue_lock(backend: Backend) -> threading.Lock:
     """The lock every enqueue on `backend` is made under, across all its workers' lanes (the core
-    holds it around `copy_jobs`/`copy_blocks`): a backend that enqueues work of its own (a
-    calibration, say) takes it too, so that its buffers are never shared with a launch."""
+    holds it around `copy_jobs`/`copy_blocks`): a backend that enqueues work of its own takes it
+    too, so that its buffers are never shared with a launch."""
     with _enqueue_locks_guard:
         lock = _enqueue_locks.get(backend)
         if lock is None:

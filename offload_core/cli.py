@@ -1,5 +1,5 @@
-"""The `offload-core` command: `backends` (what can run here), `bench` (move blocks, verify, report)
-and `calibrate` (measure this accelerator's copy costs, save a selection profile)."""
+"""The `offload-core` command: `backends` (what can run here) and `bench` (move blocks, verify,
+report)."""
 
 from __future__ import annotations
 
@@ -172,16 +172,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    native.load()  # as in `bench`
-    backend = registry.get_backend(args.backend)
-    if not backend.calibrates:
-        print(f"backend {backend.name} has nothing to calibrate")
-        return 0
-    print(json.dumps(backend.calibrate(save=not args.dry_run), indent=1))
-    return 0
-
-
 def _size(nbytes: float) -> str:
     """Bytes in the largest unit that keeps the figure at 1 or more: B, KiB, MiB, GiB."""
     for unit in ("B", "KiB", "MiB"):
@@ -309,18 +299,6 @@ def _run(argv: Sequence[str] | None) -> int:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.set_defaults(func=cmd_bench)
-    p = sub.add_parser(
-        "calibrate",
-        help="measure this accelerator's copy costs and save a selection profile",
-        description=(
-            "Measure this accelerator's copy costs (a few seconds) and save them as the profile its backend "
-            "chooses copy mechanisms with, in $OFFLOAD_CORE_PROFILE_DIR (default ~/.cache/offload-core), one file "
-            "per device model. Backends without a choice to make (cpu) have nothing to calibrate."
-        ),
-    )
-    p.add_argument("--backend", help="backend name (default: the best available)")
-    p.add_argument("--dry-run", action="store_true", help="measure and print, do not save (default: save)")
-    p.set_defaults(func=cmd_calibrate)
     args = parser.parse_args(argv)
     if args.command is None:  # no subcommand: say what there is, as argparse says the rest
         parser.print_usage(sys.stderr)

@@ -585,7 +585,7 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
 def _row_runs(hosts: np.ndarray, row: int, small_limit: int, compiled=None) -> tuple[int, int]:
     """`CompactLayout.segment_summary` where every chunk covers its whole row."""
     if compiled is not None and hosts.size:
-        runs, rows = compiled.row_runs(hosts, int(small_limit) // row)  # a profile's limit may be a float
+        runs, rows = compiled.row_runs(hosts, int(small_limit) // row)  # a cost model's limit may be a float
         return runs, rows * row
     first = run_starts((hosts,), 1)
     if small_limit < row:

@@ -156,11 +156,6 @@ def test_python_dash_m_runs_the_command():
     assert "cpu" in json.loads(out.stdout)["backends"]
 
 
-def test_calibrate_on_a_backend_without_costs(capsys):
-    assert main(["calibrate", "--backend", "cpu"]) == 0
-    assert "nothing to calibrate" in capsys.readouterr().out
-
-
 # --- bad input: exit status 2, one line naming the option, the value and the rule, no traceback
 
 
@@ -375,7 +370,7 @@ def test_help_lists_every_command(capsys):
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for command in ("backends", "bench", "calibrate"):
+    for command in ("backends", "bench"):
         assert f"`{command}`" in out  # in the description, not only the list argparse makes
 
 
@@ -388,27 +383,6 @@ def test_bench_help_shows_every_default(capsys):
     assert "default: $OFFLOAD_CORE_BACKEND" in out and "iterations; the best is reported" in out
 
 
-def test_calibrate_help_shows_every_default(capsys):
-    with pytest.raises(SystemExit):
-        main(["calibrate", "--help"])
-    out = capsys.readouterr().out
-    assert "(default: the best available)" in out and "(default: save)" in out
-
-
-# --- calibrate
-
-
-def test_calibrate_prints_one_line_on_the_cpu(capsys):
-    assert main(["calibrate", "--backend", "cpu"]) == 0
-    assert capsys.readouterr().out == "backend cpu has nothing to calibrate\n"
-
-
-def test_calibrate_refuses_an_unknown_backend_in_one_line(capsys):
-    assert main(["calibrate", "--backend", "nosuch"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("offload-core: unknown offload backend 'nosuch'") and err.count("\n") == 1
-
-
 def test_no_subcommand_is_a_usage_error_that_names_the_commands(capsys):
     from offload_core.cli import main
 
@@ -416,7 +390,7 @@ def test_no_subcommand_is_a_usage_error_that_names_the_commands(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("usage: offload-core")
-    assert "error: choose a command: backends, bench, calibrate" in captured.err
+    assert "error: choose a command: backends, bench (offload-core --help)" in captured.err
 
 
 def test_copy_sizes_are_printed_in_a_readable_unit():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import sys
 import threading
@@ -23,14 +22,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from offload_core import ConfigError, DeviceBlocks, HostBlocks
-from offload_core.backend import Direction, enqueue_lock
+from offload_core.backend import Direction
 from offload_core.backends.cuda import BLOCK_MECHANISMS, MECHANISMS, CudaBackend, kernels, select
 from offload_core.backends.cuda import blocks as cuda_blocks
 from offload_core.backends.cuda import driver as drv
 from offload_core.backends.cuda.events import DriverEvent
 from offload_core.backends.cuda.mechanisms import TABLE
-from offload_core.backends.cuda.select import CostModel, profile_path
+from offload_core.backends.cuda.select import CostModel
 from offload_core.backends.cuda.staging import Held
+from offload_core.backends.cuda.tuning import winners_path
 from offload_core.canonical import CanonicalPageMapping, CopyRun
 from offload_core.testing.expanding import descriptors
 
@@ -110,50 +110,12 @@ def test_small_host_to_device_copies_weigh_their_bytes_in_expand_staged_loads_on
     assert small - plain == pytest.approx((1 << 19) / 2e9 if weighed else 0.0)
 
 
-def test_profiles_round_trip(tmp_path, monkeypatch):
+def test_winners_persist_per_gpu_model_in_the_profile_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CORE_PROFILE_DIR", str(tmp_path))
-    path = profile_path("NVIDIA H200 NVL")
-    assert path == tmp_path / "cuda-nvidia-h200-nvl.json"
-    model = CostModel(sm_gbps={"store": 40.0, "load": 30.0}, source="calibrated")
-    model.save(path)
-    loaded = CostModel.load(path)
-    assert loaded.sm_gbps == {"store": 40.0, "load": 30.0} and loaded.source == "calibrated"
-    assert loaded.ce_gbps == CostModel().ce_gbps
+    assert winners_path("NVIDIA H200 NVL") == tmp_path / "cuda-nvidia-h200-nvl-tuned.json"
 
 
-@pytest.mark.parametrize(
-    "content",
-    [
-        "[]",
-        '"x"',
-        '{"ce_gbps": "fast"}',
-        '{"ce_gbps": {"store": 0, "load": 0}}',
-        '{"ce_gbps": {"store": 55}}',
-        '{"sm_penalty": -5}',
-        '{"inline_h2d_bytes": 1.5}',
-        '{"launch_s": NaN}',
-        "{not json",
-    ],
-)
-def test_a_malformed_profile_is_ignored_for_the_defaults(tmp_path, monkeypatch, caplog, content):
-    """A profile edited by hand or cut short: logged and left out, never a crash at the first choice."""
-    from offload_core.backends.cuda.calibration import saved_profile
-
-    monkeypatch.setenv("OFFLOAD_CORE_PROFILE_DIR", str(tmp_path))
-    profile_path("Some GPU").write_text(content)
-    with pytest.raises(ValueError):
-        CostModel.load(profile_path("Some GPU"))
-    assert saved_profile("Some GPU") == CostModel()
-    assert "ignoring unreadable cuda profile" in caplog.text
-    # a profile of an older version: the fields this one no longer has are ignored, the rest loads
-    old = {"staged_host_s": [28e-6, 3.3e-9, 70e-6], "sm_host_s": [44e-6, 3.3e-9], "ce_host_s": 5e-7}
-    profile_path("Old GPU").write_text(json.dumps(old))
-    loaded = saved_profile("Old GPU")
-    assert loaded.ce_host_s == 5e-7 and not hasattr(loaded, "staged_host_s") and not hasattr(loaded, "sm_host_s")
-    assert "old-gpu" not in caplog.text
-
-
-# ---- the adapter: one table of mechanisms, runs by name, calibration as a capability ------------
+# ---- the adapter: one table of mechanisms, runs by name ---------------------------------------
 
 
 def test_availability_comes_from_the_table(monkeypatch):
@@ -331,49 +293,14 @@ def test_an_enqueue_whose_event_cannot_be_recorded_keeps_nothing_for_ever(monkey
     assert len(backend._keepalive) <= 2 and all(e[0] is not None for e in backend._keepalive)
 
 
-# ---- calibration and settings -------------------------------------------------------------------
-
-
-def test_calibration_holds_the_backends_enqueue_lock(monkeypatch):
-    """Calibrating uploads through the backend's descriptor ring and stages through its buffers,
-    which every enqueue shares: a worker's launch on the same backend must wait for it."""
-    from offload_core.backends.cuda import calibration
-
-    backend = host_only_backend(monkeypatch, FakeLib())
-    seen = []
-    monkeypatch.setattr(calibration, "calibrate", lambda b, save: seen.append(enqueue_lock(b).locked()) or {})
-    backend.calibrate(save=False)
-    assert seen == [True] and not enqueue_lock(backend).locked()
-
-
-def test_calibration_is_a_capability_the_cli_asks_for(monkeypatch, capsys):
-    from offload_core import cli, registry
-    from offload_core.backends.cpu import CpuBackend
-
-    assert CudaBackend.calibrates and not CpuBackend.calibrates
-    with pytest.raises(NotImplementedError, match="nothing to calibrate"):
-        CpuBackend().calibrate()
-    backend = CudaBackend(driver=drv.Driver(FakeLib()), runtime=FakeCudaRuntime())
-    monkeypatch.setattr(backend, "calibrate", lambda save=True: {"saved": save})
-    monkeypatch.setattr(registry, "get_backend", lambda name=None: backend)
-    assert cli.main(["calibrate", "--backend", "cuda", "--dry-run"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"saved": False}
+# ---- settings ---------------------------------------------------------------------------------
 
 
 def test_auto_is_measured_by_default_and_the_conf_can_turn_it_off(monkeypatch, tmp_path):
-    from offload_core.backends.cuda import calibration
-    from offload_core.backends.cuda.tuning import ShapeClass
-
     monkeypatch.setenv("OFFLOAD_CORE_PROFILE_DIR", str(tmp_path))
     backend = host_only_backend(monkeypatch, FakeLib(), tune=None)
     tuner = backend._blocks.tuner
     assert tuner is not None and tuner.path.parent == tmp_path and tuner.path.name.endswith("-tuned.json")
-    # a calibration changes the prior: what was decided under the old one is measured again
-    key = ShapeClass("store", 12, 15, 9, False, 9)
-    tuner._saved[key] = "expand_direct"
-    monkeypatch.setattr(calibration, "calibrate", lambda backend, save: {"saved": save})
-    assert backend.calibrate(save=False) == {"saved": False}
-    assert tuner.decided(key) is None
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "tune:0")
     assert host_only_backend(monkeypatch, FakeLib(), tune=None)._blocks.tuner is None
     assert host_only_backend(monkeypatch, FakeLib(), tune=True)._blocks.tuner is not None  # the argument wins

@@ -168,9 +168,6 @@ def test_winners_persist_per_file_and_merge(tmp_path):
     assert saved == {KEY.name(): "expand_direct", other.name(): "expand_staged"}
     third = Tuner(path)
     assert third.pick(KEY, ["expand_staged", "expand_direct"]) == ("expand_direct", False)
-    third.forget()
-    assert not path.exists()
-    assert third.pick(KEY, ["expand_staged", "expand_direct"]) == ("expand_staged", True)
 
 
 def test_names_another_version_wrote_are_kept_not_read(tmp_path):

@@ -2,8 +2,8 @@
 
 `CudaBackend` adapts the core's `Backend` interface to the modules beside it: `mechanisms`
 (every mechanism by name), `blocks` (a worker's jobs expanded on the device), `select` and
-`calibration` (the cost model behind ``auto``), `staging`, `driver`, `kernels`, `ring` and
-`events` (the CUDA driver through ctypes, the Triton kernels and their descriptor tables), and
+`tuning` (how ``auto`` chooses: a cost model, then measurements), `staging`, `driver`,
+`kernels`, `ring` and `events` (the CUDA driver through ctypes, the Triton kernels and their descriptor tables), and
 `measure` (timing copies).
 """
 
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from offload_core.backend import Direction, deferred
-from offload_core.backends.cuda import calibration, kernels
+from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.blocks import EXPAND_DIRECT, BlockCopier
 from offload_core.backends.cuda.config import ENV_CONF, conf
 from offload_core.backends.cuda.driver import (
@@ -32,9 +32,9 @@ from offload_core.backends.cuda.driver import (
 from offload_core.backends.cuda.events import DriverEvent, RawStream
 from offload_core.backends.cuda.mechanisms import BLOCK_MECHANISMS, MECHANISMS, TABLE
 from offload_core.backends.cuda.ring import DescriptorRing
-from offload_core.backends.cuda.select import CostModel, profile_path
+from offload_core.backends.cuda.select import CostModel
 from offload_core.backends.cuda.staging import Held
-from offload_core.backends.cuda.tuning import Tuner
+from offload_core.backends.cuda.tuning import Tuner, winners_path
 from offload_core.backends.torch_device import Runtime, TorchDeviceBackend, TorchRuntime
 from offload_core.errors import ConfigError
 
@@ -70,11 +70,11 @@ class CudaBackend(TorchDeviceBackend):
             enqueue wait for its oldest job; default 16 MiB.
         max_batch: descriptors per ``cuMemcpyBatchAsync`` call, 0 (default) for no limit.
         tune: whether auto measures its choices per shape class (`tuning`), saved per GPU
-            model beside its profile; False: the cost model alone. Default True.
-        cost_model: the selection model; default this GPU model's saved profile, else H200
-            defaults. The conf's ``sm_penalty`` replaces its `sm_penalty`, also in a model
-            passed here: how many times auto counts each second of a launch that holds SMs
-            for 100 µs or longer (`select.CostModel.sm_weight`; default 2).
+            model; False: the cost model alone. Default True.
+        cost_model: the selection model; default H200 figures (`select.CostModel`). The
+            conf's ``sm_penalty`` replaces its `sm_penalty`, also in a model passed here: how
+            many times auto counts each second of a launch that holds SMs for 100 µs or longer
+            (`select.CostModel.sm_weight`; default 2).
         driver: the CUDA driver's entry points; default the system's libcuda (`Driver.load`).
         runtime: ``torch.cuda``'s surface (`torch_device.Runtime`, plus ``get_device_name``,
             ``get_device_properties``, ``ExternalStream`` and ``device``); default the real one.
@@ -91,7 +91,6 @@ class CudaBackend(TorchDeviceBackend):
     module_name = "cuda"
     priority = 100
     install_hint = "needs an NVIDIA GPU, its driver, and a CUDA build of torch"
-    calibrates = True
 
     @classmethod
     def probe(cls) -> str | None:
@@ -133,7 +132,7 @@ class CudaBackend(TorchDeviceBackend):
         )
         ring_bytes = _setting(settings, "ring_mb", 16 << 20, given=ring_bytes, argument="ring_bytes", scale=1 << 20)
         self.max_batch = _setting(settings, "max_batch", 0, given=max_batch, argument="max_batch", zero=True)
-        self.cost = cost_model or calibration.saved_profile(runtime.get_device_name(self._device))
+        self.cost = cost_model or CostModel()
         penalty = _setting(settings, "sm_penalty", None, kind=float)
         if penalty is not None:
             self.cost = dataclasses.replace(self.cost, sm_penalty=penalty)
@@ -152,9 +151,8 @@ class CudaBackend(TorchDeviceBackend):
         tune = _setting(settings, "tune", 1, given=None if tune is None else int(tune), argument="tune", zero=True)
         if tune not in (0, 1):
             raise ConfigError(f"tune ({ENV_CONF} tune, or the argument) must be 0 or 1, got {tune!r}")
-        # auto's choices measured per shape class, kept per GPU model beside its profile
-        path = profile_path(runtime.get_device_name(self._device))
-        tuner = Tuner(path.with_name(path.stem + "-tuned.json")) if tune else None
+        # auto's choices measured per shape class, kept per GPU model
+        tuner = Tuner(winners_path(runtime.get_device_name(self._device))) if tune else None
         self._blocks = BlockCopier(self, self.staging_bytes, tuner)
         sms = runtime.get_device_properties(self._device).multi_processor_count
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
@@ -388,25 +386,6 @@ class CudaBackend(TorchDeviceBackend):
         class launched so far is decided, or without tuning. Benchmarks launch until it is 0."""
         tuner = self._blocks.tuner
         return 0 if tuner is None else tuner.undecided()
-
-    def calibrate(self, save: bool = True) -> dict:
-        """Measure this GPU's copy costs (a few seconds), use them, and save them as its
-        profile (`calibration.calibrate`). Workers' launches on this backend wait meanwhile.
-
-        Returns:
-            The measured cost model as a dict, with ``profile`` (the file) and ``saved``.
-
-        Raises:
-            ConfigError: the driver lacks the batch API that measures the link.
-            Exception: anything the GPU, its driver or the profile's folder raises.
-        """
-        from offload_core.backend import enqueue_lock  # the measurements use the descriptor ring
-
-        with enqueue_lock(self):
-            measured = calibration.calibrate(self, save)
-            if self._blocks.tuner is not None:  # measured under the old prior: measure again
-                self._blocks.tuner.forget()
-            return measured
 
     # ---- helpers -----------------------------------------------------------
 

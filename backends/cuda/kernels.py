@@ -1,6 +1,6 @@
 """The copy kernels, in Triton, for every copy the SMs make: host <-> device through unified
-addresses (``sm_gather``), device <-> device (calibration's gather into a staging buffer),
-and the expansion of compact jobs (`expand`: block ids against a layout's entry table).
+addresses (``sm_gather``) and the expansion of compact jobs (`expand`: block ids against a
+layout's entry table).
 
 Triton ships with CUDA builds of torch; where it is missing, `why_unavailable()` says so and the
 backend offers only copy-engine mechanisms.

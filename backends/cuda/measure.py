@@ -1,5 +1,5 @@
-"""Timing copies on the GPU, for `offload-core calibrate` and benchmarks/transfer_bench.py, each
-through `CudaBackend.enqueue_with` (the backend's own `mechanism` stays as it is).
+"""Timing copies on the GPU, for benchmarks/transfer_bench.py, each through
+`CudaBackend.enqueue_with` (the backend's own `mechanism` stays as it is).
 """
 
 from __future__ import annotations

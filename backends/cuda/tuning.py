@@ -2,7 +2,7 @@
 model rates close to its own pick, and the class keeps the fastest (as cuDNN's benchmark mode
 and Triton's autotune do). The cost model stays the prior: it names the candidates and wins
 ties, so its sparing of the SMs holds where measurements cannot tell the candidates apart.
-Winners persist per GPU model beside its calibration profile (`select.profile_path`).
+Winners persist per GPU model (`winners_path`).
 
 A launch's cost is the larger, per byte, of its host time around the enqueue and its device
 time between two events on the copy stream (the host prepares the next launch while the device
@@ -78,6 +78,14 @@ def shape_class(
         2 * segments < rows,
         max(0, int(math.log(max(1, launch_bytes), 4))),
     )
+
+
+def winners_path(device_name: str) -> Path:
+    """Where this device model's winners persist: in ``$OFFLOAD_CORE_PROFILE_DIR`` (default
+    ``~/.cache/offload-core``)."""
+    root = os.environ.get("OFFLOAD_CORE_PROFILE_DIR") or Path.home() / ".cache" / "offload-core"
+    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+    return Path(root) / f"cuda-{slug}-tuned.json"
 
 
 def candidates(estimates: dict[str, float], prior: str) -> list[str]:
@@ -212,18 +220,6 @@ class Tuner:
         """The decided classes, by name (`ShapeClass.name`)."""
         with self._lock:
             return {k.name(): v for k, v in self._saved.items()}
-
-    def forget(self) -> None:
-        """Drop every winner and trial (after a calibration: the prior changed)."""
-        with self._lock:
-            self._saved.clear()
-            self._single.clear()
-            self._trials.clear()
-        if self.path is not None:
-            try:
-                self.path.unlink(missing_ok=True)
-            except OSError as exc:
-                log.warning("cannot remove %s: %s", self.path, exc)
 
 
 class Timings:
