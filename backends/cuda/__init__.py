@@ -2,9 +2,9 @@
 
 `CudaBackend` adapts the core's `Backend` interface to the modules beside it: `mechanisms`
 (every mechanism by name), `blocks` (a worker's jobs expanded on the device), `select` and
-`tuning` (how ``auto`` chooses: a cost model, then measurements), `staging`, `driver`,
-`kernels`, `ring` and `events` (the CUDA driver through ctypes, the Triton kernels and their descriptor tables), and
-`measure` (timing copies).
+`tuning` (how ``auto`` chooses: a cost model, then measurements), `staging`, `driver`, `kernels`,
+`ring` and `events` (the CUDA driver through ctypes, the Triton kernels and their descriptor
+tables), and `measure` (timing copies).
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ SM_HOLD_S = 100e-6
 
 @dataclass
 class CostModel:
-    """Seconds a job takes, per mechanism. Defaults: NVIDIA H200, PCIe Gen5, measured 2026-11-29
-    at commit 8932a85."""
+    """Seconds a job takes, per mechanism. Defaults: an NVIDIA H200's, PCIe Gen5."""
 
     ce_desc_s: dict = field(default_factory=lambda: {"store": 223e-9, "load": 262e-9})  # 256 B copies: 1.1 / 1.0 GB/s
     ce_gbps: dict = field(default_factory=lambda: {"store": 55.3, "load": 55.5})
