@@ -256,13 +256,11 @@ def _group_names(groups: Any, layers: Mapping) -> list[list[Any]]:
                 f"ascend_kv_caches: groups[{g}] must be a list of layer names, got {_shown(names)} "
                 f"(one group of one layer is [[name]])"
             )
-        for i, n in enumerate(names):
+        for n in names:
             try:
                 known = n in layers
             except TypeError:  # unhashable
                 known = False
-            if known and n in names[:i]:
-                raise InvalidSpecError(f"ascend_kv_caches: groups[{g}] names layer {n!r} twice; name each layer once")
             if not known:
                 raise InvalidSpecError(
                     f"ascend_kv_caches: groups[{g}] names layer {_shown(n)}, not a layer of layers "

@@ -233,12 +233,13 @@ def positive_int(value: Any, what: str) -> int:
 
 def _ids(values: Any, what: str) -> np.ndarray:
     """`values` as a frozen 1-D int64 array; raises InvalidSpecError for any other dtype or shape, a
-    bool in a list or tuple, or a bytes-like object (bytes, bytearray, memoryview) or str."""
+    bool in a list or tuple, or raw bytes (bytes, bytearray, a memoryview of bytes) or str."""
     # The usual, an engine's int64 or int32 (vLLM's) array, in as few steps as possible.
     if type(values) is np.ndarray and values.ndim == 1 and (values.dtype is _INT64 or values.dtype is _INT32):
         return _frozen(values)
     listed = isinstance(values, (list, tuple))
-    if not listed and isinstance(values, (bytes, bytearray, memoryview, str)):  # numpy reads bytes as uint8s
+    raw = isinstance(values, (bytes, bytearray, str)) or (isinstance(values, memoryview) and values.format in "Bbc")
+    if not listed and raw:  # numpy reads bytes as uint8s
         raise InvalidSpecError(
             f"{what} must be integers (list, numpy array or CPU tensor), got a {type(values).__name__}: "
             f"its bytes or characters are not ids"

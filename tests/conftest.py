@@ -27,7 +27,7 @@ _simulations = contextlib.ExitStack()
 def pytest_configure(config):
     import simulated
 
-    # the cuda backend's saved profile and tuned choices: the suite's own, not the user's
+    # the cuda backend's tuned choices: the suite's own, not the user's
     os.environ["OFFLOAD_CORE_PROFILE_DIR"] = tempfile.mkdtemp(prefix="offload-core-test-profiles-")
 
     real = registry.availability()

@@ -169,7 +169,6 @@ def ascend_block(blocks=8):
         ),
         ({"l0": (ascend_block(),)}, "l0", r"groups must be a list of lists of layer names, got 'l0'"),
         ({"l0": (ascend_block(),)}, [["l0"], [["l0"]]], r"groups\[1\] names layer \['l0'\], not a layer"),
-        ({"l0": (ascend_block(),)}, [["l0", "l0"]], r"groups\[0\] names layer 'l0' twice"),
         ([ascend_block(), ascend_block()], None, r"layers must map layer names to tensors, got list"),
     ],
     ids=[
@@ -184,7 +183,6 @@ def ascend_block(blocks=8):
         "group-of-str",
         "groups-str",
         "unhashable-name",
-        "layer-twice",
         "layers-list",
     ],
 )
@@ -248,9 +246,9 @@ def test_xpu_holds_registered_memory_weakly(sim_xpu):
     assert gone() is None
     host = backend.alloc_host(64)
     one = np.ones(1, dtype=np.int64)
-    backend.copy_batch(
-        one * host.data_ptr(), one * (host.data_ptr() + 32), one * 8, Direction.STORE, backend.new_stream()
-    )
+    stream = backend.new_stream()
+    backend.copy_batch(one * host.data_ptr(), one * (host.data_ptr() + 32), one * 8, Direction.STORE, stream)
+    stream.synchronize()  # as test_xpu_memory_stays_registered_while_any_tensor_over_it_lives
 
 
 @pytest.mark.xpu
@@ -343,8 +341,10 @@ def test_xpu_memory_stays_registered_while_any_tensor_over_it_lives(sim_xpu):
     backend.register_buffer(head)
     one, base = np.ones(1, dtype=np.int64), cache.data_ptr()
 
-    def store(offset):
-        backend.copy_batch(one * (base + offset), one * host.data_ptr(), one * 8, Direction.STORE, backend.new_stream())
+    def store(offset):  # waited for: a copy left running at exit dies inside torch on its daemon thread, an abort
+        stream = backend.new_stream()
+        backend.copy_batch(one * (base + offset), one * host.data_ptr(), one * 8, Direction.STORE, stream)
+        stream.synchronize()
 
     store(200)  # beyond the shorter view: the longer one covers it
     del head

@@ -379,9 +379,23 @@ def child(cfg: dict) -> dict:
 
 
 def _forced(env: dict, spec: str) -> dict:
-    """`env` for a child of `spec`: ``offload-core:MECH`` forces the cuda backend to MECH."""
+    """`env` for a child of `spec`: ``offload-core:MECH`` forces the cuda backend to MECH, the
+    rest of the caller's ``OFFLOAD_CORE_CUDA_CONF`` kept."""
     _, _, mechanism = spec.partition(":")
-    return dict(env, OFFLOAD_CORE_CUDA_CONF=f"mechanism:{mechanism}") if mechanism else env
+    if not mechanism:
+        return env
+    conf = ",".join(p for p in (env.get("OFFLOAD_CORE_CUDA_CONF", ""), f"mechanism:{mechanism}") if p)
+    return dict(env, OFFLOAD_CORE_CUDA_CONF=conf)
+
+
+def _known_spec(spec: str) -> bool:
+    """A name of `SPECS`, or ``offload-core:MECH`` with MECH one of the cuda backend's mechanisms."""
+    name, colon, mechanism = spec.partition(":")
+    if not colon:
+        return name in SPECS
+    from offload_core.backends.cuda.mechanisms import TABLE
+
+    return name == "offload-core" and mechanism in TABLE
 
 
 def runs(args) -> list[dict]:
@@ -569,8 +583,10 @@ def main() -> None:
         (out / "report.md").write_text(report(json.loads(path.read_text())))
         return
     for s in args.shapes + args.specs:
-        if s not in SHAPES and s.partition(":")[0] not in SPECS:
-            ap.error(f"unknown shape or spec {s!r}: shapes {list(SHAPES)}, specs {list(SPECS)}")
+        if s not in SHAPES and not _known_spec(s):
+            ap.error(
+                f"unknown shape or spec {s!r}: shapes {list(SHAPES)}, specs {list(SPECS)} or offload-core:MECHANISM"
+            )
     if not set(args.phases) <= set(PHASES):
         ap.error(f"unknown phase in {args.phases}: phases {list(PHASES)}")
     results = {"meta": _meta(), "runs": []}
