@@ -114,9 +114,11 @@ def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and
         r.update(load_limit_gbps=50.0, load_jobs_per_launch=4.0)  # 16 MiB launches: 0.45 ms at 0.75 of 50 GB/s
     (load,) = [c for c in auto_vs_best.cells(rows) if c[1] == "load"]
     assert "SMs spared: expand_direct holds them 0.45 ms a launch" in load[3]
+    assert load[6] == pytest.approx(1.0)  # weighed as auto weighs it, expand_direct's 0.75 counts 0.375
     rows[0]["load_mechanisms"] = ["expand_direct"]
     (load,) = [c for c in auto_vs_best.cells(rows) if c[1] == "load"]
     assert "SMs spared" not in load[3]
+    assert load[6] == pytest.approx(0.5)  # auto's own launches on the SMs weigh the same
 
 
 def test_serve_times_the_decode_steps_while_stores_run_against_those_after():
