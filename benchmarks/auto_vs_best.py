@@ -24,17 +24,22 @@ ON_SMS = {"expand_direct", "sm_gather"}  # the mechanisms that hold SMs while th
 
 
 def launch_s(row: dict, d: str) -> float:
-    """How long one launch of `row`'s mechanism took in direction `d`: its jobs at its rate."""
+    """How long one launch of `row`'s mechanism held the device in direction `d`: its jobs at its
+    rate, the share of the wall time the copy stream was busy."""
     rate = row[f"{d}_ratio"] * row.get(f"{d}_limit_gbps", 0.0) * 1e9
-    return row.get(f"{d}_jobs_per_launch", 1.0) * row["job_bytes"] / rate if rate else 0.0
+    wall = row.get(f"{d}_jobs_per_launch", 1.0) * row["job_bytes"] / rate if rate else 0.0
+    return wall * row.get(f"{d}_device_busy", 1.0)
 
 
 def weighed(row: dict, d: str) -> float:
-    """`row`'s ratio as `auto` weighs it: a launch on the SMs counts its time `sm_weight` times
-    (`auto`'s own where any of its launches took a mechanism on the SMs)."""
+    """`row`'s ratio as `auto` weighs it: a launch costs the longer of its host time and its device
+    time, the device time on the SMs counted `sm_weight` times (`auto`'s own where any of its
+    launches took a mechanism on the SMs); the wall time stands for the host's."""
     took = {row["mechanism"]} | set(row.get(f"{d}_mechanisms") or ())
-    on_sms = ON_SMS & took
-    return row[f"{d}_ratio"] / (CostModel().sm_weight(launch_s(row, d)) if on_sms else 1.0)
+    if not ON_SMS & took:
+        return row[f"{d}_ratio"]
+    busy = row.get(f"{d}_device_busy", 1.0)
+    return row[f"{d}_ratio"] / max(1.0, busy * CostModel().sm_weight(launch_s(row, d)))
 
 
 def cells(rows: list[dict]) -> list[tuple]:

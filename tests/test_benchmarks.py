@@ -119,6 +119,10 @@ def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and
     (load,) = [c for c in auto_vs_best.cells(rows) if c[1] == "load"]
     assert "SMs spared" not in load[3]
     assert load[6] == pytest.approx(0.5)  # auto's own launches on the SMs weigh the same
+    for r in rows:
+        r["load_device_busy"] = 0.4  # bound by the host: 0.18 ms of device a launch, weighed 0.36, under the wall's
+    (load,) = [c for c in auto_vs_best.cells(rows) if c[1] == "load"]
+    assert load[6] == pytest.approx(0.50 / 0.75)
 
 
 def test_serve_times_the_decode_steps_while_stores_run_against_those_after():
