@@ -54,7 +54,7 @@ def cells(rows: list[dict]) -> list[tuple]:
         if "auto" not in by or len(by) < 2:
             continue
         for d in ("store", "load"):
-            forced = {m: r[f"{d}_ratio"] for m, r in by.items() if m != "auto" and r.get(f"{d}_ratio")}
+            forced = {m: r[f"{d}_ratio"] for m, r in by.items() if not m.startswith("auto") and r.get(f"{d}_ratio")}
             if not forced:
                 continue
             best = max(forced, key=forced.get)
