@@ -48,15 +48,7 @@ def _backends(name: str | None, mechanisms: list[str] | None):
         return [("default", base)]
     from offload_core.backends.cuda import CudaBackend
 
-    def made(m: str):
-        if m != "auto-unjoined":
-            return CudaBackend(mechanism=m)
-        # auto without its compiled joined launch (`copy_jobs`): the queue joins the jobs itself
-        backend = CudaBackend(mechanism="auto")
-        backend.copy_jobs = lambda jobs, prepared, stream, after: None
-        return backend
-
-    return [(m, made(m)) for m in mechanisms or ["auto", *base.available_mechanisms]]
+    return [(m, CudaBackend(mechanism=m)) for m in mechanisms or ["auto", *base.available_mechanisms]]
 
 
 def _runs(sizes, bursts: list, repeat: int):
@@ -310,8 +302,7 @@ def main() -> None:
     parser.add_argument("--backend", help="backend name (default: the best available)")
     parser.add_argument(
         "--mechanisms",
-        help="cuda: comma-separated mechanisms (default: auto and every available one); auto-unjoined is auto "
-        "without its compiled joined launch",
+        help="cuda: comma-separated mechanisms (default: auto and every available one)",
     )
     parser.add_argument("--pages", default="256,1024,4096,32768", help="page sizes in bytes (default: %(default)s)")
     parser.add_argument("--blocks-per-job", default="1,16,128", help="blocks per job (default: %(default)s)")

@@ -30,10 +30,6 @@ if [ "$phase" = grid ]; then
   }
   grid auto,expand_staged,expand_direct,ce_batch,sm_gather all
   python3 benchmarks/auto_vs_best.py "$out"/grid-all-*.json | tee "$out/auto_vs_best.md"
-  # A/B of the compiled joined launch (`copy_jobs`): small jobs of many tensors, as an engine sends them
-  timeout 90 python3 benchmarks/engine_bench.py --backend cuda --mechanisms auto,auto-unjoined --layers 32 \
-      --pages 256,1024,4096 --blocks-per-job 16 --jobs 128 --json "$out/joined.json" > "$out/joined.log" 2>&1
-  tail -8 "$out/joined.log"
   cp "${OFFLOAD_CORE_PROFILE_DIR:-$HOME/.cache/offload-core}"/*-tuned.json "$out/" 2>/dev/null
   exit 0
 fi
@@ -56,7 +52,7 @@ if [ "$phase" != bench ]; then
   echo "== tests"
   timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_conformance.py tests/test_worker.py \
       tests/test_cli.py tests/test_queue.py tests/test_canonical.py tests/test_cuda_host.py tests/test_cuda_driver.py tests/test_cuda_launch.py tests/test_coalesce.py \
-      tests/test_threads.py tests/test_vllm_convert.py tests/test_cuda_joined.py tests/test_cuda_tuning.py \
+      tests/test_threads.py tests/test_vllm_convert.py tests/test_cuda_tuning.py \
       tests/test_interrupts.py tests/test_cuda_interrupts.py tests/test_benchmarks.py > "$out/pytest.log" 2>&1
   echo "pytest rc=$?"; tail -1 "$out/pytest.log"; grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head
   echo "== sanitizer"

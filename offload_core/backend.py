@@ -188,20 +188,6 @@ class Backend(abc.ABC):
             return None
         return self.copy_batch(src, dst, sizes, job.direction, stream)
 
-    def copy_jobs(self, jobs: list[CompactJob], prepared: Any, stream: Stream, after: list[Event]) -> str | None:
-        """Enqueue a launch's jobs as `copy_blocks` of ``CompactJob.concat(jobs).in_host_order()``
-        would, for a backend that joins them faster itself; or return None having enqueued
-        nothing (the default): the queue then joins them and calls `copy_blocks`.
-
-        Returns:
-            The mechanism's name, or None: declined.
-
-        Raises:
-            Exception: anything that stops the copies from being enqueued (after which some of
-                them may have been).
-        """
-        return None
-
     def buffer_waits(self) -> tuple[int, float]:
         """Running totals of this backend's enqueues that waited for the device because a buffer
         of its own was full (cuda's descriptor ring), and their seconds (`QueueStats.buffer_waits`).
@@ -223,7 +209,7 @@ _enqueue_locks_guard = threading.Lock()
 
 def enqueue_lock(backend: Backend) -> threading.Lock:
     """The lock every enqueue on `backend` is made under, across all its workers' lanes (the core
-    holds it around `copy_jobs`/`copy_blocks`): a backend that enqueues work of its own takes it
+    holds it around `copy_blocks`): a backend that enqueues work of its own takes it
     too, so that its buffers are never shared with a launch."""
     with _enqueue_locks_guard:
         lock = _enqueue_locks.get(backend)

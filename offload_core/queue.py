@@ -497,14 +497,11 @@ class TransferQueue:
                 for ready in after:
                     stream.wait_event(ready)
                 start.record(stream)
-                prepared = batch[0].prepared
-                mechanism = self.backend.copy_jobs(jobs, prepared, stream, after)
-                if mechanism is None:
-                    # host-block order where that joins host rows: copies within a launch run in any order
-                    job = CompactJob.concat(jobs).in_host_order()
-                    job.host_after = tuple(w for p in batch for w in p.waits)
-                    held.append(job)
-                    mechanism = self.backend.copy_blocks(job, prepared, stream, after) if len(job) else None
+                # host-block order where that joins host rows: copies within a launch run in any order
+                job = CompactJob.concat(jobs).in_host_order()
+                job.host_after = tuple(w for p in batch for w in p.waits)
+                held.append(job)
+                mechanism = self.backend.copy_blocks(job, batch[0].prepared, stream, after) if len(job) else None
                 end.record(stream)
             except Exception as exc:
                 log.error(

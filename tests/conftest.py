@@ -51,12 +51,9 @@ def _listed(var: str) -> set[str] | None:
 
 # The cpu backend once more per path of the core that only expanding backends take (compact
 # jobs, offload_core/testing/expanding.py): expanded into staging, or straight into host rows.
-# the cpu backend on the compact path: staged, direct, and direct with launches of simple jobs
-# joined by the backend (`Backend.copy_jobs`) rather than by the queue
 _EXPANDING = {
     "cpu-expand-staged": {"staged": True},
     "cpu-expand-direct": {"staged": False},
-    "cpu-expand-joined": {"staged": False, "joins": True},
 }
 
 

@@ -215,7 +215,7 @@ def ctrl_c_inside_calls(backend, device: str, store: bool) -> None:
     host = list(worker.host_tensors)  # views of the host buffer, for the checks after shutdown
     lane = worker._queues[Direction.STORE if store else Direction.LOAD]
     lane._launcher = object()  # no launcher thread: jobs go with a submit or a wait only
-    copy = CtrlCInside(backend, "copy_jobs", "copy_blocks")
+    copy = CtrlCInside(backend, "copy_blocks")
 
     def submit(job_id: int) -> None:
         if store:

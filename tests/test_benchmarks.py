@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from offload_core import Direction, get_backend
-from offload_core.backends.cpu import CpuBackend, memmove_all
+from offload_core.backends.cpu import CpuBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -29,29 +29,35 @@ def test_an_engine_bench_row_holds_its_figures_and_its_bytes_arrived():
         assert row[f"{direction}_buffer_waits"] == 0  # the cpu backend never waits for a full buffer
 
 
-def test_every_jobs_bytes_are_checked_not_only_the_last_ones():
-    """One byte of one middle job's copies (the measured pass's second store) goes wrong."""
+def test_every_jobs_bytes_are_checked_not_only_the_last_ones(monkeypatch):
+    """One byte of a host row that only a middle job writes (the measured pass's second store)
+    goes wrong, in whichever launch moves that job."""
+    stores: list[np.ndarray] = []  # each submitted store's host blocks, in order
+
+    class Recording(engine_bench.OffloadWorker):
+        def submit_store(self, job_id, device_blocks, host_blocks):
+            stores.append(host_blocks.block_ids)
+            return super().submit_store(job_id, device_blocks, host_blocks)
 
     class OneWrongByte(CpuBackend):
-        stores = 0
+        stored = 0  # stores the launches so far moved
 
-        def copy_jobs(self, jobs, prepared, stream, after):  # each launch's jobs as submitted
-            for job in jobs:
-                src, dst, sizes = job.layout.copies(job)
-                store = job.direction is Direction.STORE
-                wrong = store and OneWrongByte.stores == 7  # the warm-up pass stores 6 jobs
-                OneWrongByte.stores += store
+        def copy_blocks(self, job, prepared, stream, after):
+            mechanism = super().copy_blocks(job, prepared, stream, after)
+            if job.direction is Direction.STORE:
+                first, OneWrongByte.stored = OneWrongByte.stored, OneWrongByte.stored + job.jobs
+                if first <= 7 < OneWrongByte.stored:  # the warm-up pass stores 6 jobs
+                    row = job.layout.host_base + int(stores[7][0]) * job.layout.row_bytes
 
-                def copy(src=src, dst=dst, sizes=sizes, wrong=wrong):
-                    memmove_all(src, dst, sizes)
-                    if wrong:
-                        ctypes.c_uint8.from_address(int(dst[0])).value ^= 0xFF
+                    def spoil():
+                        ctypes.c_uint8.from_address(row).value ^= 0xFF
 
-                stream.launch(copy)
-            return "memmove"
+                    stream.launch(spoil)
+            return mechanism
 
+    monkeypatch.setattr(engine_bench, "OffloadWorker", Recording)
     row = engine_bench.run_shape(OneWrongByte(), page=256, per_job=4, count=2, jobs=6)
-    assert OneWrongByte.stores >= 12 and row["store_ok"] and row["load_ok"]
+    assert OneWrongByte.stored >= 12 and row["store_ok"] and row["load_ok"]
     assert not row["verified"]
 
 
@@ -65,9 +71,9 @@ def test_backends_take_their_measured_passes_in_turn_each_with_its_own_bytes():
             super().__init__()
             self.tag = tag
 
-        def copy_jobs(self, jobs, prepared, stream, after):
+        def copy_blocks(self, job, prepared, stream, after):
             log.append(self.tag)
-            return super().copy_jobs(jobs, prepared, stream, after)
+            return super().copy_blocks(job, prepared, stream, after)
 
     rows = engine_bench.run_interleaved([Tagged("a"), Tagged("b")], page=256, per_job=4, count=2, jobs=6, passes=3)
     assert len(rows) == 2 and all(r["verified"] and r["store_ok"] and r["load_ok"] for r in rows)

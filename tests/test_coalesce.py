@@ -61,12 +61,11 @@ def one_then_eight(worker, lock):
     worker.wait(range(9))
 
 
-@pytest.fixture(params=[False, True], ids=["queue-joins", "backend-joins"])
-def held(request):
+@pytest.fixture
+def held():
     """A backend whose enqueue lock the test holds: the first launch blocks on it, so later jobs
-    wait, and go together. Launches of simple jobs joined by the queue (`copy_blocks`), or by
-    the backend (`copy_jobs`, as the cuda backend joins small ones)."""
-    backend = ExpandingCpuBackend(joins=request.param)
+    wait, and go together."""
+    backend = ExpandingCpuBackend()
     lock = enqueue_lock(backend)
     lock.acquire()
     yield backend, lock
@@ -86,7 +85,7 @@ def test_jobs_waiting_for_a_launch_go_as_one_with_results_per_job(held):
         stats = worker.stats()["store"]
         assert (stats.jobs, stats.launches, backend.jobs) == (9, 2, 2)
         assert stats.descriptors == 17 * len(kv.tensors) and stats.bytes == 96 * 17
-        assert {r.mechanism for r in results} == {"expand_direct" if backend.joins else "expand_staged"}
+        assert {r.mechanism for r in results} == {"expand_staged"}
         for t, h in zip(kv.tensors, worker.host_tensors):
             ids = [0] + list(range(2, 18))
             assert torch.equal(h[ids], t.tensor[ids])
@@ -554,16 +553,9 @@ class WaitingBackend(ExpandingCpuBackend):
         self._wait(stream)
         return super().copy_blocks(job, prepared, stream, after)
 
-    def copy_jobs(self, jobs, prepared, stream, after):
-        mechanism = super().copy_jobs(jobs, prepared, stream, after)
-        if mechanism is not None:
-            self._wait(stream)
-        return mechanism
 
-
-@pytest.mark.parametrize("joins", [False, True], ids=["queue-joins", "backend-joins"])
-def test_a_backends_waits_for_its_full_buffers_count_as_its_lanes_back_pressure(joins):
-    backend = WaitingBackend(joins=joins)
+def test_a_backends_waits_for_its_full_buffers_count_as_its_lanes_back_pressure():
+    backend = WaitingBackend()
     with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
         backend.stores = worker._queues[next(iter(worker._queues))]._stream
         for j in range(4):

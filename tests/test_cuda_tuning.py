@@ -337,7 +337,7 @@ def test_auto_runs_the_trials_then_the_winner(monkeypatch, fast, unit, winner):
 
 
 def test_a_class_with_one_candidate_is_decided_at_once_but_not_saved(tmp_path):
-    """`join_plan` joins a class's launches only once it is decided for expand_direct."""
+    """One candidate decides its class at once; only measured winners are saved."""
     tuner = Tuner(tmp_path / "tuned.json")
     assert tuner.pick(KEY, ["expand_direct"]) == ("expand_direct", False)
     assert tuner.decided(KEY) == "expand_direct"

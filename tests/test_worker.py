@@ -85,15 +85,14 @@ def check_round_trip(backend, case):
     return results
 
 
-@pytest.fixture(params=["planned", "expand-staged", "expand-direct", "expand-joined"])
+@pytest.fixture(params=["planned", "expand-staged", "expand-direct"])
 def cpu_backend(request):
-    """The cpu backend on each of the core's paths: host-planned descriptors, compact jobs (launches
-    of simple jobs joined by the queue, or by the backend)."""
+    """The cpu backend on each of the core's paths: host-planned descriptors, compact jobs."""
     if request.param == "planned":
         return get_backend("cpu")
     from offload_core.testing.expanding import ExpandingCpuBackend
 
-    return ExpandingCpuBackend(staged=request.param == "expand-staged", joins=request.param == "expand-joined")
+    return ExpandingCpuBackend(staged=request.param == "expand-staged")
 
 
 @pytest.mark.cpu

@@ -22,7 +22,7 @@ import numpy as np
 
 from offload_core.backend import Direction, deferred
 from offload_core.backends.cuda import kernels
-from offload_core.backends.cuda.blocks import EXPAND_DIRECT, BlockCopier
+from offload_core.backends.cuda.blocks import BlockCopier
 from offload_core.backends.cuda.config import ENV_CONF, conf
 from offload_core.backends.cuda.driver import (
     ERROR_HOST_MEMORY_ALREADY_REGISTERED,
@@ -158,14 +158,13 @@ class CudaBackend(TorchDeviceBackend):
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
         # the hot path's events and compute stream through the driver, where it has them all
         self._driver_events = self.driver.has_events
-        table_launch = join_launch = None
+        table_launch = None
         if self._driver_events:
             with self._context():
                 self._ctx = self.driver.current_context()  # this GPU's primary context
             table_launch = self.driver.table_launch_in(self._ctx)
-            join_launch = self.driver.join_launch_in(self._ctx)
         self._ring = DescriptorRing(
-            self._torch, self._device, self._table_copy, -(-ring_bytes // 8), launch=table_launch, join=join_launch
+            self._torch, self._device, self._table_copy, -(-ring_bytes // 8), launch=table_launch
         )
         # what Triton reads too; only torch's own runtime has it
         self._raw_stream = (
@@ -264,20 +263,6 @@ class CudaBackend(TorchDeviceBackend):
                 raise ConfigError(reason)
         with deferred(), self._enqueued(stream) as held:
             return self._blocks.copy(job, prepared, stream, after, held, forced)
-
-    def copy_jobs(self, jobs, prepared, stream, after) -> str | None:
-        # Only where copy_blocks would choose for itself (`BlockCopier.join_plan`).
-        forced = TABLE.get(self.mechanism)
-        if prepared is None or (forced is not None and not forced.takes_batches):
-            return None
-        plan = self._blocks.join_plan(jobs, prepared)
-        if plan is None:
-            return None
-        with deferred(), self._enqueued(stream):  # a launch it declines leaves a ring region to retire
-            launched = self._ring.join_launch(plan[0], stream, *plan[1:])
-        if launched is not None:  # None: the ring was full, which says nothing of the next launches
-            self._blocks.joined(prepared, jobs[0].direction, launched)
-        return EXPAND_DIRECT.name if launched else None
 
     @contextmanager
     def _enqueued(self, stream):

@@ -2,9 +2,7 @@
  * (driver.py makes them through ctypes where this module was not built, or OFFLOAD_CORE_NATIVE=0:
  * that stays the reference and the fallback). `context_call` calls a driver entry point in a
  * given context (the backend's events, stream waits and descriptor-table uploads),
- * `table_launch` a kernel's launch with its table's upload (the expansion kernel), `join_launch`
- * the same for simple jobs joined and put in host order on the way (what `CompactJob.concat` and
- * `in_host_order` do). Every entry point's address comes from driver.py, which resolves them: no
+ * `table_launch` a kernel's launch with its table's upload (the expansion kernel). Every entry point's address comes from driver.py, which resolves them: no
  * CUDA header, no libcuda to link.
  * Built where a C compiler is found (setup.py, with a copy of offload_core's _arrays.c: the
  * helpers of offload_core._native); the backend works the same without it.
@@ -19,8 +17,6 @@
 
 int offload_int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name); /* offload_core/_arrays.c */
 int offload_arity(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most);
-Py_ssize_t offload_runs_of(const uint64_t *h, Py_ssize_t n);
-void offload_sort_pairs(uint64_t *kh, uint64_t *kd, uint64_t *th, uint64_t *td, Py_ssize_t n);
 
 /* Driver entry points of the CUresult fn(void *...) kind, called with a context made current
  * around them (the backend's events, events.py). */
@@ -117,7 +113,7 @@ typedef int (*launch_kernel_fn)(void *, unsigned, unsigned, unsigned, unsigned, 
 #define TABLE_COLUMNS 8
 #define TABLE_PARAMS 24
 
-/* What a table's upload and its kernel's launch take, as `table_launch` and `join_launch` get it. */
+/* What a table's upload and its kernel's launch take, as `table_launch` gets it. */
 typedef struct {
     void *fn[5]; /* cuCtxGetCurrent, cuCtxPushCurrent, cuCtxPopCurrent, cuMemcpyAsync, cuLaunchKernel */
     void *context, *host, *stream, *function;
@@ -281,160 +277,8 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(join_launch_doc,
-             "join_launch(get, push, pop, memcpy, launch, context, host, device, room, parts, narrow, stream,\n"
-             "            function, grid, threads, shared, params, order, least_runs) -> None, runs or (what, code)\n"
-             "\n"
-             "`table_launch` of jobs joined into one table, as `CompactJob.concat` and `in_host_order`\n"
-             "join and order them: `parts` is (devs, hosts), two sequences of as many C-contiguous int64\n"
-             "arrays, the i-th of each of one length; the table is the devs joined, then the hosts joined,\n"
-             "the pairs put in ascending (stable) host order where `order` and that makes fewer runs of\n"
-             "consecutive hosts (as `host_order` does). Where the hosts then make fewer than `least_runs`\n"
-             "runs, it returns their count, having called nothing (the hosts may be written at `host`,\n"
-             "which is the caller's); otherwise as `table_launch`. Raises TypeError, ValueError or\n"
-             "MemoryError, having called nothing, for arguments outside these rules.");
-
-/* One job's ids, where the table's columns come from (the jobs' own arrays, or their joined and
- * sorted copies). */
-typedef struct {
-    const uint64_t *dev, *host;
-    Py_ssize_t n;
-} Part;
-
-/* Runs of consecutive hosts over the parts in turn, as `offload_runs_of` counts them in the joined
- * hosts: rows that are the first or whose host is not the one before plus 1. Where `out` is
- * given, the hosts are written on the same pass as column 1 of the `n`-row table there (as
- * `write_parts` writes it). */
-static Py_ssize_t parts_runs(const Part *p, Py_ssize_t m, void *out, int narrow, Py_ssize_t n) {
-    Py_ssize_t runs = 0, at = 0;
-    uint64_t prev = 0;
-    for (Py_ssize_t k = 0; k < m; at += p[k].n, k++) {
-        const uint64_t *h = p[k].host;
-        for (Py_ssize_t i = 0; i < p[k].n; i++) {
-            if (out != NULL) {
-                if (narrow)
-                    ((int32_t *)out)[n + at + i] = (int32_t)h[i];
-                else
-                    ((uint64_t *)out)[n + at + i] = h[i];
-            }
-            runs += at + i == 0 || h[i] - prev != 1;
-            prev = h[i];
-        }
-    }
-    return runs;
-}
-
-/* The parts' column (`host`s where `hosts`, else `dev`s) as column `j` of the table at `out`,
- * `n` rows long: int32 where `narrow`, as `write_column` writes it. */
-static void write_parts(void *out, int narrow, Py_ssize_t j, Py_ssize_t n, const Part *p, Py_ssize_t m, int hosts) {
-    for (Py_ssize_t k = 0, at = 0; k < m; at += p[k].n, k++) {
-        const int64_t *col = (const int64_t *)(hosts ? p[k].host : p[k].dev);
-        if (narrow) {
-            int32_t *o = (int32_t *)out + j * n + at;
-            for (Py_ssize_t i = 0; i < p[k].n; i++) o[i] = (int32_t)col[i];
-        } else {
-            memcpy((int64_t *)out + j * n + at, col, (size_t)p[k].n * 8);
-        }
-    }
-}
-
-static PyObject *join_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    static const char who[] = "join_launch";
-    if (!offload_arity(who, nargs, 19, 19)) return NULL;
-    Launch l;
-    if (parse_launch(who, args, &l) < 0) return NULL;
-    int order = PyObject_IsTrue(args[17]);
-    if (order < 0) return NULL;
-    Py_ssize_t least = PyLong_AsSsize_t(args[18]);
-    if (least == -1 && PyErr_Occurred()) return NULL;
-    PyObject *parts = NULL, *devs = NULL, *hosts = NULL, *params = NULL, *result = NULL;
-    Py_buffer *views = NULL;
-    Part *p = NULL;
-    uint64_t *joined = NULL;
-    Py_ssize_t m = 0, got = 0, n = 0, np_ = 0;
-    uint64_t values[TABLE_PARAMS];
-    if ((parts = as_tuple(args[9], who, "parts must be (devs, hosts), two sequences of int64 arrays")) == NULL) goto done;
-    if (PyTuple_GET_SIZE(parts) != 2) {
-        PyErr_Format(PyExc_ValueError, "%s: parts must be (devs, hosts), got %zd sequences", who, PyTuple_GET_SIZE(parts));
-        goto done;
-    }
-    if ((devs = as_tuple(PyTuple_GET_ITEM(parts, 0), who, "devs must be a sequence of int64 arrays")) == NULL ||
-        (hosts = as_tuple(PyTuple_GET_ITEM(parts, 1), who, "hosts must be a sequence of int64 arrays")) == NULL ||
-        (params = as_tuple(args[16], who, "params must be a sequence of ints")) == NULL)
-        goto done;
-    m = PyTuple_GET_SIZE(devs);
-    if (m < 1 || PyTuple_GET_SIZE(hosts) != m) {
-        PyErr_Format(PyExc_ValueError, "%s: devs and hosts must hold as many arrays, at least one (got %zd and %zd)", who,
-                     m, PyTuple_GET_SIZE(hosts));
-        goto done;
-    }
-    if (parse_params(who, params, values, &np_) < 0) goto done;
-    if ((views = PyMem_Malloc(2 * (size_t)m * sizeof(Py_buffer))) == NULL ||
-        (p = PyMem_Malloc((size_t)m * sizeof(Part))) == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; got < 2 * m; got++) { /* devs in views[0, m), hosts in views[m, 2m) */
-        PyObject *part = PyTuple_GET_ITEM(got < m ? devs : hosts, got % m);
-        const char *what = got < m ? "join_launch: a devs array" : "join_launch: a hosts array";
-        if (offload_int64_buffer(part, &views[got], 0, what) < 0)
-            goto done;
-        if (got >= m && views[got].len != views[got - m].len) {
-            PyErr_Format(PyExc_ValueError, "%s: the devs and hosts of part %zd differ in length (%zd and %zd)", who,
-                         got - m, views[got - m].len / 8, views[got].len / 8);
-            PyBuffer_Release(&views[got]);
-            goto done;
-        }
-        if (got < m) n += views[got].len / 8;
-    }
-    for (Py_ssize_t k = 0; k < m; k++) p[k] = (Part){views[k].buf, views[m + k].buf, views[k].len / 8};
-    size_t nbytes = 2 * (size_t)n * (l.narrow ? 4 : 8);
-    if (nbytes > (size_t)l.room) {
-        PyErr_Format(PyExc_ValueError, "%s: a table of %zu bytes does not fit the %zd reserved for it", who, nbytes,
-                     l.room);
-        goto done;
-    }
-    /* The table is written from the jobs' own arrays; only a sort joins them, into a copy. As
-     * given, the hosts' column is written on the pass that counts their runs (memory-bound: a
-     * million ids are 8 MB), before the choice: the reserved memory is this call's either way. */
-    int sorting = order && n >= 2, hosts_written = !sorting;
-    Py_ssize_t runs = parts_runs(p, m, sorting ? NULL : l.host, l.narrow, n);
-    if (sorting && runs > 1) {
-        if ((joined = malloc(4 * (size_t)n * 8)) == NULL) { /* sorted hosts, devs, and the sort's scratch */
-            PyErr_NoMemory();
-            goto done;
-        }
-        uint64_t *sh = joined, *sd = joined + n;
-        for (Py_ssize_t k = 0, at = 0; k < m; at += p[k].n, k++) {
-            memcpy(sh + at, p[k].host, (size_t)p[k].n * 8);
-            memcpy(sd + at, p[k].dev, (size_t)p[k].n * 8);
-        }
-        offload_sort_pairs(sh, sd, sd + n, sd + 2 * n, n);
-        Py_ssize_t sorted_runs = offload_runs_of(sh, n);
-        if (sorted_runs < runs) p[0] = (Part){sd, sh, n}, m = 1, runs = sorted_runs;
-    }
-    if (runs < least) {
-        result = PyLong_FromSsize_t(runs);
-        goto done;
-    }
-    write_parts(l.host, l.narrow, 0, n, p, m, 0);
-    if (!hosts_written) write_parts(l.host, l.narrow, 1, n, p, m, 1);
-    result = upload_and_launch(&l, nbytes, values, np_);
-done:
-    free(joined);
-    for (Py_ssize_t j = 0; j < got; j++) PyBuffer_Release(&views[j]);
-    PyMem_Free(views);
-    PyMem_Free(p);
-    Py_XDECREF(parts);
-    Py_XDECREF(devs);
-    Py_XDECREF(hosts);
-    Py_XDECREF(params);
-    return result;
-}
-
 static PyMethodDef methods[] = {
     {"context_call", (PyCFunction)(void (*)(void))context_call, METH_FASTCALL, context_call_doc},
-    {"join_launch", (PyCFunction)(void (*)(void))join_launch, METH_FASTCALL, join_launch_doc},
     {"table_launch", (PyCFunction)(void (*)(void))table_launch, METH_FASTCALL, table_launch_doc},
     {NULL, NULL, 0, NULL},
 };

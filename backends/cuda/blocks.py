@@ -32,7 +32,7 @@ from offload_core.backends.cuda import kernels, tuning
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 from offload_core.backends.cuda.select import cheapest
 from offload_core.backends.cuda.staging import PerStream, StagingHalves
-from offload_core.compact import SORTED_BLOCKS, CompactJob, CompactLayout
+from offload_core.compact import CompactJob, CompactLayout
 
 # How many programs an ``expand_direct`` launch takes (`BlockCopier.direct_programs`): each
 # holds an SM while its bytes cross the link, so as few as keep up with it. Loads need more
@@ -49,7 +49,6 @@ SMALL_PAGE_STORE_PROGRAMS = 4  # a store of smaller pages averaging more than HO
 DIRECT_STORE_BYTES = 4 << 20
 DIRECT_STORE_PAGE = 4096
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
-JOIN_BACKOFF = 64  # launches that go to `BlockCopier.copy` at most after a declined joined launch
 
 
 class Prepared:
@@ -64,9 +63,7 @@ class Prepared:
         self.per_block = max(1, layout.max_entries)
         self.direct_ok: bool | None = None  # the host rows are device-addressable; known at the first job
         self.narrow = narrow_ids(layout)
-        self.whole_rows = {d: layout.whole_rows(d) for d in Direction}  # `BlockCopier.join_plan` may take its jobs
-        # per direction, [launches not to offer `join_plan`, how many the next decline skips]
-        self.join_backoff = {d: [0, 0] for d in Direction}
+        self.whole_rows = {d: layout.whole_rows(d) for d in Direction}  # each block writes its whole host row
 
 
 def narrow_ids(layout: CompactLayout) -> bool:
@@ -264,58 +261,6 @@ class BlockCopier:
         if self.direct_ok(prepared):
             out[EXPAND_DIRECT.name] = cost.estimate("expand_direct", d, items, nbytes, count)
         return out
-
-    def join_plan(self, jobs: list[CompactJob], prepared: Prepared | None) -> tuple | None:
-        """The arguments of `DescriptorRing.join_launch` after the stream, which joins, orders
-        (`CompactJob.concat`, `in_host_order`) and launches consecutive simple jobs in one
-        compiled call, as `copy` would the joined job, where the tuner decided their shape class
-        (host rows apart, as given) for ``expand_direct``; the call declines where the rows then
-        come in runs (another class). None where that cannot be so, or the call cannot be made
-        (no compiled step, the build not launchable by hand yet, the last offers declined:
-        `joined`). Enqueues nothing."""
-        b = self.backend
-        if self.tuner is None or prepared is None or not b._ring.joins:
-            return None  # without a tuner, `copy` weighs each launch's own segments
-        direction = jobs[0].direction
-        layout = prepared.layout
-        if not prepared.whole_rows[direction] or layout.row_bytes > self.half_bytes:
-            return None
-        backoff = prepared.join_backoff[direction]
-        if backoff[0]:  # the last offers were declined (`joined`): the next few go to `copy` at once
-            backoff[0] -= 1
-            return None
-        n = nbytes = count = 0
-        for job in jobs:
-            if not job.simple:
-                return None
-            n, nbytes, count = n + job.dev_ids.size, nbytes + job.nbytes, count + job.jobs
-        if not self.direct_ok(prepared):
-            return None
-        # joined launches are not timed: the trials go through `copy`
-        key = tuning.shape_class(
-            direction.value, layout.smallest, layout.row_bytes, nbytes // max(1, count), n, n, nbytes
-        )
-        if self.tuner.decided(key) != EXPAND_DIRECT.name:
-            return None
-        programs = self._programs(direction, layout, nbytes, count, layout.row_bytes)
-        store, rows = direction is Direction.STORE, (layout.host_base, layout.row_bytes, True)
-        raw = kernels.raw_expansion(
-            b._ring, n, *_tables(prepared), store, layout.largest, programs, rows, prepared.narrow, b.device_index
-        )
-        if raw is None:
-            return None
-        parts = ([job.dev_ids for job in jobs], [job.host_ids for job in jobs])
-        # fewer runs than half the rows: the class of rows in runs (`tuning.shape_class`)
-        return (parts, prepared.narrow, 2 <= n <= SORTED_BLOCKS, -(-n // 2), *raw)
-
-    @staticmethod
-    def joined(prepared: Prepared, direction: Direction, launched: bool) -> None:
-        """What became of a `join_plan` offer. A declined one cost a join, a sort and an event for
-        nothing, and an engine's next launches are likely alike: the next offers are skipped,
-        twice as many after each decline, up to `JOIN_BACKOFF`; a taken one resets that."""
-        backoff = prepared.join_backoff[direction]
-        backoff[1] = 0 if launched else min(JOIN_BACKOFF, 2 * backoff[1] or 1)
-        backoff[0] = backoff[1]
 
     def expand(self, job, prepared, b0, b1, stream, held, programs: int, stage: int | None = None) -> None:
         """Upload the table of blocks b0..b1 and enqueue the kernel on `stream` with at most

@@ -174,27 +174,18 @@ class Driver:
         """A descriptor table's upload and a kernel's launch in one compiled call in `context`
         (`DescriptorRing.upload_launch`'s `launch`), or None where the module or an entry point
         is missing. The callable raises `CudaDriverError` naming the call that failed."""
-        return self._compiled_launch(context, "table_launch")
-
-    def join_launch_in(self, context: int) -> Callable[..., tuple[int, int] | None] | None:
-        """`table_launch_in` for simple jobs joined on the way (`DescriptorRing.join_launch`'s
-        `join`). The callable returns None where it launched, else the runs it counted."""
-        return self._compiled_launch(context, "join_launch")
-
-    def _compiled_launch(self, context: int, name: str) -> Callable | None:
         module = compiled()
         if module is None or self.launch_kernel is None or not self.has_events:
             return None
         entry = [self.address(f) for f in (self.ctx_get_current, self.ctx_push_current, self.ctx_pop_current)]
         bound = functools.partial(
-            getattr(module, name), *entry, self.address(self.memcpy), self.address(self.launch_kernel), context
+            module.table_launch, *entry, self.address(self.memcpy), self.address(self.launch_kernel), context
         )
 
-        def launch(*args):
-            result = bound(*args)
-            if isinstance(result, tuple) and isinstance(result[0], str):  # else join_launch's runs
-                self.fail(result[1], result[0])
-            return result
+        def launch(*args) -> None:
+            failed = bound(*args)
+            if failed is not None:
+                self.fail(failed[1], failed[0])
 
         return launch
 

@@ -451,14 +451,3 @@ def _raw_expansion(programs: int, args: list, constexprs: dict, warps: int, devi
     function, threads, shared, kept, hidden = raw
     values = [*args, *constexprs.values()]
     return function, programs, threads, shared, [values[i] for i in kept[1:]] + [0] * hidden
-
-
-def raw_expansion(
-    ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow, device=0
-) -> tuple | None:
-    """What `expand` of a simple job's `n` blocks would launch by hand, as `_raw_expansion`
-    returns it: for `DescriptorRing.join_launch`, which writes the table itself."""
-    programs, args, constexprs, warps = _expansion(
-        ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow
-    )
-    return _raw_expansion(programs, args, constexprs, warps, device)

@@ -31,14 +31,11 @@ class DescriptorRing:
         launch: ``(host, device, room, columns, narrow, stream_handle, function, grid, threads,
             shared, params) -> None``, the table's upload and a kernel's launch in one call
             (`upload_launch`), or None.
-        join: the same for simple jobs' columns joined on the way (`join_launch`), taking
-            ``(devs, hosts)`` for the columns and ``order, least_runs`` after the params and
-            returning None, or the runs it counted where it declined; or None.
     """
 
-    def __init__(self, torch, device, memcpy, entries: int = 1 << 21, launch=None, join=None):
+    def __init__(self, torch, device, memcpy, entries: int = 1 << 21, launch=None):
         self._torch, self._device, self._memcpy = torch, device, memcpy
-        self._launch, self._join = launch, join
+        self._launch = launch
         self.entries = entries
         self._host = self._dev = None
         self._allocating = threading.Lock()
@@ -88,32 +85,6 @@ class DescriptorRing:
         held.append(keep)
         launch_args = (stream.cuda_stream, function, grid, threads, shared, (dev_ptr, *params))
         self._launch(host_ptr, dev_ptr, 8 * entries, columns, narrow, *launch_args)
-
-    @property
-    def joins(self) -> bool:
-        """Whether `join_launch` can be called."""
-        return self._join is not None
-
-    def join_launch(
-        self, parts, stream, narrow: bool, order: bool, least_runs: int, function, grid, threads, shared, params
-    ) -> bool | None:
-        """`upload_launch` of a table of two columns joined from `parts`, ``(devs, hosts)``: lists
-        of int64 arrays, the i-th of each of one length, the pairs in host order on the way where
-        `order` makes fewer runs of consecutive hosts. Returns True where it launched; False where
-        the hosts make fewer than `least_runs` runs, None where the ring has no room for the
-        table: both with nothing enqueued.
-
-        Raises:
-            CudaDriverError: the upload or the launch failed (nothing is launched after a failed upload).
-        """
-        n = sum(part.size for part in parts[0])
-        entries = -(-2 * n * (4 if narrow else 8) // 8)
-        start = self._reserve(entries)
-        if start is None:
-            return None
-        host, dev = self._host_ptr + 8 * start, self._dev_ptr + 8 * start
-        launch_args = (stream.cuda_stream, function, grid, threads, shared, (dev, *params))
-        return self._join(host, dev, 8 * entries, parts, narrow, *launch_args, order, least_runs) is None
 
     def _region(self, entries: int) -> tuple:
         """``(flat, host, device, keep)`` for `entries` int64 entries: a numpy view of the host

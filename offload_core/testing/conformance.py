@@ -147,7 +147,7 @@ class BackendConformance:
 
     def test_jobs_back_to_back_match_the_reference(self, backend: Backend) -> None:
         """Many small jobs submitted back to back, as an engine does (random ids; the queue may
-        join them into launches, `copy_jobs` or `copy_blocks` of the joined job in host order),
+        join them into launches, `copy_blocks` of the joined job in host order),
         then loads of what they stored into other blocks: every byte as the reference model
         moves them, whichever way the launches went."""
         rng = np.random.default_rng(7)

@@ -27,17 +27,13 @@ class ExpandingCpuBackend(CpuBackend):
             into the host rows (False).
         refuse: `prepare_layout` returns None, and its jobs go the default way (expanded on the
             host, `Backend.copy_blocks`), as the cuda backend's do where it cannot expand them.
-        joins: take a launch of simple jobs in `copy_jobs` (each job's descriptors, one batch:
-            joined another way than the queue joins them), as the cuda backend takes small
-            ones; other launches are declined, and go to `copy_blocks`.
     """
 
-    def __init__(self, device_index: int = 0, *, staged: bool = True, refuse: bool = False, joins: bool = False):
+    def __init__(self, device_index: int = 0, *, staged: bool = True, refuse: bool = False):
         super().__init__(device_index)
         self.staged = staged
         self.refuse = refuse
-        self.joins = joins
-        self.jobs = 0  # compact jobs enqueued (a launch taken by `copy_jobs` counts once)
+        self.jobs = 0  # compact jobs enqueued
         self._kept: dict[int, np.ndarray | None] = {}  # staging buffers queued copies may still touch
 
     def prepare_layout(self, layout: CompactLayout):
@@ -61,17 +57,6 @@ class ExpandingCpuBackend(CpuBackend):
             self.copy_batch(src, dst, sizes, job.direction, stream)
         stream.launch(lambda: self._kept.pop(key, None))
         return "expand_staged" if self.staged else "expand_direct"
-
-    def copy_jobs(self, jobs: list[CompactJob], prepared, stream: CpuStream, after) -> str | None:
-        if prepared is None or not self.joins or not all(job.simple for job in jobs):
-            return None
-        assert all(prepared is job.layout for job in jobs), "copy_jobs got another layout's tables"
-        self.jobs += 1
-        for event in after:
-            stream.wait_event(event)
-        src, dst, sizes = (np.concatenate(c) for c in zip(*(steps(job, None)[0] for job in jobs)))
-        self.copy_batch(src, dst, sizes, jobs[0].direction, stream)
-        return "expand_direct"
 
 
 def steps(job: CompactJob, staging: int | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
