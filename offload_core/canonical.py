@@ -118,8 +118,6 @@ def _unroll(runs: Iterable[CopyRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray
         local.append(r.local_offset + i * r.local_stride)
         canon.append(r.canonical_offset + i * r.canonical_stride)
         sizes.append(np.full(r.num_fragments, r.fragment_size, dtype=np.int64))
-    if not sizes:
-        return (np.zeros(0, np.int64),) * 3
     return np.concatenate(local), np.concatenate(canon), np.concatenate(sizes)
 
 
@@ -143,20 +141,12 @@ def _as_runs(local, canon, sizes) -> tuple[CopyRun, ...]:
     """Fragments as strided runs: equal sizes at constant strides on both sides become one run."""
     runs, i, n = [], 0, sizes.size
     while i < n:
-        j = i + 1
+        j, ls, cs = i + 1, 0, 0
         if j < n and sizes[j] == sizes[i]:
             ls, cs = local[j] - local[i], canon[j] - canon[i]
-            while (
-                j + 1 < n
-                and sizes[j + 1] == sizes[i]
-                and local[j + 1] - local[j] == ls
-                and canon[j + 1] - canon[j] == cs
-            ):
+            while j < n and sizes[j] == sizes[i] and local[j] - local[j - 1] == ls and canon[j] - canon[j - 1] == cs:
                 j += 1
-            j += 1
-            runs.append(CopyRun(int(local[i]), int(canon[i]), int(sizes[i]), j - i, int(ls), int(cs)))
-        else:
-            runs.append(CopyRun(int(local[i]), int(canon[i]), int(sizes[i])))
+        runs.append(CopyRun(int(local[i]), int(canon[i]), int(sizes[i]), j - i, int(ls), int(cs)))
         i = j
     return tuple(runs)
 

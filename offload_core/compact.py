@@ -151,23 +151,14 @@ class CompactJob:
         The caller makes sure that no two of them write the same bytes (`destinations`)."""
         if len(jobs) == 1:
             return jobs[0]
-        first = jobs[0]
-        # The usual launch: simple jobs, and at most general ones that move nothing.
-        devs, hosts, nbytes, items, count = [], [], 0, 0, 0
-        for j in jobs:
-            if j._blocks is None:
-                devs.append(j.dev_ids)
-                hosts.append(j.host_ids)
-                nbytes, items, count = nbytes + j.nbytes, items + j.items, count + j.jobs
-            elif len(j) or j.host_ids.size:
-                break
-        else:
-            if devs:
-                dev_ids, host_ids = np.concatenate(devs), np.concatenate(hosts)
-                groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
-                return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
-        nbytes, items = sum(j.nbytes for j in jobs), sum(j.items for j in jobs)
-        count = sum(j.jobs for j in jobs if len(j))
+        first, moving = jobs[0], [j for j in jobs if len(j)]
+        nbytes, items = sum(j.nbytes for j in moving), sum(j.items for j in moving)
+        count = sum(j.jobs for j in moving)
+        if moving and all(j.simple for j in moving):  # the usual launch
+            dev_ids = np.concatenate([j.dev_ids for j in moving])
+            host_ids = np.concatenate([j.host_ids for j in moving])
+            groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
+            return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
         lengths = [len(j) for j in jobs]
         block_offsets = list(accumulate(lengths, initial=0))
         chunk_offsets = list(accumulate((j.host_ids.size for j in jobs), initial=0))
@@ -277,13 +268,10 @@ class CompactLayout:
                 [(e0 + a, e0 + b, int(whole[a])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
             )
         self._templates: dict = {}
-        # One group, one block per chunk (most engines' caches): jobs take `_job_single`.
-        one = len(columns) == 1 and self.blocks_per_chunk == 1
-        self._single_limit = self._device_limits[0] if one else None
-        self._single_entries = counts[0]  # copies per block
         self.native = native.load() if compiled else None
-        self.simple_jobs = self._single_limit is not None
-        self.id_limit = max(self._single_limit, self.host_blocks) if self.simple_jobs else None
+        # One group, one block per chunk (most engines' caches): jobs take `_job_single`.
+        self.simple_jobs = len(columns) == 1 and self.blocks_per_chunk == 1
+        self.id_limit = max(self.device_limit, self.host_blocks) if self.simple_jobs else None
 
     @property
     def max_entries(self) -> int:
@@ -297,7 +285,7 @@ class CompactLayout:
             InvalidSpecError: wrong group count, host ids that do not add up, a block id out of
                 range on either side, or a destination page named twice in one transfer.
         """
-        if self._single_limit is not None:
+        if self.simple_jobs:
             job = self._job_single(direction, device, host)
             if job is not None:
                 return job
@@ -345,10 +333,7 @@ class CompactLayout:
             else:
                 _check_unique(dev_ids, "device block id", limit)
             items += n * int(self.group_entries[1, g])
-            if store and self._periods[g] > 1:
-                nbytes += int(self._elected(g, out[3]).sum())
-            else:
-                nbytes += n * self._entry_bytes[g]
+            nbytes += self._nbytes(g, store, out[3])
             groups.append((g, d0, d0 + n, c0, c0 + hc, skip))
             d0, c0 = d0 + n, c0 + hc
         for gs in self._collisions if shared else ():
@@ -368,7 +353,7 @@ class CompactLayout:
         if n == 0 or host_ids.size != n or device.group_sizes.size != 1:
             return None
         store = direction is Direction.STORE
-        limit = self._single_limit
+        limit = self.device_limit  # of the one group
         if self.native is not None:
             if not self.native.single_check(dev_ids, host_ids, limit, self.host_blocks, not store):
                 return None
@@ -378,23 +363,17 @@ class CompactLayout:
             or (has_duplicates(host_ids, self.host_blocks) if store else has_duplicates(dev_ids, limit))
         ):
             return None
-        return self._single(direction, dev_ids, host_ids)
-
-    def _single(self, direction: Direction, dev_ids: np.ndarray, host_ids: np.ndarray, jobs: int = 1) -> CompactJob:
-        """The simple job of checked ids."""
-        n = dev_ids.size
-        if direction is Direction.STORE and self._periods[0] > 1:
-            nbytes = int(self._elected(0, host_ids).sum())
-        else:
-            nbytes = n * self._entry_bytes[0]
         groups = ((0, 0, n, 0, n, 0),)
-        return CompactJob(self, direction, None, host_ids, groups, nbytes, n * self._single_entries, dev_ids, jobs)
+        items = n * self.entries.shape[1]  # every entry is the one group's
+        return CompactJob(self, direction, None, host_ids, groups, self._nbytes(0, store, host_ids), items, dev_ids)
 
-    def _elected(self, group: int, pages: np.ndarray) -> np.ndarray:
-        """Bytes each (block, entry) of `group` stores, given the blocks' canonical page ids."""
+    def _nbytes(self, group: int, store: bool, pages: np.ndarray) -> int:
+        """Bytes that blocks of `group` copy, given their canonical page ids."""
+        if not store or self._periods[group] == 1:
+            return pages.size * self._entry_bytes[group]
         e0, count = self.group_entries[:, group].tolist()
         e = self.entries[:, e0 : e0 + count]
-        return np.where(elected(pages[:, None], e[6], e[7]), e[5], 0)
+        return int(np.where(elected(pages[:, None], e[6], e[7]), e[5], 0).sum())
 
     def copies(self, job: CompactJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`job` as the copies a backend that copies on the host enqueues (`Backend.copy_batch`):
@@ -540,10 +519,8 @@ class CompactLayout:
     def whole_rows(self, direction: Direction) -> bool:
         """Whether each block of a simple job covers its whole host row in `direction`: its
         `segments` are then the runs of consecutive host blocks."""
-        if not self.simple_jobs or not self.group_entries.size:
-            return False
         store = direction is Direction.STORE
-        if store and self._periods[0] != 1:
+        if not self.simple_jobs or (store and self._periods[0] != 1):
             return False
         starts, lengths = self._template(0, 0, 0, 0, store)
         return starts.size == 1 and int(lengths[0]) == self.row_bytes
@@ -588,8 +565,6 @@ def _row_runs(hosts: np.ndarray, row: int, small_limit: int, compiled=None) -> t
         runs, rows = compiled.row_runs(hosts, int(small_limit) // row)  # a cost model's limit may be a float
         return runs, rows * row
     first = run_starts((hosts,), 1)
-    if small_limit < row:
-        return first.size, 0
     lengths = np.diff(first, append=hosts.size)  # rows per run
     return first.size, int(lengths[lengths <= small_limit // row].sum()) * row
 

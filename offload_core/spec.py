@@ -237,13 +237,13 @@ def _ids(values: Any, what: str) -> np.ndarray:
     # The usual, an engine's int64 or int32 (vLLM's) array, in as few steps as possible.
     if type(values) is np.ndarray and values.ndim == 1 and (values.dtype is _INT64 or values.dtype is _INT32):
         return _frozen(values)
-    listed = isinstance(values, (list, tuple))
-    raw = isinstance(values, (bytes, bytearray, str)) or (isinstance(values, memoryview) and values.format in "Bbc")
-    if not listed and raw:  # numpy reads bytes as uint8s
+    # numpy reads bytes as uint8s
+    if isinstance(values, (bytes, bytearray, str)) or (isinstance(values, memoryview) and values.format in "Bbc"):
         raise InvalidSpecError(
             f"{what} must be integers (list, numpy array or CPU tensor), got a {type(values).__name__}: "
             f"its bytes or characters are not ids"
         )
+    listed = isinstance(values, (list, tuple))
     try:
         arr = np.asarray(values)
     except Exception as exc:  # e.g. a device tensor: ids must live on the host
@@ -277,10 +277,8 @@ def _ids(values: Any, what: str) -> np.ndarray:
 
 
 def _first_bool(values: list | tuple, arr: np.ndarray) -> int | None:
-    """Where the first bool (Python's or numpy's) of `values` stands, None if none does: numpy made
-    `arr` of them, each bool a 0 or a 1 (np.array([1, True]) is int64). A few ids are looked at by
-    type (a C-level pass, about 20 ns an id); more only where numpy gave a 0 or a 1 (its min, about
-    1 us), and then only those."""
+    """Where the first bool (Python's or numpy's) of `values` stands, or None: numpy made each a 0 or
+    a 1 of `arr`. A few ids are looked at by type; more only where `arr` holds a 0 or a 1."""
     if arr.size <= _SCANNED:
         if _BOOLS.isdisjoint(map(type, values)):
             return None
@@ -316,10 +314,8 @@ class DeviceBlocks:
     def __init__(self, block_ids: Any, group_sizes: Any = None, block_indices: Any = None):
         ids = _ids(block_ids, "DeviceBlocks.block_ids")
         # One group, left implicit or spelled out (as vLLM's specs do): nothing more to check
-        if group_sizes is None and block_indices is None:
-            size, index = ids.size, 0
-        else:
-            size, index = _single(group_sizes), 0 if block_indices is None else _single(block_indices)
+        size = ids.size if group_sizes is None else _single(group_sizes)
+        index = 0 if block_indices is None else _single(block_indices)
         if size == ids.size and index is not None and 0 <= index < 1 << 63:
             indices = _ZEROS[1] if index == 0 else _one(index)
             self.__dict__.update(block_ids=ids, group_sizes=_one(ids.size), block_indices=indices)
