@@ -62,15 +62,6 @@ ACL_MEMCPY = ctypes.CFUNCTYPE(
 )
 
 
-def load_acl() -> Any:
-    """The ACL runtime library, libascendcl.
-
-    Raises:
-        OSError: the library cannot be loaded (CANN is not installed or not on the loader's path).
-    """
-    return ctypes.CDLL("libascendcl.so")
-
-
 def _entry(lib: Any, name: str, prototype):
     fn = getattr(lib, name, None)
     return None if fn is None else prototype(ctypes.cast(fn, ctypes.c_void_p).value)
@@ -88,11 +79,12 @@ class NpuBackend(TorchDeviceBackend):
             ``TorchRuntime("npu")``, importing torch_npu first if torch has no torch.npu yet.
         acl: the ACL library: an object with ``aclrtMemcpyAsync`` and optionally
             ``aclrtMemcpyBatchAsync`` as C function pointers (ctypes functions) of the
-            prototypes `ACL_MEMCPY` and `ACL_MEMCPY_BATCH`. Default: `load_acl()`.
+            prototypes `ACL_MEMCPY` and `ACL_MEMCPY_BATCH`. Default: libascendcl.so, loaded now.
 
     Raises:
         ImportError: no runtime is given and torch_npu cannot be imported.
-        OSError: the ACL library cannot be loaded, or has no ``aclrtMemcpyAsync``.
+        OSError: the ACL library cannot be loaded (CANN is not installed or not on the loader's path),
+            or has no ``aclrtMemcpyAsync``.
     """
 
     name = "npu"
@@ -126,7 +118,7 @@ class NpuBackend(TorchDeviceBackend):
                 import torch_npu  # noqa: F401  (registers torch.npu; imported only now, never at import time)
         super().__init__(device_index, runtime=runtime)
         if acl is None:
-            acl = load_acl()
+            acl = ctypes.CDLL("libascendcl.so")
         self._acl = acl  # its entry points may be callbacks that live only as long as it
         self._batch = _entry(acl, "aclrtMemcpyBatchAsync", ACL_MEMCPY_BATCH)
         self._memcpy = _entry(acl, "aclrtMemcpyAsync", ACL_MEMCPY)
@@ -141,9 +133,7 @@ class NpuBackend(TorchDeviceBackend):
     def pin_host_memory(self, tensor) -> bool:
         npurt = getattr(self.runtime, "npurt", None)
         register = getattr(npurt() if npurt else None, "npuHostRegister", None)
-        if register is None:
-            return False
-        return int(register(tensor.data_ptr(), tensor.nbytes, 0)) == 0
+        return register is not None and int(register(tensor.data_ptr(), tensor.nbytes, 0)) == 0
 
     def unpin_host_memory(self, tensor) -> None:
         npurt = getattr(self.runtime, "npurt", None)
@@ -156,7 +146,25 @@ class NpuBackend(TorchDeviceBackend):
         self._bind_thread()
         store = direction is Direction.STORE
         if self.mechanism == "acl_batch":
-            self._acl_batch(src, dst, sizes, store, stream)
+            host = AclMemLocation(0, ACL_MEM_LOCATION_TYPE_HOST)
+            device = AclMemLocation(self.device_index, ACL_MEM_LOCATION_TYPE_DEVICE)
+            attr = AclMemcpyBatchAttr(dstLoc=host if store else device, srcLoc=device if store else host)
+            first, fail = ctypes.c_size_t(0), ctypes.c_size_t(0)
+            code = self._batch(
+                dst.ctypes.data,
+                sizes.ctypes.data,
+                src.ctypes.data,
+                sizes.ctypes.data,
+                len(sizes),
+                ctypes.byref(attr),
+                ctypes.byref(first),
+                1,
+                ctypes.byref(fail),
+                stream.npu_stream,
+            )
+            if code != 0:
+                where = f"at index {fail.value}" if fail.value < len(sizes) else "(no single copy)"
+                raise RuntimeError(f"aclrtMemcpyBatchAsync failed {where} of {len(sizes)}: aclError {code}")
         elif self.mechanism == "swap_blocks_batch":
             torch = self._torch
             with self.runtime.stream(stream):  # the operator issues on the current stream
@@ -169,27 +177,6 @@ class NpuBackend(TorchDeviceBackend):
                 if code != 0:
                     raise RuntimeError(f"aclrtMemcpyAsync failed at index {i} of {len(sizes)}: aclError {code}")
         return self.mechanism
-
-    def _acl_batch(self, src, dst, sizes, store: bool, stream) -> None:
-        host = AclMemLocation(0, ACL_MEM_LOCATION_TYPE_HOST)
-        device = AclMemLocation(self.device_index, ACL_MEM_LOCATION_TYPE_DEVICE)
-        attr = AclMemcpyBatchAttr(dstLoc=host if store else device, srcLoc=device if store else host)
-        first, fail = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        code = self._batch(
-            dst.ctypes.data,
-            sizes.ctypes.data,
-            src.ctypes.data,
-            sizes.ctypes.data,
-            len(sizes),
-            ctypes.byref(attr),
-            ctypes.byref(first),
-            1,
-            ctypes.byref(fail),
-            stream.npu_stream,
-        )
-        if code != 0:
-            where = f"at index {fail.value}" if fail.value < len(sizes) else "(no single copy)"
-            raise RuntimeError(f"aclrtMemcpyBatchAsync failed {where} of {len(sizes)}: aclError {code}")
 
 
 def ascend_kv_caches(layers: Mapping[str, Sequence[Any]], groups: Sequence[Sequence[str]] | None = None) -> KVCaches:

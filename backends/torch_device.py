@@ -84,8 +84,7 @@ class TorchRuntime:
         return self._torch.device(self.module_name, index)
 
     def alloc_pinned(self, nbytes: int) -> torch.Tensor:
-        torch = self._torch
-        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._torch.zeros(nbytes, dtype=self._torch.uint8, pin_memory=True)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return bool(tensor.is_pinned())

@@ -93,7 +93,7 @@ def _check_memory(be: Backend, preset: str, blocks: int, blocks_per_job: int) ->
     except OffloadError as exc:
         available = hostmem.available_host_bytes() or 0
         raise OffloadError(f"{exc}: {_fewer_blocks(available, need['host_bytes'] // blocks, blocks_per_job)}") from None
-    if be.device.type == "cuda" and need["device_bytes"]:
+    if be.device.type == "cuda":
         import torch
 
         try:
@@ -197,27 +197,26 @@ def run(
     be = backend if isinstance(backend, Backend) else get_backend(backend)
     need = _check_memory(be, preset, blocks, blocks_per_job)
     kv = build_kv_caches(spec, 2 * blocks, be)  # stores read blocks [0, blocks); loads write [blocks, 2*blocks)
-    host_blocks = blocks // blocks_per_chunk
-    jobs = [  # job j: device blocks [j, j + per_job) into the host chunks that hold them
+    jobs = [  # job j: device blocks [j, j + per_job), the host chunks that hold them, the blocks they load into
         (
             DeviceBlocks(np.arange(j, j + blocks_per_job)),
             HostBlocks(np.arange(j, j + blocks_per_job, blocks_per_chunk) // blocks_per_chunk),
+            DeviceBlocks(np.arange(j, j + blocks_per_job) + blocks),
         )
         for j in range(0, blocks, blocks_per_job)
     ]
-    shifted = [DeviceBlocks(d.block_ids + blocks) for d, _ in jobs]
     job_bytes = blocks_per_job * sum(t.page_size_bytes for t in kv.tensors)
 
     walls = {d.value: [] for d in Direction}
     device_secs = {d.value: [] for d in Direction}
     submit_us: list[float] = []
     job_id = 0
-    with OffloadWorker(kv, host_blocks, blocks_per_chunk=blocks_per_chunk, backend=be) as worker:
+    with OffloadWorker(kv, blocks // blocks_per_chunk, blocks_per_chunk=blocks_per_chunk, backend=be) as worker:
         for _ in progress(range(iters)):
             for direction in Direction:
                 ids = []
                 t0 = time.perf_counter()
-                for (dev, host), dst in zip(jobs, shifted):
+                for dev, host, dst in jobs:
                     job_id += 1
                     s0 = time.perf_counter()
                     if direction is Direction.STORE:
@@ -237,8 +236,7 @@ def run(
         stats = worker.stats()
         verified = _verify(kv, worker, blocks, blocks_per_chunk)
         total = job_bytes * len(jobs)
-        limit_dev = torch.empty(total, dtype=torch.uint8, device=be.device)
-        limit = _limit_gbps(be, total, be.alloc_host(total), limit_dev)
+        limit = _limit_gbps(be, total, be.alloc_host(total), torch.empty(total, dtype=torch.uint8, device=be.device))
 
     out = {
         "backend": be.name,

@@ -135,23 +135,21 @@ def bench_report(r: dict) -> tuple[str, list[tuple[str, ...]], list[str]]:
         f"{r['blocks_per_job']} per job ({r['bytes_per_job'] / 2**20:.1f} MiB), "
         f"blocks_per_chunk {r['blocks_per_chunk']}, best of {r['iters']}; uses {memory} memory"
     )
-    rows, over = [], False
+    rows = []
     for d in ("store", "load"):
         percent = round(r[f"{d}_ratio"] * 100)
-        mark = "*" if percent > 100 else ""
-        over = over or bool(mark)
         rows.append(
             (
                 d,
                 f"{r[f'{d}_gbps']:.2f}",
                 f"{r[f'{d}_limit_gbps']:.2f}",
-                f"{percent}%{mark}",
+                f"{percent}%*" if percent > 100 else f"{percent}%",
                 f"{r[f'{d}_descriptors_per_job']:.0f}",
                 _size(r[f"{d}_mean_copy_bytes"]),
             )
         )
     notes = []
-    if over:
+    if any(row[3].endswith("*") for row in rows):
         notes.append(
             "* above 100%: jobs back to back overlap their host work with the copies; "
             f"the limit is the best of {r['limit_copies']} single copies of the same bytes"
@@ -192,14 +190,15 @@ class _Output:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except OSError as exc:
-            raise _OutputError(exc.strerror or str(exc)) from exc
+        return self._guarded(self._stream.write, text)
 
     def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    @staticmethod
+    def _guarded(call, *args):
         try:
-            self._stream.flush()
+            return call(*args)
         except OSError as exc:
             raise _OutputError(exc.strerror or str(exc)) from exc
 

@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 from importlib.metadata import entry_points
-from typing import Union
 
 from offload_core.backend import Backend
 from offload_core.errors import (
@@ -30,8 +29,6 @@ ENV_BACKEND = "OFFLOAD_CORE_BACKEND"
 ENV_PLUGINS = "OFFLOAD_CORE_PLUGINS"
 ENTRY_POINT_GROUP = "offload_core.backends"
 
-Target = Union[str, "type[Backend]"]
-
 _BUILTIN: dict[str, str] = {
     "cpu": "offload_core.backends.cpu:CpuBackend",
     "cuda": "offload_core.backends.cuda:CudaBackend",
@@ -40,13 +37,13 @@ _BUILTIN: dict[str, str] = {
 }
 
 _lock = threading.RLock()
-_targets: dict[str, Target] = dict(_BUILTIN)
+_targets: dict[str, str | type[Backend]] = dict(_BUILTIN)
 _plugins_loaded = False
 _instances: dict[tuple[str, int], Backend] = {}
 _instances_pid = os.getpid()  # a forked child makes its own: the parent's streams have no threads there
 
 
-def register_backend(name: str, target: Target, *, clobber: bool = False) -> None:
+def register_backend(name: str, target: str | type[Backend], *, clobber: bool = False) -> None:
     """Register a backend under `name`.
 
     Args:

@@ -44,8 +44,7 @@ class ExpandingCpuBackend(CpuBackend):
             return super().copy_blocks(job, prepared, stream, after)
         assert prepared is job.layout, "copy_blocks got another layout's tables"
         self.jobs += 1
-        for event in after:
-            stream.wait_event(event)
+        # no waits for `after`: `stream` already waits for them, and every copy here goes on it
         staging = (
             np.full(max(1, job.host_ids.size * job.layout.row_bytes), POISON, dtype=np.uint8) if self.staged else None
         )
@@ -63,17 +62,13 @@ def steps(job: CompactJob, staging: int | None) -> list[tuple[np.ndarray, np.nda
     """The copy batches, in order, that move `job` as a device backend does: expanded straight
     into the host rows (`staging` None), or expanded into a staging buffer at address `staging`
     that mirrors the job's host rows, and moved between it and the host by segments."""
-    layout = job.layout
-    store = job.direction is Direction.STORE
-    if staging is None:
-        dev, host, sizes = descriptors(job)
-        return [(dev, host, sizes) if store else (host, dev, sizes)]
-    dev, side, sizes = descriptors(job, staging)
-    seg_stage, seg_host, seg_sizes = layout.segments(job)
-    seg_stage, seg_host = seg_stage + staging, seg_host + layout.host_base
-    if store:
-        return [(dev, side, sizes), (seg_stage, seg_host, seg_sizes)]
-    return [(seg_host, seg_stage, seg_sizes), (side, dev, sizes)]
+    batches = [descriptors(job, staging)]  # device to host side, on store; the reverse on load
+    if staging is not None:
+        stage, host, sizes = job.layout.segments(job)
+        batches.append((stage + staging, host + job.layout.host_base, sizes))
+    if job.direction is Direction.STORE:
+        return batches
+    return [(dst, src, sizes) for src, dst, sizes in reversed(batches)]
 
 
 def descriptors(job: CompactJob, row_base: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,14 +1,7 @@
 """The backend registry kept apart per test: what a test registers, the plugins it loads and the
 instances it makes are gone afterwards, and the registrations from before (a session's
-simulations, say) are back.
-
-    with fresh_registry():          # only the built-in backends inside
-        register_backend("mine", MyBackend)
-    with restored_registry():       # everything as it is now, inside and afterwards
-        ...
-
-Test support: it reaches into `offload_core.registry`'s state, which the library itself only
-changes through `register_backend`.
+simulations, say) are back. Test support: it reaches into `offload_core.registry`'s state, which
+the library itself only changes through `register_backend`.
 """
 
 from __future__ import annotations
@@ -28,11 +21,7 @@ def restored_registry() -> Iterator[None]:
         yield
     finally:
         with registry._lock:
-            registry._targets.clear()
-            registry._targets.update(saved[0])
-            registry._plugins_loaded = saved[1]
-            registry._instances.clear()
-            registry._instances.update(saved[2])
+            registry._targets, registry._plugins_loaded, registry._instances = saved
 
 
 @contextlib.contextmanager
@@ -41,8 +30,5 @@ def fresh_registry() -> Iterator[None]:
     as it was, afterwards."""
     with restored_registry():
         with registry._lock:
-            registry._targets.clear()
-            registry._targets.update(registry._BUILTIN)
-            registry._plugins_loaded = False
-            registry._instances.clear()
+            registry._targets, registry._plugins_loaded, registry._instances = dict(registry._BUILTIN), False, {}
         yield

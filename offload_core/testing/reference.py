@@ -66,7 +66,7 @@ def reference_transfer(
                             r.canonical_offset + i * r.canonical_stride,
                             r.fragment_size,
                         )
-                        for r in mapping[0].runs
+                        for r in m.runs
                         for i in range(r.num_fragments)
                     ]
                 for local, canon, length in pieces:
