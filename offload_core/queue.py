@@ -9,12 +9,13 @@ failed launch does (§9).
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import logging
 import threading
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, NamedTuple
@@ -23,16 +24,12 @@ import numpy as np
 
 from offload_core.backend import Backend, Direction, Event, enqueue_lock
 from offload_core.compact import CompactJob
-from offload_core.errors import InvalidSpecError, OffloadError
+from offload_core.errors import OffloadError
 from offload_core.interrupts import deferred
-from offload_core.spec import integer
 
 log = logging.getLogger(__name__)
 
-MAX_PENDING = 1024  # jobs waiting for a launch before submit waits (back-pressure)
 MAX_LAUNCH = 256  # jobs in one launch at most
-BURST_JOBS = 16  # jobs of a burst that wait for the launcher before a submit launches them itself
-BURST_BYTES = 128 << 20  # or bytes: about 2.4 ms of a PCIe 5 link, several launches' host time
 MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
 _NOTHING: frozenset[int] = frozenset()  # `_launching` when nothing launches
 IDLE_POLL_S = 0.1  # how often an idle launcher looks whether its queue was dropped or the interpreter exits
@@ -40,18 +37,6 @@ SETTLE_POLL_S = 0.001  # how often a drain asks an event whose wait failed wheth
 # The launcher lets the GIL go this long around an enqueue: about the kernel's timer slack, long
 # enough for a woken thread to take it (after time.sleep(0) the launcher usually wins it back).
 GIL_YIELD_S = 20e-6
-
-
-def job_id_set(job_ids: Iterable[int]) -> set[int]:
-    """`job_ids` as a set of ints.
-
-    Raises:
-        InvalidSpecError: not an iterable of integers (a bare id, say).
-    """
-    # a 0-d array or tensor claims to be iterable and is not
-    if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable) or getattr(job_ids, "ndim", 1) == 0:
-        raise InvalidSpecError(f"wait takes an iterable of job ids, got {job_ids!r}; for one job: wait([job_id])")
-    return {integer(j, "a job id passed to wait") for j in job_ids}
 
 
 @dataclass(frozen=True, init=False)
@@ -99,7 +84,7 @@ class QueueStats:
     mechanisms: Counter = field(default_factory=Counter)  # jobs per mechanism
     launches: int = 0  # times the device was given work: jobs / launches is how much coalescing did
     launch_s: float = 0.0  # host seconds spent enqueueing launches (on any thread)
-    backpressure_waits: int = 0  # submits that waited because MAX_PENDING jobs were waiting for a launch
+    backpressure_waits: int = 0  # submits that waited because `max_pending` jobs were waiting for a launch
     backpressure_s: float = 0.0  # seconds those submits waited
     buffer_waits: int = 0  # enqueues that waited for the device: a buffer of the backend was full
     buffer_wait_s: float = 0.0  # seconds they waited (part of `launch_s`)
@@ -129,18 +114,12 @@ class _Pending(NamedTuple):
 
 
 class TransferQueue:
-    """Runs the jobs of one direction (one lane) in submission order.
+    """Runs the jobs of one direction (one lane) on `backend` in submission order. Safe to call
+    from several threads (see the module docstring)."""
 
-    Safe to call from several threads (see the module docstring).
-
-    Args:
-        backend: the device to copy on.
-        direction: STORE or LOAD; recorded in results and passed to the backend.
-    """
-
-    max_pending = MAX_PENDING  # jobs waiting for a launch before a submit waits
-    burst_jobs = BURST_JOBS  # jobs of a burst that a submit launches itself
-    burst_bytes = BURST_BYTES  # or their bytes
+    max_pending = 1024  # jobs waiting for a launch before a submit waits (back-pressure)
+    burst_jobs = 16  # jobs of a burst that wait for the launcher before a submit launches them itself
+    burst_bytes = 128 << 20  # or their bytes: about 2.4 ms of a PCIe 5 link, several launches' host time
 
     def __init__(self, backend: Backend, direction: Direction):
         self.backend = backend
@@ -177,15 +156,9 @@ class TransferQueue:
         return len(self._jobs) + len(self._pending) + len(self._launching)
 
     def add(self, job_id: int, job: CompactJob, prepared: Any, seq: int, waits: tuple) -> list[_Pending] | None:
-        """Queue one job behind every earlier one and behind the caller's compute stream, waiting
-        for a launch. Never enqueues on the device.
-
-        Args:
-            job_id: reported in the job's `TransferResult`; the caller made sure it is not in flight.
-            job: the validated job (`CompactLayout.job`).
-            prepared: what `Backend.prepare_layout` returned for the job's layout.
-            seq: the job's place in the worker's submit order (increasing in each lane).
-            waits: end events (of other lanes' launches) the job's copies must follow.
+        """Queue one job (its id not in flight) behind every earlier one and behind the caller's
+        compute stream, waiting for a launch. Never enqueues on the device. `seq` is its place in
+        the worker's submit order; `waits`, the ends of other lanes' launches it must follow.
 
         Returns:
             The jobs the caller must launch now (`launch`): nothing else keeps the device busy,
@@ -258,10 +231,9 @@ class TransferQueue:
                 except Exception as exc:  # a device fault fails this job, not the caller's loop
                     log.error("%s job %s failed on the device: %r", self.direction.value, job.job_id, exc)
                     ok, elapsed = False, 0.0
-                result = TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism)
+                results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism))
                 self._ids.discard(job.job_id)
                 self.reported_seq = job.seq
-                results.append(result)
                 self._jobs.popleft()
                 self.stats.failed += not ok
                 # an end another lane's job waits for (`end_of`) is never recorded again under it
@@ -274,17 +246,11 @@ class TransferQueue:
                         self._free_events += events
         return results
 
-    def wait(self, job_ids: Iterable[int]) -> None:
-        """Block until the named jobs (and so every job before them) have completed.
-
-        Results are not consumed: `poll` still reports them. Unknown ids are ignored.
-
-        Raises:
-            InvalidSpecError: `job_ids` is not an iterable of integers.
-        """
-        wanted = job_id_set(job_ids)
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the named jobs (and so every job before them) have completed. Results are
+        not consumed: `poll` still reports them. Unknown ids are ignored."""
         with self._lock:
-            wanted &= self._ids
+            wanted = job_ids & self._ids
 
         def through() -> tuple:
             # A named job not launched yet is launched now, on this thread, with the jobs before it.
@@ -311,15 +277,11 @@ class TransferQueue:
         this covers every earlier job, whatever became of job `seq` itself."""
 
         def through() -> tuple:
-            pos = -1
-            for i, p in enumerate(self._pending):  # in submit order
-                if p.seq > seq:
-                    break
-                pos = i
             if self._batch is not None and self._batch[0].seq <= seq:
                 return 0, None  # launching on another thread: wait for it
-            if pos >= 0:
-                return pos + 1, None
+            waiting = bisect.bisect_right(self._pending, seq, key=lambda p: p.seq)  # in submit order
+            if waiting:
+                return waiting, None
             for job in reversed(self._jobs):  # launched: the recent end, usually
                 if job.seq <= seq:
                     if job.end is not None:
@@ -356,10 +318,7 @@ class TransferQueue:
                 return len(self._pending), None
             return None, [job.end for job in self._jobs if job.end is not None]
 
-        ends = self._launch_through(through)
-        if ends:
-            _settle(ends[-1])
-        for end in ends:  # a fault on one event may not have waited for the rest
+        for end in self._launch_through(through):  # each: a fault on one may not have waited for the rest
             _settle(end)
 
     def close(self) -> list[TransferResult]:
@@ -394,11 +353,8 @@ class TransferQueue:
             self._last_submit = time.perf_counter()
 
     def _ensure_launcher(self) -> None:
-        """Start the launcher thread if there is none. Call with the lock held.
-
-        Raises:
-            OffloadError: no thread can be started (none left, or the interpreter is exiting).
-        """
+        """Start the launcher thread if there is none (lock held); OffloadError where no thread can
+        start (none left, or the interpreter is exiting)."""
         if self._launcher is not None:  # it clears the field under this lock on every way out (`_launch_loop`)
             return
         # Not a daemon: one killed at exit inside a torch call that let go of the GIL aborts the
@@ -481,8 +437,6 @@ class TransferQueue:
         with self._lock:
             start, end = self._event(), self._event()
         jobs = [p.job for p in batch]
-        for p in batch:
-            p.job.host_after = p.waits
         nbytes, items = sum(j.nbytes for j in jobs), sum(j.items for j in jobs)
         stream = self._stream
         after = _after(batch)
@@ -634,11 +588,9 @@ def _after(batch: list[_Pending]) -> list[Event]:
 def _settle(event: Event) -> None:
     """Wait for an event; `poll` reports a failure. Where waiting fails, the event is queried until
     it has passed or fails too: a drain must not let memory go while the work may still run."""
-    try:
+    with contextlib.suppress(Exception):
         event.synchronize()
         return
-    except Exception:
-        pass
     while True:
         try:
             if event.query():

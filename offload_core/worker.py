@@ -18,7 +18,7 @@ from offload_core.errors import InvalidSpecError, OffloadError, RegionError
 from offload_core.host_layout import HostLayout
 from offload_core.hostmem import check_host_bytes
 from offload_core.interrupts import deferred
-from offload_core.queue import QueueStats, TransferQueue, TransferResult, job_id_set
+from offload_core.queue import QueueStats, TransferQueue, TransferResult
 from offload_core.region import SharedHostRegion
 from offload_core.registry import get_backend
 from offload_core.spec import DeviceBlocks, HostBlocks, KVCaches, flag, integer, positive_int
@@ -97,7 +97,6 @@ class OffloadWorker:
 
         layout = HostLayout.of(kv_caches, bpc, canonical_layout)
         self._region = host_region
-        self._registered = False
         if host_region is None:
             nbytes = self.num_host_blocks * layout.row_bytes
             check_host_bytes(nbytes, "the worker's host buffer (num_host_blocks x host_row_bytes)")
@@ -128,8 +127,8 @@ class OffloadWorker:
             backend.register_buffer(t.tensor)
         backend.register_buffer(self._host)
         self._prepared = backend.prepare_layout(self._layout)
-        if host_region is not None:  # last: nothing after it can fail and leave it registered
-            self._registered = _pin(backend, self._host)
+        # last: nothing after it can fail and leave it registered
+        registered = host_region is not None and _pin(backend, self._host)
         # Hazards between lanes (`_hazards`): per host block, the submit order of the last store
         # into it and of the last load from it in each load lane (regular, expedited).
         self._order = threading.Lock()  # a submit's hazard check and its place in its lane, together
@@ -154,7 +153,7 @@ class OffloadWorker:
             self._lanes,
             backend,
             self._host,
-            [self._registered],  # cleared as it is undone
+            [registered],  # cleared as it is undone
             (kv_caches, self._prepared),
         )
         self._shutdown_lock = threading.Lock()  # held while draining: a second shutdown waits for it
@@ -229,11 +228,7 @@ class OffloadWorker:
         self, queue: TransferQueue, direction: Direction, job_id: int, device: DeviceBlocks, host: HostBlocks, expedited
     ) -> tuple[bool, list | None]:
         """Validate a job whose id is reserved and add it to its lane: whether it was added (a
-        refusal is logged; the id is let go), and the jobs this submit must launch.
-
-        Raises:
-            InvalidSpecError, RegionError: as `submit_store`.
-        """
+        refusal is logged; the id is let go), and the jobs this submit must launch."""
         added = False
         try:
             if self._region is not None and time.monotonic() >= self._next_region_check:
@@ -316,7 +311,10 @@ class OffloadWorker:
             InvalidSpecError: `job_ids` is not an iterable of integers (a bare id, say).
         """
         self._same_process()
-        job_ids = job_id_set(job_ids)
+        # a 0-d array or tensor claims to be iterable and is not
+        if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable) or getattr(job_ids, "ndim", 1) == 0:
+            raise InvalidSpecError(f"wait takes an iterable of job ids, got {job_ids!r}; for one job: wait([job_id])")
+        job_ids = {integer(j, "a job id passed to wait") for j in job_ids}
         for queue in self._lanes:
             queue.wait(job_ids)
 
