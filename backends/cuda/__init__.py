@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import threading
 import weakref
 from collections import deque
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,7 +24,6 @@ import numpy as np
 from offload_core.backend import Direction, deferred
 from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.blocks import BlockCopier
-from offload_core.backends.cuda.config import ENV_CONF, conf
 from offload_core.backends.cuda.driver import (
     ERROR_HOST_MEMORY_ALREADY_REGISTERED,
     HOST_REGISTER_PORTABLE_DEVICEMAP,
@@ -42,6 +42,9 @@ __all__ = ["BLOCK_MECHANISMS", "MECHANISMS", "CudaBackend"]
 
 log = logging.getLogger(__name__)
 
+ENV_CONF = "OFFLOAD_CORE_CUDA_CONF"  # the backend's one variable (as PYTORCH_CUDA_ALLOC_CONF is)
+CONF_KEYS = ("mechanism", "sm_programs", "staging_mb", "ring_mb", "max_batch", "sm_penalty", "tune")
+
 # Programs (SMs) of the kernels that copy across the link. On an H200, 8 keep the link as busy
 # with stores (posted writes) as 32 did; loads wait for every read and need more in flight.
 SM_PROGRAMS = {Direction.STORE: 8, Direction.LOAD: 32}
@@ -52,7 +55,7 @@ _PASSED = SimpleNamespace(query=lambda: True, synchronize=lambda: None)
 class CudaBackend(TorchDeviceBackend):
     """NVIDIA GPUs through torch.cuda streams and events and the CUDA driver.
 
-    Every argument left None takes its key of ``$OFFLOAD_CORE_CUDA_CONF`` (`config.conf`), else
+    Every argument left None takes its key of ``$OFFLOAD_CORE_CUDA_CONF`` (`conf`), else
     its default.
 
     Args:
@@ -182,7 +185,7 @@ class CudaBackend(TorchDeviceBackend):
     def _table_copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """A descriptor table's upload (`ring.DescriptorRing`), in the GPU's context."""
         if self._driver_events:
-            self.driver.call_in(self.driver.memcpy_in, "cuMemcpyAsync", self._ctx, dst, src, nbytes, stream)
+            self.driver.check(self.driver.memcpy_in(self._ctx, dst, src, nbytes, stream), "cuMemcpyAsync")
         else:
             self.driver.memcpy_async(dst, src, nbytes, stream)
 
@@ -295,10 +298,8 @@ class CudaBackend(TorchDeviceBackend):
                 except Exception:
                     # no event could be recorded: what the entry holds goes once the whole GPU
                     # has run, rather than stay at the head of `_keepalive` with every later entry
-                    try:
+                    with suppress(Exception):  # the GPU failed: none of its work runs any more
                         self.synchronize()
-                    except Exception:  # the GPU failed: none of its work runs any more
-                        pass
                     self._ring.retire(_PASSED, entry[3])
                     entry[0] = _PASSED
                     raise
@@ -327,16 +328,14 @@ class CudaBackend(TorchDeviceBackend):
         """
         src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
         chosen = TABLE.get(mechanism)
-        if chosen is not None and chosen.takes_batches:
-            if mechanism not in self.available_mechanisms:
-                raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {chosen.why_unavailable(self)}")
+        if mechanism == "auto" or (chosen is not None and not chosen.takes_batches):
+            chosen = self._batch_auto
+        elif mechanism not in self.available_mechanisms:  # unknown, or not here
+            raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
+        else:
             reason = chosen.refuses(self, dst if direction is Direction.STORE else src, sizes)
             if reason:
                 raise ConfigError(reason)
-        elif chosen is not None or mechanism == "auto":
-            chosen = self._batch_auto
-        else:
-            raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
         with deferred(), self._enqueued(stream) as held:
             chosen.enqueue(self, src, dst, sizes, direction, stream, held)
         return chosen.name
@@ -350,10 +349,9 @@ class CudaBackend(TorchDeviceBackend):
             return f"unknown mechanism; choose one of {', '.join(TABLE)} or auto"
         return found.why_unavailable(self)
 
-    def addressable(self, host: np.ndarray, sizes: np.ndarray, largest: int | None = None) -> bool:
+    def addressable(self, host: np.ndarray, sizes: np.ndarray) -> bool:
         """Whether every host range lies in pinned or registered memory the GPU can dereference."""
-        lo, hi = int(host.min()), int(host.max())
-        top = hi + (int(sizes.max()) if largest is None else largest)  # bounds every end: one pass less
+        lo, top = int(host.min()), int(host.max()) + int(sizes.max())  # bounds every end: one pass less
         # a snapshot in one step: other threads and finalizers change the dict
         ranges = self._host_ranges.copy().values()
         if any(start <= lo and top <= end for start, end in ranges):
@@ -398,6 +396,32 @@ class CudaBackend(TorchDeviceBackend):
     def _on_device(self):
         runtime = self.runtime
         return nullcontext() if runtime.current_device() == self.device_index else runtime.device(self._device)
+
+
+def conf() -> dict[str, str]:
+    """``$OFFLOAD_CORE_CUDA_CONF`` as a dict: ``key:value`` pairs, comma-separated (spaces
+    around either ignored; unset or empty: no settings), keys from `CONF_KEYS`.
+
+    Raises:
+        ConfigError: a pair without ``:``, a key not in `CONF_KEYS` or given twice, or one of
+            the single variables of earlier versions still set (they are no longer read).
+    """
+    old = sorted(n for n in os.environ if n.startswith("OFFLOAD_CORE_CUDA_") and n != ENV_CONF)
+    if old:
+        raise ConfigError(
+            f"{', '.join(old)} {'is' if len(old) == 1 else 'are'} no longer read: set {ENV_CONF} instead "
+            f"(key:value pairs, comma-separated; keys: {', '.join(CONF_KEYS)})"
+        )
+    settings: dict[str, str] = {}
+    for pair in os.environ.get(ENV_CONF, "").split(","):
+        if not pair.strip():
+            continue
+        key, sep, value = (part.strip() for part in pair.partition(":"))
+        if not sep or key not in CONF_KEYS or key in settings:
+            why = "is not key:value" if not sep else "names a key twice" if key in settings else "has an unknown key"
+            raise ConfigError(f"{ENV_CONF}: {pair.strip()!r} {why}; keys: {', '.join(CONF_KEYS)}")
+        settings[key] = value
+    return settings
 
 
 def _setting(settings: dict, key: str, default, *, given=None, argument="", kind=int, zero=False, scale=1):

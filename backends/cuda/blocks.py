@@ -1,22 +1,17 @@
 """Compact jobs on the GPU: the block ids go up, the device expands them (`offload_core.compact`).
 
 Per job the host uploads one small table (two ids per block for simple jobs, int32 where they
-fit; five int64 columns for others) and enqueues one expansion kernel and at most one batch of
-copies per piece:
+fit; five int64 columns for others) and enqueues, per piece, one expansion kernel and at most
+one batch of copies, by one of the mechanisms here (listed in `mechanisms.TABLE`):
 
-* ``expand_staged``: the kernel gathers every entry of the job's blocks into a staging buffer
-  that mirrors its host rows (store), or scatters them out of it (load), on a side stream; the
-  copy engines move the job's host-contiguous segments on the queue's stream. Pieces alternate
-  between two halves of the buffer, so the kernel of one overlaps the copies of the one before;
-* ``expand_direct``: the kernel reads or writes the host rows themselves through their unified
-  addresses: no staging, but it holds SMs while the bytes cross the link. For segments too
-  small for the copy engines, and for small jobs, which the host's time per job bounds;
-* ``ce_batch`` (host-expanded): the copies, expanded on the host, in one batched copy, for jobs
-  whose host row does not fit a staging half or whose copies the gather would not join.
-
-Staging takes ``2 * half_bytes`` of device memory per queue stream, allocated on first use
-(`staging.StagingHalves`). A job larger than a half is cut into pieces of whole host rows.
-The mechanisms stand in `mechanisms.TABLE` beside the batch mechanisms.
+* ``expand_staged``: the kernel gathers the job's entries into a staging half that mirrors its
+  host rows (store), or scatters them out of it (load), and the copy engines move the
+  host-contiguous segments, whichever goes first on a side stream. A job larger than a half goes
+  in pieces of whole host rows that alternate between the two halves (`staging.StagingHalves`),
+  one's kernel beside the copies of the one before;
+* ``expand_direct``: the kernel reads or writes the host rows through their unified addresses:
+  no staging, but it holds SMs while the bytes cross the link;
+* ``ce_batch`` (host-expanded): the copies, expanded on the host, in one batched copy.
 """
 
 from __future__ import annotations
@@ -112,23 +107,13 @@ class BlockCopier:
             # kind. Simple jobs' rows are found from the host block (direct) or from the block
             # (staged, in a device buffer, for which the entry table's address stands in).
             row = layout.row_bytes
-            staged_base = prepared.entries.data_ptr()
-            variants = ((layout.host_base, row, True), (staged_base, row, False)) if layout.simple_jobs else (None,)
-            tables = _tables(prepared)
+            staged = (prepared.entries.data_ptr(), row, False)
+            variants = ((layout.host_base, row, True), staged) if layout.simple_jobs else (None,)
+            no_table = (b._ring, None, 0, *_tables(prepared))
             for store in (True, False):
                 for rows in variants:
                     kernels.expand(
-                        b._ring,
-                        None,
-                        0,
-                        *tables,
-                        store,
-                        layout.largest,
-                        stream,
-                        1,
-                        rows,
-                        narrow=prepared.narrow,
-                        device=b.device_index,
+                        *no_table, store, layout.largest, stream, 1, rows, prepared.narrow, device=b.device_index
                     )
         return prepared
 
@@ -144,7 +129,7 @@ class BlockCopier:
     def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
         """The cost model's pick for `job` (auto's, without a tuner): the cheapest of `_estimates`."""
         count, small = prepared.layout.segment_summary(job, self._small_limit(job.direction))
-        return _BY_NAME[cheapest(self._estimates(job.direction, prepared, job.items, job.nbytes, count, small))]
+        return _BY_NAME[cheapest(self._estimates(job, prepared, count, small))]
 
     def _small_limit(self, direction: Direction) -> int:
         """Loads: segments this small the batch call moves through the CPU; stores: none."""
@@ -153,24 +138,19 @@ class BlockCopier:
     def direct_programs(self, job: CompactJob, prepared: Prepared) -> int:
         """Programs of an ``expand_direct`` launch of `job`: at most the backend's, all of them
         where they were set (``sm_programs``), else sized by the constants above."""
-        layout = job.layout
-        rows = layout.row_bytes if prepared.whole_rows[job.direction] else 0
-        return self._programs(job.direction, layout, job.nbytes, job.jobs, rows)
-
-    def _programs(self, direction: Direction, layout: CompactLayout, nbytes: int, jobs: int, whole_row: int) -> int:
-        """`direct_programs`; `whole_row` is a host row's bytes where each block writes its whole
-        row, else 0."""
-        b = self.backend
+        b, layout, direction = self.backend, job.layout, job.direction
         most = b.sm_programs[direction]
         if b.programs_given:
             return most
-        per_job = -(-nbytes // max(1, jobs))
+        per_job = -(-job.nbytes // max(1, job.jobs))
         if layout.largest < SIZED_PAGE:
-            bound_by_link = direction is Direction.STORE and per_job > HOST_BOUND_BYTES and whole_row >= LONG_ROW_BYTES
+            long_rows = prepared.whole_rows[direction] and layout.row_bytes >= LONG_ROW_BYTES
+            bound_by_link = direction is Direction.STORE and per_job > HOST_BOUND_BYTES and long_rows
             return min(most, SMALL_PAGE_STORE_PROGRAMS) if bound_by_link else most
         if direction is Direction.LOAD:
             return min(most, SMALL_LOAD_PROGRAMS) if per_job <= HOST_BOUND_BYTES else most
-        if _mid_sized_store(direction, layout) and per_job <= DIRECT_STORE_BYTES:
+        mid_sized = SIZED_PAGE <= layout.smallest and layout.largest <= DIRECT_STORE_PAGE
+        if mid_sized and per_job <= DIRECT_STORE_BYTES:
             return min(most, MIN_STORE_PROGRAMS)
         return max(MIN_STORE_PROGRAMS, min(most, -(-per_job // STORE_BYTES_PER_PROGRAM)))
 
@@ -224,7 +204,7 @@ class BlockCopier:
         winner = self.tuner.decided(key)
         if winner is not None and self._runs_here(winner, prepared):  # no cost model on the launch's host time
             return _BY_NAME[winner], key, False
-        estimates = self._estimates(job.direction, prepared, job.items, job.nbytes, count, small)
+        estimates = self._estimates(job, prepared, count, small)
         name, timed = self.tuner.pick(key, tuning.candidates(estimates, cheapest(estimates)), self.timings.room())
         return _BY_NAME[name], key, timed
 
@@ -246,13 +226,11 @@ class BlockCopier:
     def _host_expanded(self) -> HostExpanded:
         return HOST_EXPANDED if self.batch_ok else HOST_LOOPED
 
-    def _estimates(
-        self, direction: Direction, prepared: Prepared, items: int, nbytes: int, count: int, small: int
-    ) -> dict[str, float]:
-        """The cost model's seconds for a launch of `items` copies and `nbytes` whose host bytes
-        form `count` segments (`small` bytes in those of at most `_small_limit`), by each
-        mechanism that can move it here, the copy engines' first (`select.cheapest`'s tie order)."""
-        cost, d = self.backend.cost, direction.value
+    def _estimates(self, job: CompactJob, prepared: Prepared, count: int, small: int) -> dict[str, float]:
+        """The cost model's seconds for `job` whose host bytes form `count` segments (`small`
+        bytes in those of at most `_small_limit`), by each mechanism that can move it here, the
+        copy engines' first (`select.cheapest`'s tie order)."""
+        cost, d, items, nbytes = self.backend.cost, job.direction.value, job.items, job.nbytes
         out = {}
         if self.batch_ok and prepared.layout.row_bytes <= self.half_bytes:
             out[EXPAND_STAGED.name] = cost.estimate("expand_staged", d, items, nbytes, count, small)
@@ -324,14 +302,11 @@ class HostExpanded(JobMechanism):
             TABLE[self.name].enqueue(copier.backend, src, dst, sizes, job.direction, stream, held)
 
 
-class _Expansion(JobMechanism):
-    def why_unavailable(self, backend) -> str | None:
-        """None if this mechanism can run on `backend`, else why not."""
-        return kernels.why_unavailable()
-
-
-class ExpandDirect(_Expansion):
+class ExpandDirect(JobMechanism):
     name = "expand_direct"
+
+    def why_unavailable(self, backend) -> str | None:
+        return kernels.why_unavailable()
 
     def refuses_layout(self, copier, prepared) -> str | None:
         if copier.direct_ok(prepared):
@@ -343,14 +318,14 @@ class ExpandDirect(_Expansion):
         copier.expand(job, prepared, 0, len(job), stream, held, copier.direct_programs(job, prepared))
 
 
-class ExpandStaged(_Expansion):
+class ExpandStaged(JobMechanism):
     name = "expand_staged"
     needs_segments = True
 
     def why_unavailable(self, backend) -> str | None:
         if backend.driver.memcpy_batch is None:
             return "its copies need the driver's cuMemcpyBatchAsync (CUDA 12.8 or later)"
-        return super().why_unavailable(backend)
+        return kernels.why_unavailable()
 
     def refuses_layout(self, copier, prepared) -> str | None:
         row = prepared.layout.row_bytes
@@ -425,11 +400,6 @@ def _tables(prepared: Prepared) -> tuple:
     """`kernels.expand`'s arguments `entries` to `per_block`."""
     p = prepared
     return p.entries.data_ptr(), p.entry_count, p.groups.data_ptr(), p.group_count, p.per_block
-
-
-def _mid_sized_store(direction: Direction, layout: CompactLayout) -> bool:
-    """Stores whose entries all lie between `SIZED_PAGE` and `DIRECT_STORE_PAGE`."""
-    return direction is Direction.STORE and SIZED_PAGE <= layout.smallest and layout.largest <= DIRECT_STORE_PAGE
 
 
 def _split(stage: np.ndarray, host: np.ndarray, sizes: np.ndarray, cuts: np.ndarray):

@@ -189,15 +189,6 @@ class Driver:
 
         return launch
 
-    def call_in(self, call: Callable[..., int], what: str, context: int, *args) -> None:
-        """``call(context, *args)`` for one of the short calls above (`record_in` ...).
-
-        Raises:
-            CudaDriverError: naming `what`, or cuCtxPushCurrent where the context could not be
-                made current.
-        """
-        self.check(call(context, *args), what)
-
     def fail(self, code: int, what: str) -> NoReturn:
         """Raise for a nonzero result (a short call's negated code: cuCtxPushCurrent's)."""
         if code < 0:

@@ -47,7 +47,7 @@ class DriverEvent:
 
     def wait(self, stream) -> None:
         """Later work on `stream` waits for this event (what ``stream.wait_event`` calls)."""
-        self._driver.call_in(self._driver.wait_in, "cuStreamWaitEvent", self._ctx, stream.cuda_stream, self.handle, 0)
+        self._driver.check(self._driver.wait_in(self._ctx, stream.cuda_stream, self.handle, 0), "cuStreamWaitEvent")
 
     def query(self) -> bool:
         """Whether the marked work has completed.
@@ -77,9 +77,7 @@ class DriverEvent:
             CudaDriverError: either has not been recorded, or has not passed.
         """
         ms, driver = ctypes.c_float(), self._driver
-        driver.call_in(
-            driver.elapsed_in, "cuEventElapsedTime", self._ctx, ctypes.addressof(ms), self.handle, end.handle
-        )
+        driver.check(driver.elapsed_in(self._ctx, ctypes.addressof(ms), self.handle, end.handle), "cuEventElapsedTime")
         return ms.value
 
     def _call(self, fn, what: str, *args) -> None:

@@ -309,30 +309,18 @@ def _hooked(compiled) -> bool:
 
 
 def launch(
-    src: np.ndarray,
-    dst: np.ndarray,
-    sizes: np.ndarray,
-    stream,
-    max_programs: int,
-    ring,
-    held: list,
-    largest: int | None = None,
-    uniform: bool | None = None,
-    device: int = 0,
+    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream, max_programs: int, ring, held: list, device: int = 0
 ) -> None:
     """Upload the descriptors through `ring` (the sizes only if they differ) and enqueue the copy
-    kernel on `stream`: copy i moves ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]``, addresses
-    the device can dereference. `largest` and `uniform` (all sizes equal) where already known;
-    `device` is the GPU's index. What must outlive the kernel (see `DescriptorRing.upload`) goes
-    to `held` before the launch, which may fail with the upload enqueued."""
-    n = len(sizes)
-    if largest is None:
-        largest = int(sizes.max())
-        uniform = int(sizes.min()) == largest
+    kernel on `stream` of GPU `device`: copy i moves ``sizes[i]`` bytes from ``src[i]`` to
+    ``dst[i]``, addresses the device can dereference. What must outlive the kernel (see
+    `DescriptorRing.upload`) goes to `held` before the launch, which may fail with the upload enqueued."""
+    n, largest = len(sizes), int(sizes.max())
+    uniform = int(sizes.min()) == largest
     (table,) = ring.upload((src, dst) if uniform else (src, dst, sizes), stream, held)
     copy_kernel, copy_small_kernel, _ = _compile()
     # columns read from the table; uniform sizes are one value (`size_col` itself)
-    args = [table, 0, table + 8 * n, 0, int(largest) if uniform else table + 16 * n]
+    args = [table, 0, table + 8 * n, 0, largest if uniform else table + 16 * n]
     arrays = {"SRC_ARRAY": True, "DST_ARRAY": True, "SIZE_ARRAY": not uniform}
     if largest <= SMALL_BYTES:
         width = 32 if largest <= 256 else 128  # words per copy per step: little masked waste
@@ -394,28 +382,6 @@ def expand(
     Raises:
         CudaDriverError: the upload or the launch failed.
     """
-    programs, args, constexprs, warps = _expansion(
-        ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow
-    )
-    kernel = _compile()[2]
-    key_args = None
-    if columns is not None:
-        if ring.launches:
-            raw = _raw_expansion(programs, args, constexprs, warps, device)
-            if raw is not None:
-                ring.upload_launch(columns, stream, constexprs["NARROW"], *raw, held)
-                return
-        (table,) = ring.upload(columns, stream, held, narrow=constexprs["NARROW"])
-        if (table < 1 << 31) == (args[0] < 1 << 31):  # else one of 32 bits and one of 64: not the same build
-            key_args = args.copy()
-        args[0] = table
-    _launch(kernel, programs, args, constexprs, stream, key_args, device, warps)
-
-
-def _expansion(
-    ring, n, entries, num_entries, groups, num_groups, per_block, store, largest, max_programs, rows, narrow
-):
-    """`expand`'s programs, arguments, constexprs (the table's argument the ring's address) and warps."""
     tile, width, warps = expand_tile(largest)
     programs = max(1, min(max_programs, -(-(n * per_block) // tile)))
     base, step, by_host = (0, 0, False) if rows is None else rows
@@ -423,15 +389,21 @@ def _expansion(
     # it, so one build serves every table, and a 64-bit parameter takes any address.
     args = [ring.device_address(), n, entries, num_entries, groups, num_groups, per_block, base, step]
     simple = rows is not None
-    constexprs = {
-        "STORE": store,
-        "SIMPLE": simple,
-        "BY_HOST": by_host,
-        "NARROW": simple and narrow,
-        "D": tile,
-        "W": width,
-    }
-    return programs, args, constexprs, warps
+    narrow = simple and narrow
+    constexprs = {"STORE": store, "SIMPLE": simple, "BY_HOST": by_host, "NARROW": narrow, "D": tile, "W": width}
+    kernel = _compile()[2]
+    key_args = None
+    if columns is not None:
+        if ring.launches:
+            raw = _raw_expansion(programs, args, constexprs, warps, device)
+            if raw is not None:
+                ring.upload_launch(columns, stream, narrow, *raw, held)
+                return
+        (table,) = ring.upload(columns, stream, held, narrow=narrow)
+        if (table < 1 << 31) == (args[0] < 1 << 31):  # else one of 32 bits and one of 64: not the same build
+            key_args = args.copy()
+        args[0] = table
+    _launch(kernel, programs, args, constexprs, stream, key_args, device, warps)
 
 
 def _raw_expansion(programs: int, args: list, constexprs: dict, warps: int, device: int) -> tuple | None:

@@ -36,14 +36,7 @@ class Mechanism(abc.ABC):
 
     @abc.abstractmethod
     def enqueue(
-        self,
-        backend,
-        src: np.ndarray,
-        dst: np.ndarray,
-        sizes: np.ndarray,
-        direction: Direction,
-        stream,
-        held: list,
+        self, backend, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream, held: list
     ) -> None:
         """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes on `stream`; what the device may
         still read afterwards goes to `held`."""
@@ -86,7 +79,6 @@ class SmGather(Mechanism):
         kernels.launch(src, dst, sizes, stream, programs, backend._ring, held, device=backend.device_index)
 
 
-# Every mechanism by name.
 TABLE: dict = {m.name: m for m in (CeBatch(), SmGather(), CeLoop(), EXPAND_STAGED, EXPAND_DIRECT)}
 MECHANISMS = tuple(name for name, m in TABLE.items() if m.takes_batches)  # for descriptor batches
 BLOCK_MECHANISMS = tuple(name for name, m in TABLE.items() if not m.takes_batches)  # for compact jobs (a worker's)

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import threading
+from contextlib import suppress
 from pathlib import Path
 from typing import NamedTuple
 
@@ -134,10 +135,8 @@ class Tuner:
         self._saved: dict[ShapeClass, str] = {}
         self._single: set[ShapeClass] = set()  # decided with one candidate: nothing to save
         for name, winner in (_read(path) if path is not None else {}).items():
-            try:
+            with suppress(ValueError, TypeError):  # another version's name
                 self._saved[ShapeClass.parse(name)] = winner
-            except (ValueError, TypeError):  # another version's name
-                pass
 
     def pick(self, key: ShapeClass, names: list[str], can_time: bool = True) -> tuple[str, bool]:
         """The mechanism for a launch of class `key` among `names` (`candidates`), and whether to
@@ -196,8 +195,8 @@ class Tuner:
             if any(len(trial.costs[n]) < TRIALS for n in left):
                 return
             medians = {n: sorted(trial.costs[n])[len(trial.costs[n]) // 2] for n in left}
-            prior = trial.prior if trial.prior in medians else min(medians, key=medians.get)
             best = min(medians, key=medians.get)
+            prior = trial.prior if trial.prior in medians else best
             winner = best if medians[best] < (1 - MARGIN) * medians[prior] else prior
             del self._trials[key]
             self._saved[key] = winner
@@ -247,11 +246,10 @@ class Timings:
                     break
                 device_s = start.elapsed_time(end) / 1e3
             except Exception:  # a fault: the queue reports it with the jobs; no timing from it
-                done += 1
                 self.tuner.dropped(key, name)
-                continue
+            else:
+                self.tuner.observe(key, name, nbytes, host_s, self.weigh(name, device_s))
             done += 1
-            self.tuner.observe(key, name, nbytes, host_s, self.weigh(name, device_s))
         del self._pending[:done]
 
 
