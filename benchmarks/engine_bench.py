@@ -33,6 +33,7 @@ import gc
 import json
 import platform
 import time
+from unittest import mock
 
 import numpy as np
 import torch
@@ -46,9 +47,17 @@ def _backends(name: str | None, mechanisms: list[str] | None):
     base = get_backend(name)
     if base.name != "cuda":
         return [("default", base)]
-    from offload_core.backends.cuda import CudaBackend
+    from offload_core.backends.cuda import CudaBackend, driver
 
-    return [(m, CudaBackend(mechanism=m)) for m in mechanisms or ["auto", *base.available_mechanisms]]
+    def made(m: str):
+        if m != "auto-ctypes":
+            return CudaBackend(mechanism=m)
+        # auto without _driver.c (its driver calls through ctypes, its kernels through Triton's
+        # launcher): what the compiled module buys, in the same run
+        with mock.patch.object(driver, "compiled", lambda: None):
+            return CudaBackend(mechanism="auto", driver=driver.Driver.load())
+
+    return [(m, made(m)) for m in mechanisms or ["auto", *base.available_mechanisms]]
 
 
 def _runs(sizes, bursts: list, repeat: int):
@@ -302,7 +311,8 @@ def main() -> None:
     parser.add_argument("--backend", help="backend name (default: the best available)")
     parser.add_argument(
         "--mechanisms",
-        help="cuda: comma-separated mechanisms (default: auto and every available one)",
+        help="cuda: comma-separated mechanisms (default: auto and every available one); auto-ctypes is auto "
+        "without the compiled driver calls (backends/cuda/_driver.c)",
     )
     parser.add_argument("--pages", default="256,1024,4096,32768", help="page sizes in bytes (default: %(default)s)")
     parser.add_argument("--blocks-per-job", default="1,16,128", help="blocks per job (default: %(default)s)")

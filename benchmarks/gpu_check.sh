@@ -30,6 +30,10 @@ if [ "$phase" = grid ]; then
   }
   grid auto,expand_staged,expand_direct,ce_batch,sm_gather all
   python3 benchmarks/auto_vs_best.py "$out"/grid-all-*.json | tee "$out/auto_vs_best.md"
+  # A/B of the compiled driver calls (_driver.c): small jobs of many tensors, as an engine sends them
+  timeout 90 python3 benchmarks/engine_bench.py --backend cuda --mechanisms auto,auto-ctypes --layers 32 \
+      --pages 256,1024,4096 --blocks-per-job 16 --jobs 128 --json "$out/ctypes.json" > "$out/ctypes.log" 2>&1
+  tail -6 "$out/ctypes.log"
   cp "${OFFLOAD_CORE_PROFILE_DIR:-$HOME/.cache/offload-core}"/*-tuned.json "$out/" 2>/dev/null
   exit 0
 fi
