@@ -11,6 +11,7 @@ exactly once, and every successful store-then-load must move the right bytes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -241,7 +242,7 @@ class RegionSoakReport:
     wrong_bytes: int = 0
     split: int = 0  # a rank mapped another file than the live keeper's
     left_behind: list = field(default_factory=list)
-    holders: list = field(default_factory=list)  # where files were left behind: who held a lock on them
+    holders: list = field(default_factory=list)  # where files were left behind: who locks, has open or maps them
     errors: list = field(default_factory=list)
 
     @property
@@ -250,25 +251,39 @@ class RegionSoakReport:
 
 
 def _lock_holders(path: str) -> list[str]:
-    """The processes holding a lock on the file at `path`, from /proc/locks (Linux), each as
-    "pid (command line)"; whether it is alive shows in the command line ("gone" if not)."""
+    """Who holds the file at `path` (Linux): its flocks in /proc/locks, each as "pid mode (command
+    line)", then each process that has it open or mapped, as "pid fd|map (command line)". The
+    second list matters: in a pid namespace, /proc/locks leaves out a lock whose locking process
+    has died, though a process it forked may still hold that lock."""
     try:
-        inode = os.stat(path).st_ino
+        st = os.stat(path)
         with open("/proc/locks") as f:
             lines = f.read().splitlines()
     except OSError as exc:
         return [f"unknown: {exc}"]
+    found = [
+        (f[4], f[3]) for f in map(str.split, lines) if len(f) > 5 and f[1] == "FLOCK" and f[5].endswith(f":{st.st_ino}")
+    ]
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"  # as /proc/PID/maps writes it
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.path.samestat(os.stat(f"/proc/{pid}/fd/{fd}"), st):
+                        found.append((pid, "fd"))
+            with open(f"/proc/{pid}/maps") as f:
+                if any(m.split()[3:5] == [dev, str(st.st_ino)] for m in f):
+                    found.append((pid, "map"))
+        except OSError:
+            pass  # gone, or not ours to read
     out = []
-    for line in lines:
-        fields = line.split()
-        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
-            pid = fields[4]
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
-            except OSError:
-                cmd = "gone"
-            out.append(f"{pid} {fields[3]} ({cmd})")
+    for pid, how in dict.fromkeys(found):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+        except OSError:
+            cmd = "gone"
+        out.append(f"{pid} {how} ({cmd})")
     return out
 
 

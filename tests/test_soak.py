@@ -3,6 +3,8 @@ moments; every byte checked (`benchmarks/soak_rounds.py`; `benchmarks/soak.py` r
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
 from pathlib import Path
 
@@ -31,3 +33,18 @@ def test_ranks_crashing_and_restarting_keep_sharing_one_region():
     assert report.clean, report
     assert report.crashes >= 1  # the founding rank dies holding the region, every time
     assert report.cycles == 8
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
+def test_a_file_left_behind_names_the_processes_that_have_it_open_or_mapped(tmp_path):
+    # /proc/locks alone misses a lock whose locking process died (in a pid namespace), though a
+    # process it forked may keep the lock: the report also names who has the file open or mapped.
+    from soak_rounds import _lock_holders
+
+    path = tmp_path / "left.shm"
+    path.write_bytes(bytes(mmap.PAGESIZE))
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), mmap.PAGESIZE):
+        holders = _lock_holders(str(path))
+    assert any(h.startswith(f"{os.getpid()} fd ") for h in holders), holders
+    assert any(h.startswith(f"{os.getpid()} map ") for h in holders), holders
+    assert _lock_holders(str(path)) == []
