@@ -151,14 +151,24 @@ class CompactJob:
         The caller makes sure that no two of them write the same bytes (`destinations`)."""
         if len(jobs) == 1:
             return jobs[0]
-        first, moving = jobs[0], [j for j in jobs if len(j)]
-        nbytes, items = sum(j.nbytes for j in moving), sum(j.items for j in moving)
-        count = sum(j.jobs for j in moving)
-        if moving and all(j.simple for j in moving):  # the usual launch
-            dev_ids = np.concatenate([j.dev_ids for j in moving])
-            host_ids = np.concatenate([j.host_ids for j in moving])
-            groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
-            return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
+        first = jobs[0]
+        # The usual launch: simple jobs, and at most general ones that move nothing. One plain
+        # loop: this runs under the enqueue lock for every launch of two jobs or more.
+        devs, hosts, nbytes, items, count = [], [], 0, 0, 0
+        for j in jobs:
+            if j._blocks is None:
+                devs.append(j.dev_ids)
+                hosts.append(j.host_ids)
+                nbytes, items, count = nbytes + j.nbytes, items + j.items, count + j.jobs
+            elif len(j) or j.host_ids.size:
+                break
+        else:
+            if devs:
+                dev_ids, host_ids = np.concatenate(devs), np.concatenate(hosts)
+                groups = ((0, 0, dev_ids.size, 0, dev_ids.size, 0),)
+                return CompactJob(first.layout, first.direction, None, host_ids, groups, nbytes, items, dev_ids, count)
+        nbytes, items = sum(j.nbytes for j in jobs), sum(j.items for j in jobs)
+        count = sum(j.jobs for j in jobs if len(j))
         lengths = [len(j) for j in jobs]
         block_offsets = list(accumulate(lengths, initial=0))
         chunk_offsets = list(accumulate((j.host_ids.size for j in jobs), initial=0))

@@ -630,6 +630,26 @@ def test_a_load_of_a_host_block_whose_store_waits_for_a_launch_launches_that_sto
         fake.complete_all()
 
 
+def test_a_loads_launch_hands_the_backend_its_stores_end_as_host_after():
+    """What a backend's side streams wait for before they touch host rows (cuda's staged
+    loads): the joined job's `host_after` holds the unreported store's end, among `after`."""
+    from offload_core.testing.expanding import ExpandingCpuBackend
+
+    seen = []
+
+    class Recording(ExpandingCpuBackend):
+        def copy_blocks(self, job, prepared, stream, after):
+            seen.append((job.direction, tuple(job.host_after), list(after)))
+            return super().copy_blocks(job, prepared, stream, after)
+
+    with OffloadWorker(small_kv(pages=(64,), blocks=8), 8, backend=Recording()) as worker:
+        assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([5]))
+        assert worker.submit_load(2, HostBlocks([5]), DeviceBlocks([1]))
+        worker.wait([1, 2])
+    (load,) = [s for s in seen if s[0] is Direction.LOAD]
+    assert load[1] and {id(e) for e in load[1]} <= {id(e) for e in load[2]}
+
+
 def test_jobs_of_other_host_blocks_and_reported_stores_wait_for_nothing():
     from offload_core.testing.fake import FakeBackend
 

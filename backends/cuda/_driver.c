@@ -2,8 +2,8 @@
  * (driver.py makes them through ctypes where this module was not built, or OFFLOAD_CORE_NATIVE=0:
  * that stays the reference and the fallback). `context_call` calls a driver entry point in a
  * given context (the backend's events, stream waits and descriptor-table uploads),
- * `table_launch` a kernel's launch with its table's upload (the expansion kernel). Every entry point's address comes from driver.py, which resolves them: no
- * CUDA header, no libcuda to link.
+ * `table_launch` a kernel's launch with its table's upload (the expansion kernel). Every entry
+ * point's address comes from driver.py, which resolves them: no CUDA header, no libcuda to link.
  * Built where a C compiler is found (setup.py, with a copy of offload_core's _arrays.c: the
  * helpers of offload_core._native); the backend works the same without it.
  *

@@ -8,7 +8,8 @@ one batch of copies, by one of the mechanisms here (listed in `mechanisms.TABLE`
   host rows (store), or scatters them out of it (load), and the copy engines move the
   host-contiguous segments, whichever goes first on a side stream. A job larger than a half goes
   in pieces of whole host rows that alternate between the two halves (`staging.StagingHalves`),
-  one's kernel beside the copies of the one before;
+  one's kernel beside the copies of the one before (two halves of `half_bytes` each: device
+  memory per queue stream);
 * ``expand_direct``: the kernel reads or writes the host rows through their unified addresses:
   no staging, but it holds SMs while the bytes cross the link;
 * ``ce_batch`` (host-expanded): the copies, expanded on the host, in one batched copy.
