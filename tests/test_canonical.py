@@ -459,3 +459,19 @@ def test_verify_tiling_names_what_it_takes(mappings):
 def test_attention_mappings_refuse_a_page_too_large_to_lay_out():
     with pytest.raises(InvalidSpecError, match="head slots"):
         attention_mappings(total_kv_heads=8, tp_size=2, block_tokens=10**9, head_bytes=2)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.sampled_from([4, 8])), min_size=1, max_size=12))
+def test_strided_runs_unroll_to_exactly_the_fragments_given(steps):
+    """`_as_runs` folds fragments into runs only where sizes and both strides stay constant."""
+    from offload_core.canonical import _as_runs
+
+    local = np.cumsum([1 + a for a, _, _ in steps]) * 16
+    canon = np.cumsum([1 + b for _, b, _ in steps]) * 16
+    sizes = np.array([s for _, _, s in steps])
+    unrolled = [
+        (r.local_offset + i * r.local_stride, r.canonical_offset + i * r.canonical_stride, r.fragment_size)
+        for r in _as_runs(local, canon, sizes)
+        for i in range(r.num_fragments)
+    ]
+    assert unrolled == list(zip(local.tolist(), canon.tolist(), sizes.tolist()))

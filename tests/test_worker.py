@@ -650,6 +650,35 @@ def test_a_loads_launch_hands_the_backend_its_stores_end_as_host_after():
     assert load[1] and {id(e) for e in load[1]} <= {id(e) for e in load[2]}
 
 
+def test_the_job_a_launch_hands_its_backend_is_held_until_its_end_has_passed():
+    """The launch's job in host order (a new job, whose copies `copy_batch` was handed): the
+    queue keeps it until the launch's end has passed and its result is taken, then lets go."""
+    import gc
+    import weakref
+
+    from offload_core.testing.fake import FakeBackend
+
+    handed = []
+
+    class Handing(FakeBackend):
+        def copy_blocks(self, job, prepared, stream, after):
+            handed.append(weakref.ref(job.layout.copies(job)[0]))  # kept with the job
+            return super().copy_blocks(job, prepared, stream, after)
+
+    fake = Handing()
+    with OffloadWorker(small_kv(), 8, backend=fake) as worker:
+        for lane in worker._lanes:
+            lane.burst_jobs = 1  # each submit launches its job at once
+        assert worker.submit_store(1, DeviceBlocks([1, 2]), HostBlocks([4, 3]))  # put in host order
+        gc.collect()
+        assert len(handed) == 1 and handed[0]() is not None  # its end has not passed
+        fake.complete_all()
+        worker.wait([1])
+        assert [r.job_id for r in worker.get_finished()] == [1]
+        gc.collect()
+        assert handed[0]() is None
+
+
 def test_jobs_of_other_host_blocks_and_reported_stores_wait_for_nothing():
     from offload_core.testing.fake import FakeBackend
 
