@@ -27,12 +27,13 @@ import json
 import pathlib
 import time
 
+import gpu_timing as measure
 import numpy as np
 import torch
 
 from offload_core import bench
 from offload_core.backend import Direction
-from offload_core.backends.cuda import CudaBackend, measure
+from offload_core.backends.cuda import CudaBackend
 
 KIB, MIB = 1024, 1 << 20
 SIZES = [256, KIB, 4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 2 * MIB]

@@ -140,3 +140,9 @@ def test_serve_times_the_decode_steps_while_stores_run_against_those_after():
     gaps = [120, 110, 100] + [15] * serve.DECODE_EARLY + [10] * 50  # prefill, decode beside the stores, decode
     early, late = serve.step_ms(list(np.cumsum([0.0] + gaps) / 1e3))
     assert early == pytest.approx(15) and late == pytest.approx(10)
+
+
+def test_the_gpu_only_benchmarks_import_on_any_machine():
+    """They run only on a GPU (gpu_check.sh): a broken import would first show there."""
+    import canonical_bench  # noqa: F401
+    import transfer_bench  # noqa: F401

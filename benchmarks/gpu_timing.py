@@ -1,4 +1,4 @@
-"""Timing copies on the GPU, for benchmarks/transfer_bench.py, each through
+"""Timing copies on the GPU for transfer_bench.py, each through
 `CudaBackend.enqueue_with` (the backend's own `mechanism` stays as it is).
 """
 
