@@ -4,7 +4,7 @@
 (every mechanism by name), `blocks` (a worker's jobs expanded on the device), `select` and
 `tuning` (how ``auto`` chooses: a cost model, then measurements), `staging`, `driver`, `kernels`,
 `ring` and `events` (the CUDA driver through ctypes, the Triton kernels and their descriptor
-tables), and `measure` (timing copies).
+tables).
 """
 
 from __future__ import annotations
