@@ -26,12 +26,13 @@ class BackendUnavailableError(OffloadError, RuntimeError):
         reason: one sentence saying why it is unavailable.
     """
 
-    def __init__(self, name: str, reason: str, hint: str = ""):
+    def __init__(self, name: str, reason: str, hint: str = "", source: str = ""):
         self.name = name
         self.reason = reason
         hint = f" ({hint})" if hint else ""
+        origin = f" (from {source})" if source else ""
         super().__init__(
-            f"offload backend {name!r} is unavailable: {reason}{hint}; the host-memory reference backend is "
+            f"offload backend {name!r}{origin} is unavailable: {reason}{hint}; the host-memory reference backend is "
             "'cpu' (backend='cpu', --backend cpu, or OFFLOAD_CORE_BACKEND=cpu where no name is given)"
         )
 

@@ -186,7 +186,8 @@ def get_backend(name: str | None = None, *, device_index: int = 0, device_type: 
     cls = backend_class(chosen)
     reason = _probe(chosen)
     if reason is not None:
-        raise BackendUnavailableError(chosen, reason, cls.install_hint)
+        source = f"${ENV_BACKEND}" if name is None and os.environ.get(ENV_BACKEND) == chosen else ""
+        raise BackendUnavailableError(chosen, reason, cls.install_hint, source)
     with _lock:
         try:
             made = cls(device_index)

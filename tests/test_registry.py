@@ -86,6 +86,16 @@ def test_unavailable_name_carries_reason_and_install_hint():
     assert "pip install broken-sdk" in str(err) and "OFFLOAD_CORE_BACKEND=cpu" in str(err)
 
 
+def test_an_unavailable_backend_named_by_the_environment_says_so(monkeypatch):
+    registry.register_backend("broken", Broken)
+    monkeypatch.setenv("OFFLOAD_CORE_BACKEND", "broken")
+    with pytest.raises(BackendUnavailableError, match=r"'broken' \(from \$OFFLOAD_CORE_BACKEND\) is unavailable"):
+        registry.get_backend()
+    monkeypatch.delenv("OFFLOAD_CORE_BACKEND")
+    with pytest.raises(BackendUnavailableError, match="'broken' is unavailable"):  # named by the caller
+        registry.get_backend("broken")
+
+
 def test_register_refuses_to_clobber_unless_asked():
     with pytest.raises(ValueError, match="already registered"):
         registry.register_backend("cpu", Fast)
