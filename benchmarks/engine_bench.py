@@ -154,7 +154,7 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
 
         def schedule():  # True: a pass to warm up; False: a measured one
             yield True  # pools, rings, compiled kernels
-            for _ in range(8):  # while `auto` still measures its candidates (cuda): the measured
+            for _ in range(24):  # while `auto` still measures its candidates (cuda): the measured
                 if not pending():  # pass sees its choice, as an engine does after its first launches
                     break
                 yield True
