@@ -38,7 +38,16 @@ from unittest import mock
 import numpy as np
 import torch
 
-from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker, get_backend
+from offload_core import (
+    DeviceBlocks,
+    HostBlocks,
+    KVCacheRef,
+    KVCaches,
+    KVCacheTensor,
+    OffloadError,
+    OffloadWorker,
+    get_backend,
+)
 from offload_core.bench import _limit_gbps
 from offload_core.queue import TransferQueue
 
@@ -440,4 +449,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except OffloadError as exc:  # a backend that cannot run here, a bad setting: the message says which
+        raise SystemExit(f"engine_bench: {exc}") from None
