@@ -131,7 +131,7 @@ def bench_report(r: dict) -> tuple[str, list[tuple[str, ...]], list[str]]:
     if r["device_memory_bytes"]:
         memory += f" and {gib(r['device_memory_bytes'])} device"
     header = (
-        f"backend {r['backend']} ({r['device']}), preset {r['preset']}: {r['blocks']} blocks, "
+        f"backend {r['backend']} on {r['device']}, preset {r['preset']}: {r['blocks']} blocks, "
         f"{r['blocks_per_job']} per job ({r['bytes_per_job'] / 2**20:.1f} MiB), "
         f"blocks_per_chunk {r['blocks_per_chunk']}, best of {r['iters']}; uses {memory} memory"
     )
