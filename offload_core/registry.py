@@ -89,6 +89,8 @@ def backend_class(name: str) -> type[Backend]:
         if name not in _targets:
             off = os.environ.get(ENV_PLUGINS, "").strip() == "0"
             note = f" (third-party backends are off: ${ENV_PLUGINS}=0)" if off else ""
+            if isinstance(name, str) and name.lower() in _targets:
+                note += f"; names are lower case: did you mean {name.lower()!r}?"
             raise UnknownBackendError(name, tuple(sorted(_targets)), note=note)
         target = _targets[name]
     if not isinstance(target, str):

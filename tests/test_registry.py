@@ -96,6 +96,11 @@ def test_an_unavailable_backend_named_by_the_environment_says_so(monkeypatch):
         registry.get_backend("broken")
 
 
+def test_a_backend_name_in_capitals_is_unknown_but_the_message_names_the_right_one():
+    with pytest.raises(UnknownBackendError, match="did you mean 'cpu'"):
+        registry.get_backend("CPU")
+
+
 def test_register_refuses_to_clobber_unless_asked():
     with pytest.raises(ValueError, match="already registered"):
         registry.register_backend("cpu", Fast)
