@@ -67,6 +67,10 @@ class Backend(abc.ABC):
 
         Returns:
             None when usable, else one sentence saying why not.
+
+        Raises:
+            ConfigError: this backend's own setting (its environment variable) is malformed:
+                the registry passes it on, rather than pass the backend by.
         """
 
     def __init__(self, device_index: int = 0):

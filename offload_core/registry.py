@@ -124,6 +124,8 @@ def _probe(name: str) -> str | None:
         reason = backend_class(name).probe()
     except BackendUnavailableError as exc:
         reason = exc.reason
+    except ConfigError:  # the user's own setting is wrong: say so rather than pass the backend by
+        raise
     except (Exception, SystemExit) as exc:  # a probe must never take the registry down, nor end the process
         reason = f"probe raised {exc!r}"
     if reason is not None:

@@ -11,7 +11,7 @@ import pytest
 
 from offload_core import bench, hostmem, registry
 from offload_core.cli import bench_report, main
-from offload_core.errors import BackendUnavailableError, InvalidSpecError, OffloadError
+from offload_core.errors import BackendUnavailableError, ConfigError, InvalidSpecError, OffloadError
 from offload_core.testing.fake import FakeBackend
 from offload_core.testing.fresh_registry import restored_registry
 
@@ -109,6 +109,23 @@ def test_a_native_switch_other_than_0_or_1_is_one_line(capsys, monkeypatch, valu
     assert main(["backends"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "OFFLOAD_CORE_NATIVE must be 0 (numpy's steps) or 1" in err and repr(value) in err
+
+
+@pytest.mark.parametrize(
+    "conf, named",
+    [("mechansim:ce_batch", "'mechansim:ce_batch' has an unknown key"), ("ring_mb:0", "ring_mb must be a positive")],
+)
+def test_a_malformed_backend_setting_is_refused_on_any_machine_before_a_worker_is_made(
+    capsys, monkeypatch, conf, named
+):
+    """The cuda backend's conf is parsed by its probe: without a GPU too, and not passed by for
+    the cpu backend."""
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", conf)
+    assert main(["backends"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"OFFLOAD_CORE_CUDA_CONF{':' if 'unknown' in named else ''} {named}" in err
+    with pytest.raises(ConfigError, match=named):
+        registry.select_backend_name()
 
 
 def test_backends_json(capsys):

@@ -305,7 +305,7 @@ def test_auto_is_measured_by_default_and_the_conf_can_turn_it_off(monkeypatch, t
     assert host_only_backend(monkeypatch, FakeLib(), tune=None)._blocks.tuner is None
     assert host_only_backend(monkeypatch, FakeLib(), tune=True)._blocks.tuner is not None  # the argument wins
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "tune:2")
-    with pytest.raises(ConfigError, match="must be 0 or 1, got 2"):
+    with pytest.raises(ConfigError, match="OFFLOAD_CORE_CUDA_CONF tune must be 0 or 1, got '2'"):
         host_only_backend(monkeypatch, FakeLib(), tune=None)
 
 

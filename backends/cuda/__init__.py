@@ -43,7 +43,17 @@ __all__ = ["BLOCK_MECHANISMS", "MECHANISMS", "CudaBackend"]
 log = logging.getLogger(__name__)
 
 ENV_CONF = "OFFLOAD_CORE_CUDA_CONF"  # the backend's one variable (as PYTORCH_CUDA_ALLOC_CONF is)
-CONF_KEYS = ("mechanism", "sm_programs", "staging_mb", "ring_mb", "max_batch", "sm_penalty", "tune")
+# its keys: what each value must be (`_setting`'s rules); "mechanism" is a name of `TABLE` or auto
+CONF_RULES = {
+    "mechanism": None,
+    "sm_programs": {},
+    "staging_mb": {"scale": 1 << 20},
+    "ring_mb": {"scale": 1 << 20},
+    "max_batch": {"zero": True},
+    "sm_penalty": {"kind": float},
+    "tune": {"zero": True, "most": 1},
+}
+CONF_KEYS = tuple(CONF_RULES)
 
 # Programs (SMs) of the kernels that copy across the link. On an H200, 8 keep the link as busy
 # with stores (posted writes) as 32 did; loads wait for every read and need more in flight.
@@ -97,6 +107,13 @@ class CudaBackend(TorchDeviceBackend):
 
     @classmethod
     def probe(cls) -> str | None:
+        """As `Backend.probe`; the conf is parsed here too, so that a typo in it is refused
+        before any worker is made (by `offload-core backends`, say), on any machine.
+
+        Raises:
+            ConfigError: as `conf`.
+        """
+        conf()
         try:
             import torch
         except Exception as exc:
@@ -130,13 +147,11 @@ class CudaBackend(TorchDeviceBackend):
         programs = _setting(settings, "sm_programs", None, given=max_programs, argument="max_programs")
         self.sm_programs = {d: programs or SM_PROGRAMS[d] for d in Direction}
         self.programs_given = programs is not None  # else expand_direct sizes its stores' programs by their jobs
-        self.staging_bytes = _setting(
-            settings, "staging_mb", 16 << 20, given=staging_bytes, argument="staging_bytes", scale=1 << 20
-        )
-        ring_bytes = _setting(settings, "ring_mb", 16 << 20, given=ring_bytes, argument="ring_bytes", scale=1 << 20)
-        self.max_batch = _setting(settings, "max_batch", 0, given=max_batch, argument="max_batch", zero=True)
+        self.staging_bytes = _setting(settings, "staging_mb", 16 << 20, given=staging_bytes, argument="staging_bytes")
+        ring_bytes = _setting(settings, "ring_mb", 16 << 20, given=ring_bytes, argument="ring_bytes")
+        self.max_batch = _setting(settings, "max_batch", 0, given=max_batch, argument="max_batch")
         self.cost = cost_model or CostModel()
-        penalty = _setting(settings, "sm_penalty", None, kind=float)
+        penalty = _setting(settings, "sm_penalty", None)
         if penalty is not None:
             self.cost = dataclasses.replace(self.cost, sm_penalty=penalty)
         self.available_mechanisms = tuple(name for name, m in TABLE.items() if m.why_unavailable(self) is None)
@@ -151,9 +166,7 @@ class CudaBackend(TorchDeviceBackend):
         self._keepalive: deque = deque()  # [event or None while enqueuing, Held, stream, ring regions]
         self._threads = threading.local()  # `in_context`: the GPU's context was made current on this thread
         self._spare_events: list = []
-        tune = _setting(settings, "tune", 1, given=None if tune is None else int(tune), argument="tune", zero=True)
-        if tune not in (0, 1):
-            raise ConfigError(f"tune ({ENV_CONF} tune, or the argument) must be 0 or 1, got {tune!r}")
+        tune = _setting(settings, "tune", 1, given=None if tune is None else int(tune), argument="tune")
         # auto's choices measured per shape class, kept per GPU model
         tuner = Tuner(winners_path(runtime.get_device_name(self._device))) if tune else None
         self._blocks = BlockCopier(self, self.staging_bytes, tuner)
@@ -346,7 +359,7 @@ class CudaBackend(TorchDeviceBackend):
         """None if `mechanism` can run here, else why not."""
         found = TABLE.get(mechanism)
         if found is None:
-            return f"unknown mechanism; choose one of {', '.join(TABLE)} or auto"
+            return _unknown()
         return found.why_unavailable(self)
 
     def addressable(self, host: np.ndarray, sizes: np.ndarray) -> bool:
@@ -400,11 +413,14 @@ class CudaBackend(TorchDeviceBackend):
 
 def conf() -> dict[str, str]:
     """``$OFFLOAD_CORE_CUDA_CONF`` as a dict: ``key:value`` pairs, comma-separated (spaces
-    around either ignored; unset or empty: no settings), keys from `CONF_KEYS`.
+    around either ignored; unset or empty: no settings), keys and values as `CONF_RULES` says.
+    Parsed whole wherever it is read, so that `probe` (and `offload-core backends`) refuse a
+    typo before any worker is made.
 
     Raises:
-        ConfigError: a pair without ``:``, a key not in `CONF_KEYS` or given twice, or one of
-            the single variables of earlier versions still set (they are no longer read).
+        ConfigError: a pair without ``:``, a key not in `CONF_RULES` or given twice, a value
+            outside its key's values, or one of the single variables of earlier versions still
+            set (they are no longer read).
     """
     old = sorted(n for n in os.environ if n.startswith("OFFLOAD_CORE_CUDA_") and n != ENV_CONF)
     if old:
@@ -417,21 +433,32 @@ def conf() -> dict[str, str]:
         if not pair.strip():
             continue
         key, sep, value = (part.strip() for part in pair.partition(":"))
-        if not sep or key not in CONF_KEYS or key in settings:
+        if not sep or key not in CONF_RULES or key in settings:
             why = "is not key:value" if not sep else "names a key twice" if key in settings else "has an unknown key"
             raise ConfigError(f"{ENV_CONF}: {pair.strip()!r} {why}; keys: {', '.join(CONF_KEYS)}")
         settings[key] = value
+    for key in settings:
+        if key != "mechanism":
+            _setting(settings, key, None)
+    name = settings.get("mechanism")
+    if name and name != "auto" and name not in TABLE:
+        raise ConfigError(f"cuda mechanism {name!r} cannot be used: {_unknown()}")
     return settings
 
 
-def _setting(settings: dict, key: str, default, *, given=None, argument="", kind=int, zero=False, scale=1):
-    """`given` (the constructor's `argument`) where not None, else the conf's `key` times
-    `scale`, else `default`: an integer (`kind` int) or a finite number (float), positive, or
-    with `zero` non-negative.
+def _unknown() -> str:
+    return f"unknown mechanism; choose one of {', '.join(TABLE)} or auto"
+
+
+def _setting(settings: dict, key: str, default, *, given=None, argument=""):
+    """`given` (the constructor's `argument`) where not None, else the conf's `key`, scaled as
+    `CONF_RULES` says, else `default`.
 
     Raises:
-        ConfigError: a value of another kind or out of range, named with its argument or key.
+        ConfigError: a value outside the key's rule (`CONF_RULES`), named with its argument or key.
     """
+    rules = CONF_RULES[key]
+    kind, zero, scale, most = rules.get("kind", int), rules.get("zero", False), rules.get("scale", 1), rules.get("most")
     if given is not None:
         value, what, shown, scale = given, argument, repr(given), 1
     else:
@@ -444,7 +471,9 @@ def _setting(settings: dict, key: str, default, *, given=None, argument="", kind
             value = None
         what, shown = f"{ENV_CONF} {key}", repr(text)
     ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-    if not (ok and (value >= 0 if zero else value > 0) and (kind is int or math.isfinite(value))):
+    if not (ok and (value >= 0 if zero else value > 0) and (kind is int or math.isfinite(value))) or (
+        most is not None and value > most
+    ):
         rule = ("a non-negative " if zero else "a positive ") + ("integer" if kind is int else "number")
-        raise ConfigError(f"{what} must be {rule}, got {shown}")
+        raise ConfigError(f"{what} must be {'0 or 1' if most == 1 else rule}, got {shown}")
     return value * scale
