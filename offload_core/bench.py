@@ -93,12 +93,14 @@ def _check_memory(be: Backend, preset: str, blocks: int, blocks_per_job: int) ->
     except OffloadError as exc:
         available = hostmem.available_host_bytes() or 0
         raise OffloadError(f"{exc}: {_fewer_blocks(available, need['host_bytes'] // blocks, blocks_per_job)}") from None
-    if be.device.type == "cuda":
-        import torch
+    import torch
 
+    # torch.cuda, torch.npu (torch_npu) and torch.xpu each say what is free; the cpu says nothing
+    mem_get_info = getattr(getattr(torch, be.device.type, None), "mem_get_info", None)
+    if be.device.type != "cpu" and mem_get_info is not None:
         try:
-            free, _ = torch.cuda.mem_get_info(be.device)
-        except RuntimeError:  # a device that cannot say is no reason to refuse; allocation will tell
+            free, _ = mem_get_info(be.device)
+        except (RuntimeError, AssertionError):  # a device that cannot say (torch without it) is no reason to refuse
             return need
         if need["device_bytes"] > free:
             raise OffloadError(

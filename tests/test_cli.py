@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -301,6 +302,21 @@ def test_memory_needed_counts_device_bytes_as_host_on_the_cpu():
         "host_bytes": 2 * 4 * block,
         "device_bytes": 3 * 4 * block,
     }
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "xpu"])
+def test_bench_refuses_more_device_memory_than_the_device_says_is_free(monkeypatch, device_type):
+    """Asked of torch's module for the device type, whichever accelerator it is."""
+    import torch
+
+    class Small(FakeBackend):
+        device = property(lambda self: torch.device(device_type, 0))
+
+    asked = []
+    monkeypatch.setattr(torch, device_type, SimpleNamespace(mem_get_info=lambda d: asked.append(d) or (2**20, 2**30)))
+    with pytest.raises(OffloadError, match=f"GiB of memory on {device_type}:0, but only 0.00 GiB is free"):
+        bench._check_memory(Small(), "llama-8b", 16, 16)
+    assert asked == [torch.device(device_type, 0)]
 
 
 def test_bench_reports_the_memory_it_uses(capsys):
