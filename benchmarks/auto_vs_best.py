@@ -4,7 +4,8 @@ JSON files of one run (every file's rows measured with `auto` and the forced mec
     python benchmarks/auto_vs_best.py grid-*.json [--target 0.95]
 
 Prints one row per shape and direction: `auto`'s ratio to the link and what it chose, the best
-forced mechanism's, and their quotient; then the worst quotient and how many shapes fall below
+forced mechanism's, and their quotient (of the rates, every row of a shape measured against
+one link: the best of its rows' link measurements, which are noisy one by one); then the worst quotient and how many shapes fall below
 `--target` (exit status 1 where any does). A cell whose best mechanism holds SMs for a whole
 launch of `SM_HOLD_S` or longer while `auto` took the copy engines is marked: `auto` spares
 the SMs there by design (its cost model weighs such launches `sm_penalty` times). The last
@@ -26,20 +27,20 @@ ON_SMS = {"expand_direct", "sm_gather"}  # the mechanisms that hold SMs while th
 def launch_s(row: dict, d: str) -> float:
     """How long one launch of `row`'s mechanism held the device in direction `d`: its jobs at its
     rate, the share of the wall time the copy stream was busy."""
-    rate = row[f"{d}_ratio"] * row.get(f"{d}_limit_gbps", 0.0) * 1e9
+    rate = row[f"{d}_wall_gbps"] * 1e9
     wall = row.get(f"{d}_jobs_per_launch", 1.0) * row["job_bytes"] / rate if rate else 0.0
     return wall * row.get(f"{d}_device_busy", 1.0)
 
 
 def weighed(row: dict, d: str) -> float:
-    """`row`'s ratio as `auto` weighs it: a launch costs the longer of its host time and its device
+    """`row`'s rate as `auto` weighs it: a launch costs the longer of its host time and its device
     time, the device time on the SMs counted `sm_weight` times (`auto`'s own where any of its
     launches took a mechanism on the SMs); the wall time stands for the host's."""
     took = {row["mechanism"]} | set(row.get(f"{d}_mechanisms") or ())
     if not ON_SMS & took:
-        return row[f"{d}_ratio"]
+        return row[f"{d}_wall_gbps"]
     busy = row.get(f"{d}_device_busy", 1.0)
-    return row[f"{d}_ratio"] / max(1.0, busy * CostModel().sm_weight(launch_s(row, d)))
+    return row[f"{d}_wall_gbps"] / max(1.0, busy * CostModel().sm_weight(launch_s(row, d)))
 
 
 def cells(rows: list[dict]) -> list[tuple]:
@@ -54,7 +55,12 @@ def cells(rows: list[dict]) -> list[tuple]:
         if "auto" not in by or len(by) < 2:
             continue
         for d in ("store", "load"):
-            forced = {m: r[f"{d}_ratio"] for m, r in by.items() if not m.startswith("auto") and r.get(f"{d}_ratio")}
+            link = max(r[f"{d}_limit_gbps"] for r in by.values())
+            forced = {
+                m: r[f"{d}_wall_gbps"] / link
+                for m, r in by.items()
+                if not m.startswith("auto") and r.get(f"{d}_wall_gbps")
+            }
             if not forced:
                 continue
             best = max(forced, key=forced.get)
@@ -66,7 +72,7 @@ def cells(rows: list[dict]) -> list[tuple]:
             if best in ON_SMS and held >= SM_HOLD_S and not ON_SMS & set(took):
                 chose += f", SMs spared: {best} holds them {held * 1e3:.2f} ms a launch"
             weighs = weighed(by["auto"], d) / max(weighed(by[m], d) for m in forced)
-            out.append((key, d, by["auto"][f"{d}_ratio"], chose, best, forced[best], weighs))
+            out.append((key, d, by["auto"][f"{d}_wall_gbps"] / link, chose, best, forced[best], weighs))
     return out
 
 

@@ -91,15 +91,17 @@ def test_the_last_writer_of_each_block_is_the_one_compared():
 def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and_direction():
     import auto_vs_best
 
-    def row(mechanism, page, store, load, chose=None):
+    def row(mechanism, page, store, load, chose=None, link=50.0):
         return {
             "mechanism": mechanism,
             "tensors": 64,
             "page": page,
             "job_bytes": 4 << 20,
             "host_runs": False,
-            "store_ratio": store,
-            "load_ratio": load,
+            "store_wall_gbps": store * 50.0,
+            "load_wall_gbps": load * 50.0,
+            "store_limit_gbps": link,  # each row's own figure for the link
+            "load_limit_gbps": link,
             "store_mechanisms": [chose or mechanism],
             "load_mechanisms": [chose or mechanism],
         }
@@ -108,16 +110,17 @@ def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and
         row("auto", 4096, 0.90, 0.50, chose="expand_staged"),
         row("expand_staged", 4096, 0.90, 0.50),
         row("expand_direct", 4096, 0.80, 0.75),
+        row("sm_gather", 4096, 0.85, 0.60, link=30.0),  # a link measured low: its rates still lose
         row("auto", 256, 0.2, 0.2),  # no forced mechanism beside it: not a cell
     ]
     cells = auto_vs_best.cells(rows)
     assert [(c[1], c[2], c[3], c[4], c[5]) for c in cells] == [
         ("store", 0.90, "expand_staged", "expand_staged", 0.90),
-        ("load", 0.50, "expand_staged", "expand_direct", 0.75),
+        ("load", 0.50, "expand_staged, SMs spared: expand_direct holds them 0.11 ms a launch", "expand_direct", 0.75),
     ]
     # the best on the SMs for a whole launch of SM_HOLD_S or more: auto's copy engines are by design
     for r in rows:
-        r.update(load_limit_gbps=50.0, load_jobs_per_launch=4.0)  # 16 MiB launches: 0.45 ms at 0.75 of 50 GB/s
+        r.update(load_jobs_per_launch=4.0)  # 16 MiB launches: 0.45 ms at 0.75 of 50 GB/s
     (load,) = [c for c in auto_vs_best.cells(rows) if c[1] == "load"]
     assert "SMs spared: expand_direct holds them 0.45 ms a launch" in load[3]
     assert load[6] == pytest.approx(1.0)  # weighed as auto weighs it, expand_direct's 0.75 counts 0.375
