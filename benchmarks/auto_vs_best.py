@@ -21,7 +21,10 @@ from collections import defaultdict
 
 from offload_core.backends.cuda.select import SM_HOLD_S, CostModel
 
-ON_SMS = {"expand_direct", "sm_gather"}  # the mechanisms that hold SMs while the bytes cross the link
+ON_SMS = {
+    "expand_direct",
+    "sm_gather",
+}  # the mechanisms that hold SMs while the bytes cross the link (sm_gather: of files from before its removal)
 
 
 def launch_s(row: dict, d: str) -> float:

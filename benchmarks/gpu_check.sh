@@ -28,7 +28,7 @@ if [ "$phase" = grid ]; then
     timeout 90 $B --tensors 1 --pages 256,4096,65536,2097152 --job-mib 4 --jobs 32 --json "$out/grid-$2-1t-4m.json" > "$out/grid-$2-1t-4m.log" 2>&1
     timeout 120 $B --tensors 1 --pages 1024,65536,2097152 --job-mib 256 --jobs 4 --json "$out/grid-$2-1t-256m.json" > "$out/grid-$2-1t-256m.log" 2>&1
   }
-  grid auto,expand_staged,expand_direct,ce_batch,sm_gather all
+  grid auto,expand_staged,expand_direct,ce_batch all
   python3 benchmarks/auto_vs_best.py "$out"/grid-all-*.json | tee "$out/auto_vs_best.md"
   # A/B of the compiled driver calls (_driver.c): small jobs of many tensors, as an engine sends them
   timeout 90 python3 benchmarks/engine_bench.py --backend cuda --mechanisms auto,auto-ctypes --layers 32 \
@@ -63,10 +63,10 @@ if [ "$phase" != bench ]; then
   # Device backtraces only: for host ones the sanitizer keeps the Python frames of the launch
   # that loaded each kernel, with their locals, so a region whose view was on that stack never closes.
   timeout 200 compute-sanitizer --tool memcheck --show-backtrace device --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-      -k "(bit_exact and sm_gather and not 4194304) or compact or larger_than_a_staging" > "$out/sanitizer.log" 2>&1
+      -k "(bit_exact and expand_direct and not 4194304) or compact or larger_than_a_staging or block_tables" > "$out/sanitizer.log" 2>&1
   echo "sanitizer rc=$?"; tail -2 "$out/sanitizer.log"
   echo "== canonical"
-  timeout 150 python3 benchmarks/canonical_bench.py --backend cuda --mechanisms ce_batch,sm_gather,auto \
+  timeout 150 python3 benchmarks/canonical_bench.py --backend cuda --mechanisms ce_batch,expand_direct,auto \
       --json "$out/canonical.json" > "$out/canonical.md" 2>&1
   tail -34 "$out/canonical.md"
 fi

@@ -58,7 +58,7 @@ def main() -> None:
     if parts - set(PARTS):
         parser.error(f"--parts takes {', '.join(PARTS)}")
     be = CudaBackend()
-    mechs = [m for m in ("ce_batch", "sm_gather", "ce_loop") if m in be.available_mechanisms] + ["auto"]
+    mechs = [m for m in ("ce_batch", "ce_loop") if m in be.available_mechanisms] + ["auto"]
     if args.mechanisms:
         mechs = args.mechanisms.split(",")
     dev_a = torch.zeros(2 * SPAN, dtype=torch.uint8, device=be.device)

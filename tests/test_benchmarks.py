@@ -110,7 +110,7 @@ def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and
         row("auto", 4096, 0.90, 0.50, chose="expand_staged"),
         row("expand_staged", 4096, 0.90, 0.50),
         row("expand_direct", 4096, 0.80, 0.75),
-        row("sm_gather", 4096, 0.85, 0.60, link=30.0),  # a link measured low: its rates still lose
+        row("ce_batch", 4096, 0.85, 0.30, link=30.0),  # a link measured low: its rates still lose
         row("auto", 256, 0.2, 0.2),  # no forced mechanism beside it: not a cell
     ]
     cells = auto_vs_best.cells(rows)

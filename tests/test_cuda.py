@@ -113,37 +113,32 @@ def round_trip(backend, max_size, equal) -> str:
     return used
 
 
-def test_descriptor_tables_are_not_reused_while_a_job_may_read_them():
-    """Eight jobs queued behind a sleeping stream, through a ring that holds two jobs' tables:
-    it wraps, then falls back to one-off memory; every job must still copy its own fragments."""
+def test_block_tables_are_not_reused_while_a_job_may_read_them():
+    """Eight store jobs queued behind a sleeping compute stream, their block tables through a
+    ring that holds about one and a half of them: it wraps, or waits for its oldest job; every
+    job must still copy its own blocks. Each writes host row 0 too, so none joins another's launch."""
     import torch
 
     if kernels.why_unavailable() is not None:
         pytest.skip(kernels.why_unavailable())
-    backend = CudaBackend(mechanism="sm_gather")
-    n, size, jobs = 4096, 256, 8
-    backend._ring = DescriptorRing(torch, backend.device, backend.driver.memcpy_async, entries=2 * 2 * n + 7)
+    backend = CudaBackend(mechanism="expand_direct")
+    n, jobs = 4096, 8
+    # a simple job's table: its device and host ids, int32, one 8-byte entry per block
+    backend._ring = DescriptorRing(torch, backend.device, backend._table_copy, entries=3 * n // 2 + 7)
+    kv = small_kv(pages=(256,), blocks=2 * n, device=backend.device)
     rng = np.random.default_rng(5)
-    device = torch.from_numpy(rng.integers(0, 256, 2 * n * size * jobs, dtype=np.uint8)).to(backend.device)
-    host = backend.alloc_host(n * size * jobs)
-    stream, done = backend.new_stream(), backend.new_event()
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(50_000_000)
-    slots = [rng.permutation(2 * n)[:n] + 2 * n * j for j in range(jobs)]  # each job's own device fragments
-    for j, slot in enumerate(slots):
-        h = host.data_ptr() + j * n * size + np.arange(n, dtype=np.int64) * size
-        backend.copy_batch(
-            device.data_ptr() + slot.astype(np.int64) * size,
-            h,
-            np.full(n, size, dtype=np.int64),
-            Direction.STORE,
-            stream,
-        )
-    done.record(stream)
-    done.synchronize()
-    pages = device.cpu().numpy().reshape(-1, size)
-    expected = np.concatenate([pages[slot] for slot in slots]).reshape(-1)
-    np.testing.assert_array_equal(host.numpy(), expected)
+    slots = [rng.permutation(2 * n)[:n] for _ in range(jobs)]
+    rows = [np.concatenate([[0], 1 + j * (n - 1) + np.arange(n - 1)]) for j in range(jobs)]
+    with OffloadWorker(kv, 1 + jobs * (n - 1), backend=backend) as worker:
+        torch.cuda._sleep(50_000_000)  # on the compute stream, which every job waits for
+        for j in range(jobs):
+            assert worker.submit_store(j, DeviceBlocks(slots[j]), HostBlocks(rows[j]))
+        worker.wait(range(jobs))
+        assert all(r.success for r in worker.get_finished())
+        host, device = worker.host_tensors[0], kv.tensors[0].tensor.cpu()
+        for j in range(jobs):
+            assert torch.equal(host[rows[j][1:]], device[slots[j][1:]])
+        assert torch.equal(host[0], device[slots[-1][0]])
 
 
 def test_auto_reports_its_choice_per_job():
@@ -256,7 +251,7 @@ def test_memory_allocated_and_registered_on_a_fresh_thread_is_device_addressable
     thread.start()
     thread.join()
     pinned = out["pinned"]
-    assert backend.addressable(np.array([pinned.data_ptr()]), np.array([pinned.numel()]))
+    assert backend.addressable(pinned.data_ptr(), pinned.numel())
     assert out["registered"]
 
 

@@ -97,9 +97,8 @@ def test_the_estimates_add_the_host_time_where_it_does_not_hide_behind_the_copie
     one, three = (m.estimate("expand_direct", "store", n, 64 * nbytes, 64) for m in penalized)
     assert three == pytest.approx(3 * one) and one > select.SM_HOLD_S  # long: the whole penalty
     assert free(loop_s_per_desc=3e-6).estimate("ce_loop", "load", n, nbytes) == pytest.approx(n * 3e-6)
-    for mechanism in ("nosuch", "sm_gather"):
-        with pytest.raises(ValueError, match="unknown"):
-            free().estimate(mechanism, "store", n, nbytes)
+    with pytest.raises(ValueError, match="unknown"):
+        free().estimate("nosuch", "store", n, nbytes)
 
 
 @pytest.mark.parametrize("direction, weighed", [("load", True), ("store", False)])
@@ -123,23 +122,23 @@ def test_availability_comes_from_the_table(monkeypatch):
     backend = host_only_backend(monkeypatch, FakeLib(with_batch=False), triton=False)
     assert backend.available_mechanisms == ("ce_loop",)
     assert "12.8" in backend.why_unavailable("ce_batch") and "12.8" in backend.why_unavailable("expand_staged")
-    assert all("triton" in backend.why_unavailable(m) for m in ("sm_gather", "expand_direct"))
+    assert "triton" in backend.why_unavailable("expand_direct")
     # with Triton but without the batch call: staging cannot copy its segments
     older = host_only_backend(monkeypatch, FakeLib(with_batch=False))
-    assert older.available_mechanisms == ("sm_gather", "ce_loop", "expand_direct")
+    assert older.available_mechanisms == ("ce_loop", "expand_direct")
     assert backend.why_unavailable("nosuch") == (
-        "unknown mechanism; choose one of ce_batch, sm_gather, ce_loop, expand_staged, expand_direct or auto"
+        "unknown mechanism; choose one of ce_batch, ce_loop, expand_staged, expand_direct or auto"
     )
     assert host_only_backend(monkeypatch, FakeLib()).available_mechanisms == MECHANISMS + BLOCK_MECHANISMS
 
 
 def test_a_bare_batch_under_auto_goes_to_the_batch_call_or_without_it_the_loop(monkeypatch):
     """Descriptor batches under auto take the copy engines: one batch call where the driver has
-    it, else one call per copy; never sm_gather, which must be forced (it holds SMs)."""
+    it, else one call per copy."""
     dst, src, sizes = arrays(4)
     for lib, expected in ((FakeLib(with_batch=False), "ce_loop"), (FakeLib(), "ce_batch")):
         backend = host_only_backend(monkeypatch, lib)
-        backend._host_ranges[0] = (0, 1 << 20)  # the host side is addressable: sm_gather could run
+        backend._host_ranges[0] = (0, 1 << 20)  # the host side is addressable: no reason for the SMs
         for direction in Direction:
             assert backend.copy_batch(src, dst, sizes, direction, SimpleNamespace(cuda_stream=7)) == expected
 
@@ -168,7 +167,6 @@ def test_enqueue_with_runs_one_mechanism_and_leaves_the_backends_alone(monkeypat
     [
         ("nosuch", "cuda mechanism 'nosuch' cannot be used: unknown mechanism"),
         ("ce_batch", "cuda mechanism 'ce_batch' cannot be used: the driver has no cuMemcpyBatchAsync"),
-        ("sm_gather", "sm_gather needs host memory from alloc_host or pin_host_memory"),
     ],
 )
 def test_enqueue_with_refuses_what_cannot_run_before_enqueueing(monkeypatch, mechanism, message):
@@ -202,7 +200,7 @@ def test_addressable_reads_the_host_ranges_while_other_threads_change_them():
     thread.start()
     try:
         for _ in range(300):  # not addressable: every range is looked at, twice
-            assert not backend.addressable(np.array([1 << 50]), np.array([64]))
+            assert not backend.addressable(1 << 50, 64)
     finally:
         stop.set()
         thread.join()
@@ -349,7 +347,7 @@ def test_a_malformed_conf_or_a_variable_of_earlier_versions_is_refused_by_name(m
 @pytest.mark.parametrize("through_conf", [False, True])
 def test_a_removed_or_unknown_mechanism_is_refused_with_the_valid_ones(monkeypatch, through_conf):
     """``staged`` (a descriptor mechanism that was removed) is as unknown as any other name."""
-    valid = "choose one of ce_batch, sm_gather, ce_loop, expand_staged, expand_direct or auto"
+    valid = "choose one of ce_batch, ce_loop, expand_staged, expand_direct or auto"
     for name in ("staged", "nosuch"):
         if through_conf:
             monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", f"mechanism:{name}")
@@ -394,20 +392,6 @@ def test_a_constructor_setting_wins_over_the_environment(monkeypatch):
     )
     assert backend.sm_programs == {Direction.STORE: 12, Direction.LOAD: 12}
     assert backend.max_batch == 0 and backend._ring.entries == 100
-
-
-def test_kernels_that_copy_across_the_link_get_the_programs_of_their_direction(monkeypatch):
-    launched = []
-    monkeypatch.setattr(
-        kernels, "launch", lambda src, dst, sizes, stream, programs, *rest, **kw: launched.append(programs)
-    )
-    backend = host_only_backend(monkeypatch, FakeLib(), mechanism="sm_gather")
-    backend.sm_programs = {Direction.STORE: 3, Direction.LOAD: 5}
-    monkeypatch.setattr(backend, "addressable", lambda *args: True)
-    dst, src, sizes = arrays(2)
-    for direction in (Direction.STORE, Direction.LOAD):
-        backend.enqueue_with("sm_gather", src, dst, sizes, direction, SimpleNamespace(cuda_stream=1))
-    assert launched == [3, 5]
 
 
 # ---- compact jobs: the cost model's pick (`BlockCopier.choose`) against injected thresholds and costs ----

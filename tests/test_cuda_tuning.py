@@ -194,8 +194,8 @@ def test_an_unreadable_file_is_ignored(tmp_path, caplog):
 
 
 def test_candidates_are_those_the_cost_model_rates_near_its_pick():
-    estimates = {"expand_staged": 1.0, "expand_direct": 1.5, "ce_batch": tuning.WITHIN * 1.01, "sm_gather": 0.9}
-    assert candidates(estimates, "expand_staged") == ["expand_staged", "sm_gather", "expand_direct"]
+    estimates = {"expand_staged": 1.0, "expand_direct": 1.5, "ce_batch": tuning.WITHIN * 1.01, "ce_loop": 0.9}
+    assert candidates(estimates, "expand_staged") == ["expand_staged", "ce_loop", "expand_direct"]
 
 
 def test_shape_classes_bucket_what_decides():

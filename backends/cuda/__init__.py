@@ -70,9 +70,9 @@ class CudaBackend(TorchDeviceBackend):
 
     Args:
         device_index: the GPU.
-        mechanism: ``"auto"`` (default), a batch mechanism (``ce_batch``, ``sm_gather``,
-            ``ce_loop``: a worker then plans descriptors on the host) or a compact-job one
-            (``expand_staged``, ``expand_direct``: other batches as auto).
+        mechanism: ``"auto"`` (default), a batch mechanism (``ce_batch``, ``ce_loop``: a worker
+            then plans descriptors on the host) or a compact-job one (``expand_staged``,
+            ``expand_direct``: other batches as auto).
         max_programs: the programs (SMs) of every launch of the kernels that copy across the
             link. Unset: at most 8 for stores (``expand_direct`` sizes its stores' by their
             jobs) and 32 for loads.
@@ -335,8 +335,7 @@ class CudaBackend(TorchDeviceBackend):
             The mechanism that carried the copies.
 
         Raises:
-            ConfigError: an unknown or unavailable mechanism, or ``sm_gather`` for host memory
-                the GPU cannot address.
+            ConfigError: an unknown or unavailable mechanism.
             Exception: anything else that stops the copies from being enqueued.
         """
         src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
@@ -345,10 +344,6 @@ class CudaBackend(TorchDeviceBackend):
             chosen = self._batch_auto
         elif mechanism not in self.available_mechanisms:  # unknown, or not here
             raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
-        else:
-            reason = chosen.refuses(self, dst if direction is Direction.STORE else src, sizes)
-            if reason:
-                raise ConfigError(reason)
         with deferred(), self._enqueued(stream) as held:
             chosen.enqueue(self, src, dst, sizes, direction, stream, held)
         return chosen.name
@@ -362,15 +357,10 @@ class CudaBackend(TorchDeviceBackend):
             return _unknown()
         return found.why_unavailable(self)
 
-    def addressable(self, host: np.ndarray, sizes: np.ndarray) -> bool:
-        """Whether every host range lies in pinned or registered memory the GPU can dereference."""
-        lo, top = int(host.min()), int(host.max()) + int(sizes.max())  # bounds every end: one pass less
+    def addressable(self, start: int, nbytes: int) -> bool:
+        """Whether the host bytes from `start` lie in pinned or registered memory the GPU can dereference."""
         # a snapshot in one step: other threads and finalizers change the dict
-        ranges = self._host_ranges.copy().values()
-        if any(start <= lo and top <= end for start, end in ranges):
-            return True
-        top = int((host + sizes).max())
-        return any(start <= lo and top <= end for start, end in ranges)
+        return any(lo <= start and start + nbytes <= hi for lo, hi in self._host_ranges.copy().values())
 
     def buffer_waits(self) -> tuple[int, float]:
         """Reservations of descriptor-ring room that waited for an earlier table's job, and

@@ -124,7 +124,7 @@ class BlockCopier:
         if prepared.direct_ok is None:
             layout = prepared.layout
             span = layout.host_blocks * layout.row_bytes
-            prepared.direct_ok = span > 0 and self.backend.addressable(np.array([layout.host_base]), np.array([span]))
+            prepared.direct_ok = span > 0 and self.backend.addressable(layout.host_base, span)
         return prepared.direct_ok
 
     def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:

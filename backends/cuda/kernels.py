@@ -1,6 +1,6 @@
-"""The copy kernels, in Triton, for every copy the SMs make: host <-> device through unified
-addresses (``sm_gather``) and the expansion of compact jobs (`expand`: block ids against a
-layout's entry table).
+"""The copy kernel, in Triton, for every copy the SMs make: the expansion of compact jobs
+(`expand`: block ids against a layout's entry table), into staging or through unified
+addresses to and from host memory.
 
 Triton ships with CUDA builds of torch; where it is missing, `why_unavailable()` says so and the
 backend offers only copy-engine mechanisms.
@@ -10,71 +10,11 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
-PIECE_BYTES = 64 * 1024  # one work item: large copies are split so that all programs share them
-BLOCK = 1024  # elements moved per program per loop step (8 KiB of 64-bit words)
-SMALL_BYTES = 1024  # up to this size the tiled kernel wins; from 4 KiB the piece kernel does
-TILE_WORDS = 4096  # words in flight per program per step in the tiled kernel
-
 
 @functools.lru_cache(maxsize=1)
 def _compile():
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def copy_kernel(
-        src_col,
-        src_step,
-        dst_col,
-        dst_step,
-        size_col,
-        n,
-        pieces,
-        SRC_ARRAY: tl.constexpr,
-        DST_ARRAY: tl.constexpr,
-        SIZE_ARRAY: tl.constexpr,
-        PIECE: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # Work item t is piece t % pieces of copy t // pieces; programs stride over the items.
-        offs = tl.arange(0, BLOCK)
-        total = n * pieces
-        item = tl.program_id(0)
-        while item < total:
-            i = item // pieces
-            start = (item % pieces).to(tl.int64) * PIECE
-            # a column is read from a device array, or is base + i * step (nothing uploaded)
-            size = tl.load(size_col.to(tl.pointer_type(tl.int64)) + i) if SIZE_ARRAY else size_col
-            if start < size:
-                src = (
-                    tl.load(src_col.to(tl.pointer_type(tl.int64)) + i)
-                    if SRC_ARRAY
-                    else src_col + i.to(tl.int64) * src_step
-                )
-                dst = (
-                    tl.load(dst_col.to(tl.pointer_type(tl.int64)) + i)
-                    if DST_ARRAY
-                    else dst_col + i.to(tl.int64) * dst_step
-                )
-                end = tl.minimum(start + PIECE, size)
-                # 64-bit words where both ends are 8-byte aligned, bytes for the rest
-                w0 = start // 8
-                w1 = tl.where(((src | dst) & 7) == 0, end // 8, w0)
-                src_w = src.to(tl.pointer_type(tl.int64))
-                dst_w = dst.to(tl.pointer_type(tl.int64))
-                for w in range(w0, w1, BLOCK):
-                    o = w + offs
-                    m = o < w1
-                    tl.store(dst_w + o, tl.load(src_w + o, mask=m), mask=m)
-                src_b = src.to(tl.pointer_type(tl.int8))
-                dst_b = dst.to(tl.pointer_type(tl.int8))
-                for b in range(w1 * 8, end, BLOCK):
-                    o = b + offs
-                    m = o < end
-                    tl.store(dst_b + o, tl.load(src_b + o, mask=m), mask=m)
-            item += tl.num_programs(0)
 
     @triton.jit
     def copy_tile(src, dst, size, W: tl.constexpr):
@@ -97,42 +37,6 @@ def _compile():
             o = b + cols
             m = o[None, :] < left[:, None]
             tl.store(dst_b[:, None] + o[None, :], tl.load(src_b[:, None] + o[None, :], mask=m), mask=m)
-
-    @triton.jit
-    def copy_small_kernel(
-        src_col,
-        src_step,
-        dst_col,
-        dst_step,
-        size_col,
-        n,
-        SRC_ARRAY: tl.constexpr,
-        DST_ARRAY: tl.constexpr,
-        SIZE_ARRAY: tl.constexpr,
-        D: tl.constexpr,
-        W: tl.constexpr,
-    ):
-        # Each program moves a tile of D copies at once (`copy_tile`).
-        rows = tl.arange(0, D)
-        for first in range(tl.program_id(0) * D, n, tl.num_programs(0) * D):
-            i = first + rows
-            ok = i < n
-            src = (
-                tl.load(src_col.to(tl.pointer_type(tl.int64)) + i, mask=ok, other=0)
-                if SRC_ARRAY
-                else src_col + i.to(tl.int64) * src_step
-            )
-            dst = (
-                tl.load(dst_col.to(tl.pointer_type(tl.int64)) + i, mask=ok, other=0)
-                if DST_ARRAY
-                else dst_col + i.to(tl.int64) * dst_step
-            )
-            size = (
-                tl.load(size_col.to(tl.pointer_type(tl.int64)) + i, mask=ok, other=0)
-                if SIZE_ARRAY
-                else tl.where(ok, size_col, 0)
-            )
-            copy_tile(src, dst, size, W)
 
     @triton.jit(do_not_specialize=["blocks", "n", "num_entries", "num_groups", "per_block", "row_base", "row_step"])
     def expand_kernel(
@@ -197,7 +101,7 @@ def _compile():
                 src, dst = side, dev
             copy_tile(src, dst, size, W)
 
-    return copy_kernel, copy_small_kernel, expand_kernel
+    return expand_kernel
 
 
 @functools.lru_cache(maxsize=1)
@@ -308,32 +212,6 @@ def _hooked(compiled) -> bool:
     return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
 
 
-def launch(
-    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream, max_programs: int, ring, held: list, device: int = 0
-) -> None:
-    """Upload the descriptors through `ring` (the sizes only if they differ) and enqueue the copy
-    kernel on `stream` of GPU `device`: copy i moves ``sizes[i]`` bytes from ``src[i]`` to
-    ``dst[i]``, addresses the device can dereference. What must outlive the kernel (see
-    `DescriptorRing.upload`) goes to `held` before the launch, which may fail with the upload enqueued."""
-    n, largest = len(sizes), int(sizes.max())
-    uniform = int(sizes.min()) == largest
-    (table,) = ring.upload((src, dst) if uniform else (src, dst, sizes), stream, held)
-    copy_kernel, copy_small_kernel, _ = _compile()
-    # columns read from the table; uniform sizes are one value (`size_col` itself)
-    args = [table, 0, table + 8 * n, 0, largest if uniform else table + 16 * n]
-    arrays = {"SRC_ARRAY": True, "DST_ARRAY": True, "SIZE_ARRAY": not uniform}
-    if largest <= SMALL_BYTES:
-        width = 32 if largest <= 256 else 128  # words per copy per step: little masked waste
-        rows = TILE_WORDS // width
-        programs = max(1, min(max_programs, -(-n // rows)))
-        _launch(copy_small_kernel, programs, args + [n], {**arrays, "D": rows, "W": width}, stream, device=device)
-    else:
-        pieces = -(-largest // PIECE_BYTES)
-        programs = max(1, min(max_programs, n * pieces))
-        constexprs = {**arrays, "PIECE": PIECE_BYTES, "BLOCK": BLOCK}
-        _launch(copy_kernel, programs, args + [n, pieces], constexprs, stream, device=device)
-
-
 def expand_tile(largest: int) -> tuple[int, int, int]:
     """The expansion kernel's tile for entries of up to `largest` bytes: (items, words per step,
     warps per program). Up to 4 KiB, 256 bytes of each of 256 items on 8 warps: host rows
@@ -391,7 +269,7 @@ def expand(
     simple = rows is not None
     narrow = simple and narrow
     constexprs = {"STORE": store, "SIMPLE": simple, "BY_HOST": by_host, "NARROW": narrow, "D": tile, "W": width}
-    kernel = _compile()[2]
+    kernel = _compile()
     key_args = None
     if columns is not None:
         if ring.launches:
@@ -413,7 +291,7 @@ def _raw_expansion(programs: int, args: list, constexprs: dict, warps: int, devi
     or it cannot be launched so (`_raw_launch`; a ring below 2**31, whose builds take 32 bits)."""
     if args[0] < 1 << 31:
         return None
-    key = _key(_compile()[2], device, warps, constexprs, args)
+    key = _key(_compile(), device, warps, constexprs, args)
     compiled = _compiled.get(key)
     raw = None if compiled is None else _raw.get(key, False)
     if raw is False:

@@ -1,10 +1,9 @@
 """The cuda backend's mechanisms, one object each, and `TABLE`, the one place they are listed.
 
 A batch of descriptors (`CudaBackend.copy_batch`) goes by ``ce_batch`` (one
-``cuMemcpyBatchAsync`` on the copy engines; auto's, where the driver has it), ``ce_loop`` (one
-``cuMemcpyAsync`` per descriptor, for drivers without the batch API; auto's there) or, forced,
-``sm_gather`` (the Triton kernel reading or writing pinned host memory: it occupies SMs). A
-worker's compact jobs go by the mechanisms of `blocks`, listed here too. Mechanisms keep no state.
+``cuMemcpyBatchAsync`` on the copy engines; auto's, where the driver has it) or ``ce_loop`` (one
+``cuMemcpyAsync`` per descriptor, for drivers without the batch API; auto's there). A worker's
+compact jobs go by the mechanisms of `blocks`, listed here too. Mechanisms keep no state.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from typing import ClassVar
 import numpy as np
 
 from offload_core.backend import Direction
-from offload_core.backends.cuda import kernels
 from offload_core.backends.cuda.blocks import EXPAND_DIRECT, EXPAND_STAGED
 from offload_core.backends.cuda.driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM
 
@@ -28,10 +26,6 @@ class Mechanism(abc.ABC):
 
     def why_unavailable(self, backend) -> str | None:
         """None if this mechanism can run on `backend`, else why not."""
-        return None
-
-    def refuses(self, backend, host: np.ndarray, sizes: np.ndarray) -> str | None:
-        """None if this mechanism can take a batch whose host side is `host`, else why not."""
         return None
 
     @abc.abstractmethod
@@ -63,22 +57,6 @@ class CeLoop(Mechanism):
         backend.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
 
 
-class SmGather(Mechanism):
-    name = "sm_gather"
-
-    def why_unavailable(self, backend) -> str | None:
-        return kernels.why_unavailable()
-
-    def refuses(self, backend, host, sizes) -> str | None:
-        if backend.addressable(host, sizes):
-            return None
-        return "sm_gather needs host memory from alloc_host or pin_host_memory (device-addressable)"
-
-    def enqueue(self, backend, src, dst, sizes, direction, stream, held) -> None:
-        programs = backend.sm_programs[direction]
-        kernels.launch(src, dst, sizes, stream, programs, backend._ring, held, device=backend.device_index)
-
-
-TABLE: dict = {m.name: m for m in (CeBatch(), SmGather(), CeLoop(), EXPAND_STAGED, EXPAND_DIRECT)}
+TABLE: dict = {m.name: m for m in (CeBatch(), CeLoop(), EXPAND_STAGED, EXPAND_DIRECT)}
 MECHANISMS = tuple(name for name, m in TABLE.items() if m.takes_batches)  # for descriptor batches
 BLOCK_MECHANISMS = tuple(name for name, m in TABLE.items() if not m.takes_batches)  # for compact jobs (a worker's)
