@@ -12,6 +12,7 @@ exactly once, and every successful store-then-load must move the right bytes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
 import threading
@@ -243,11 +244,33 @@ class RegionSoakReport:
     split: int = 0  # a rank mapped another file than the live keeper's
     left_behind: list = field(default_factory=list)
     holders: list = field(default_factory=list)  # where files were left behind: who locks, has open or maps them
+    # per file left behind, the seconds until it could be locked exclusively (None: not within
+    # FREED_WITHIN_S): a lock that a process outlives is freed later; one a process holds is not
+    freed_after_s: list = field(default_factory=list)
     errors: list = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
         return not (self.split or self.wrong_bytes or self.errors or self.left_behind)
+
+
+FREED_WITHIN_S = 5.0
+
+
+def _freed_after(path: str, within: float = FREED_WITHIN_S) -> float | None:
+    """Seconds until the file at `path` can be locked exclusively, polled for `within` seconds."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < within:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return round(time.monotonic() - t0, 4)
+            except BlockingIOError:
+                time.sleep(0.001)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _lock_holders(path: str) -> list[str]:
@@ -413,4 +436,5 @@ def region_soak(cycles: int = 6, *, ranks: int = 2, crash_share: float = 0.3, se
         keeper.close()
         report.left_behind = sorted(os.listdir(directory))
         report.holders = [h for f in report.left_behind for h in _lock_holders(os.path.join(directory, f))]
+        report.freed_after_s = [_freed_after(os.path.join(directory, f)) for f in report.left_behind]
     return report

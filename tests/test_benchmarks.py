@@ -4,6 +4,7 @@ figure the docs quote, and the bytes of the jobs it ran arrived."""
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from pathlib import Path
 
@@ -143,6 +144,23 @@ def test_serve_times_the_decode_steps_while_stores_run_against_those_after():
     gaps = [120, 110, 100] + [15] * serve.DECODE_EARLY + [10] * 50  # prefill, decode beside the stores, decode
     early, late = serve.step_ms(list(np.cumsum([0.0] + gaps) / 1e3))
     assert early == pytest.approx(15) and late == pytest.approx(10)
+
+
+def test_the_soak_times_how_long_a_file_left_behind_stays_locked(tmp_path):
+    """How a region left behind is told apart: a lock freed later (by a process that outlived
+    its holder) gives the seconds; one still held gives None."""
+    import fcntl
+    import threading
+
+    import soak_rounds
+
+    path = tmp_path / "left.shm"
+    path.write_bytes(b"x")
+    holder = os.open(path, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)
+    assert soak_rounds._freed_after(str(path), within=0.05) is None
+    threading.Timer(0.05, os.close, (holder,)).start()
+    assert 0.03 < soak_rounds._freed_after(str(path), within=5.0) < 4.0
 
 
 def test_the_gpu_only_benchmarks_import_on_any_machine():
