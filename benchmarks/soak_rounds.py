@@ -245,7 +245,7 @@ class RegionSoakReport:
     left_behind: list = field(default_factory=list)
     holders: list = field(default_factory=list)  # where files were left behind: who locks, has open or maps them
     # per file left behind, the seconds until it could be locked exclusively (None: not within
-    # FREED_WITHIN_S): a lock that a process outlives is freed later; one a process holds is not
+    # FREED_WITHIN_S; "gone": removed): a lock a process outlives is freed later; one held is not
     freed_after_s: list = field(default_factory=list)
     errors: list = field(default_factory=list)
 
@@ -257,20 +257,31 @@ class RegionSoakReport:
 FREED_WITHIN_S = 5.0
 
 
-def _freed_after(path: str, within: float = FREED_WITHIN_S) -> float | None:
-    """Seconds until the file at `path` can be locked exclusively, polled for `within` seconds."""
-    fd = os.open(path, os.O_RDONLY)
+def _freed_after(paths: list[str], within: float = FREED_WITHIN_S) -> list[float | str | None]:
+    """Per file of `paths`, the seconds until it could be locked exclusively (polled together
+    for `within` seconds; None if it never could), or "gone" if it was removed meanwhile."""
+    fds: dict[int, int] = {}
+    out: list[float | str | None] = [None] * len(paths)
+    for i, path in enumerate(paths):
+        try:
+            fds[i] = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            out[i] = "gone"
+    t0 = time.monotonic()
     try:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < within:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return round(time.monotonic() - t0, 4)
-            except BlockingIOError:
-                time.sleep(0.001)
-        return None
+        while fds and time.monotonic() - t0 < within:
+            for i, fd in list(fds.items()):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                out[i] = round(time.monotonic() - t0, 4)
+                os.close(fds.pop(i))
+            time.sleep(0.001)
     finally:
-        os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
+    return out
 
 
 def _lock_holders(path: str) -> list[str]:
@@ -436,5 +447,5 @@ def region_soak(cycles: int = 6, *, ranks: int = 2, crash_share: float = 0.3, se
         keeper.close()
         report.left_behind = sorted(os.listdir(directory))
         report.holders = [h for f in report.left_behind for h in _lock_holders(os.path.join(directory, f))]
-        report.freed_after_s = [_freed_after(os.path.join(directory, f)) for f in report.left_behind]
+        report.freed_after_s = _freed_after([os.path.join(directory, f) for f in report.left_behind])
     return report

@@ -69,8 +69,9 @@ class Backend(abc.ABC):
             None when usable, else one sentence saying why not.
 
         Raises:
-            ConfigError: this backend's own setting (its environment variable) is malformed:
-                the registry passes it on, rather than pass the backend by.
+            ConfigError: this backend could run here, but its own setting (its environment
+                variable) is malformed: selecting it raises this, rather than pass it by;
+                `registry.availability` lists it as misconfigured.
         """
 
     def __init__(self, device_index: int = 0):

@@ -114,18 +114,22 @@ def availability() -> dict[str, str | None]:
     """Probe every backend.
 
     Returns:
-        ``{name: None}`` for usable backends, ``{name: reason}`` for the others.
+        ``{name: None}`` for usable backends, ``{name: reason}`` for the others; a backend that
+        could run but whose own setting is malformed (its probe raised `ConfigError`) has
+        ``"misconfigured: ..."``.
     """
-    return {name: _probe(name) for name in backend_names()}
+    return {name: _probe(name, strict=False) for name in backend_names()}
 
 
-def _probe(name: str) -> str | None:
+def _probe(name: str, strict: bool = True) -> str | None:
     try:
         reason = backend_class(name).probe()
     except BackendUnavailableError as exc:
         reason = exc.reason
-    except ConfigError:  # the user's own setting is wrong: say so rather than pass the backend by
-        raise
+    except ConfigError as exc:
+        if strict:  # selecting it: the user's own setting is wrong, said rather than passed by
+            raise
+        reason = f"misconfigured: {exc}"
     except (Exception, SystemExit) as exc:  # a probe must never take the registry down, nor end the process
         reason = f"probe raised {exc!r}"
     if reason is not None:
@@ -141,6 +145,7 @@ def select_backend_name(name: str | None = None, *, device_type: str | None = No
     Raises:
         UnknownBackendError: an explicit or environment name that is not registered.
         BackendUnavailableError: no backend at all is usable.
+        ConfigError: the backend it would pick could run, but its own setting is malformed.
     """
     if name is not None and (not isinstance(name, str) or not name):
         raise UnknownBackendError(name, backend_names())
@@ -177,6 +182,7 @@ def get_backend(name: str | None = None, *, device_index: int = 0, device_type: 
         UnknownBackendError: the name is not registered.
         BackendUnavailableError: the backend cannot run here; the message carries the
             probe's reason and an install hint.
+        ConfigError: it could run, but its own setting is malformed (its probe says so).
     """
     global _instances_pid
     chosen = select_backend_name(name, device_type=device_type)

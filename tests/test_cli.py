@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -114,19 +115,32 @@ def test_a_native_switch_other_than_0_or_1_is_one_line(capsys, monkeypatch, valu
 
 @pytest.mark.parametrize(
     "conf, named",
-    [("mechansim:ce_batch", "'mechansim:ce_batch' has an unknown key"), ("ring_mb:0", "ring_mb must be a positive")],
+    [
+        ("mechansim:ce_batch", "OFFLOAD_CORE_CUDA_CONF: 'mechansim:ce_batch' has an unknown key"),
+        ("ring_mb:0", "OFFLOAD_CORE_CUDA_CONF ring_mb must be a positive integer, got '0'"),
+        ("mechanism:nosuch", "OFFLOAD_CORE_CUDA_CONF mechanism 'nosuch' cannot be used: unknown mechanism"),
+        ("tune:2", "OFFLOAD_CORE_CUDA_CONF tune must be 0 or 1, got '2'"),
+    ],
 )
-def test_a_malformed_backend_setting_is_refused_on_any_machine_before_a_worker_is_made(
-    capsys, monkeypatch, conf, named
-):
-    """The cuda backend's conf is parsed by its probe: without a GPU too, and not passed by for
-    the cpu backend."""
+def test_a_malformed_backend_setting_is_refused_before_a_worker_is_made(capsys, monkeypatch, conf, named):
+    """The cuda backend's conf is parsed by its probe where a GPU is usable (made to seem so
+    here): the listing says so, selecting it raises; where it cannot run, its conf is ignored."""
+    import torch
+
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", conf)
-    assert main(["backends"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"OFFLOAD_CORE_CUDA_CONF{':' if 'unknown' in named else ''} {named}" in err
-    with pytest.raises(ConfigError, match=named):
+    monkeypatch.delenv("OFFLOAD_CORE_BACKEND", raising=False)
+    if torch.version.cuda is None:
+        assert main(["backends"]) == 0  # an NPU or CPU host: not its setting to judge
+        capsys.readouterr()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["backends"]) == 1
+    out, err = capsys.readouterr()
+    assert "misconfigured" in out and named in err
+    assert registry.availability()["cuda"].startswith(f"misconfigured: {named}")
+    with pytest.raises(ConfigError, match=re.escape(named)):
         registry.select_backend_name()
+    assert registry.select_backend_name("cpu") == "cpu"  # another backend, named, is not held up
 
 
 def test_backends_json(capsys):

@@ -115,16 +115,19 @@ def round_trip(backend, max_size, equal) -> str:
 
 def test_block_tables_are_not_reused_while_a_job_may_read_them():
     """Eight store jobs queued behind a sleeping compute stream, their block tables through a
-    ring that holds about one and a half of them: it wraps, or waits for its oldest job; every
-    job must still copy its own blocks. Each writes host row 0 too, so none joins another's launch."""
+    ring that holds two of them: the third wraps onto the first's while that job waits, so the
+    enqueue must wait for it; every job must still copy its own blocks. Each writes host row 0
+    too, so none joins another's launch."""
     import torch
 
     if kernels.why_unavailable() is not None:
         pytest.skip(kernels.why_unavailable())
     backend = CudaBackend(mechanism="expand_direct")
     n, jobs = 4096, 8
-    # a simple job's table: its device and host ids, int32, one 8-byte entry per block
-    backend._ring = DescriptorRing(torch, backend.device, backend._table_copy, entries=3 * n // 2 + 7)
+    # a simple job's table: its device and host ids, int32, one 8-byte entry per block; uploaded
+    # and launched in one compiled call where the driver has its events, as the backend's own ring
+    launch = backend.driver.table_launch_in(backend._ctx) if backend._driver_events else None
+    backend._ring = DescriptorRing(torch, backend.device, backend._table_copy, entries=2 * n + 7, launch=launch)
     kv = small_kv(pages=(256,), blocks=2 * n, device=backend.device)
     rng = np.random.default_rng(5)
     slots = [rng.permutation(2 * n)[:n] for _ in range(jobs)]
@@ -139,6 +142,7 @@ def test_block_tables_are_not_reused_while_a_job_may_read_them():
         for j in range(jobs):
             assert torch.equal(host[rows[j][1:]], device[slots[j][1:]])
         assert torch.equal(host[0], device[slots[-1][0]])
+    assert backend.buffer_waits()[0] >= 1  # the ring was full while a job could still read it
 
 
 def test_auto_reports_its_choice_per_job():

@@ -138,7 +138,6 @@ def test_a_bare_batch_under_auto_goes_to_the_batch_call_or_without_it_the_loop(m
     dst, src, sizes = arrays(4)
     for lib, expected in ((FakeLib(with_batch=False), "ce_loop"), (FakeLib(), "ce_batch")):
         backend = host_only_backend(monkeypatch, lib)
-        backend._host_ranges[0] = (0, 1 << 20)  # the host side is addressable: no reason for the SMs
         for direction in Direction:
             assert backend.copy_batch(src, dst, sizes, direction, SimpleNamespace(cuda_stream=7)) == expected
 
@@ -179,8 +178,8 @@ def test_enqueue_with_refuses_what_cannot_run_before_enqueueing(monkeypatch, mec
 
 
 def test_addressable_reads_the_host_ranges_while_other_threads_change_them():
-    """alloc_host (a scratch-pool miss) and tensor finalizers change the ranges outside the
-    enqueue lock while copy_batch asks whether memory is addressable."""
+    """alloc_host and tensor finalizers change the ranges outside the enqueue lock while a
+    layout's first job asks whether its host rows are addressable (`BlockCopier.direct_ok`)."""
     backend = CudaBackend(driver=drv.Driver(FakeLib()), runtime=FakeCudaRuntime())
     backend._host_ranges.update({i << 12: (i << 12, (i + 1) << 12) for i in range(1, 5000)})
     stop = threading.Event()
@@ -199,7 +198,7 @@ def test_addressable_reads_the_host_ranges_while_other_threads_change_them():
     thread = threading.Thread(target=churn)
     thread.start()
     try:
-        for _ in range(300):  # not addressable: every range is looked at, twice
+        for _ in range(300):  # not addressable: every range is looked at
             assert not backend.addressable(1 << 50, 64)
     finally:
         stop.set()
@@ -305,6 +304,10 @@ def test_auto_is_measured_by_default_and_the_conf_can_turn_it_off(monkeypatch, t
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "tune:2")
     with pytest.raises(ConfigError, match="OFFLOAD_CORE_CUDA_CONF tune must be 0 or 1, got '2'"):
         host_only_backend(monkeypatch, FakeLib(), tune=None)
+    monkeypatch.delenv("OFFLOAD_CORE_CUDA_CONF")
+    for value in (0.5, 2, "yes"):  # not silently turned into 0 or 1
+        with pytest.raises(ConfigError, match=f"tune must be 0 or 1, got {value!r}"):
+            host_only_backend(monkeypatch, FakeLib(), tune=value)
 
 
 @pytest.mark.parametrize(
@@ -346,14 +349,18 @@ def test_a_malformed_conf_or_a_variable_of_earlier_versions_is_refused_by_name(m
 
 @pytest.mark.parametrize("through_conf", [False, True])
 def test_a_removed_or_unknown_mechanism_is_refused_with_the_valid_ones(monkeypatch, through_conf):
-    """``staged`` (a descriptor mechanism that was removed) is as unknown as any other name."""
+    """``staged`` (removed long ago) is as unknown as any other name; ``sm_gather`` says what
+    does its work now. Through the conf, the message names the variable."""
     valid = "choose one of ce_batch, ce_loop, expand_staged, expand_direct or auto"
-    for name in ("staged", "nosuch"):
+    what = "OFFLOAD_CORE_CUDA_CONF mechanism" if through_conf else "cuda mechanism"
+    for name, removed in (("staged", ""), ("nosuch", ""), ("sm_gather", " (removed: expand_direct makes")):
         if through_conf:
             monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", f"mechanism:{name}")
         with pytest.raises(ConfigError) as refused:
             host_only_backend(monkeypatch, FakeLib(), mechanism=None if through_conf else name)
-        assert str(refused.value) == f"cuda mechanism {name!r} cannot be used: unknown mechanism; {valid}"
+        message = str(refused.value)
+        assert message.startswith(f"{what} {name!r} cannot be used: unknown mechanism{removed}")
+        assert message.endswith(valid)
 
 
 def test_settings_come_from_the_conf_and_an_empty_value_leaves_the_default(monkeypatch):

@@ -72,7 +72,7 @@ def compiled_backend(monkeypatch, lib):
     monkeypatch.setattr(kernels, "_fast", True)
     monkeypatch.setattr(kernels, "_compiled", EveryKey(TritonLike(lib, lib.types, lib.hidden)))
     monkeypatch.setattr(kernels, "_raw", {})
-    monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
+    monkeypatch.setattr(kernels, "_compile", lambda: "expand")
     backend = host_only_backend(monkeypatch, lib)
     backend._ring = RingLike(backend, backend.driver.table_launch_in(backend._ctx))
     return backend
@@ -247,7 +247,7 @@ def test_an_expansion_launched_by_hand_passes_its_parameters_as_triton_compiled_
     other arguments as the kernel reads them (32-bit ones as such), a null scratch pointer last."""
     types = ("i64", "i32", "i64", "i32", "i64", "i32", "i32", "i64", "i64")
     lib, table_launch = compiled_table_launch(LaunchingLib(types=types, hidden=1))
-    monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
+    monkeypatch.setattr(kernels, "_compile", lambda: "expand")
     monkeypatch.setattr(kernels, "_compiled", EveryKey(TritonLike(lib, types, hidden=1)))
     monkeypatch.setattr(kernels, "_raw", {})
     args = [1 << 40, 7, 1 << 41, 3, 1 << 42, 1, 2, -5, 96]
@@ -450,7 +450,7 @@ def test_one_off_table_memory_is_held_when_the_launch_fails(monkeypatch, compile
 
     ring = fake_ring(4, launch=failing_launch if compiled_launch else None)
     monkeypatch.setattr(ring, "device_address", lambda: 1 << 40)
-    monkeypatch.setattr(kernels, "_compile", lambda: (None, None, "expand"))
+    monkeypatch.setattr(kernels, "_compile", lambda: "expand")
     monkeypatch.setattr(kernels, "_compiled", {})
     monkeypatch.setattr(kernels, "_launch", failing_launch)
     if compiled_launch:  # a build found: the compiled call is taken

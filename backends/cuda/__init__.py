@@ -95,8 +95,8 @@ class CudaBackend(TorchDeviceBackend):
     Raises:
         ConfigError: an unknown or unavailable forced mechanism, an argument or a conf value
             outside its values (programs, staging and ring: positive integers; batch: a
-            non-negative integer; SM penalty: a positive number), a malformed conf or one with
-            an unknown key, or a variable this backend no longer reads.
+            non-negative integer; SM penalty: a positive number; tune: 0, 1 or a bool), a
+            malformed conf or one with an unknown key, or a variable this backend no longer reads.
         OSError: no NVIDIA driver library.
     """
 
@@ -107,13 +107,12 @@ class CudaBackend(TorchDeviceBackend):
 
     @classmethod
     def probe(cls) -> str | None:
-        """As `Backend.probe`; the conf is parsed here too, so that a typo in it is refused
-        before any worker is made (by `offload-core backends`, say), on any machine.
+        """As `Backend.probe`; where a GPU is usable, the conf is parsed too, so that a typo in
+        it is refused before any worker is made (by `offload-core backends`, say).
 
         Raises:
             ConfigError: as `conf`.
         """
-        conf()
         try:
             import torch
         except Exception as exc:
@@ -124,6 +123,7 @@ class CudaBackend(TorchDeviceBackend):
             return f"torch {torch.__version__} is built without CUDA"
         if not torch.cuda.is_available():
             return "torch.cuda.is_available() is False: no usable NVIDIA GPU or driver"
+        conf()  # only here: a machine that cannot run it (an NPU host, say) ignores its conf
         return None
 
     def __init__(
@@ -166,7 +166,7 @@ class CudaBackend(TorchDeviceBackend):
         self._keepalive: deque = deque()  # [event or None while enqueuing, Held, stream, ring regions]
         self._threads = threading.local()  # `in_context`: the GPU's context was made current on this thread
         self._spare_events: list = []
-        tune = _setting(settings, "tune", 1, given=None if tune is None else int(tune), argument="tune")
+        tune = _setting(settings, "tune", 1, given=int(tune) if type(tune) is bool else tune, argument="tune")
         # auto's choices measured per shape class, kept per GPU model
         tuner = Tuner(winners_path(runtime.get_device_name(self._device))) if tune else None
         self._blocks = BlockCopier(self, self.staging_bytes, tuner)
@@ -354,7 +354,7 @@ class CudaBackend(TorchDeviceBackend):
         """None if `mechanism` can run here, else why not."""
         found = TABLE.get(mechanism)
         if found is None:
-            return _unknown()
+            return _unknown(mechanism)
         return found.why_unavailable(self)
 
     def addressable(self, start: int, nbytes: int) -> bool:
@@ -432,12 +432,17 @@ def conf() -> dict[str, str]:
             _setting(settings, key, None)
     name = settings.get("mechanism")
     if name and name != "auto" and name not in TABLE:
-        raise ConfigError(f"cuda mechanism {name!r} cannot be used: {_unknown()}")
+        raise ConfigError(f"{ENV_CONF} mechanism {name!r} cannot be used: {_unknown(name)}")
     return settings
 
 
-def _unknown() -> str:
-    return f"unknown mechanism; choose one of {', '.join(TABLE)} or auto"
+# mechanisms of earlier versions, and what does their work now
+REMOVED = {"sm_gather": "expand_direct makes the same copies on the SMs"}
+
+
+def _unknown(name: str) -> str:
+    removed = f" (removed: {REMOVED[name]})" if name in REMOVED else ""
+    return f"unknown mechanism{removed}; choose one of {', '.join(TABLE)} or auto"
 
 
 def _setting(settings: dict, key: str, default, *, given=None, argument=""):
