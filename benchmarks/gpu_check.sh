@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Everything the cuda backend needs checked on a GPU (how docs/performance.md's H200 figures were
-# made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|reliability|grid|all]   (default ./gpu-check, all)
+# made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|reliability|grid|regions|all]   (default ./gpu-check, all)
 # "checks": tests, compute-sanitizer, the canonical benchmark per mechanism (about 5 minutes);
 # "bench": offload-core bench, benchmarks/transfer_bench.py, canonical layouts with jobs back to back,
 # benchmarks/engine_bench.py (about 7 minutes);
 # "reliability" (not part of "all"): the whole suite, the lifetime cases under compute-sanitizer,
 # the soak on cuda, submit overhead, offload-core bench (about 6 minutes);
-# "grid" (not part of "all"): auto against the forced mechanisms (benchmarks/auto_vs_best.py).
+# "grid" (not part of "all"): auto against the forced mechanisms (benchmarks/auto_vs_best.py);
+# "regions" (not part of "all"): the region soak alone, RUNS times (about 10 s a run).
 set +e
 out=${1:-${OUT:-gpu-check}}
 phase=${2:-all}
@@ -35,6 +36,17 @@ if [ "$phase" = grid ]; then
       --pages 256,1024,4096 --blocks-per-job 16 --jobs 128 --json "$out/ctypes.json" > "$out/ctypes.log" 2>&1
   tail -6 "$out/ctypes.log"
   cp "${OFFLOAD_CORE_PROFILE_DIR:-$HOME/.cache/offload-core}"/*-tuned.json "$out/" 2>/dev/null
+  exit 0
+fi
+if [ "$phase" = regions ]; then
+  # the region soak alone, RUNS times (default 12): which runs left their file behind, and how
+  # long it stayed locked after the last process closed it (freed_after_s); best right after
+  # "checks", as the runs that left files behind so far followed heavy GPU work
+  for i in $(seq 1 "${RUNS:-12}"); do
+    timeout 60 python3 benchmarks/soak.py --backend cpu --rounds 1 --region-cycles 20 --seed "$i" > "$out/regions-$i.json" 2>&1
+    echo "run $i rc=$? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['regions']; print(r['left_behind'], r['freed_after_s'], r['holders'])" "$out/regions-$i.json" 2>&1 | tail -1)"
+  done | tee "$out/regions.log"
+  rm -f "$out"/regions-*.json
   exit 0
 fi
 if [ "$phase" = reliability ]; then
