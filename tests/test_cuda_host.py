@@ -26,8 +26,8 @@ from offload_core.backend import Direction
 from offload_core.backends.cuda import BLOCK_MECHANISMS, MECHANISMS, CudaBackend, kernels, select
 from offload_core.backends.cuda import blocks as cuda_blocks
 from offload_core.backends.cuda import driver as drv
+from offload_core.backends.cuda.blocks import TABLE
 from offload_core.backends.cuda.events import DriverEvent
-from offload_core.backends.cuda.mechanisms import TABLE
 from offload_core.backends.cuda.select import CostModel
 from offload_core.backends.cuda.staging import Held
 from offload_core.backends.cuda.tuning import winners_path

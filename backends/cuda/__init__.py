@@ -23,14 +23,13 @@ import numpy as np
 
 from offload_core.backend import Direction, deferred
 from offload_core.backends.cuda import kernels
-from offload_core.backends.cuda.blocks import BlockCopier
+from offload_core.backends.cuda.blocks import BLOCK_MECHANISMS, MECHANISMS, TABLE, BlockCopier
 from offload_core.backends.cuda.driver import (
     ERROR_HOST_MEMORY_ALREADY_REGISTERED,
     HOST_REGISTER_PORTABLE_DEVICEMAP,
     Driver,
 )
 from offload_core.backends.cuda.events import DriverEvent, RawStream
-from offload_core.backends.cuda.mechanisms import BLOCK_MECHANISMS, MECHANISMS, TABLE
 from offload_core.backends.cuda.ring import DescriptorRing
 from offload_core.backends.cuda.select import CostModel
 from offload_core.backends.cuda.staging import Held

@@ -2,7 +2,7 @@
 
 Per job the host uploads one small table (two ids per block for simple jobs, int32 where they
 fit; five int64 columns for others) and enqueues, per piece, one expansion kernel and at most
-one batch of copies, by one of the mechanisms here (listed in `mechanisms.TABLE`):
+one batch of copies, by one of the mechanisms here (all listed in `TABLE`):
 
 * ``expand_staged``: the kernel gathers the job's entries into a staging half that mirrors its
   host rows (store), or scatters them out of it (load), and the copy engines move the
@@ -12,7 +12,9 @@ one batch of copies, by one of the mechanisms here (listed in `mechanisms.TABLE`
   memory per queue stream);
 * ``expand_direct``: the kernel reads or writes the host rows through their unified addresses:
   no staging, but it holds SMs while the bytes cross the link;
-* ``ce_batch`` (host-expanded): the copies, expanded on the host, in one batched copy.
+* ``ce_batch`` (host-expanded): the copies, expanded on the host, in one batched copy; or
+  ``ce_loop``, one copy a call, for drivers without the batch call. These two also take bare
+  batches of descriptors (`CudaBackend.copy_batch`).
 """
 
 from __future__ import annotations
@@ -127,10 +129,10 @@ class BlockCopier:
             prepared.direct_ok = span > 0 and self.backend.addressable(layout.host_base, span)
         return prepared.direct_ok
 
-    def choose(self, job: CompactJob, prepared: Prepared) -> JobMechanism:
+    def choose(self, job: CompactJob, prepared: Prepared) -> Mechanism:
         """The cost model's pick for `job` (auto's, without a tuner): the cheapest of `_estimates`."""
         count, small = prepared.layout.segment_summary(job, self._small_limit(job.direction))
-        return _BY_NAME[cheapest(self._estimates(job, prepared, count, small))]
+        return TABLE[cheapest(self._estimates(job, prepared, count, small))]
 
     def _small_limit(self, direction: Direction) -> int:
         """Loads: segments this small the batch call moves through the CPU; stores: none."""
@@ -156,7 +158,7 @@ class BlockCopier:
         return max(MIN_STORE_PROGRAMS, min(most, -(-per_job // STORE_BYTES_PER_PROGRAM)))
 
     def copy(
-        self, job: CompactJob, prepared: Prepared, stream, after: list, held: list, forced: JobMechanism | None = None
+        self, job: CompactJob, prepared: Prepared, stream, after: list, held: list, forced: Mechanism | None = None
     ) -> str:
         """Enqueue `job` on `stream` (the queue's, which already waits for `after`: the compute
         streams' events and the hazards' ends, `job.host_after`) by `forced`, or by auto's pick
@@ -193,7 +195,7 @@ class BlockCopier:
         self.timings.add(key, mechanism.name, job.nbytes, host_s, start, end)
         return mechanism.name
 
-    def _tuned(self, job: CompactJob, prepared: Prepared) -> tuple[JobMechanism, tuning.ShapeClass, bool]:
+    def _tuned(self, job: CompactJob, prepared: Prepared) -> tuple[Mechanism, tuning.ShapeClass, bool]:
         """Auto's mechanism for `job` by measurement, its shape class, and whether to time the
         launch: the class's winner where one is decided and can run here, else the tuner's pick
         among `tuning.candidates`."""
@@ -204,10 +206,10 @@ class BlockCopier:
         key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids.size, count, job.nbytes)
         winner = self.tuner.decided(key)
         if winner is not None and self._runs_here(winner, prepared):  # no cost model on the launch's host time
-            return _BY_NAME[winner], key, False
+            return TABLE[winner], key, False
         estimates = self._estimates(job, prepared, count, small)
         name, timed = self.tuner.pick(key, tuning.candidates(estimates, cheapest(estimates)), self.timings.room())
-        return _BY_NAME[name], key, timed
+        return TABLE[name], key, timed
 
     @property
     def batch_ok(self) -> bool:
@@ -264,12 +266,17 @@ class BlockCopier:
         )
 
 
-class JobMechanism(abc.ABC):
-    """One way to enqueue a compact job, for `BlockCopier`; stateless."""
+class Mechanism(abc.ABC):
+    """One way to enqueue a compact job, for `BlockCopier`; stateless. Those that also take a
+    bare batch of descriptors (`CudaBackend.copy_batch`) set `takes_batches` and `enqueue`."""
 
     name: ClassVar[str]
     takes_batches: ClassVar[bool] = False  # a bare batch on a backend forced to it goes as auto
     needs_segments: ClassVar[bool] = False  # whether `enqueue_job` takes the job's host segments
+
+    def why_unavailable(self, backend) -> str | None:
+        """None if this mechanism can run on `backend`, else why not."""
+        return None
 
     def refuses_layout(self, copier: BlockCopier, prepared: Prepared) -> str | None:
         """None if this mechanism can take the jobs of `prepared`'s layout, else why not."""
@@ -287,23 +294,38 @@ class JobMechanism(abc.ABC):
         """
 
 
-class HostExpanded(JobMechanism):
-    """The job's copies, expanded on the host (`CompactLayout.copies`), by the batch mechanism
-    `name` (``ce_batch``: one ``cuMemcpyBatchAsync``; ``ce_loop`` where the driver lacks it),
-    under whose name it is reported. Only auto picks it: not in the table."""
+class HostExpanded(Mechanism):
+    """Copies on the copy engines, a job's expanded on the host (`CompactLayout.copies`):
+    ``ce_batch`` (`batched`: one ``cuMemcpyBatchAsync``) or ``ce_loop`` (one ``cuMemcpyAsync``
+    a copy, for drivers without the batch call)."""
 
-    def __init__(self, name: str):
-        self.name = name
+    takes_batches = True
+
+    def __init__(self, name: str, batched: bool):
+        self.name, self.batched = name, batched
+
+    def why_unavailable(self, backend) -> str | None:
+        if self.batched and backend.driver.memcpy_batch is None:
+            return "the driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)"
+        return None
+
+    def enqueue(self, backend, src, dst, sizes, direction: Direction, stream, held: list) -> None:
+        """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes on `stream`; what the device may
+        still read afterwards goes to `held`."""
+        if not self.batched:
+            backend.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
+            return
+        # stores read the live KV cache in stream order; loads read stable host memory
+        order = SRC_ACCESS_ORDER_STREAM if direction is Direction.STORE else SRC_ACCESS_ORDER_ANY
+        backend.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, backend.max_batch, held)
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
-        from offload_core.backends.cuda.mechanisms import TABLE  # it lists this module's mechanisms
-
         src, dst, sizes = prepared.layout.copies(job)
         if sizes.size:
-            TABLE[self.name].enqueue(copier.backend, src, dst, sizes, job.direction, stream, held)
+            self.enqueue(copier.backend, src, dst, sizes, job.direction, stream, held)
 
 
-class ExpandDirect(JobMechanism):
+class ExpandDirect(Mechanism):
     name = "expand_direct"
 
     def why_unavailable(self, backend) -> str | None:
@@ -319,7 +341,7 @@ class ExpandDirect(JobMechanism):
         copier.expand(job, prepared, 0, len(job), stream, held, copier.direct_programs(job, prepared))
 
 
-class ExpandStaged(JobMechanism):
+class ExpandStaged(Mechanism):
     name = "expand_staged"
     needs_segments = True
 
@@ -391,10 +413,14 @@ class ExpandStaged(JobMechanism):
         held.sides.pop()
 
 
-HOST_EXPANDED, HOST_LOOPED = HostExpanded("ce_batch"), HostExpanded("ce_loop")
+HOST_EXPANDED, HOST_LOOPED = HostExpanded("ce_batch", batched=True), HostExpanded("ce_loop", batched=False)
 EXPAND_STAGED = ExpandStaged()
 EXPAND_DIRECT = ExpandDirect()
-_BY_NAME = {m.name: m for m in (HOST_EXPANDED, HOST_LOOPED, EXPAND_STAGED, EXPAND_DIRECT)}
+# every mechanism, the one place they are listed (the order is the copy engines' first: the
+# order of `select.cheapest`'s ties and of the names in messages)
+TABLE: dict[str, Mechanism] = {m.name: m for m in (HOST_EXPANDED, HOST_LOOPED, EXPAND_STAGED, EXPAND_DIRECT)}
+MECHANISMS = tuple(name for name, m in TABLE.items() if m.takes_batches)  # for descriptor batches too
+BLOCK_MECHANISMS = tuple(name for name, m in TABLE.items() if not m.takes_batches)  # for compact jobs only
 
 
 def _tables(prepared: Prepared) -> tuple:

@@ -393,7 +393,7 @@ def _known_spec(spec: str) -> bool:
     name, colon, mechanism = spec.partition(":")
     if not colon:
         return name in SPECS
-    from offload_core.backends.cuda.mechanisms import TABLE
+    from offload_core.backends.cuda.blocks import TABLE
 
     return name == "offload-core" and mechanism in TABLE
 
