@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import platform
 import time
 from unittest import mock
@@ -364,7 +365,15 @@ def main() -> None:
         default="store",
         help="with --interference: comma-separated directions of the jobs beside the matmul (default: %(default)s)",
     )
+    parser.add_argument(
+        "--log-decisions",
+        action="store_true",
+        help="cuda: print each shape class auto decides, with its candidates' measured seconds per GiB",
+    )
     args = parser.parse_args()
+    if args.log_decisions:
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("offload_core.backends.cuda.tuning").setLevel(logging.INFO)
     if args.no_host_order:
         from offload_core.compact import CompactJob
 

@@ -23,7 +23,7 @@ if [ "$phase" = grid ]; then
   # row's warm-up launches until auto has measured its choice (engine_bench), as an engine's
   # first launches do.
   grid() {
-    B="python3 benchmarks/engine_bench.py --backend cuda --mechanisms $1"
+    B="python3 benchmarks/engine_bench.py --backend cuda --log-decisions --mechanisms $1"
     timeout 150 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64 --json "$out/grid-$2-64t.json" > "$out/grid-$2-64t.log" 2>&1
     timeout 90 $B --layers 32 --pages 1024,4096 --blocks-per-job 16,64 --jobs 64 --host-runs --json "$out/grid-$2-runs.json" > "$out/grid-$2-runs.log" 2>&1
     timeout 90 $B --tensors 1 --pages 256,4096,65536,2097152 --job-mib 4 --jobs 32 --json "$out/grid-$2-1t-4m.json" > "$out/grid-$2-1t-4m.log" 2>&1
