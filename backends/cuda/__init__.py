@@ -1,7 +1,7 @@
 """The cuda backend: NVIDIA GPUs, with several ways to move a job, chosen per job.
 
-`CudaBackend` adapts the core's `Backend` interface to the modules beside it: `mechanisms`
-(every mechanism by name), `blocks` (a worker's jobs expanded on the device), `select` and
+`CudaBackend` adapts the core's `Backend` interface to the modules beside it: `blocks` (every
+mechanism by name, and a worker's jobs expanded on the device or on the host), `select` and
 `tuning` (how ``auto`` chooses: a cost model, then measurements), `staging`, `driver`, `kernels`,
 `ring` and `events` (the CUDA driver through ctypes, the Triton kernels and their descriptor
 tables).
