@@ -10,7 +10,8 @@ one link: the best of its rows' link measurements, which are noisy one by one); 
 launch of `SM_HOLD_S` or longer while `auto` took the copy engines is marked: `auto` spares
 the SMs there by design (its cost model weighs such launches `sm_penalty` times). The last
 column weighs the forced mechanisms as `auto` does (`CostModel.sm_weight`: a mechanism on the SMs
-counts its launch's time that many times), `auto`'s own launches too, and compares the two.
+counts its launch's time that many times), `auto`'s own launches too, and compares the two; the
+next, where the files have `auto-sm1` rows (auto choosing by speed alone), theirs against the best.
 """
 
 from __future__ import annotations
@@ -75,7 +76,13 @@ def cells(rows: list[dict]) -> list[tuple]:
             if best in ON_SMS and held >= SM_HOLD_S and not ON_SMS & set(took):
                 chose += f", SMs spared: {best} holds them {held * 1e3:.2f} ms a launch"
             weighs = weighed(by["auto"], d) / max(weighed(by[m], d) for m in forced)
-            out.append((key, d, by["auto"][f"{d}_wall_gbps"] / link, chose, best, forced[best], weighs))
+            fast = by.get("auto-sm1", {}).get(f"{d}_wall_gbps")
+            fast = (
+                f"{fast / link / forced[best]:.2f} ({'/'.join(by['auto-sm1'].get(f'{d}_mechanisms') or [])})"
+                if fast
+                else "-"
+            )
+            out.append((key, d, by["auto"][f"{d}_wall_gbps"] / link, chose, best, forced[best], weighs, fast))
     return out
 
 
@@ -86,12 +93,15 @@ def main() -> None:
     args = ap.parse_args()
     rows = [r for path in args.json for r in json.load(open(path))["rows"]]
     found = cells(rows)
-    print("| tensors | page | MiB/job | host runs | dir | auto (chose) | best forced | auto/best | auto/best weighed |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for (tensors, page, job, runs), d, a, chose, best, b, w in found:
+    print(
+        "| tensors | page | MiB/job | host runs | dir | auto (chose) | best forced | auto/best | auto/best weighed "
+        "| auto-sm1/best |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (tensors, page, job, runs), d, a, chose, best, b, w, fast in found:
         print(
             f"| {tensors} | {page} | {job / 2**20:.2f} | {runs} | {d} | {a:.2f} ({chose}) | {b:.2f} {best} "
-            f"| {a / b:.2f} | {w:.2f} |"
+            f"| {a / b:.2f} | {w:.2f} | {fast} |"
         )
     if not found:
         raise SystemExit("no shape measured with auto and a forced mechanism")
@@ -99,9 +109,15 @@ def main() -> None:
     below = [c for c in found if c[2] / c[5] < args.target]
     spared = sum("SMs spared" in c[3] for c in below)
     below_weighed = sum(c[6] < args.target for c in found)
+    fast = [float(c[7].split()[0]) for c in found if c[7] != "-"]
     print(
         f"\nworst: {worst[2] / worst[5]:.2f} ({worst[1]} of {worst[0]}); below {args.target}: {len(below)} of "
         f"{len(found)}, {spared} of them where auto spared the SMs; against the best weighed: {below_weighed}"
+        + (
+            f"; auto-sm1 below: {sum(f < args.target for f in fast)} of {len(fast)}, worst {min(fast):.2f}"
+            if fast
+            else ""
+        )
     )
     raise SystemExit(1 if below else 0)
 

@@ -58,8 +58,11 @@ def _backends(name: str | None, mechanisms: list[str] | None):
     if base.name != "cuda":
         return [("default", base)]
     from offload_core.backends.cuda import CudaBackend, driver
+    from offload_core.backends.cuda.select import CostModel
 
     def made(m: str):
+        if m == "auto-sm1":  # auto choosing by speed alone: launches on the SMs weigh no more
+            return CudaBackend(mechanism="auto", cost_model=CostModel(sm_penalty=1.0))
         if m != "auto-ctypes":
             return CudaBackend(mechanism=m)
         # auto without _driver.c (its driver calls through ctypes, its kernels through Triton's
@@ -322,7 +325,7 @@ def main() -> None:
     parser.add_argument(
         "--mechanisms",
         help="cuda: comma-separated mechanisms (default: auto and every available one); auto-ctypes is auto "
-        "without the compiled driver calls (backends/cuda/_driver.c)",
+        "without the compiled driver calls (backends/cuda/_driver.c), auto-sm1 auto by speed alone (sm_penalty 1)",
     )
     parser.add_argument("--pages", default="256,1024,4096,32768", help="page sizes in bytes (default: %(default)s)")
     parser.add_argument("--blocks-per-job", default="1,16,128", help="blocks per job (default: %(default)s)")

@@ -19,22 +19,19 @@ python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'trit
 # The device's copy of the tree may carry older git metadata: pass COMMIT=<hash> to record the right one.
 echo "commit ${COMMIT:-$(git log -1 --format='%h %s' 2>/dev/null)}" | tee -a "$out/env.txt"
 if [ "$phase" = grid ]; then
-  # auto against the forced mechanisms over the shapes an engine sends (about 5 minutes); each
+  # auto against the forced mechanisms over the shapes an engine sends (about 6 minutes); each
   # row's warm-up launches until auto has measured its choice (engine_bench), as an engine's
   # first launches do.
   grid() {
     B="python3 benchmarks/engine_bench.py --backend cuda --log-decisions --mechanisms $1"
-    timeout 150 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64 --json "$out/grid-$2-64t.json" > "$out/grid-$2-64t.log" 2>&1
-    timeout 90 $B --layers 32 --pages 1024,4096 --blocks-per-job 16,64 --jobs 64 --host-runs --json "$out/grid-$2-runs.json" > "$out/grid-$2-runs.log" 2>&1
-    timeout 90 $B --tensors 1 --pages 256,4096,65536,2097152 --job-mib 4 --jobs 32 --json "$out/grid-$2-1t-4m.json" > "$out/grid-$2-1t-4m.log" 2>&1
-    timeout 120 $B --tensors 1 --pages 1024,65536,2097152 --job-mib 256 --jobs 4 --json "$out/grid-$2-1t-256m.json" > "$out/grid-$2-1t-256m.log" 2>&1
+    timeout 190 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64 --json "$out/grid-$2-64t.json" > "$out/grid-$2-64t.log" 2>&1
+    timeout 115 $B --layers 32 --pages 1024,4096 --blocks-per-job 16,64 --jobs 64 --host-runs --json "$out/grid-$2-runs.json" > "$out/grid-$2-runs.log" 2>&1
+    timeout 115 $B --tensors 1 --pages 256,4096,65536,2097152 --job-mib 4 --jobs 32 --json "$out/grid-$2-1t-4m.json" > "$out/grid-$2-1t-4m.log" 2>&1
+    timeout 150 $B --tensors 1 --pages 1024,65536,2097152 --job-mib 256 --jobs 4 --json "$out/grid-$2-1t-256m.json" > "$out/grid-$2-1t-256m.log" 2>&1
   }
-  grid auto,expand_staged,expand_direct,ce_batch all
+  # auto-sm1: auto choosing by speed alone, to tell its measuring from its sparing of the SMs
+  grid auto,auto-sm1,expand_staged,expand_direct,ce_batch all
   python3 benchmarks/auto_vs_best.py "$out"/grid-all-*.json | tee "$out/auto_vs_best.md"
-  # A/B of the compiled driver calls (_driver.c): small jobs of many tensors, as an engine sends them
-  timeout 90 python3 benchmarks/engine_bench.py --backend cuda --mechanisms auto,auto-ctypes --layers 32 \
-      --pages 256,1024,4096 --blocks-per-job 16 --jobs 128 --json "$out/ctypes.json" > "$out/ctypes.log" 2>&1
-  tail -6 "$out/ctypes.log"
   cp "${OFFLOAD_CORE_PROFILE_DIR:-$HOME/.cache/offload-core}"/*-tuned.json "$out/" 2>/dev/null
   exit 0
 fi

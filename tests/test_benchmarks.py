@@ -133,6 +133,10 @@ def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and
         r["load_device_busy"] = 0.4  # bound by the host: 0.18 ms of device a launch, weighed 0.36, under the wall's
     (load,) = [c for c in auto_vs_best.cells(rows) if c[1] == "load"]
     assert load[6] == pytest.approx(0.50 / 0.75)
+    assert load[7] == "-"
+    rows.append(row("auto-sm1", 4096, 0.90, 0.72, chose="expand_direct"))  # auto by speed alone: its own column
+    (load,) = [c for c in auto_vs_best.cells(rows) if c[1] == "load"]
+    assert load[7] == "0.96 (expand_direct)" and load[4] == "expand_direct"
 
 
 def test_serve_times_the_decode_steps_while_stores_run_against_those_after():

@@ -109,9 +109,10 @@ def test_small_host_to_device_copies_weigh_their_bytes_in_expand_staged_loads_on
     assert small - plain == pytest.approx((1 << 19) / 2e9 if weighed else 0.0)
 
 
-def test_winners_persist_per_gpu_model_in_the_profile_dir(tmp_path, monkeypatch):
+def test_winners_persist_per_gpu_model_and_sm_penalty_in_the_profile_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CORE_PROFILE_DIR", str(tmp_path))
-    assert winners_path("NVIDIA H200 NVL") == tmp_path / "cuda-nvidia-h200-nvl-tuned.json"
+    assert winners_path("NVIDIA H200 NVL", 2.0) == tmp_path / "cuda-nvidia-h200-nvl-sm2-tuned.json"
+    assert winners_path("NVIDIA H200 NVL", 1.5) == tmp_path / "cuda-nvidia-h200-nvl-sm1.5-tuned.json"
 
 
 # ---- the adapter: one table of mechanisms, runs by name ---------------------------------------
@@ -297,7 +298,10 @@ def test_auto_is_measured_by_default_and_the_conf_can_turn_it_off(monkeypatch, t
     monkeypatch.setenv("OFFLOAD_CORE_PROFILE_DIR", str(tmp_path))
     backend = host_only_backend(monkeypatch, FakeLib(), tune=None)
     tuner = backend._blocks.tuner
-    assert tuner is not None and tuner.path.parent == tmp_path and tuner.path.name.endswith("-tuned.json")
+    assert tuner is not None and tuner.path.parent == tmp_path and tuner.path.name.endswith("-sm2-tuned.json")
+    # winners weighed by another penalty are not read as this one's
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "sm_penalty:1")
+    assert host_only_backend(monkeypatch, FakeLib(), tune=None)._blocks.tuner.path.name.endswith("-sm1-tuned.json")
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "tune:0")
     assert host_only_backend(monkeypatch, FakeLib(), tune=None)._blocks.tuner is None
     assert host_only_backend(monkeypatch, FakeLib(), tune=True)._blocks.tuner is not None  # the argument wins

@@ -167,7 +167,7 @@ class CudaBackend(TorchDeviceBackend):
         self._spare_events: list = []
         tune = _setting(settings, "tune", 1, given=int(tune) if type(tune) is bool else tune, argument="tune")
         # auto's choices measured per shape class, kept per GPU model
-        tuner = Tuner(winners_path(runtime.get_device_name(self._device))) if tune else None
+        tuner = Tuner(winners_path(runtime.get_device_name(self._device), self.cost.sm_penalty)) if tune else None
         self._blocks = BlockCopier(self, self.staging_bytes, tuner)
         sms = runtime.get_device_properties(self._device).multi_processor_count
         self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM

@@ -81,12 +81,12 @@ def shape_class(
     )
 
 
-def winners_path(device_name: str) -> Path:
+def winners_path(device_name: str, sm_penalty: float) -> Path:
     """Where this device model's winners persist: in ``$OFFLOAD_CORE_PROFILE_DIR`` (default
-    ``~/.cache/offload-core``)."""
+    ``~/.cache/offload-core``), apart per `sm_penalty`, which weighs the timings that decide."""
     root = os.environ.get("OFFLOAD_CORE_PROFILE_DIR") or Path.home() / ".cache" / "offload-core"
     slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
-    return Path(root) / f"cuda-{slug}-tuned.json"
+    return Path(root) / f"cuda-{slug}-sm{sm_penalty:g}-tuned.json"
 
 
 def candidates(estimates: dict[str, float], prior: str) -> list[str]:
