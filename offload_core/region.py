@@ -13,7 +13,8 @@ Liveness: every process that has the region open holds a shared `flock` on it, w
 drops when the process dies, so a file that can be locked exclusively has no live user and is
 made afresh. The creator locks the file under a temporary name and publishes it with `link`,
 reserves the memory (`posix_fallocate`: a full tmpfs is a `RegionError`, not SIGBUS) and writes
-the header last; joiners wait for the header. The last process to close removes the file, and
+the header last; joiners wait for the header. The last process to close removes the file (a
+closer waits up to `_LAST_USER_S` for ranks killed a moment ago to let go of it), and
 making a region also removes this user's regions in its directory that nobody holds. Should the
 file be removed or replaced anyway, `check()` raises. A forked child shares its parent's lock:
 only the parent's close counts.
@@ -55,6 +56,9 @@ _POLL_S = 0.005
 _MAX_TIMEOUT_S = 1e6
 _TMP_AGE_S = 60.0  # a temporary file this old belongs to a creator that died before publishing
 _LOCK_GRACE_S = 1.0  # exclusive locks are held only for an unlink: wait this long even with timeout=0
+# A rank killed a moment ago still holds its lock until the kernel has torn its memory down, with
+# no /proc entry left that shows the file: a closer tries this long to find itself the last user.
+_LAST_USER_S = 0.25
 
 
 def default_directory() -> pathlib.Path:
@@ -401,7 +405,7 @@ class SharedHostRegion:
         try:
             # A forked child shares its parent's lock (one open file description): only the
             # process that opened the region may decide it is the last user.
-            if os.getpid() == self._pid and _try_flock(fd, fcntl.LOCK_EX):
+            if os.getpid() == self._pid and _lock_within(fd, _LAST_USER_S):
                 self._unlink_if_at_path(fd)
         finally:
             os.close(fd)
@@ -481,6 +485,17 @@ def _unheld(fd: int, temporary: bool) -> bool:
     elif os.pread(fd, len(_MAGIC), 0) != _MAGIC:
         return False  # not a region: someone else's file in a directory the caller chose
     return _try_flock(fd, fcntl.LOCK_EX)
+
+
+def _lock_within(fd: int, seconds: float) -> bool:
+    """Whether the file open at `fd` could be locked exclusively within `seconds` (a failed try
+    drops this process's shared lock: it holds none while it waits)."""
+    deadline = time.monotonic() + seconds
+    while not _try_flock(fd, fcntl.LOCK_EX):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
 
 
 def _try_flock(fd: int, kind: int) -> bool:

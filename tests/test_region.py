@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -352,6 +353,25 @@ def test_the_last_one_out_removes_the_file_not_the_creator(tmp_path):
     b.close()
     b.close()  # twice is fine
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_last_one_out_waits_for_a_rank_killed_a_moment_ago_to_let_go(tmp_path, monkeypatch):
+    """A killed rank's lock outlives its /proc entries while the kernel tears it down: the last
+    closer waits a little for it, but never removes a file a live rank holds."""
+    monkeypatch.setattr(shared, "_LAST_USER_S", 30.0)  # a bound never reached: the holder lets go first
+    a = small("r", tmp_path)
+    fd = os.open(a.path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # the dying rank's lock
+    letting_go = threading.Timer(0.05, os.close, (fd,))
+    letting_go.start()
+    a.close()
+    letting_go.join()
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(shared, "_LAST_USER_S", 0.05)
+    b = small("r", tmp_path)
+    with held(b.path):  # a live rank, past the wait
+        b.close()
+        assert b.path.exists()
 
 
 def test_check_fails_loudly_once_the_file_is_removed_or_replaced(tmp_path):
