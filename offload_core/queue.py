@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 MAX_LAUNCH = 256  # jobs in one launch at most
 MAX_QUIET_S = 0.005  # the launcher launches once no submit came for a launch's time, or this long
 _NOTHING: frozenset[int] = frozenset()  # `_launching` when nothing launches
-IDLE_POLL_S = 0.1  # how often an idle launcher looks whether its queue was dropped or the interpreter exits
+IDLE_POLL_S = 0.1  # how often a waiting launcher looks whether its queue was dropped or the interpreter exits
 SETTLE_POLL_S = 0.001  # how often a drain asks an event whose wait failed whether the work has passed
 # The launcher lets the GIL go this long around an enqueue: about the kernel's timer slack, long
 # enough for a woken thread to take it (after time.sleep(0) the launcher usually wins it back).
@@ -535,7 +535,7 @@ def _launch_until_done(queue_ref: weakref.ref[TransferQueue]) -> None:
             quiet = time.perf_counter() - queue._last_submit
             wait = min(queue._launch_s, MAX_QUIET_S) - quiet
             if wait > 0 and not queue._closed and not exiting and not queue._burst_full():
-                queue._launched.wait(wait)
+                queue._launched.wait(min(wait, IDLE_POLL_S))  # still looking whether the interpreter exits
                 del queue
                 continue
             batch = queue._take()
