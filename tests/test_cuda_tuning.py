@@ -4,6 +4,7 @@ timings. No GPU: the tuner sees only names, bytes and seconds."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -408,6 +409,25 @@ def test_a_trial_launch_that_fails_to_enqueue_is_timed_again(monkeypatch):
                 break
     assert failed and copier.tuner.undecided() == 0
     assert list(copier.tuner.winners().values()) == ["expand_direct"]
+
+
+def test_a_trial_counts_the_host_segments_in_the_mechanisms_host_time(monkeypatch):
+    """expand_staged's segments are its own host work: slow ones lose it a class its device time
+    alone would win."""
+    seconds = {"expand_staged": 1e-5, "expand_direct": 1.5e-5, "ce_batch": 1.8e-5}
+    copier, layout, prepared, ran, worker = copier_over_stubs(monkeypatch, seconds)
+    segments = layout.segments
+
+    def slow_segments(job):
+        time.sleep(0.02)  # 20 ms of host work against device launches of 10-18 µs
+        return segments(job)
+
+    monkeypatch.setattr(layout, "segments", slow_segments)
+    with worker:
+        job = layout.job(Direction.STORE, DeviceBlocks(list(range(16))), HostBlocks(list(range(0, 32, 2))))
+        for _ in range(12):
+            copier.copy(job, prepared, "stream", [], [])
+    assert "expand_staged" in ran and list(copier.tuner.winners().values()) == ["expand_direct"]
 
 
 def test_a_trial_launch_whose_segments_fail_is_timed_again(monkeypatch):

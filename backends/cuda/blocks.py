@@ -178,14 +178,14 @@ class BlockCopier:
         # job joins before `enqueue_job` returns), and the host's clock around it
         b = self.backend
         try:
-            segments = prepared.layout.segments(job) if mechanism.needs_segments else None
             start, end = b.new_event(), b.new_event()
             start.record(stream)
             if mechanism is EXPAND_STAGED:
                 # its side stream would start the job's first piece beside the launches before it
                 # (a pipelining each trial then shares): timed, the job starts where `start` stands
                 self.staging.for_stream(stream).side.wait_event(start)
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # the host segments are this mechanism's host time too
+            segments = prepared.layout.segments(job) if mechanism.needs_segments else None
             mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
             host_s = time.perf_counter() - t0
             end.record(stream)
