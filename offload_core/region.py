@@ -14,7 +14,7 @@ drops when the process dies, so a file that can be locked exclusively has no liv
 made afresh. The creator locks the file under a temporary name and publishes it with `link`,
 reserves the memory (`posix_fallocate`: a full tmpfs is a `RegionError`, not SIGBUS) and writes
 the header last; joiners wait for the header. The last process to close removes the file (a
-closer waits up to `_LAST_USER_S` for ranks killed a moment ago to let go of it), and
+closer waits up to `_LAST_USER_S` for ranks that have just ended to let go of it), and
 making a region also removes this user's regions in its directory that nobody holds. Should the
 file be removed or replaced anyway, `check()` raises. A forked child shares its parent's lock:
 only the parent's close counts.
@@ -56,8 +56,9 @@ _POLL_S = 0.005
 _MAX_TIMEOUT_S = 1e6
 _TMP_AGE_S = 60.0  # a temporary file this old belongs to a creator that died before publishing
 _LOCK_GRACE_S = 1.0  # exclusive locks are held only for an unlink: wait this long even with timeout=0
-# A rank killed a moment ago still holds its lock until the kernel has torn its memory down, with
-# no /proc entry left that shows the file: a closer tries this long to find itself the last user.
+# A rank that has just ended, even one already reaped, can hold its lock a moment longer (the
+# kernel lets go of the file late), with no /proc entry that shows it: a closer tries this long
+# to find itself the last user.
 _LAST_USER_S = 0.25
 
 

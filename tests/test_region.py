@@ -355,18 +355,28 @@ def test_the_last_one_out_removes_the_file_not_the_creator(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_last_one_out_waits_for_a_rank_killed_a_moment_ago_to_let_go(tmp_path, monkeypatch):
-    """A killed rank's lock outlives its /proc entries while the kernel tears it down: the last
+def test_the_last_one_out_waits_for_a_rank_that_just_ended_to_let_go(tmp_path, monkeypatch):
+    """A rank that just ended can hold its lock a moment past its /proc entries: the last
     closer waits a little for it, but never removes a file a live rank holds."""
     monkeypatch.setattr(shared, "_LAST_USER_S", 30.0)  # a bound never reached: the holder lets go first
     a = small("r", tmp_path)
     fd = os.open(a.path, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)  # the dying rank's lock
-    letting_go = threading.Timer(0.05, os.close, (fd,))
-    letting_go.start()
+    refused = threading.Event()
+    try_flock = shared._try_flock
+
+    def watched(fd, kind):
+        locked = try_flock(fd, kind)
+        if not locked and kind == fcntl.LOCK_EX:
+            refused.set()
+        return locked
+
+    monkeypatch.setattr(shared, "_try_flock", watched)
+    letting_go = threading.Thread(target=lambda: (refused.wait(30), os.close(fd)))
+    letting_go.start()  # lets go only once the closer has found it held
     a.close()
     letting_go.join()
-    assert list(tmp_path.iterdir()) == []
+    assert refused.is_set() and list(tmp_path.iterdir()) == []
     monkeypatch.setattr(shared, "_LAST_USER_S", 0.05)
     b = small("r", tmp_path)
     with held(b.path):  # a live rank, past the wait
