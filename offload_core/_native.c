@@ -135,35 +135,52 @@ static PyObject *single_check(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 PyDoc_STRVAR(first_clash_doc,
-             "first_clash(keys) -> int\n\n"
+             "first_clash(keys, limit) -> int\n\n"
              "How many of consecutive jobs may go in one launch, given each job's destination keys\n"
-             "(a sequence of int64 arrays of non-negative keys, in job order): the index of the first\n"
-             "job holding a key that an earlier job holds, or len(keys). A job may repeat its own keys.");
+             "(a sequence of int64 arrays, in job order) and a bound on them: the index of the first\n"
+             "job holding a key that an earlier job holds, or len(keys). A job may repeat its own keys.\n"
+             "Keys lie in [0, limit) (ValueError otherwise) where the keys number at least limit / 64;\n"
+             "then a bitmap of limit bits holds the earlier jobs' keys, else a hash table does.");
 
-static PyObject *first_clash(PyObject *self, PyObject *arg) {
-    PyObject *seq = PySequence_Fast(arg, "keys must be a sequence of int64 arrays");
-    if (seq == NULL) return NULL;
-    Py_ssize_t jobs = PySequence_Fast_GET_SIZE(seq), total = 0, answer = jobs;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+/* The bitmap's way: the earlier jobs' keys as bits; each job is looked up whole, then added. */
+static Py_ssize_t clash_by_bitmap(PyObject **items, Py_ssize_t jobs, int64_t limit) {
+    uint64_t *seen = calloc(((size_t)limit + 63) / 64, sizeof(uint64_t));
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t answer = jobs;
     Py_buffer view;
-    for (Py_ssize_t i = 0; i < jobs; i++) {
-        if (offload_int64_buffer(items[i], &view, 0, "keys") < 0) {
-            Py_DECREF(seq);
-            return NULL;
+    for (Py_ssize_t i = 0; i < jobs && answer == jobs; i++) {
+        if (offload_int64_buffer(items[i], &view, 0, "keys") < 0) { /* cannot happen: checked before */
+            answer = -1;
+            break;
         }
-        total += view.len / 8;
+        const uint64_t *k = view.buf;
+        Py_ssize_t n = view.len / 8;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (k[j] >= (uint64_t)limit) { /* a negative key too */
+                PyErr_Format(PyExc_ValueError, "key %lld of job %zd lies outside [0, %lld)", (long long)k[j], i,
+                             (long long)limit);
+                answer = -1;
+                break;
+            }
+            if (i && (seen[k[j] >> 6] >> (k[j] & 63)) & 1) {
+                answer = i;
+                break;
+            }
+        }
+        if (answer == jobs)
+            for (Py_ssize_t j = 0; j < n; j++) seen[k[j] >> 6] |= 1ull << (k[j] & 63);
         PyBuffer_Release(&view);
     }
-    if (jobs < 2) {
-        Py_DECREF(seq);
-        return PyLong_FromSsize_t(jobs);
-    }
-    if (total > PY_SSIZE_T_MAX / 64) {
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
-    }
-    /* key -> the job that first held it, open addressing over at least 2 x total slots; an
-     * owner of -1 marks an empty slot (any int64 may be a key) */
+    free(seen);
+    return answer;
+}
+
+/* The hash table's way: key -> the job that first held it, open addressing over at least
+ * 2 x total slots; an owner of -1 marks an empty slot (any int64 may be a key). */
+static Py_ssize_t clash_by_hash(PyObject **items, Py_ssize_t jobs, Py_ssize_t total) {
     size_t slots = 2;
     int bits = 1;
     while (slots < 2 * (size_t)total) slots <<= 1, bits++;
@@ -172,12 +189,14 @@ static PyObject *first_clash(PyObject *self, PyObject *arg) {
     if (keys == NULL || owners == NULL) {
         free(keys);
         free(owners);
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     memset(owners, 0xff, slots * sizeof(Py_ssize_t));
+    Py_ssize_t answer = jobs;
+    Py_buffer view;
     for (Py_ssize_t i = 0; i < jobs && answer == jobs; i++) {
-        if (offload_int64_buffer(items[i], &view, 0, "keys") < 0) { /* cannot happen: checked above */
+        if (offload_int64_buffer(items[i], &view, 0, "keys") < 0) { /* cannot happen: checked before */
             answer = -1;
             break;
         }
@@ -197,6 +216,35 @@ static PyObject *first_clash(PyObject *self, PyObject *arg) {
     }
     free(keys);
     free(owners);
+    return answer;
+}
+
+static PyObject *first_clash(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!offload_arity("first_clash", nargs, 2, 2)) return NULL;
+    int64_t limit = PyLong_AsLongLong(args[1]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence of int64 arrays");
+    if (seq == NULL) return NULL;
+    Py_ssize_t jobs = PySequence_Fast_GET_SIZE(seq), total = 0, answer = jobs;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_buffer view;
+    for (Py_ssize_t i = 0; i < jobs; i++) {
+        if (offload_int64_buffer(items[i], &view, 0, "keys") < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        total += view.len / 8;
+        PyBuffer_Release(&view);
+    }
+    if (jobs >= 2 && total > PY_SSIZE_T_MAX / 64) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    /* A bitmap costs limit / 8 bytes cleared, a hash table 32 bytes a key and cache misses: with a
+     * key for every 64 bits or fewer, the bitmap (as `queue._first_clash` chooses for numpy). */
+    if (jobs >= 2)
+        answer = limit > 0 && (uint64_t)limit <= 64 * (uint64_t)total ? clash_by_bitmap(items, jobs, limit)
+                                                                       : clash_by_hash(items, jobs, total);
     Py_DECREF(seq);
     return answer < 0 ? NULL : PyLong_FromSsize_t(answer);
 }
@@ -366,7 +414,7 @@ static PyObject *row_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
 
 static PyMethodDef methods[] = {
     {"concat", (PyCFunction)(void (*)(void))concat, METH_FASTCALL, concat_doc},
-    {"first_clash", first_clash, METH_O, first_clash_doc},
+    {"first_clash", (PyCFunction)(void (*)(void))first_clash, METH_FASTCALL, first_clash_doc},
     {"host_order", (PyCFunction)(void (*)(void))host_order, METH_FASTCALL, host_order_doc},
     {"row_runs", (PyCFunction)(void (*)(void))row_runs, METH_FASTCALL, row_runs_doc},
     {"single_check", (PyCFunction)(void (*)(void))single_check, METH_FASTCALL, single_check_doc},

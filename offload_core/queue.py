@@ -553,10 +553,10 @@ def _first_clash(jobs: list[CompactJob]) -> int:
     if len(jobs) < 2:
         return len(jobs)
     keys = [j.destinations() for j in jobs]
+    limit = jobs[0].destination_limit
     compiled = jobs[0].layout.native
     if compiled is not None:
-        return compiled.first_clash(keys)
-    limit = jobs[0].destination_limit
+        return compiled.first_clash(keys, limit)
     if sum(k.size for k in keys) * 64 >= limit:  # many keys: a byte per possible key, no sort
         seen = np.zeros(limit, dtype=np.bool_)
         for i, k in enumerate(keys):

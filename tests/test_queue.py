@@ -435,22 +435,32 @@ def test_the_compiled_clash_check_counts_every_key_and_lets_go_of_every_buffer()
 
     module = compiled_or_skip(True)
     many = [np.arange(i * 1000, i * 1000 + 1000, dtype=np.int64) for i in range(40)]
-    assert module.first_clash(many) == 40
+    assert module.first_clash(many, 1 << 40) == 40
     many[33] = many[33].copy()
     many[33][-1] = 5  # job 0's key, in the last place of job 33
-    assert module.first_clash(many) == 33
-    assert module.first_clash([np.array([7, 7, 7], dtype=np.int64), np.array([8], dtype=np.int64)]) == 2
-    assert module.first_clash([]) == 0
-    assert module.first_clash([np.array([3], dtype=np.int64)]) == 1
-    assert module.first_clash([np.array([-1], dtype=np.int64), np.array([-1], dtype=np.int64)]) == 1
+    assert module.first_clash(many, 1 << 40) == 33
+    assert module.first_clash([np.array([7, 7, 7], dtype=np.int64), np.array([8], dtype=np.int64)], 1 << 40) == 2
+    assert module.first_clash([], 8) == 0
+    assert module.first_clash([np.array([3], dtype=np.int64)], 8) == 1
+    assert module.first_clash([np.array([-1], dtype=np.int64), np.array([-1], dtype=np.int64)], 1 << 40) == 1
     # 8 and 16 both hash to the last of the 8 slots that 3 keys get: 16 wraps to slot 0
-    assert module.first_clash([np.array([8, 16], dtype=np.int64), np.array([16], dtype=np.int64)]) == 1
+    assert module.first_clash([np.array([8, 16], dtype=np.int64), np.array([16], dtype=np.int64)], 1 << 40) == 1
     keys = [array("q", [1, 2]), array("q", [3, 2]), array("q", [9])]
-    assert module.first_clash(keys) == 1
+    assert module.first_clash(keys, 1 << 40) == 1
+    # a bound near the keys: the bitmap's way, a bit for each possible key
+    many[33][-1] = 33999
+    assert module.first_clash(many, 40000) == 40
+    many[33][-1] = 5
+    assert module.first_clash(many, 40000) == 33
+    assert module.first_clash([np.array([7, 7, 7], dtype=np.int64), np.array([8], dtype=np.int64)], 9) == 2
+    assert module.first_clash([np.array([63], dtype=np.int64), np.array([64, 63], dtype=np.int64)], 65) == 1
+    for bad in (-1, 9):  # outside [0, limit): refused, never a write outside the bitmap
+        with pytest.raises(ValueError, match=f"key {bad} of job 1 lies outside"):
+            module.first_clash([np.array([1], dtype=np.int64), np.array([2, bad], dtype=np.int64)], 9)
     for a in keys:
         a.append(0)
     with pytest.raises(TypeError, match="keys must be a C-contiguous int64 array"):
-        module.first_clash([np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int64)])
+        module.first_clash([np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int64)], 8)
 
 
 def test_a_backends_buffer_waits_during_an_enqueue_count_for_that_lane():
