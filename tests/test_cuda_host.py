@@ -102,11 +102,16 @@ def test_the_estimates_add_the_host_time_where_it_does_not_hide_behind_the_copie
 
 
 @pytest.mark.parametrize("direction, weighed", [("load", True), ("store", False)])
-def test_small_host_to_device_copies_weigh_their_bytes_in_expand_staged_loads_only(direction, weighed):
-    """The batch call moves small host-to-device copies through the CPU, at `inline_h2d_gbps`."""
-    model = free(inline_h2d_gbps=2.0)
+def test_small_host_to_device_copies_weigh_their_bytes_in_loads_only(direction, weighed):
+    """The batch call moves small host-to-device copies through the CPU, at `inline_h2d_gbps`:
+    expand_staged's small segments, and ce_batch's copies where they are that small (a load of
+    80 MiB of 4 KiB pages took 24 ms to submit on an H100, the batch call's per-copy time alone 9)."""
+    model = free(inline_h2d_gbps=2.0, inline_h2d_bytes=4096)
     plain, small = (model.estimate("expand_staged", direction, 4096, 1 << 20, 64, s) for s in (0, 1 << 19))
     assert small - plain == pytest.approx((1 << 19) / 2e9 if weighed else 0.0)
+    pages, larger = (model.estimate("ce_batch", direction, n, 1 << 22) for n in (1024, 512))  # 4 and 8 KiB copies
+    assert pages == pytest.approx((1 << 22) / 2e9 if weighed else 0.0, abs=1e-9)
+    assert larger == pytest.approx(0.0, abs=1e-9)
 
 
 def test_winners_persist_per_gpu_model_and_sm_penalty_in_the_profile_dir(tmp_path, monkeypatch):

@@ -53,7 +53,9 @@ class CostModel:
             items = max(1, items)
             # per copy, a fixed cost or the link's speed plus a tail, whichever is slower
             device = items * self._ce_per_copy(direction, nbytes / items) + self.launch_s
-            return device + items * self.ce_host_s  # not max: the call overlaps its own copies poorly
+            small = direction == "load" and nbytes / items <= self.inline_h2d_bytes
+            inline = nbytes / (self.inline_h2d_gbps * 1e9) if small else 0.0
+            return device + items * self.ce_host_s + inline  # not max: the call overlaps its own copies poorly
         if mechanism == "ce_loop":
             return max(1, items) * self.loop_s_per_desc + nbytes / (self.ce_gbps[direction] * 1e9)
         if mechanism == "expand_staged":
