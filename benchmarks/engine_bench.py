@@ -172,6 +172,12 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
                     break
                 yield True
             out["trials_pending"] = pending()  # as the measured passes begin
+            tuner = getattr(getattr(backend, "_blocks", None), "tuner", None)
+            for key, trial in dict(getattr(tuner, "_trials", {})).items():  # with --log-decisions: why
+                timed = {n: (len(trial.costs[n]), trial.pending[n]) for n in trial.offered}
+                logging.getLogger("offload_core.backends.cuda.tuning").info(
+                    "cuda auto: %s still on trial, (timed, in flight) %s, struck %s", key.name(), timed, trial.struck
+                )
             for _ in range(passes):
                 yield False
 
