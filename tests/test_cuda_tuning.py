@@ -367,6 +367,25 @@ def test_a_class_whose_candidates_vary_from_launch_to_launch_is_still_decided(se
     assert tuner.decided(KEY) == "expand_direct"
 
 
+def test_a_class_is_decided_by_a_launch_that_offers_only_measured_candidates():
+    """A candidate offered by few launches (the cost model weighs each launch's bytes) may be
+    short of timings when the last timed launch is observed: the next launch whose candidates
+    are all measured decides the class, rather than leaving it on trial, untimed, for good."""
+    tuner = Tuner()
+    seconds = {"expand_staged": 3.0, "expand_direct": 1.0, "ce_batch": 2.0}
+    rare, common = ["expand_staged", "expand_direct", "ce_batch"], ["expand_staged", "expand_direct"]
+    timed = []
+    for offer in [rare, rare, rare, common, common, common, common, rare]:  # ce_batch: 2 launches
+        name, was_timed = tuner.pick(KEY, offer)
+        assert was_timed
+        timed.append(name)
+    for name in timed:  # observed once all have passed, the last under the offer with ce_batch
+        tuner.observe(KEY, name, 1 << 20, 0.0, seconds[name])
+    assert timed.count("ce_batch") == 2 and tuner.decided(KEY) is None
+    assert tuner.pick(KEY, common) == ("expand_direct", False)
+    assert tuner.decided(KEY) == "expand_direct" and tuner.undecided() == 0
+
+
 def test_a_decided_winner_that_cannot_run_here_is_not_used(monkeypatch):
     """A winner saved for the class (another worker's, say) whose host rows this layout's
     kernel cannot address: the launch goes another way."""

@@ -142,7 +142,8 @@ class Tuner:
         """The mechanism for a launch of class `key` among `names` (`candidates`), and whether to
         time it (then `observe` or `dropped` must follow). A class with one candidate is decided
         at once, in memory only. Without `can_time`, or where every candidate has `TRIALS`
-        timed launches in flight or done, the launch goes untimed to the cost model's pick."""
+        timed launches in flight or done, the launch goes untimed to the cost model's pick, or
+        to the winner where those launches, all observed, decide the class now."""
         with self._lock:
             saved = self._saved.get(key)
             if saved is not None and saved in names:
@@ -160,11 +161,17 @@ class Tuner:
                 trial.costs.setdefault(n, [])
                 trial.pending.setdefault(n, 0)
             need = [n for n in trial.left() if trial.tried(n) < TRIALS]
-            if not can_time or not need:
-                return names[0], False
-            name = min(need, key=trial.tried)  # the least tried, the prior first
-            trial.pending[name] += 1
-            return name, True
+            if need and can_time:
+                name = min(need, key=trial.tried)  # the least tried, the prior first
+                trial.pending[name] += 1
+                return name, True
+            # decided here where the launches that measured the candidates offered now were
+            # observed under another offer (with one that is not offered now, unmeasured)
+            decision = None if need else self._decide(key, trial)
+        if decision is None:
+            return names[0], False
+        self._record(key, *decision)
+        return decision[0], False
 
     def dropped(self, key: ShapeClass, name: str) -> None:
         """A timed launch of class `key` by `name` gave no timing: another is timed in its place."""
@@ -191,16 +198,27 @@ class Tuner:
             trial.costs[name].append(max(host_s, device_s) / max(1, nbytes))
             best = min(min(c) for c in trial.costs.values() if c)
             trial.struck.update(n for n, c in trial.costs.items() if len(c) >= 2 and min(c) > STRIKE * best)
-            left = trial.left()
-            if any(len(trial.costs[n]) < TRIALS for n in left):
-                return
-            medians = {n: sorted(trial.costs[n])[len(trial.costs[n]) // 2] for n in left}
-            best = min(medians, key=medians.get)
-            prior = trial.prior if trial.prior in medians else best
-            winner = best if medians[best] < (1 - MARGIN) * medians[prior] else prior
-            del self._trials[key]
-            self._saved[key] = winner
-            measured = {k: v for k, v in self._saved.items() if k not in self._single}
+            decision = self._decide(key, trial)
+        if decision is not None:
+            self._record(key, *decision)
+
+    def _decide(self, key: ShapeClass, trial: _Trial) -> tuple[str, dict, dict] | None:
+        """With the lock held: once every candidate left has `TRIALS`, the class's winner (the
+        fastest by median, or the prior unless another is `MARGIN` faster), the medians, and the
+        winners to save; else None."""
+        left = trial.left()
+        if any(len(trial.costs[n]) < TRIALS for n in left):
+            return None
+        medians = {n: sorted(trial.costs[n])[len(trial.costs[n]) // 2] for n in left}
+        best = min(medians, key=medians.get)
+        prior = trial.prior if trial.prior in medians else best
+        winner = best if medians[best] < (1 - MARGIN) * medians[prior] else prior
+        del self._trials[key]
+        self._saved[key] = winner
+        return winner, medians, {k: v for k, v in self._saved.items() if k not in self._single}
+
+    def _record(self, key: ShapeClass, winner: str, medians: dict, measured: dict) -> None:
+        """Log a decision and save the winners (outside the lock: a file is written)."""
         log.info(
             "cuda auto: %s -> %s (seconds per GiB: %s)",
             key.name(),
