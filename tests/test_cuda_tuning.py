@@ -4,6 +4,7 @@ timings. No GPU: the tuner sees only names, bytes and seconds."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -367,11 +368,23 @@ def test_a_class_whose_candidates_vary_from_launch_to_launch_is_still_decided(se
     assert tuner.decided(KEY) == "expand_direct"
 
 
-def test_a_class_is_decided_by_a_launch_that_offers_only_measured_candidates():
+def test_the_last_timing_decides_the_class():
+    tuner = Tuner()
+    names = ["expand_staged", "expand_direct"]
+    timed = [tuner.pick(KEY, names) for _ in range(tuning.TRIALS * len(names))]
+    assert all(t for _, t in timed)
+    for name, _ in timed:
+        assert tuner.decided(KEY) is None
+        tuner.observe(KEY, name, 1 << 20, 0.0, {"expand_staged": 2.0, "expand_direct": 1.0}[name])
+    assert tuner.decided(KEY) == "expand_direct"  # no launch needed to decide it
+
+
+def test_a_class_is_decided_by_a_launch_that_offers_only_measured_candidates(tmp_path):
     """A candidate offered by few launches (the cost model weighs each launch's bytes) may be
     short of timings when the last timed launch is observed: the next launch whose candidates
-    are all measured decides the class, rather than leaving it on trial, untimed, for good."""
-    tuner = Tuner()
+    are all measured decides the class (with or without room for a timing), rather than
+    leaving it on trial, untimed, for good; the winner is saved."""
+    tuner = Tuner(tmp_path / "tuned.json")
     seconds = {"expand_staged": 3.0, "expand_direct": 1.0, "ce_batch": 2.0}
     rare, common = ["expand_staged", "expand_direct", "ce_batch"], ["expand_staged", "expand_direct"]
     timed = []
@@ -382,8 +395,33 @@ def test_a_class_is_decided_by_a_launch_that_offers_only_measured_candidates():
     for name in timed:  # observed once all have passed, the last under the offer with ce_batch
         tuner.observe(KEY, name, 1 << 20, 0.0, seconds[name])
     assert timed.count("ce_batch") == 2 and tuner.decided(KEY) is None
-    assert tuner.pick(KEY, common) == ("expand_direct", False)
+    assert tuner.pick(KEY, common, can_time=False) == ("expand_direct", False)
     assert tuner.decided(KEY) == "expand_direct" and tuner.undecided() == 0
+    assert json.loads((tmp_path / "tuned.json").read_text())["winners"] == {KEY.name(): "expand_direct"}
+
+
+def test_decisions_at_once_in_one_process_both_reach_the_file(tmp_path, monkeypatch):
+    """Each decision merges into the file (read, merge, write): two at once, one read before
+    the other's write, would drop one."""
+    read, reads = tuning._read, []
+
+    def slow_read(path):  # the first decision's read grows stale while the second one saves
+        found = read(path)
+        reads.append(path)
+        if len(reads) == 1:
+            time.sleep(0.05)
+        return found
+
+    tuner, seconds = Tuner(tmp_path / "tuned.json"), {"expand_staged": 2.0, "expand_direct": 1.0}
+    monkeypatch.setattr(tuning, "_read", slow_read)
+    keys = [KEY, KEY._replace(job=KEY.job + 1)]
+    threads = [threading.Thread(target=run_trial, args=(tuner, k, list(seconds), seconds)) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    saved = json.loads((tmp_path / "tuned.json").read_text())["winners"]
+    assert saved == {k.name(): "expand_direct" for k in keys}
 
 
 def test_a_decided_winner_that_cannot_run_here_is_not_used(monkeypatch):

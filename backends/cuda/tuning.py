@@ -35,6 +35,7 @@ MAX_PENDING = 64  # timed launches whose events have not passed yet, at most (mo
 # a class changes (its fields, the candidates, how timings are weighed), so that winners saved
 # under other rules are neither read nor lost (another version may still use them).
 RULES = 2
+_SAVING = threading.Lock()  # one file write at a time in this process (`Tuner._record`)
 
 
 class ShapeClass(NamedTuple):
@@ -226,7 +227,8 @@ class Tuner:
             {n: round(m * (1 << 30), 4) for n, m in medians.items()},
         )
         if self.path is not None:
-            _save(self.path, measured)
+            with _SAVING:  # two decisions merging into one file at once would drop one
+                _save(self.path, measured)
 
     def undecided(self) -> int:
         """How many classes are still under trial."""
