@@ -172,3 +172,14 @@ def test_the_gpu_only_benchmarks_import_on_any_machine():
     """They run only on a GPU (gpu_check.sh): a broken import would first show there."""
     import canonical_bench  # noqa: F401
     import transfer_bench  # noqa: F401
+
+
+def test_the_queue_simulation_runs_its_passes_within_its_devices_rate(monkeypatch, capsys):
+    import queue_sim
+
+    args = ["queue_sim.py", "--blocks-per-job", "64", "--jobs", "8", "--passes", "2", "--launch-us", "1"]
+    monkeypatch.setattr(sys, "argv", [*args, "--per-job-us", "1", "--gbps", "1"])
+    queue_sim.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["pass 0", "pass 1"]
+    assert all(float(line.split()[2]) <= 1.0 for line in lines)  # GB/s of a 1 GB/s device

@@ -1,0 +1,119 @@
+"""The queue's launch policy on a simulated device, on any machine: how many jobs share a launch,
+how long the device idles, and what rate the jobs reach, for jobs submitted back to back.
+
+The backend takes compact jobs as the cuda backend does, spends ``--launch-us + --per-job-us x
+jobs`` of host time (a busy loop, holding the GIL as a driver call mostly does) on each launch,
+and moves ``--gbps`` on a device clock of its own: a launch's work starts when the host has
+enqueued it or the previous launch has ended, whichever is later, and its events pass then.
+Everything else (the worker's validation, hazards, queue, launcher thread) is the real code.
+
+    python benchmarks/queue_sim.py --page 256 --blocks-per-job 16384 --gbps 15 --launch-us 20 --per-job-us 66
+
+The rate is of the simulated device (``--gbps`` is its limit): below it, the host or the policy
+left the device idle (``idle ms``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from submit_overhead import NullExpandingBackend
+
+from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
+
+now = time.perf_counter
+
+
+class _Event:
+    t = 0.0  # when the device reaches it
+
+    def record(self, stream):
+        self.t = stream.t
+
+    def query(self):
+        return now() >= self.t
+
+    def synchronize(self):
+        while not self.query():
+            time.sleep(10e-6)
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+class _Stream:
+    t = 0.0  # when the device is done with what was enqueued so far
+
+    def wait_event(self, event):
+        self.t = max(self.t, event.t)
+
+    def wait_stream(self, stream):
+        pass
+
+
+class SimulatedDevice(NullExpandingBackend):
+    def __init__(self, launch_s: float, per_job_s: float, gbps: float):
+        self.launch_s, self.per_job_s, self.s_per_byte = launch_s, per_job_s, 1 / (gbps * 1e9)
+        self.idle_s = 0.0
+
+    def new_event(self):
+        return _Event()
+
+    def new_stream(self):
+        return _Stream()
+
+    def current_stream(self):
+        return _Stream()
+
+    def copy_blocks(self, job, prepared, stream, after):
+        t0 = now()
+        while now() - t0 < self.launch_s + self.per_job_s * max(1, job.jobs):
+            pass
+        start = max(now(), stream.t)
+        self.idle_s += start - stream.t if stream.t else 0.0
+        stream.t = start + job.nbytes * self.s_per_byte
+        return "simulated"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--page", type=int, default=256)
+    ap.add_argument("--tensors", type=int, default=1)
+    ap.add_argument("--blocks-per-job", type=int, default=16384)
+    ap.add_argument("--jobs", type=int, default=32)
+    ap.add_argument("--passes", type=int, default=4)
+    ap.add_argument("--gbps", type=float, default=15.0, help="the simulated device's rate")
+    ap.add_argument("--launch-us", type=float, default=20.0, help="host time of a launch")
+    ap.add_argument("--per-job-us", type=float, default=66.0, help="host time of a launch, per job in it")
+    args = ap.parse_args()
+    per, jobs = args.blocks_per_job, args.jobs
+    blocks = per * jobs if per * jobs <= 1 << 20 else 2 * per  # jobs that clash only where blocks run out
+    tensors = [KVCacheTensor(torch.zeros(blocks, args.page, dtype=torch.int8), args.page) for _ in range(args.tensors)]
+    kv = KVCaches(tensors, [[KVCacheRef(i, args.page) for i in range(args.tensors)]])
+    rng = np.random.default_rng(0)
+    dev, host = rng.permutation(blocks), rng.permutation(blocks)
+    ids = [np.arange(j * per, (j + 1) * per) for j in range(jobs)]
+    specs = [(np.take(dev, i, mode="wrap"), np.take(host, i, mode="wrap")) for i in ids]
+    backend = SimulatedDevice(args.launch_us * 1e-6, args.per_job_us * 1e-6, args.gbps)
+    with OffloadWorker(kv, blocks, backend=backend) as worker:
+        for n in range(args.passes):
+            launches, backend.idle_s = worker.stats()["store"].launches, 0.0
+            t0 = now()
+            for j, (d, h) in enumerate(specs):
+                worker.submit_store(j, DeviceBlocks(d), HostBlocks(h))
+            worker.wait(range(jobs))
+            wall = now() - t0
+            worker.get_finished()
+            rate = jobs * per * args.page * args.tensors / wall / 1e9
+            per_launch = jobs / (worker.stats()["store"].launches - launches)
+            print(
+                f"pass {n}: {rate:.2f} GB/s of {args.gbps:g}; jobs per launch {per_launch:.2f}; "
+                f"idle {backend.idle_s * 1e3:.2f} ms of {wall * 1e3:.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
