@@ -57,7 +57,7 @@ class _Stream:
 class SimulatedDevice(NullExpandingBackend):
     def __init__(self, launch_s: float, per_job_s: float, gbps: float):
         self.launch_s, self.per_job_s, self.s_per_byte = launch_s, per_job_s, 1 / (gbps * 1e9)
-        self.idle_s = 0.0
+        self.idle_s, self.since = 0.0, 0.0  # the device's idle time since `since` (a pass's start)
 
     def new_event(self):
         return _Event()
@@ -73,7 +73,7 @@ class SimulatedDevice(NullExpandingBackend):
         while now() - t0 < self.launch_s + self.per_job_s * max(1, job.jobs):
             pass
         start = max(now(), stream.t)
-        self.idle_s += start - stream.t if stream.t else 0.0
+        self.idle_s += start - max(stream.t, self.since)
         stream.t = start + job.nbytes * self.s_per_byte
         return "simulated"
 
@@ -101,7 +101,7 @@ def main() -> None:
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         for n in range(args.passes):
             launches, backend.idle_s = worker.stats()["store"].launches, 0.0
-            t0 = now()
+            t0 = backend.since = now()
             for j, (d, h) in enumerate(specs):
                 worker.submit_store(j, DeviceBlocks(d), HostBlocks(h))
             worker.wait(range(jobs))
