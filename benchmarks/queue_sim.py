@@ -55,8 +55,9 @@ class _Stream:
 
 
 class SimulatedDevice(NullExpandingBackend):
-    def __init__(self, launch_s: float, per_job_s: float, gbps: float):
+    def __init__(self, launch_s: float, per_job_s: float, gbps: float, device_launch_s: float = 0.0):
         self.launch_s, self.per_job_s, self.s_per_byte = launch_s, per_job_s, 1 / (gbps * 1e9)
+        self.device_launch_s = device_launch_s  # what a launch costs the device beyond its bytes
         self.idle_s, self.since = 0.0, 0.0  # the device's idle time since `since` (a pass's start)
 
     def new_event(self):
@@ -74,7 +75,7 @@ class SimulatedDevice(NullExpandingBackend):
             pass
         start = max(now(), stream.t)
         self.idle_s += start - max(stream.t, self.since)
-        stream.t = start + job.nbytes * self.s_per_byte
+        stream.t = start + self.device_launch_s + job.nbytes * self.s_per_byte
         return "simulated"
 
 
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--gbps", type=float, default=15.0, help="the simulated device's rate")
     ap.add_argument("--launch-us", type=float, default=20.0, help="host time of a launch")
     ap.add_argument("--per-job-us", type=float, default=66.0, help="host time of a launch, per job in it")
+    ap.add_argument("--device-launch-us", type=float, default=0.0, help="device time of a launch beyond its bytes")
     args = ap.parse_args()
     per, jobs = args.blocks_per_job, args.jobs
     blocks = per * jobs if per * jobs <= 1 << 20 else 2 * per  # jobs that clash only where blocks run out
@@ -97,7 +99,7 @@ def main() -> None:
     dev, host = rng.permutation(blocks), rng.permutation(blocks)
     ids = [np.arange(j * per, (j + 1) * per) for j in range(jobs)]
     specs = [(np.take(dev, i, mode="wrap"), np.take(host, i, mode="wrap")) for i in ids]
-    backend = SimulatedDevice(args.launch_us * 1e-6, args.per_job_us * 1e-6, args.gbps)
+    backend = SimulatedDevice(args.launch_us * 1e-6, args.per_job_us * 1e-6, args.gbps, args.device_launch_us * 1e-6)
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         for n in range(args.passes):
             launches, backend.idle_s = worker.stats()["store"].launches, 0.0
