@@ -7,7 +7,10 @@
 # "reliability" (not part of "all"): the whole suite, the lifetime cases under compute-sanitizer,
 # the soak on cuda, submit overhead, offload-core bench (about 6 minutes);
 # "grid" (not part of "all"): auto against the forced mechanisms (benchmarks/auto_vs_best.py);
-# "regions" (not part of "all"): the region soak alone, RUNS times (about 10 s a run).
+# "regions" (not part of "all"): the region soak alone, RUNS times (about 10 s a run);
+# "ab" (not part of "all"): `auto` with FILE as it is against FILE replaced by ALT (an untracked
+# copy, which travels with the tree), in turn twice, over the engine's shapes (about 6 minutes):
+# FILE=offload_core/queue.py ALT=queue_alt.py bash benchmarks/gpu_check.sh OUT ab
 set +e
 out=${1:-${OUT:-gpu-check}}
 phase=${2:-all}
@@ -33,6 +36,22 @@ if [ "$phase" = grid ]; then
   grid auto,auto-sm1,expand_staged,expand_direct,ce_batch all
   python3 benchmarks/auto_vs_best.py "$out"/grid-all-*.json | tee "$out/auto_vs_best.md"
   cp "${OFFLOAD_CORE_PROFILE_DIR:-$HOME/.cache/offload-core}"/*-tuned.json "$out/" 2>/dev/null
+  exit 0
+fi
+if [ "$phase" = ab ]; then
+  [ -f "$FILE" ] && [ -f "$ALT" ] || { echo "ab: FILE and ALT must name files" >&2; exit 2; }
+  cp "$FILE" "$out/ab-base.txt"
+  for arm in base alt base alt; do
+    if [ $arm = alt ]; then cp "$ALT" "$FILE"; else cp "$out/ab-base.txt" "$FILE"; fi
+    python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | grep -v WARNING | tail -2
+    # each run decides its own winners, as a new engine does (none saved by the other arm)
+    B="env OFFLOAD_CORE_PROFILE_DIR=$(mktemp -d) python3 benchmarks/engine_bench.py --backend cuda --mechanisms auto"
+    timeout 100 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64 > "$out/ab-$arm-64t.log" 2>&1
+    timeout 60 $B --tensors 1 --pages 256,4096 --job-mib 4 --jobs 32 > "$out/ab-$arm-1t.log" 2>&1
+    echo "== $arm"; grep -h "^cuda " "$out/ab-$arm-64t.log" "$out/ab-$arm-1t.log" | cut -c1-150
+    cat "$out/ab-$arm-64t.log" "$out/ab-$arm-1t.log" >> "$out/ab-$arm.log"; rm -f "$out/ab-$arm-64t.log" "$out/ab-$arm-1t.log"
+  done | tee "$out/ab.md"
+  cp "$out/ab-base.txt" "$FILE"; rm -f "$out/ab-base.txt"
   exit 0
 fi
 if [ "$phase" = regions ]; then
