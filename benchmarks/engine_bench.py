@@ -32,6 +32,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import platform
 import time
 from unittest import mock
@@ -51,6 +52,11 @@ from offload_core import (
 )
 from offload_core.bench import _limit_gbps
 from offload_core.queue import TransferQueue
+
+# Each direction's measured passes of a shape last together at least MIN_MEASURED_S seconds
+# (judged by the last warm-up pass), at most MAX_PASSES passes: its median then outlasts a pause.
+MIN_MEASURED_S = 0.2
+MAX_PASSES = 25
 
 
 def _backends(name: str | None, mechanisms: list[str] | None):
@@ -100,8 +106,9 @@ def run_shape(
     """One page size and job size over `count` KV tensors on one backend: stores, then loads,
     J jobs back to back. Host blocks are random, or with `host_runs` each job's a run of
     consecutive blocks handed out backwards (as a free list, last freed first, gives them).
-    Each direction's rate is the median of `passes` measured passes (a pass of small jobs lasts
-    a millisecond or two: one alone is noise); the other figures are the last pass's."""
+    Each direction's rate is the median of at least `passes` measured passes, more where a pass
+    is short (`MIN_MEASURED_S`: a pass of small jobs lasts a millisecond or two, and one alone is
+    noise); the other figures are the last pass's."""
     (row,) = run_interleaved([backend], page, per_job, count, jobs, seed, host_runs, passes)
     return row
 
@@ -164,22 +171,34 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
     )
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         pending = getattr(backend, "trials_pending", lambda: 0)
+        tuner = getattr(getattr(backend, "_blocks", None), "tuner", None)
+        timed = lambda: getattr(tuner, "timed", 0)  # noqa: E731  (cuda's `auto`: launches timed so far)
+        walls = {}  # each direction's last pass, seconds
 
         def schedule():  # True: a pass to warm up; False: a measured one
+            seen = timed()
             yield True  # pools, rings, compiled kernels
-            for _ in range(24):  # while `auto` still measures its candidates (cuda): the measured
-                if not pending():  # pass sees its choice, as an engine does after its first launches
+            # while `auto` still measures its candidates (cuda): until a pass timed no launch and
+            # left no class on trial (a pass may meet a class the one before did not: launches join
+            # however many jobs wait), as an engine's launches run once its first have decided
+            for _ in range(24):
+                if not pending() and timed() == seen:
                     break
+                seen = timed()
                 yield True
             out["trials_pending"] = pending()  # as the measured passes begin
-            tuner = getattr(getattr(backend, "_blocks", None), "tuner", None)
             for key, trial in dict(getattr(tuner, "_trials", {})).items():  # with --log-decisions: why
-                timed = {n: (len(trial.costs[n]), trial.pending[n]) for n in trial.offered}
+                counts = {n: (len(trial.costs[n]), trial.pending[n]) for n in trial.offered}
                 logging.getLogger("offload_core.backends.cuda.tuning").info(
-                    "cuda auto: %s still on trial, (timed, in flight) %s, struck %s", key.name(), timed, trial.struck
+                    "cuda auto: %s still on trial, (timed, in flight) %s, struck %s", key.name(), counts, trial.struck
                 )
-            for _ in range(passes):
+            seen = timed()
+            # a pass of small jobs lasts a millisecond or two, where one pause of the host weighs:
+            # as many passes as make `MIN_MEASURED_S` of the shorter direction, at least `passes`
+            more = math.ceil(MIN_MEASURED_S / max(1e-6, min(walls.values())))
+            for _ in range(max(passes, min(MAX_PASSES, more))):
                 yield False
+            out["trial_launches_measured"] = timed() - seen  # 0 unless a measured pass met a new class
 
         rates = {"store": [], "load": []}
 
@@ -200,7 +219,7 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
                     submit_s.append(time.perf_counter() - s0)
                 cpu = time.process_time() - cpu0  # every thread's, while the jobs are submitted (not the wait)
                 worker.wait(range(jobs))
-                wall = time.perf_counter() - t0
+                wall = walls[direction] = time.perf_counter() - t0
                 results = worker.get_finished()
                 if not warm:
                     us = np.array(submit_s) * 1e6

@@ -7,6 +7,7 @@ import ctypes
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -62,9 +63,10 @@ def test_every_jobs_bytes_are_checked_not_only_the_last_ones(monkeypatch):
     assert not row["verified"]
 
 
-def test_backends_take_their_measured_passes_in_turn_each_with_its_own_bytes():
+def test_backends_take_their_measured_passes_in_turn_each_with_its_own_bytes(monkeypatch):
     """`run_interleaved`: every backend warms up, then their measured passes alternate (a
     drifting host weighs on each alike), and each row's figures and bytes are its own."""
+    monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 0)  # `passes` passes, however short
     log = []
 
     class Tagged(CpuBackend):
@@ -80,6 +82,44 @@ def test_backends_take_their_measured_passes_in_turn_each_with_its_own_bytes():
     assert len(rows) == 2 and all(r["verified"] and r["store_ok"] and r["load_ok"] for r in rows)
     turns = [tag for i, tag in enumerate(log) if i == 0 or log[i - 1] != tag]
     assert turns == ["a", "b", "a", "b", "a", "b"]  # warm-up and pass 1, then passes 2 and 3 in turn
+
+
+class StoresCounted(CpuBackend):
+    """Counts the store jobs its launches moved; `tuner.timed` as cuda's `auto` keeps it."""
+
+    def __init__(self, timed_until: int = 0):
+        super().__init__()
+        self.stored, self.timed_until = 0, timed_until
+        self._blocks = SimpleNamespace(tuner=SimpleNamespace(timed=0, _trials={}))
+
+    def copy_blocks(self, job, prepared, stream, after):
+        if job.direction is Direction.STORE:
+            self.stored += job.jobs
+        if self.stored <= self.timed_until:  # a trial's timed launch, as a class met anew times some
+            self._blocks.tuner.timed += 1
+        return super().copy_blocks(job, prepared, stream, after)
+
+
+def test_the_warm_up_lasts_until_a_pass_times_no_launch(monkeypatch):
+    """Launches join however many jobs wait, so a pass may meet a launch class the one before
+    did not: the measured passes begin after a pass in which `auto` timed nothing."""
+    monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 0)
+    backend = StoresCounted(timed_until=3 * 6)  # the first three passes' stores (6 jobs a pass) time launches
+    row = engine_bench.run_shape(backend, page=256, per_job=4, count=2, jobs=6, passes=3)
+    assert row["trial_launches_measured"] == 0 and row["verified"]
+    assert backend.stored == 6 * (4 + 3)  # three passes timed, one did not, then the measured three
+
+
+def test_short_passes_are_measured_more_times(monkeypatch):
+    monkeypatch.setattr(engine_bench, "MAX_PASSES", 5)
+    monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 3600)  # no pass lasts that long
+    backend = StoresCounted()
+    engine_bench.run_shape(backend, page=256, per_job=4, count=2, jobs=6, passes=3)
+    assert backend.stored == 6 * (1 + 5)
+    monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 0)
+    backend = StoresCounted()
+    engine_bench.run_shape(backend, page=256, per_job=4, count=2, jobs=6, passes=3)
+    assert backend.stored == 6 * (1 + 3)
 
 
 def test_the_last_writer_of_each_block_is_the_one_compared():

@@ -36,6 +36,7 @@ def test_the_class_tries_each_candidate_then_keeps_the_fastest():
     timed = [n for n, t in picks if t]
     assert timed[0] == "expand_staged"  # the cost model's pick goes first
     assert sorted(timed) == sorted(names * tuning.TRIALS)
+    assert tuner.timed == len(timed)  # what a benchmark's warm-up waits on
     assert picks[-1] == ("expand_direct", False)
     assert tuner.pick(KEY, names) == ("expand_direct", False)
     assert tuner.winners() == {KEY.name(): "expand_direct"}

@@ -135,6 +135,7 @@ class Tuner:
         self._trials: dict[ShapeClass, _Trial] = {}
         self._saved: dict[ShapeClass, str] = {}
         self._single: set[ShapeClass] = set()  # decided with one candidate: nothing to save
+        self.timed = 0  # launches timed so far: a benchmark warms up until a pass times none
         for name, winner in (_read(path) if path is not None else {}).items():
             with suppress(ValueError, TypeError):  # another version's name
                 self._saved[ShapeClass.parse(name)] = winner
@@ -165,6 +166,7 @@ class Tuner:
             if need and can_time:
                 name = min(need, key=trial.tried)  # the least tried, the prior first
                 trial.pending[name] += 1
+                self.timed += 1
                 return name, True
             # decided here where the launches that measured the candidates offered now were
             # observed under another offer (with one that is not offered now, unmeasured)
