@@ -125,13 +125,16 @@ def run_interleaved(
 ) -> list[dict]:
     """`run_shape` on each of `backends` (a worker each, alive together), their measured passes
     taken in turn: each backend's first, then each one's second...: a VM's host, whose speed
-    drifts over seconds to minutes, then weighs on every backend alike."""
+    drifts over seconds to minutes, then weighs on every backend alike. Each round starts one
+    backend further on, so that none always follows the same other (a slow one leaves the host's
+    caches and clocks as they are for the next)."""
     outs = [{} for _ in backends]
     live = [_shape_steps(b, page, per_job, count, jobs, seed, host_runs, passes, out) for b, out in zip(backends, outs)]
     while live:
         for steps in list(live):
             if next(steps, None) is None:
                 live.remove(steps)
+        live = live[1:] + live[:1]
     return outs
 
 

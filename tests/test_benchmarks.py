@@ -81,7 +81,8 @@ def test_backends_take_their_measured_passes_in_turn_each_with_its_own_bytes(mon
     rows = engine_bench.run_interleaved([Tagged("a"), Tagged("b")], page=256, per_job=4, count=2, jobs=6, passes=3)
     assert len(rows) == 2 and all(r["verified"] and r["store_ok"] and r["load_ok"] for r in rows)
     turns = [tag for i, tag in enumerate(log) if i == 0 or log[i - 1] != tag]
-    assert turns == ["a", "b", "a", "b", "a", "b"]  # warm-up and pass 1, then passes 2 and 3 in turn
+    # warm-up and pass 1 of each, then passes 2 and 3 in turn, each round begun by the next backend
+    assert turns == ["a", "b", "a", "b"]  # a (warm-up, 1), b (warm-up, 1), b (2), a (2), a (3), b (3)
 
 
 class StoresCounted(CpuBackend):
