@@ -23,8 +23,8 @@ python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'trit
 echo "commit ${COMMIT:-$(git log -1 --format='%h %s' 2>/dev/null)}" | tee -a "$out/env.txt"
 if [ "$phase" = grid ]; then
   # auto against the forced mechanisms over the shapes an engine sends (about 6 minutes); each
-  # row's warm-up launches until auto has measured its choice (engine_bench), as an engine's
-  # first launches do.
+  # row's warm-up launches until a pass has timed no launch, auto's classes decided
+  # (engine_bench), as an engine's first launches do.
   grid() {
     B="python3 benchmarks/engine_bench.py --backend cuda --log-decisions --mechanisms $1"
     timeout 190 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64 --json "$out/grid-$2-64t.json" > "$out/grid-$2-64t.log" 2>&1
