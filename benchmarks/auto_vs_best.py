@@ -11,7 +11,9 @@ launch of `SM_HOLD_S` or longer while `auto` took the copy engines is marked: `a
 the SMs there by design (its cost model weighs such launches `sm_penalty` times). The last
 column weighs the forced mechanisms as `auto` does (`CostModel.sm_weight`: a mechanism on the SMs
 counts its launch's time that many times), `auto`'s own launches too, and compares the two; the
-next, where the files have `auto-sm1` rows (auto choosing by speed alone), theirs against the best.
+next, where the files have `auto-sm1` rows (auto choosing by speed alone), theirs against the best;
+the last, what `auto`'s choice costs apart from the run's noise: the forced rate of the mechanism
+it took (the slower, where it took two) against the best's.
 """
 
 from __future__ import annotations
@@ -82,7 +84,11 @@ def cells(rows: list[dict]) -> list[tuple]:
                 if fast
                 else "-"
             )
-            out.append((key, d, by["auto"][f"{d}_wall_gbps"] / link, chose, best, forced[best], weighs, fast))
+            # what the choice costs apart from the run: auto's mechanism forced, against the best
+            # (where auto took the best's own, its gap is between two runs of one mechanism)
+            own = [forced[m] for m in took if m in forced]
+            choice = min(own) / forced[best] if own else None
+            out.append((key, d, by["auto"][f"{d}_wall_gbps"] / link, chose, best, forced[best], weighs, fast, choice))
     return out
 
 
@@ -95,13 +101,13 @@ def main() -> None:
     found = cells(rows)
     print(
         "| tensors | page | MiB/job | host runs | dir | auto (chose) | best forced | auto/best | auto/best weighed "
-        "| auto-sm1/best |"
+        "| auto-sm1/best | auto's choice forced/best |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for (tensors, page, job, runs), d, a, chose, best, b, w, fast in found:
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (tensors, page, job, runs), d, a, chose, best, b, w, fast, choice in found:
         print(
             f"| {tensors} | {page} | {job / 2**20:.2f} | {runs} | {d} | {a:.2f} ({chose}) | {b:.2f} {best} "
-            f"| {a / b:.2f} | {w:.2f} | {fast} |"
+            f"| {a / b:.2f} | {w:.2f} | {fast} | {'-' if choice is None else f'{choice:.2f}'} |"
         )
     if not found:
         raise SystemExit("no shape measured with auto and a forced mechanism")
@@ -110,6 +116,7 @@ def main() -> None:
     spared = sum("SMs spared" in c[3] for c in below)
     below_weighed = sum(c[6] < args.target for c in found)
     fast = [float(c[7].split()[0]) for c in found if c[7] != "-"]
+    chosen = [c[8] for c in found if c[8] is not None]
     print(
         f"\nworst: {worst[2] / worst[5]:.2f} ({worst[1]} of {worst[0]}); below {args.target}: {len(below)} of "
         f"{len(found)}, {spared} of them where auto spared the SMs; against the best weighed: {below_weighed}"
@@ -118,6 +125,7 @@ def main() -> None:
             if fast
             else ""
         )
+        + f"; auto's choice forced below: {sum(c < args.target for c in chosen)} of {len(chosen)}"
     )
     raise SystemExit(1 if below else 0)
 

@@ -160,6 +160,10 @@ def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and
         ("store", 0.90, "expand_staged", "expand_staged", 0.90),
         ("load", 0.50, "expand_staged, SMs spared: expand_direct holds them 0.11 ms a launch", "expand_direct", 0.75),
     ]
+    assert [c[8] for c in cells] == [1.0, pytest.approx(0.50 / 0.75)]  # auto's choice forced, against the best
+    rows[0]["store_mechanisms"] = ["expand_staged", "ce_batch"]  # two in its measured passes: the slower counts
+    assert auto_vs_best.cells(rows)[0][8] == pytest.approx(0.85 / 0.90)
+    rows[0]["store_mechanisms"] = ["expand_staged"]
     # the best on the SMs for a whole launch of SM_HOLD_S or more: auto's copy engines are by design
     for r in rows:
         r.update(load_jobs_per_launch=4.0)  # 16 MiB launches: 0.45 ms at 0.75 of 50 GB/s
