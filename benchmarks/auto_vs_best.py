@@ -8,12 +8,14 @@ forced mechanism's, and their quotient (of the rates, every row of a shape measu
 one link: the best of its rows' link measurements, which are noisy one by one); then the worst quotient and how many shapes fall below
 `--target` (exit status 1 where any does). A cell whose best mechanism holds SMs for a whole
 launch of `SM_HOLD_S` or longer while `auto` took the copy engines is marked: `auto` spares
-the SMs there by design (its cost model weighs such launches `sm_penalty` times). The last
-column weighs the forced mechanisms as `auto` does (`CostModel.sm_weight`: a mechanism on the SMs
-counts its launch's time that many times), `auto`'s own launches too, and compares the two; the
-next, where the files have `auto-sm1` rows (auto choosing by speed alone), theirs against the best;
-the last, what `auto`'s choice costs apart from the run's noise: the forced rate of the mechanism
-it took (the slower, where it took two) against the best's.
+the SMs there by design (its cost model weighs such launches `sm_penalty` times); one whose
+measured passes still timed trial launches is marked "still on trial". Column "auto/best
+weighed" weighs the forced mechanisms as `auto` does (`CostModel.sm_weight`: a mechanism on the
+SMs counts its launch's time that many times), `auto`'s own launches too, and compares the two;
+"auto-sm1/best", where the files have `auto-sm1` rows (auto choosing by speed alone), theirs
+against the best; "auto's choice forced/best", what `auto`'s choice costs apart from the run's
+noise: the forced rate of the mechanism it took (the slower, where its measured passes took two)
+against the best's ("-" where one it took has no forced row).
 """
 
 from __future__ import annotations
@@ -86,8 +88,7 @@ def cells(rows: list[dict]) -> list[tuple]:
             )
             # what the choice costs apart from the run: auto's mechanism forced, against the best
             # (where auto took the best's own, its gap is between two runs of one mechanism)
-            own = [forced[m] for m in took if m in forced]
-            choice = min(own) / forced[best] if own else None
+            choice = min(forced[m] for m in took) / forced[best] if took and set(took) <= forced.keys() else None
             out.append((key, d, by["auto"][f"{d}_wall_gbps"] / link, chose, best, forced[best], weighs, fast, choice))
     return out
 

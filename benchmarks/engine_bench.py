@@ -53,9 +53,12 @@ from offload_core import (
 from offload_core.bench import _limit_gbps
 from offload_core.queue import TransferQueue
 
-# Each direction's measured passes of a shape last together at least MIN_MEASURED_S seconds
-# (judged by the last warm-up pass), at most MAX_PASSES passes: its median then outlasts a pause.
+# A shape's measured passes: as many as would take MIN_MEASURED_S of its shorter direction as
+# its last warm-up pass ran (the most any of the interleaved backends needs), at least the
+# `passes` asked for, at most MAX_PASSES: the median then outlasts a pause of the host. A backend
+# whose passes took MAX_MEASURED_S in all stops at `passes` (the slow ones: their passes are long).
 MIN_MEASURED_S = 0.2
+MAX_MEASURED_S = 2.0
 MAX_PASSES = 25
 
 
@@ -127,9 +130,14 @@ def run_interleaved(
     taken in turn: each backend's first, then each one's second...: a VM's host, whose speed
     drifts over seconds to minutes, then weighs on every backend alike. Each round starts one
     backend further on, so that none always follows the same other (a slow one leaves the host's
-    caches and clocks as they are for the next)."""
+    caches and clocks as they are for the next), and every backend takes as many passes as the
+    one that wants most (`MIN_MEASURED_S`), unless its own have taken `MAX_MEASURED_S`."""
     outs = [{} for _ in backends]
-    live = [_shape_steps(b, page, per_job, count, jobs, seed, host_runs, passes, out) for b, out in zip(backends, outs)]
+    wanted: list[int] = []  # each backend's pass count, once warm: every backend takes the most
+    live = [
+        _shape_steps(b, page, per_job, count, jobs, seed, host_runs, passes, out, wanted)
+        for b, out in zip(backends, outs)
+    ]
     while live:
         for steps in list(live):
             if next(steps, None) is None:
@@ -138,7 +146,7 @@ def run_interleaved(
     return outs
 
 
-def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, out: dict):
+def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, out: dict, wanted: list):
     """`run_shape` into `out`, yielding True after each measured pass (another backend's turn):
     the first turn also sets up and warms up, the turn after the last pass finishes."""
     # about 512 MiB of KV (at most 8192 blocks), and at least two jobs' worth
@@ -177,6 +185,7 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
         tuner = getattr(getattr(backend, "_blocks", None), "tuner", None)
         timed = lambda: getattr(tuner, "timed", 0)  # noqa: E731  (cuda's `auto`: launches timed so far)
         walls = {}  # each direction's last pass, seconds
+        measured = []  # each measured pass's seconds, both directions
 
         def schedule():  # True: a pass to warm up; False: a measured one
             seen = timed()
@@ -196,10 +205,13 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
                     "cuda auto: %s still on trial, (timed, in flight) %s, struck %s", key.name(), counts, trial.struck
                 )
             seen = timed()
-            # a pass of small jobs lasts a millisecond or two, where one pause of the host weighs:
-            # as many passes as make `MIN_MEASURED_S` of the shorter direction, at least `passes`
-            more = math.ceil(MIN_MEASURED_S / max(1e-6, min(walls.values())))
-            for _ in range(max(passes, min(MAX_PASSES, more))):
+            # a pass of small jobs lasts a millisecond or two, where one pause of the host weighs
+            # (`MIN_MEASURED_S`); every backend warms up in the first round, so from the second
+            # on they all see every count and take as many passes, in turn
+            wanted.append(math.ceil(MIN_MEASURED_S / max(1e-6, min(walls.values()))))
+            while len(measured) < max(passes, min(MAX_PASSES, max(wanted))):
+                if len(measured) >= passes and sum(measured) >= MAX_MEASURED_S:
+                    break
                 yield False
             out["trial_launches_measured"] = timed() - seen  # 0 unless a measured pass met a new class
 
@@ -240,7 +252,8 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
                     out[f"{direction}_launch_us_per_job"] = (worker.stats()[direction].launch_s - launch_s) / jobs * 1e6
                     # enqueues that waited for the device, a buffer of the backend full (cuda's descriptor ring)
                     out[f"{direction}_buffer_waits"] = worker.stats()[direction].buffer_waits - buffer_waits
-                    out[f"{direction}_mechanisms"] = sorted({r.mechanism for r in results})
+                    took = {r.mechanism for r in results} | set(out.get(f"{direction}_mechanisms", ()))
+                    out[f"{direction}_mechanisms"] = sorted(took)  # of every measured pass
                     # the copy stream's busy time (each launch's start to end event) over the wall
                     # time: near 1, the device bounds the jobs; lower, the host leaves it waiting
                     out[f"{direction}_device_busy"] = sum(r.transfer_time for r in results) / wall
@@ -258,6 +271,7 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
                     )  # every measured pass's
             if not warm:  # another backend's turn; what this one allocated is known before it
                 out.setdefault("device_bytes_beyond_kv", _allocated(backend) - before)
+                measured.append(sum(walls.values()))
                 yield True
         out["verified"] = out.pop("store_verified") and out.pop("load_verified")
         total = jobs * job_bytes

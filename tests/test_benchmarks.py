@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -86,29 +87,47 @@ def test_backends_take_their_measured_passes_in_turn_each_with_its_own_bytes(mon
 
 
 class StoresCounted(CpuBackend):
-    """Counts the store jobs its launches moved; `tuner.timed` as cuda's `auto` keeps it."""
+    """Counts the store jobs its launches moved; `tuner.timed` as cuda's `auto` keeps it, counting
+    the launches of stores numbered `timed` (a range); launches of `slow` directions sleep."""
 
-    def __init__(self, timed_until: int = 0):
+    def __init__(self, timed: range = range(0), slow: tuple = ()):
         super().__init__()
-        self.stored, self.timed_until = 0, timed_until
+        self.stored, self.timed, self.slow = 0, timed, slow
         self._blocks = SimpleNamespace(tuner=SimpleNamespace(timed=0, _trials={}))
 
     def copy_blocks(self, job, prepared, stream, after):
         if job.direction is Direction.STORE:
             self.stored += job.jobs
-        if self.stored <= self.timed_until:  # a trial's timed launch, as a class met anew times some
+        if self.stored in self.timed:  # a trial's timed launch, as a class met anew times some
             self._blocks.tuner.timed += 1
+        if job.direction.value in self.slow:
+            time.sleep(SLOW_S)
         return super().copy_blocks(job, prepared, stream, after)
+
+    @property
+    def passes(self) -> int:
+        """Passes of 6 stores it ran, warm-up ones too."""
+        return self.stored // 6
+
+
+SLOW_S = 0.02  # a slow launch; MIN_MEASURED_S below it wants few passes of a slow backend
 
 
 def test_the_warm_up_lasts_until_a_pass_times_no_launch(monkeypatch):
     """Launches join however many jobs wait, so a pass may meet a launch class the one before
     did not: the measured passes begin after a pass in which `auto` timed nothing."""
     monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 0)
-    backend = StoresCounted(timed_until=3 * 6)  # the first three passes' stores (6 jobs a pass) time launches
+    backend = StoresCounted(timed=range(1, 3 * 6 + 1))  # the first three passes' stores time launches
     row = engine_bench.run_shape(backend, page=256, per_job=4, count=2, jobs=6, passes=3)
     assert row["trial_launches_measured"] == 0 and row["verified"]
-    assert backend.stored == 6 * (4 + 3)  # three passes timed, one did not, then the measured three
+    assert backend.passes == 4 + 3  # three passes timed, one did not, then the measured three
+
+
+def test_launches_timed_in_the_measured_passes_are_counted(monkeypatch):
+    monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 0)
+    backend = StoresCounted(timed=range(2 * 6 + 1, 3 * 6 + 1))  # the second measured pass meets a new class
+    row = engine_bench.run_shape(backend, page=256, per_job=4, count=2, jobs=6, passes=3)
+    assert row["trial_launches_measured"] > 0 and backend.passes == 1 + 3
 
 
 def test_short_passes_are_measured_more_times(monkeypatch):
@@ -116,11 +135,35 @@ def test_short_passes_are_measured_more_times(monkeypatch):
     monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 3600)  # no pass lasts that long
     backend = StoresCounted()
     engine_bench.run_shape(backend, page=256, per_job=4, count=2, jobs=6, passes=3)
-    assert backend.stored == 6 * (1 + 5)
-    monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 0)
+    assert backend.passes == 1 + 5
+    monkeypatch.setattr(engine_bench, "MAX_MEASURED_S", 0)  # a backend whose passes took that long: `passes`
     backend = StoresCounted()
     engine_bench.run_shape(backend, page=256, per_job=4, count=2, jobs=6, passes=3)
-    assert backend.stored == 6 * (1 + 3)
+    assert backend.passes == 1 + 3
+    monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 0)
+    monkeypatch.setattr(engine_bench, "MAX_MEASURED_S", 3600)
+    backend = StoresCounted()
+    engine_bench.run_shape(backend, page=256, per_job=4, count=2, jobs=6, passes=3)
+    assert backend.passes == 1 + 3
+
+
+def test_the_shorter_direction_sets_the_passes(monkeypatch):
+    """A pass of slow stores and quick loads: the loads, short, want more passes."""
+    monkeypatch.setattr(engine_bench, "MAX_PASSES", 4)
+    monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 1.5 * SLOW_S)
+    backend = StoresCounted(slow=("store",))
+    engine_bench.run_shape(backend, page=256, per_job=4, count=2, jobs=6, passes=2)
+    assert backend.passes == 1 + 4
+
+
+def test_interleaved_backends_take_as_many_passes_as_the_one_that_wants_most(monkeypatch):
+    """A slow backend (its passes want fewer) measures as many passes as a quick one beside it,
+    in turn with it."""
+    monkeypatch.setattr(engine_bench, "MAX_PASSES", 4)
+    monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 1.5 * SLOW_S)
+    slow, quick = StoresCounted(slow=("store", "load")), StoresCounted()
+    engine_bench.run_interleaved([slow, quick], page=256, per_job=4, count=2, jobs=6, passes=2)
+    assert slow.passes == quick.passes == 1 + 4
 
 
 def test_the_last_writer_of_each_block_is_the_one_compared():
@@ -163,7 +206,12 @@ def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and
     assert [c[8] for c in cells] == [1.0, pytest.approx(0.50 / 0.75)]  # auto's choice forced, against the best
     rows[0]["store_mechanisms"] = ["expand_staged", "ce_batch"]  # two in its measured passes: the slower counts
     assert auto_vs_best.cells(rows)[0][8] == pytest.approx(0.85 / 0.90)
+    rows[0]["store_mechanisms"] = ["expand_staged", "sm_gather"]  # one without a forced row: no figure
+    assert auto_vs_best.cells(rows)[0][8] is None
     rows[0]["store_mechanisms"] = ["expand_staged"]
+    rows[0]["trial_launches_measured"] = 2  # its measured passes timed trial launches
+    assert all("still on trial" in c[3] for c in auto_vs_best.cells(rows))
+    rows[0]["trial_launches_measured"] = 0
     # the best on the SMs for a whole launch of SM_HOLD_S or more: auto's copy engines are by design
     for r in rows:
         r.update(load_jobs_per_launch=4.0)  # 16 MiB launches: 0.45 ms at 0.75 of 50 GB/s
