@@ -74,8 +74,8 @@ def cells(rows: list[dict]) -> list[tuple]:
             best = max(forced, key=forced.get)
             took = by["auto"].get(f"{d}_mechanisms") or []
             chose = "/".join(took)
-            if by["auto"].get("trials_pending") or by["auto"].get("trial_launches_measured"):
-                chose += ", still on trial"  # measured while auto still tried its candidates
+            if by["auto"].get("trial_launches_measured"):
+                chose += ", still on trial"  # its measured passes timed trial launches
             held = launch_s(by[best], d)
             if best in ON_SMS and held >= SM_HOLD_S and not ON_SMS & set(took):
                 chose += f", SMs spared: {best} holds them {held * 1e3:.2f} ms a launch"

@@ -58,13 +58,16 @@ def measure(
             submit_us = []
             job = 0
             chosen = {"store": Counter(), "load": Counter()}  # the measured passes' mechanisms
-            pending = getattr(w.backend, "trials_pending", lambda: 0)
+            tuner = getattr(getattr(w.backend, "_blocks", None), "tuner", None)
+            timed = lambda: getattr(tuner, "timed", 0)  # noqa: E731  (cuda's `auto`: launches timed so far)
 
             def schedule():  # True: a pass to warm up; False: a measured one
+                seen = timed()
                 yield True  # pools, rings, compiled kernels
-                for _ in range(24):  # while `auto` still measures its candidates (cuda)
-                    if not pending():
+                for _ in range(24):  # while `auto` still measures its candidates (cuda), as engine_bench
+                    if timed() == seen:
                         break
+                    seen = timed()
                     yield True
                 yield from (False,) * 3
 

@@ -169,6 +169,12 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
     else:
         specs = [(take(dev_perm, j), take(host_perm, j)) for j in range(jobs)]
     job_bytes = per_job * page * len(tensors)
+    # (host rows, device pages) each direction's passes leave, as their last writers left them:
+    # the same every pass, and an argsort of every id, found once
+    written = {
+        "store": _last_writers([h for _, h in specs], [d for d, _ in specs]),
+        "load": _last_writers([specs[(j + 1) % jobs][0] for j in range(jobs)], [h for _, h in specs])[::-1],
+    }
     before = _allocated(backend)
     out.update(
         {
@@ -190,15 +196,17 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
         def schedule():  # True: a pass to warm up; False: a measured one
             seen = timed()
             yield True  # pools, rings, compiled kernels
-            # while `auto` still measures its candidates (cuda): until a pass timed no launch and
-            # left no class on trial (a pass may meet a class the one before did not: launches join
-            # however many jobs wait), as an engine's launches run once its first have decided
+            # while `auto` still measures its candidates (cuda): until a pass timed no launch (a
+            # pass may meet a class the one before did not: launches join however many jobs
+            # wait), as an engine's launches run once its first have decided. A class still on
+            # trial then is one this pass did not meet (a rare one, or an earlier shape's): it
+            # holds nothing up, and `trial_launches_measured` tells if a measured pass meets it.
             for _ in range(24):
-                if not pending() and timed() == seen:
+                if timed() == seen:
                     break
                 seen = timed()
                 yield True
-            out["trials_pending"] = pending()  # as the measured passes begin
+            out["trials_pending"] = pending()  # as the measured passes begin, whatever shape met them
             for key, trial in dict(getattr(tuner, "_trials", {})).items():  # with --log-decisions: why
                 counts = {n: (len(trial.costs[n]), trial.pending[n]) for n in trial.offered}
                 logging.getLogger("offload_core.backends.cuda.tuning").info(
@@ -259,12 +267,7 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
                     out[f"{direction}_device_busy"] = sum(r.transfer_time for r in results) / wall
                     # every job's bytes: the host rows after the stores, the device pages after
                     # the loads (each as its last writer left it); its memory is not the backend's
-                    if direction == "store":
-                        host_ids, dev_ids = _last_writers([h for _, h in specs], [d for d, _ in specs])
-                    else:
-                        dev_ids, host_ids = _last_writers(
-                            [specs[(j + 1) % jobs][0] for j in range(jobs)], [h for _, h in specs]
-                        )
+                    host_ids, dev_ids = written[direction]
                     out[f"{direction}_verified"] = out.get(f"{direction}_verified", True) and all(
                         torch.equal(h[host_ids].to(device), t.tensor[dev_ids])
                         for h, t in zip(worker.host_tensors, tensors)

@@ -7,6 +7,8 @@
 # "reliability" (not part of "all"): the whole suite, the lifetime cases under compute-sanitizer,
 # the soak on cuda, submit overhead, offload-core bench (about 6 minutes);
 # "grid" (not part of "all"): auto against the forced mechanisms (benchmarks/auto_vs_best.py);
+# about 10 minutes on an H200, over one call's limit: PARTS=64t,runs in one call and PARTS=1t in
+# the next, then `python3 benchmarks/auto_vs_best.py grid-all-*.json` over both calls' files;
 # "regions" (not part of "all"): the region soak alone, RUNS times (about 10 s a run);
 # "ab" (not part of "all"): `auto` with FILE as it is against FILE replaced by ALT (an untracked
 # copy, which travels with the tree), in turn twice, over the engine's shapes (about 6 minutes):
@@ -22,15 +24,18 @@ python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'trit
 # The device's copy of the tree may carry older git metadata: pass COMMIT=<hash> to record the right one.
 echo "commit ${COMMIT:-$(git log -1 --format='%h %s' 2>/dev/null)}" | tee -a "$out/env.txt"
 if [ "$phase" = grid ]; then
-  # auto against the forced mechanisms over the shapes an engine sends (about 6 minutes); each
+  # auto against the forced mechanisms over the shapes an engine sends (about 10 minutes); each
   # row's warm-up launches until a pass has timed no launch, auto's classes decided
   # (engine_bench), as an engine's first launches do.
+  # PARTS: which of the grid's parts (64t, runs, 1t; default all three), their timeouts in time
+  # for an H200 (64t and runs took 360 s there together, 1t about 220)
+  part() { case ",${PARTS:-64t,runs,1t}," in *",$1,"*) return 0 ;; esac; return 1; }
   grid() {
     B="python3 benchmarks/engine_bench.py --backend cuda --log-decisions --mechanisms $1"
-    timeout 190 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64 --json "$out/grid-$2-64t.json" > "$out/grid-$2-64t.log" 2>&1
-    timeout 115 $B --layers 32 --pages 1024,4096 --blocks-per-job 16,64 --jobs 64 --host-runs --json "$out/grid-$2-runs.json" > "$out/grid-$2-runs.log" 2>&1
-    timeout 115 $B --tensors 1 --pages 256,4096,65536,2097152 --job-mib 4 --jobs 32 --json "$out/grid-$2-1t-4m.json" > "$out/grid-$2-1t-4m.log" 2>&1
-    timeout 150 $B --tensors 1 --pages 1024,65536,2097152 --job-mib 256 --jobs 4 --json "$out/grid-$2-1t-256m.json" > "$out/grid-$2-1t-256m.log" 2>&1
+    part 64t && timeout 300 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64 --json "$out/grid-$2-64t.json" > "$out/grid-$2-64t.log" 2>&1
+    part runs && timeout 200 $B --layers 32 --pages 1024,4096 --blocks-per-job 16,64 --jobs 64 --host-runs --json "$out/grid-$2-runs.json" > "$out/grid-$2-runs.log" 2>&1
+    part 1t && timeout 150 $B --tensors 1 --pages 256,4096,65536,2097152 --job-mib 4 --jobs 32 --json "$out/grid-$2-1t-4m.json" > "$out/grid-$2-1t-4m.log" 2>&1
+    part 1t && timeout 200 $B --tensors 1 --pages 1024,65536,2097152 --job-mib 256 --jobs 4 --json "$out/grid-$2-1t-256m.json" > "$out/grid-$2-1t-256m.log" 2>&1
   }
   # auto-sm1: auto choosing by speed alone, to tell its measuring from its sparing of the SMs
   grid auto,auto-sm1,expand_staged,expand_direct,ce_batch all

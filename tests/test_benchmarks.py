@@ -123,6 +123,16 @@ def test_the_warm_up_lasts_until_a_pass_times_no_launch(monkeypatch):
     assert backend.passes == 4 + 3  # three passes timed, one did not, then the measured three
 
 
+def test_a_class_still_on_trial_that_no_pass_meets_holds_up_no_warm_up(monkeypatch):
+    """A class an earlier shape left on trial (or a rare one) that this shape's passes do not
+    meet: the first pass timed nothing, so the measured passes begin after it."""
+    monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 0)
+    backend = StoresCounted()
+    backend.trials_pending = lambda: 1
+    row = engine_bench.run_shape(backend, page=256, per_job=4, count=2, jobs=6, passes=3)
+    assert backend.passes == 1 + 3 and row["trials_pending"] == 1 and row["trial_launches_measured"] == 0
+
+
 def test_launches_timed_in_the_measured_passes_are_counted(monkeypatch):
     monkeypatch.setattr(engine_bench, "MIN_MEASURED_S", 0)
     backend = StoresCounted(timed=range(2 * 6 + 1, 3 * 6 + 1))  # the second measured pass meets a new class
@@ -212,6 +222,8 @@ def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and
     rows[0]["trial_launches_measured"] = 2  # its measured passes timed trial launches
     assert all("still on trial" in c[3] for c in auto_vs_best.cells(rows))
     rows[0]["trial_launches_measured"] = 0
+    rows[0]["trials_pending"] = 1  # a class on trial that its measured passes did not meet
+    assert not any("still on trial" in c[3] for c in auto_vs_best.cells(rows))
     # the best on the SMs for a whole launch of SM_HOLD_S or more: auto's copy engines are by design
     for r in rows:
         r.update(load_jobs_per_launch=4.0)  # 16 MiB launches: 0.45 ms at 0.75 of 50 GB/s
