@@ -9,6 +9,9 @@ Everything else (the worker's validation, hazards, queue, launcher thread) is th
 
     python benchmarks/queue_sim.py --page 256 --blocks-per-job 16384 --gbps 15 --launch-us 20 --per-job-us 66
 
+`--slow-launches N` makes the first N launches `--slow-us` slower, as a tuner's trials of slow
+candidates are at a shape's start.
+
 The rate is of the simulated device (``--gbps`` is its limit): below it, the host or the policy
 left the device idle (``idle ms``).
 """
@@ -69,9 +72,13 @@ class SimulatedDevice(NullExpandingBackend):
     def current_stream(self):
         return _Stream()
 
+    slow_launches, slow_s = 0, 0.0  # the first launches this much slower (a tuner's trials)
+
     def copy_blocks(self, job, prepared, stream, after):
         t0 = now()
-        while now() - t0 < self.launch_s + self.per_job_s * max(1, job.jobs):
+        extra = self.slow_s if self.slow_launches > 0 else 0.0
+        self.slow_launches -= 1
+        while now() - t0 < extra + self.launch_s + self.per_job_s * max(1, job.jobs):
             pass
         start = max(now(), stream.t)
         self.idle_s += start - max(stream.t, self.since)
@@ -90,6 +97,8 @@ def main() -> None:
     ap.add_argument("--launch-us", type=float, default=20.0, help="host time of a launch")
     ap.add_argument("--per-job-us", type=float, default=66.0, help="host time of a launch, per job in it")
     ap.add_argument("--device-launch-us", type=float, default=0.0, help="device time of a launch beyond its bytes")
+    ap.add_argument("--slow-launches", type=int, default=0, help="launches, the first, that take --slow-us more")
+    ap.add_argument("--slow-us", type=float, default=5000.0, help="host time those launches take beyond the rest")
     args = ap.parse_args()
     per, jobs = args.blocks_per_job, args.jobs
     blocks = per * jobs if per * jobs <= 1 << 20 else 2 * per  # jobs that clash only where blocks run out
@@ -100,6 +109,7 @@ def main() -> None:
     ids = [np.arange(j * per, (j + 1) * per) for j in range(jobs)]
     specs = [(np.take(dev, i, mode="wrap"), np.take(host, i, mode="wrap")) for i in ids]
     backend = SimulatedDevice(args.launch_us * 1e-6, args.per_job_us * 1e-6, args.gbps, args.device_launch_us * 1e-6)
+    backend.slow_launches, backend.slow_s = args.slow_launches, args.slow_us * 1e-6
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         for n in range(args.passes):
             launches, backend.idle_s = worker.stats()["store"].launches, 0.0
