@@ -10,7 +10,9 @@ Everything else (the worker's validation, hazards, queue, launcher thread) is th
     python benchmarks/queue_sim.py --page 256 --blocks-per-job 16384 --gbps 15 --launch-us 20 --per-job-us 66
 
 `--slow-launches N` makes the first N launches `--slow-us` slower, as a tuner's trials of slow
-candidates are at a shape's start.
+candidates are at a shape's start. `--per-step N` submits as an engine does instead: N jobs a
+step (`--gap-us` of host time, the GIL held, between two), the results taken, then the step's
+compute (the GIL free) until `--step-ms` has passed.
 
 The rate is of the simulated device (``--gbps`` is its limit): below it, the host or the policy
 left the device idle (``idle ms``).
@@ -62,6 +64,7 @@ class SimulatedDevice(NullExpandingBackend):
         self.launch_s, self.per_job_s, self.s_per_byte = launch_s, per_job_s, 1 / (gbps * 1e9)
         self.device_launch_s = device_launch_s  # what a launch costs the device beyond its bytes
         self.idle_s, self.since = 0.0, 0.0  # the device's idle time since `since` (a pass's start)
+        self.ends: list[float] = []  # when the device is done with each job, in launch order
 
     def new_event(self):
         return _Event()
@@ -75,14 +78,13 @@ class SimulatedDevice(NullExpandingBackend):
     slow_launches, slow_s = 0, 0.0  # the first launches this much slower (a tuner's trials)
 
     def copy_blocks(self, job, prepared, stream, after):
-        t0 = now()
         extra = self.slow_s if self.slow_launches > 0 else 0.0
         self.slow_launches -= 1
-        while now() - t0 < extra + self.launch_s + self.per_job_s * max(1, job.jobs):
-            pass
+        _busy(extra + self.launch_s + self.per_job_s * max(1, job.jobs))
         start = max(now(), stream.t)
         self.idle_s += start - max(stream.t, self.since)
         stream.t = start + self.device_launch_s + job.nbytes * self.s_per_byte
+        self.ends += [stream.t] * max(1, job.jobs)
         return "simulated"
 
 
@@ -99,6 +101,9 @@ def main() -> None:
     ap.add_argument("--device-launch-us", type=float, default=0.0, help="device time of a launch beyond its bytes")
     ap.add_argument("--slow-launches", type=int, default=0, help="launches, the first, that take --slow-us more")
     ap.add_argument("--slow-us", type=float, default=5000.0, help="host time those launches take beyond the rest")
+    ap.add_argument("--per-step", type=int, default=0, help="jobs an engine step (default: all back to back)")
+    ap.add_argument("--step-ms", type=float, default=3.0, help="an engine step, its compute included")
+    ap.add_argument("--gap-us", type=float, default=0.0, help="host time between two submits of a step")
     args = ap.parse_args()
     per, jobs = args.blocks_per_job, args.jobs
     blocks = per * jobs if per * jobs <= 1 << 20 else 2 * per  # jobs that clash only where blocks run out
@@ -112,19 +117,35 @@ def main() -> None:
     backend.slow_launches, backend.slow_s = args.slow_launches, args.slow_us * 1e-6
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         for n in range(args.passes):
-            launches, backend.idle_s = worker.stats()["store"].launches, 0.0
-            t0 = backend.since = now()
+            launches, backend.idle_s, backend.ends = worker.stats()["store"].launches, 0.0, []
+            submitted = []
+            t0 = backend.since = step = now()
             for j, (d, h) in enumerate(specs):
+                submitted.append(now())
                 worker.submit_store(j, DeviceBlocks(d), HostBlocks(h))
+                _busy(args.gap_us * 1e-6)
+                if args.per_step and (j + 1) % args.per_step == 0:
+                    worker.get_finished()
+                    step += args.step_ms * 1e-3
+                    time.sleep(max(0.0, step - now()))
             worker.wait(range(jobs))
             wall = now() - t0
             worker.get_finished()
             rate = jobs * per * args.page * args.tensors / wall / 1e9
             per_launch = jobs / (worker.stats()["store"].launches - launches)
+            latency = (np.array(backend.ends) - np.array(submitted)) * 1e3  # a submit to its bytes moved
             print(
                 f"pass {n}: {rate:.2f} GB/s of {args.gbps:g}; jobs per launch {per_launch:.2f}; "
-                f"idle {backend.idle_s * 1e3:.2f} ms of {wall * 1e3:.2f}"
+                f"idle {backend.idle_s * 1e3:.2f} ms of {wall * 1e3:.2f}; "
+                f"latency {latency.mean():.2f} ms mean, {latency.max():.2f} ms at most"
             )
+
+
+def _busy(seconds: float) -> None:
+    """Hold the host (and the GIL) this long, as an engine's own work between submits does."""
+    t0 = now()
+    while now() - t0 < seconds:
+        pass
 
 
 if __name__ == "__main__":

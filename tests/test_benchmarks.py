@@ -288,3 +288,9 @@ def test_the_queue_simulation_runs_its_passes_within_its_devices_rate(monkeypatc
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["pass 0", "pass 1"]
     assert all(float(line.split()[2]) <= 1.0 for line in lines)  # GB/s of a 1 GB/s device
+    # as an engine submits: 2 jobs a 1 ms step; every job's bytes moved after its submit
+    monkeypatch.setattr(sys, "argv", [*args, "--per-job-us", "1", "--gbps", "1", "--per-step", "2", "--step-ms", "1"])
+    queue_sim.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["pass 0", "pass 1"]
+    assert all(float(line.split("latency ")[1].split()[0]) > 0 for line in lines)
