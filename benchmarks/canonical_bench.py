@@ -22,6 +22,7 @@ from collections import Counter
 
 import numpy as np
 import torch
+from engine_bench import launches_timed
 
 from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker, SharedHostRegion
 from offload_core.bench import _limit_gbps
@@ -58,8 +59,7 @@ def measure(
             submit_us = []
             job = 0
             chosen = {"store": Counter(), "load": Counter()}  # the measured passes' mechanisms
-            tuner = getattr(getattr(w.backend, "_blocks", None), "tuner", None)
-            timed = lambda: getattr(tuner, "timed", 0)  # noqa: E731  (cuda's `auto`: launches timed so far)
+            timed = launches_timed(w.backend)
 
             def schedule():  # True: a pass to warm up; False: a measured one
                 seen = timed()

@@ -95,6 +95,13 @@ def _allocated(backend) -> int:
     return torch.cuda.memory_allocated(backend.device) if backend.device.type == "cuda" else 0
 
 
+def launches_timed(backend):
+    """How many launches cuda's `auto` has timed so far (its trials), as a function to call
+    again; 0 on a backend that times none."""
+    tuner = getattr(getattr(backend, "_blocks", None), "tuner", None)
+    return lambda: getattr(tuner, "timed", 0)
+
+
 def _last_writers(dst: list[np.ndarray], src: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Each block that jobs wrote (`dst`, per job in submission order) once, with the block the
     last of them copied into it (`src`)."""
@@ -189,7 +196,7 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         pending = getattr(backend, "trials_pending", lambda: 0)
         tuner = getattr(getattr(backend, "_blocks", None), "tuner", None)
-        timed = lambda: getattr(tuner, "timed", 0)  # noqa: E731  (cuda's `auto`: launches timed so far)
+        timed = launches_timed(backend)
         walls = {}  # each direction's last pass, seconds
         measured = []  # each measured pass's seconds, both directions
 

@@ -60,9 +60,18 @@ class _Stream:
 
 
 class SimulatedDevice(NullExpandingBackend):
-    def __init__(self, launch_s: float, per_job_s: float, gbps: float, device_launch_s: float = 0.0):
+    def __init__(
+        self,
+        launch_s: float,
+        per_job_s: float,
+        gbps: float,
+        device_launch_s: float = 0.0,
+        slow_launches: int = 0,
+        slow_s: float = 0.0,
+    ):
         self.launch_s, self.per_job_s, self.s_per_byte = launch_s, per_job_s, 1 / (gbps * 1e9)
         self.device_launch_s = device_launch_s  # what a launch costs the device beyond its bytes
+        self.slow_launches, self.slow_s = slow_launches, slow_s  # the first launches this much slower (trials)
         self.idle_s, self.since = 0.0, 0.0  # the device's idle time since `since` (a pass's start)
         self.ends: list[float] = []  # when the device is done with each job, in launch order
 
@@ -75,12 +84,10 @@ class SimulatedDevice(NullExpandingBackend):
     def current_stream(self):
         return _Stream()
 
-    slow_launches, slow_s = 0, 0.0  # the first launches this much slower (a tuner's trials)
-
     def copy_blocks(self, job, prepared, stream, after):
-        extra = self.slow_s if self.slow_launches > 0 else 0.0
-        self.slow_launches -= 1
-        _busy(extra + self.launch_s + self.per_job_s * max(1, job.jobs))
+        slow = self.slow_launches > 0
+        self.slow_launches -= slow
+        _busy(self.slow_s * slow + self.launch_s + self.per_job_s * max(1, job.jobs))
         start = max(now(), stream.t)
         self.idle_s += start - max(stream.t, self.since)
         stream.t = start + self.device_launch_s + job.nbytes * self.s_per_byte
@@ -113,8 +120,15 @@ def main() -> None:
     dev, host = rng.permutation(blocks), rng.permutation(blocks)
     ids = [np.arange(j * per, (j + 1) * per) for j in range(jobs)]
     specs = [(np.take(dev, i, mode="wrap"), np.take(host, i, mode="wrap")) for i in ids]
-    backend = SimulatedDevice(args.launch_us * 1e-6, args.per_job_us * 1e-6, args.gbps, args.device_launch_us * 1e-6)
-    backend.slow_launches, backend.slow_s = args.slow_launches, args.slow_us * 1e-6
+    us = 1e-6
+    backend = SimulatedDevice(
+        args.launch_us * us,
+        args.per_job_us * us,
+        args.gbps,
+        args.device_launch_us * us,
+        args.slow_launches,
+        args.slow_us * us,
+    )
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         for n in range(args.passes):
             launches, backend.idle_s, backend.ends = worker.stats()["store"].launches, 0.0, []
