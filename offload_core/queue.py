@@ -37,6 +37,8 @@ SETTLE_POLL_S = 0.001  # how often a drain asks an event whose wait failed wheth
 # The launcher lets the GIL go this long around an enqueue: about the kernel's timer slack, long
 # enough for a woken thread to take it (after time.sleep(0) the launcher usually wins it back).
 GIL_YIELD_S = 20e-6
+LAUNCH_CREEP = 1.0625  # a launch of one job's least time may rise this much a launch: the host may slow
+JOIN_PAYS = 0.2  # submits join a burst where joining saves the host at least this part of a job's time
 
 
 @dataclass(frozen=True, init=False)
@@ -146,7 +148,7 @@ class TransferQueue:
         self._lent: dict[int, Event] = {}  # ends handed out by `end_of`, by id: never pooled
         self.added_seq = 0  # the submit order of the last job added
         self.reported_seq = 0  # the submit order of the last job `poll` reported: every earlier one has been
-        self._launch_s = 0.0  # host seconds a launch takes (a moving average)
+        self.launch_cost = LaunchCost()  # a launch's host time: when submits form a burst
         self._closed = False
 
     def __contains__(self, job_id: int) -> bool:
@@ -182,9 +184,9 @@ class TransferQueue:
             self._pending.append(_Pending(job_id, job, prepared, ready, compute, seq, waits))
             self.added_seq = seq
             self._pending_bytes += job.nbytes
-            # In a burst (submits closer than a launch takes) jobs wait for the launcher or a
-            # full burst, and go as one: launched one by one, they would idle the device.
-            burst = time.perf_counter() - self._last_submit < self._launch_s
+            # In a burst (`LaunchCost.window`) jobs wait for the launcher or a full burst, and go
+            # as one: launched one by one, they would idle the device or cost the host more.
+            burst = time.perf_counter() - self._last_submit < self.launch_cost.window
             if not self._launching and (self._burst_full() or (not burst and self._device_idle())):
                 return self._take()  # the launcher may not get the GIL for a while
             self._last_submit = time.perf_counter()
@@ -496,9 +498,46 @@ class TransferQueue:
                 self.stats.buffer_waits += waits - waited[0]
                 self.stats.buffer_wait_s += wait_s - waited[1]
                 # the host's own time: a wait for the device (a full buffer) says nothing of the next launches
-                self._launch_s += 0.25 * (now - t_locked - (wait_s - waited[1]) - self._launch_s)
+                self.launch_cost.note(len(batch), now - t_locked - (wait_s - waited[1]))
         if background:
             time.sleep(GIL_YIELD_S)
+
+
+class LaunchCost:
+    """A launch's host time split in two: a fixed part, which joining jobs into one launch saves,
+    and a part per job, which it does not. From them, `window`: how close together submits come
+    in a burst, whose jobs wait to be launched as one.
+
+    A launch of one job gives its time (the least lately: it may rise by `LAUNCH_CREEP` a launch
+    of one); a launch of k jobs bounds it from above and, where a launch of one measured it, gives
+    the fixed part: (k x one - its time) / (k - 1), averaged."""
+
+    def __init__(self) -> None:
+        self.one = 0.0  # seconds a launch of one job takes; 0 until a launch is seen
+        self.measured = False  # `one` is a launch of one job's, not a larger launch's bound
+        self.fixed: float | None = None  # the fixed part, once launches of both kinds measured it
+        self.window = 0.0  # submits closer together than this form a burst
+
+    def note(self, jobs: int, seconds: float) -> None:
+        """A launch of `jobs` jobs took `seconds` of host time."""
+        if jobs == 1:
+            self.one = min(self.one * LAUNCH_CREEP, seconds) if self.one else seconds
+            self.measured = True
+        elif not self.one or seconds < self.one:
+            # a launch of one job takes no longer: what was measured of it, and the fixed part
+            # taken from it, were a slow host's
+            self.one, self.measured, self.fixed = seconds, False, None
+        elif self.measured:
+            fixed = (jobs * self.one - seconds) / (jobs - 1)
+            self.fixed = fixed if self.fixed is None else self.fixed + 0.25 * (fixed - self.fixed)
+        if self.fixed is not None:
+            self.fixed = min(max(self.fixed, 0.0), self.one)
+        self.window = self.one
+        if self.fixed is not None:
+            # Joining a job saves the fixed part; it pays where that is `JOIN_PAYS` of the job's
+            # host time: the gap to the next submit, the fixed part and the part per job.
+            per_job = self.one - self.fixed
+            self.window = max(self.one, self.fixed * (1 / JOIN_PAYS - 1) - per_job)
 
 
 def _launch_loop(queue_ref: weakref.ref[TransferQueue]) -> None:
@@ -533,7 +572,7 @@ def _launch_until_done(queue_ref: weakref.ref[TransferQueue]) -> None:
             # A burst's submits launch it: a launch here would stall, the device waiting, whenever it
             # let go of the GIL (a submitter keeps it a switch interval). It goes once submits pause.
             quiet = time.perf_counter() - queue._last_submit
-            wait = min(queue._launch_s, MAX_QUIET_S) - quiet
+            wait = min(queue.launch_cost.window, MAX_QUIET_S) - quiet
             if wait > 0 and not queue._closed and not exiting and not queue._burst_full():
                 queue._launched.wait(min(wait, IDLE_POLL_S))  # still looking whether the interpreter exits
                 del queue

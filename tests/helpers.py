@@ -16,6 +16,18 @@ import torch
 from offload_core import KVCacheRef, KVCaches, KVCacheTensor, native
 
 
+class PinnedWindow:
+    """A queue's `launch_cost` whose burst window (`LaunchCost.window`) stays `window` seconds,
+    whatever the launches take: 0 launches every submit on an idle device, 60 makes any two
+    submits a burst."""
+
+    def __init__(self, window: float):
+        self.window = window
+
+    def note(self, jobs: int, seconds: float) -> None:
+        pass
+
+
 def small_kv(pages=(64, 128), copy=None, blocks=16, groups=None, seed=0, device="cpu") -> KVCaches:
     """Random int8 tensors with `blocks` pages each; one group over all tensors unless `groups` is given."""
     gen = torch.Generator().manual_seed(seed)
@@ -231,7 +243,7 @@ def ctrl_c_inside_calls(backend, device: str, store: bool) -> None:
             host_row = torch.cat([v.view(torch.uint8)[j] for v in host])
             assert torch.equal(device_row, host_row), f"job {j}: wrong bytes"
 
-    lane._launch_s = 0.0  # no burst: the device idle, a submit launches its job itself
+    lane.launch_cost = PinnedWindow(0.0)  # no burst: the device idle, a submit launches its job itself
     copy.arm()
     with pytest.raises(KeyboardInterrupt):
         submit(1)
@@ -239,7 +251,7 @@ def ctrl_c_inside_calls(backend, device: str, store: bool) -> None:
     worker.wait([1])
     check([1])
 
-    lane._launch_s = 1e9  # every submit part of a burst: the job waits for a launch
+    lane.launch_cost = PinnedWindow(1e9)  # every submit part of a burst: the job waits for a launch
     submit(2)
     assert lane.waiting_for_launch()
     copy.arm()
@@ -249,7 +261,7 @@ def ctrl_c_inside_calls(backend, device: str, store: bool) -> None:
     worker.wait([2])
     check([2])
 
-    lane._launch_s = 0.0
+    lane.launch_cost = PinnedWindow(0.0)
     submit(3)  # the worker goes on
     release = CtrlCInside(backend, "release_stream").arm()
     with pytest.raises(KeyboardInterrupt):

@@ -13,6 +13,7 @@ import sys
 import threading
 
 import torch
+from helpers import PinnedWindow
 
 from offload_core import (
     DeviceBlocks,
@@ -278,7 +279,7 @@ def exit_with_live_workers() -> None:
     idle.wait([1])
     busy = OffloadWorker(_kv(4), 4, backend=backend)
     for queue in busy._queues.values():
-        queue._launch_s = 60.0  # every submit after the first is part of a burst
+        queue.launch_cost = PinnedWindow(60.0)  # every submit after the first is part of a burst
     queue_module.MAX_QUIET_S = 60.0  # and the launcher leaves the burst alone: it stays pending
     threading.Timer(0.5, _hold_compute(backend, 0.5).set).start()
     for j in range(4):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from helpers import compiled_or_skip, small_kv
+from helpers import PinnedWindow, compiled_or_skip, small_kv
 
 from offload_core import DeviceBlocks, HostBlocks, OffloadWorker
 from offload_core.backend import enqueue_lock
@@ -230,7 +230,7 @@ def test_wait_launches_the_named_job_with_those_before_it_and_none_after(monkeyp
     kv = small_kv(pages=(64,), blocks=32)
     with OffloadWorker(kv, 16, backend=backend) as worker:
         for queue in worker._queues.values():
-            queue._launch_s = 60.0
+            queue.launch_cost = PinnedWindow(60.0)
         for j in range(8):
             store(worker, j, [j], [j])
         worker.wait([3])
@@ -464,7 +464,7 @@ def test_a_burst_on_an_idle_device_waits_for_the_launcher():
     backend = _Who()
     with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
         queue = worker._queues[next(iter(worker._queues))]
-        queue._launch_s = 60.0  # a host so slow that any two submits form a burst
+        queue.launch_cost = PinnedWindow(60.0)  # a host so slow that any two submits form a burst
         store(worker, 0, [0], [0])
         worker.wait([0])  # the device is idle for each of the next ones
         for j in range(1, 4):
@@ -482,7 +482,7 @@ def test_a_burst_of_burst_jobs_is_launched_by_the_submit():
     backend = _Who()
     with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
         queue = worker._queues[next(iter(worker._queues))]
-        queue._launch_s, queue.burst_jobs = 60.0, 1
+        queue.launch_cost, queue.burst_jobs = PinnedWindow(60.0), 1
         for j in range(3):
             store(worker, j, [j], [j])
         assert backend.by == [threading.current_thread()] * 3
@@ -512,7 +512,7 @@ def test_a_burst_of_burst_bytes_is_launched_by_the_submit():
     backend = _Who()
     with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
         queue = worker._queues[next(iter(worker._queues))]
-        queue._launch_s, queue.burst_bytes = 60.0, 64  # one one-block job of 64 bytes is enough
+        queue.launch_cost, queue.burst_bytes = PinnedWindow(60.0), 64  # one one-block job of 64 bytes is enough
         store(worker, 0, [0], [0])
         worker.wait([0])
         store(worker, 1, [1], [1])  # part of a burst, on an idle device, yet launched here

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, InvalidSpecError, OffloadError, OffloadWorker
-from offload_core.queue import TransferQueue, _first_clash
+from offload_core.queue import JOIN_PAYS, LaunchCost, TransferQueue, _first_clash
 from offload_core.testing.fake import FakeBackend
 
 
@@ -499,3 +499,50 @@ def test_a_closed_queue_refuses_jobs(worker, fake):
 def test_canonical_layout_must_be_a_truth_value(value):
     with pytest.raises(InvalidSpecError, match="canonical_layout must be True or False"):
         OffloadWorker(small_kv(), 4, backend="cpu", canonical_layout=value)
+
+
+def _cost(*launches):
+    cost = LaunchCost()
+    for jobs, us in launches:
+        cost.note(jobs, us * 1e-6)
+    return cost
+
+
+def test_launches_of_one_job_set_the_window_until_larger_ones_measure_the_fixed_part():
+    cost = _cost((1, 90), (1, 100))
+    assert cost.window == pytest.approx(90e-6 * 1.0625)  # the least lately, rising a sixteenth a launch
+    assert cost.fixed is None
+
+
+def test_where_joining_saves_little_a_burst_is_what_a_launch_of_one_outruns():
+    # 20 us fixed, 70 a job: a job's submit 90 us after the last would save 20 of 180 by joining
+    cost = _cost((1, 90), (4, 300))
+    assert cost.fixed == pytest.approx(20e-6)
+    assert cost.window == pytest.approx(90e-6)
+
+
+def test_where_joining_saves_much_submits_further_apart_still_join():
+    # 60 us fixed, 8 a job: joining saves a fifth of a job's time up to a gap of 4 x 60 - 8
+    cost = _cost((1, 68), (16, 188))
+    assert cost.fixed == pytest.approx(60e-6)
+    assert cost.window == pytest.approx(60e-6 * (1 / JOIN_PAYS - 1) - 8e-6)
+
+
+def test_a_larger_launch_faster_than_a_launch_of_one_bounds_it_and_forgets_the_fixed_part():
+    # a slow first launch (a compile, say), then a slow joined one: milliseconds of fixed part
+    cost = _cost((1, 5000), (2, 5000))
+    assert cost.window > 10e-3
+    cost.note(16, 300e-6)  # the host is fast after all
+    assert cost.window == pytest.approx(300e-6) and cost.fixed is None
+    cost.note(16, 310e-6)  # a bound, not a launch of one: no fixed part from it
+    assert cost.fixed is None
+    cost.note(1, 40e-6)
+    cost.note(16, 340e-6)
+    assert cost.fixed == pytest.approx(20e-6)
+
+
+def test_the_fixed_part_never_exceeds_a_launch_of_one():
+    cost = _cost((1, 100), (8, 100))
+    assert cost.fixed == pytest.approx(100e-6)
+    cost.note(1, 50e-6)
+    assert cost.fixed == pytest.approx(50e-6) and cost.window == pytest.approx(50e-6 * 4)

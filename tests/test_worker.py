@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import small_kv, snapshot
+from helpers import PinnedWindow, small_kv, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -530,7 +530,7 @@ def test_a_launch_bookkeeping_failure_after_the_job_is_queued_still_reports_it()
         return take(*args)
 
     queue._take = fail_once
-    queue._launch_s = 0.0  # no burst: the submit launches itself, the device being idle
+    queue.launch_cost = PinnedWindow(0.0)  # no burst: the submit launches itself, the device being idle
     assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([1])) is True
     queue._take = take
     worker.wait([1])
@@ -615,7 +615,8 @@ def test_a_load_of_a_host_block_whose_store_waits_for_a_launch_launches_that_sto
     with OffloadWorker(small_kv(), 8, backend=fake) as worker:
         stores = worker._queues[Direction.STORE]
         with stores._lock:  # no launcher thread and no launch by the submit: the store waits
-            stores._launcher, stores.burst_jobs, stores._launch_s = threading.current_thread(), 10**6, 60.0
+            stores._launcher, stores.burst_jobs = threading.current_thread(), 10**6
+            stores.launch_cost = PinnedWindow(60.0)
         stores._last_end = fake.new_event()
         stores._last_end.record(fake.streams[0])  # the device is busy: a submit does not launch
         assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([3]))
