@@ -39,6 +39,7 @@ SETTLE_POLL_S = 0.001  # how often a drain asks an event whose wait failed wheth
 GIL_YIELD_S = 20e-6
 LAUNCH_CREEP = 1.0625  # a launch of one job's least time may rise this much a launch: the host may slow
 JOIN_PAYS = 0.2  # submits join a burst where joining saves the host at least this part of a job's time
+PROBE_EVERY = 16  # launches of several jobs in a row, after which the launcher sends one alone, to time it
 
 
 @dataclass(frozen=True, init=False)
@@ -142,8 +143,6 @@ class TransferQueue:
         self._enqueued: tuple[list, Event, list] | None = None  # (batch, end event, held) once its enqueue began
         self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
         self._launcher: threading.Thread | None = None
-        self._last_end: Event | None = None  # of the last launch: is the device still busy with it?
-        self._last_events: tuple = ()  # its start and end once reported: pooled when a launch replaces it
         self._last_submit = float("-inf")  # perf_counter when the last submit returned
         self._lent: dict[int, Event] = {}  # ends handed out by `end_of`, by id: never pooled
         self.added_seq = 0  # the submit order of the last job added
@@ -163,7 +162,7 @@ class TransferQueue:
         the worker's submit order; `waits`, the ends of other lanes' launches it must follow.
 
         Returns:
-            The jobs the caller must launch now (`launch`): nothing else keeps the device busy,
+            The jobs the caller must launch now (`launch`): this submit is not part of a burst,
             or a burst's worth waits. Else None: the launcher thread will.
 
         Raises:
@@ -185,10 +184,11 @@ class TransferQueue:
             self.added_seq = seq
             self._pending_bytes += job.nbytes
             # In a burst (`LaunchCost.window`) jobs wait for the launcher or a full burst, and go
-            # as one: launched one by one, they would idle the device or cost the host more.
+            # as one, which saves the host launches. Other jobs go at once, the device busy or
+            # not: the launcher may not get the GIL for a while.
             burst = time.perf_counter() - self._last_submit < self.launch_cost.window
-            if not self._launching and (self._burst_full() or (not burst and self._device_idle())):
-                return self._take()  # the launcher may not get the GIL for a while
+            if not self._launching and (self._burst_full() or not burst):
+                return self._take()
             self._last_submit = time.perf_counter()
             if len(self._pending) == 1:  # the launcher takes it; with more, it already knows of some
                 self._launched.notify_all()
@@ -242,10 +242,7 @@ class TransferQueue:
                 lent = job.last and self._lent.pop(id(job.end), None) is not None
                 if ok and job.last:  # events that saw a fault are not trusted again
                     events = (job.start,) if lent else (job.start, job.end)
-                    if job.end is self._last_end:  # it tells whether the device idles: pooled once replaced
-                        self._last_events = events
-                    else:
-                        self._free_events += events
+                    self._free_events += events
         return results
 
     def wait(self, job_ids: set[int]) -> None:
@@ -404,21 +401,14 @@ class TransferQueue:
         """Whether enough waits to launch now, burst or not: its device time covers a launch."""
         return len(self._pending) >= self.burst_jobs or self._pending_bytes >= self.burst_bytes
 
-    def _device_idle(self) -> bool:
-        end = self._last_end
-        try:
-            return end is None or end.query()
-        except Exception:  # a fault: reported with its jobs; new work may go
-            return True
-
     def _take(self, limit: int = MAX_LAUNCH) -> list[_Pending] | None:
         """The jobs of the next launch, marked as launching: the first `limit` waiting (at most
-        `MAX_LAUNCH`), up to the first clash (`_first_clash`); None if nothing waits. Call with
-        the lock held, nothing launching."""
+        `MAX_LAUNCH`; one where `LaunchCost.probe` asks), up to the first clash (`_first_clash`);
+        None if nothing waits. Call with the lock held, nothing launching."""
         pending = self._pending
         if not pending:
             return None
-        n = min(limit, MAX_LAUNCH, len(pending))
+        n = 1 if self.launch_cost.probe else min(limit, MAX_LAUNCH, len(pending))
         # Windows growing fourfold from a burst's size: an early clash costs a short look.
         size = min(n, max(1, self.burst_jobs))
         while True:
@@ -484,9 +474,6 @@ class TransferQueue:
                     ]
                     self._launching, self._batch, self._enqueued = _NOTHING, None, None
                     self._launched.notify_all()
-                    self._last_end = end
-                    self._free_events += self._last_events
-                    self._last_events = ()
                     self.stats.launches += 1
                     self.stats.jobs += len(batch)
                     self.stats.bytes += nbytes
@@ -510,19 +497,25 @@ class LaunchCost:
 
     A launch of one job gives its time (the least lately: it may rise by `LAUNCH_CREEP` a launch
     of one); a launch of k jobs bounds it from above and, where a launch of one measured it, gives
-    the fixed part: (k x one - its time) / (k - 1), averaged."""
+    the fixed part: (k x one - its time) / (k - 1), averaged. Where no launch of one came for
+    `PROBE_EVERY` launches, `probe` asks for one: a slow host's measure would otherwise hold the
+    window wide, every launch then joining jobs."""
 
     def __init__(self) -> None:
         self.one = 0.0  # seconds a launch of one job takes; 0 until a launch is seen
         self.measured = False  # `one` is a launch of one job's, not a larger launch's bound
         self.fixed: float | None = None  # the fixed part, once launches of both kinds measured it
         self.window = 0.0  # submits closer together than this form a burst
+        self.probe = False  # the next launch should carry one job
+        self._since_one = 0  # launches since the last launch of one job
 
     def note(self, jobs: int, seconds: float) -> None:
         """A launch of `jobs` jobs took `seconds` of host time."""
         if jobs == 1:
+            if self.one and seconds < self.one:  # the fixed part came from a slower host's
+                self.fixed = None
             self.one = min(self.one * LAUNCH_CREEP, seconds) if self.one else seconds
-            self.measured = True
+            self.measured, self._since_one = True, 0
         elif not self.one or seconds < self.one:
             # a launch of one job takes no longer: what was measured of it, and the fixed part
             # taken from it, were a slow host's
@@ -530,14 +523,16 @@ class LaunchCost:
         elif self.measured:
             fixed = (jobs * self.one - seconds) / (jobs - 1)
             self.fixed = fixed if self.fixed is None else self.fixed + 0.25 * (fixed - self.fixed)
-        if self.fixed is not None:
             self.fixed = min(max(self.fixed, 0.0), self.one)
+        self._since_one += jobs > 1
+        self.probe = self._since_one >= PROBE_EVERY
         self.window = self.one
         if self.fixed is not None:
             # Joining a job saves the fixed part; it pays where that is `JOIN_PAYS` of the job's
             # host time: the gap to the next submit, the fixed part and the part per job.
             per_job = self.one - self.fixed
             self.window = max(self.one, self.fixed * (1 / JOIN_PAYS - 1) - per_job)
+        self.window = min(self.window, MAX_QUIET_S)
 
 
 def _launch_loop(queue_ref: weakref.ref[TransferQueue]) -> None:

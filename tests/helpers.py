@@ -21,6 +21,8 @@ class PinnedWindow:
     whatever the launches take: 0 launches every submit on an idle device, 60 makes any two
     submits a burst."""
 
+    probe = False
+
     def __init__(self, window: float):
         self.window = window
 

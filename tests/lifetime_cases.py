@@ -308,11 +308,13 @@ def submits_after_the_main_thread_ended() -> None:
             threading.settrace(slow_exit)
             backend = ExpandingCpuBackend() if BACKEND == "cpu" else get_backend(BACKEND)
             worker = OffloadWorker(_kv(4), 4, backend=backend)
+            for queue in worker._queues.values():
+                queue.launch_cost = PinnedWindow(0.02)  # a submit within 20 ms of the last waits for the launcher
             for base in (0, 3):
                 go = _hold_compute(backend, 0.3)
                 threading.Timer(0.3, go.set).start()
                 worker.submit_store(base, DeviceBlocks([0]), HostBlocks([0]))  # launched by the submit
-                worker.submit_store(base + 1, DeviceBlocks([1]), HostBlocks([1]))  # the device is busy: the launcher's
+                worker.submit_store(base + 1, DeviceBlocks([1]), HostBlocks([1]))  # a burst: the launcher's
                 time.sleep(0.05)
                 worker.submit_store(base + 2, DeviceBlocks([2]), HostBlocks([2]))
                 got, end = set(), time.monotonic() + 10

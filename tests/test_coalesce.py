@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import PinnedWindow, compiled_or_skip, small_kv
 
+import offload_core.queue as queue_module
 from offload_core import DeviceBlocks, HostBlocks, OffloadWorker
 from offload_core.backend import enqueue_lock
 from offload_core.backends.cpu import CpuEvent
@@ -373,24 +374,6 @@ def test_a_failed_launch_is_reported_after_what_it_enqueued_has_run():
         assert (kv.tensors[0].tensor[9] == 0x42).all()
 
 
-def test_a_submit_after_a_poll_still_finds_the_device_idle():
-    class Who(ExpandingCpuBackend):
-        def copy_blocks(self, job, prepared, stream, after):
-            self.by = threading.current_thread()
-            return super().copy_blocks(job, prepared, stream, after)
-
-    backend = Who()
-    with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
-        store(worker, 0, [0], [0])
-        worker.wait([0])
-        worker.get_finished()  # the launch's events go back to the pool
-        busy = threading.Event()
-        backend.current_stream().launch(lambda: busy.wait(5))  # the model is busy
-        store(worker, 1, [1], [1])
-        assert backend.by is threading.current_thread()  # launched by the submit, not the launcher
-        busy.set()
-
-
 def test_a_worker_collected_while_its_backend_enqueues_does_not_deadlock():
     """The collector may free a worker with jobs waiting for a launch on the thread that holds the
     backend's enqueue lock (inside another worker's copy_blocks): the drain goes to a thread."""
@@ -413,7 +396,9 @@ def test_a_worker_collected_while_its_backend_enqueues_does_not_deadlock():
         w1.cycle = w1  # only the cyclic collector frees it
         block = threading.Event()
         w1._queues[next(iter(w1._queues))]._stream.launch(block.wait)
-        store(w1, 0, [0], [0])  # launched, behind the block: the next ones wait for the launcher
+        store(w1, 0, [0], [0])  # launched, behind the block
+        for queue in w1._queues.values():
+            queue.launch_cost = PinnedWindow(60.0)  # the next ones, a burst, wait for the launcher
         ref = [w1]
         del w1
 
@@ -476,6 +461,28 @@ def test_a_burst_on_an_idle_device_waits_for_the_launcher():
         assert [r.job_id for r in worker.get_finished()] == [0, 1, 2, 3]
         for t, h in zip(kv_tensors(worker), worker.host_tensors):
             assert torch.equal(h[:4], t[:4])
+
+
+def test_a_launch_slower_than_the_gap_between_submits_makes_them_a_burst(monkeypatch):
+    """The queue learns a launch's host time from its launches (`LaunchCost`): after one that
+    took 200 ms, submits a few ms apart wait for the launcher instead of launching one by one."""
+    monkeypatch.setattr(queue_module, "MAX_QUIET_S", 30.0)  # a window as long as the launch
+
+    class Slow(_Who):
+        def copy_blocks(self, job, prepared, stream, after):
+            time.sleep(0.2)
+            return super().copy_blocks(job, prepared, stream, after)
+
+    backend = Slow()
+    with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
+        store(worker, 0, [0], [0])
+        worker.wait([0])  # the device is idle for each of the next ones
+        for j in range(1, 4):
+            store(worker, j, [j], [j])
+        assert len(backend.by) == 1  # the others wait to go as one
+        worker.wait(range(4))
+        assert len(backend.by) == 2
+        assert [r.job_id for r in worker.get_finished()] == [0, 1, 2, 3]
 
 
 def test_a_burst_of_burst_jobs_is_launched_by_the_submit():

@@ -12,7 +12,15 @@ import threading
 import time
 
 import pytest
-from helpers import CtrlCInside, compiled_or_skip, ctrl_c_inside_calls, python_sigint, send_ctrl_c, small_kv
+from helpers import (
+    CtrlCInside,
+    PinnedWindow,
+    compiled_or_skip,
+    ctrl_c_inside_calls,
+    python_sigint,
+    send_ctrl_c,
+    small_kv,
+)
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, InvalidSpecError, OffloadWorker, interrupts
 from offload_core.backends.cpu import CpuBackend
@@ -31,7 +39,7 @@ def sigint():
 
 def fake_worker() -> tuple[OffloadWorker, FakeBackend]:
     """A worker on the fake backend (events pass when the test says), with no launcher threads:
-    jobs go with a submit (the device idle) or with a wait."""
+    jobs go with a submit (one not part of a burst) or with a wait."""
     fake = FakeBackend()
     worker = OffloadWorker(small_kv(), 8, backend=fake)
     for lane in worker._lanes:
@@ -41,9 +49,14 @@ def fake_worker() -> tuple[OffloadWorker, FakeBackend]:
 
 def store(worker: OffloadWorker, job_id: int) -> bool:
     """A store, submitted as if long after the last one: not part of a burst, so it launches
-    at once where the device is idle (a loaded machine's slow launches would make it a burst)."""
+    at once (a loaded machine's slow launches would make it a burst)."""
     for lane in worker._lanes:
         lane._last_submit = float("-inf")
+    return burst_store(worker, job_id)
+
+
+def burst_store(worker: OffloadWorker, job_id: int) -> bool:
+    """A store right after the last submit: part of a burst where the lane's window says so."""
     return worker.submit_store(job_id, DeviceBlocks([job_id]), HostBlocks([job_id]))
 
 
@@ -80,7 +93,8 @@ def test_ctrl_c_inside_a_launch_a_wait_makes_comes_after_the_launch():
     worker, fake = fake_worker()
     lane = worker._queues[Direction.STORE]
     assert store(worker, 1)  # launched: the device was idle, and is busy with it now
-    assert store(worker, 2) and lane.waiting_for_launch()  # waits for a launch
+    lane.launch_cost = PinnedWindow(60.0)  # the next submit is part of a burst
+    assert burst_store(worker, 2) and lane.waiting_for_launch()  # waits for a launch
     copy = CtrlCInside(fake, "copy_batch").arm()
     with pytest.raises(KeyboardInterrupt):
         worker.wait([2])
@@ -161,7 +175,9 @@ def test_a_submit_waiting_for_room_stops_at_a_ctrl_c_and_queues_nothing():
     worker, fake = fake_worker()
     lane = worker._queues[Direction.STORE]
     lane.max_pending = 1
-    assert store(worker, 1) and store(worker, 2)  # 1 launched (the device busy with it), 2 waits
+    assert store(worker, 1)  # launched
+    lane.launch_cost = PinnedWindow(60.0)
+    assert burst_store(worker, 2)  # part of a burst: it waits
     threading.Timer(0.1, send_ctrl_c).start()
     with pytest.raises(KeyboardInterrupt):
         store(worker, 3)

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, InvalidSpecError, OffloadError, OffloadWorker
-from offload_core.queue import JOIN_PAYS, LaunchCost, TransferQueue, _first_clash
+from offload_core.queue import JOIN_PAYS, MAX_QUIET_S, PROBE_EVERY, LaunchCost, TransferQueue, _first_clash
 from offload_core.testing.fake import FakeBackend
 
 
@@ -531,7 +531,7 @@ def test_where_joining_saves_much_submits_further_apart_still_join():
 def test_a_larger_launch_faster_than_a_launch_of_one_bounds_it_and_forgets_the_fixed_part():
     # a slow first launch (a compile, say), then a slow joined one: milliseconds of fixed part
     cost = _cost((1, 5000), (2, 5000))
-    assert cost.window > 10e-3
+    assert cost.window == MAX_QUIET_S  # at most: the launcher's longest wait
     cost.note(16, 300e-6)  # the host is fast after all
     assert cost.window == pytest.approx(300e-6) and cost.fixed is None
     cost.note(16, 310e-6)  # a bound, not a launch of one: no fixed part from it
@@ -541,8 +541,23 @@ def test_a_larger_launch_faster_than_a_launch_of_one_bounds_it_and_forgets_the_f
     assert cost.fixed == pytest.approx(20e-6)
 
 
-def test_the_fixed_part_never_exceeds_a_launch_of_one():
+def test_the_fixed_part_never_exceeds_a_launch_of_one_and_a_faster_launch_of_one_forgets_it():
     cost = _cost((1, 100), (8, 100))
     assert cost.fixed == pytest.approx(100e-6)
-    cost.note(1, 50e-6)
-    assert cost.fixed == pytest.approx(50e-6) and cost.window == pytest.approx(50e-6 * 4)
+    cost.note(1, 50e-6)  # the host sped up: the fixed part was measured against the slower one
+    assert cost.fixed is None and cost.window == pytest.approx(50e-6)
+
+
+def test_after_probe_every_joined_launches_the_next_launch_carries_one_job():
+    cost = _cost((1, 2000))  # a slow first launch: every later submit joins a burst
+    for _ in range(PROBE_EVERY - 1):
+        cost.note(16, 2100e-6)
+        assert not cost.probe
+    cost.note(16, 2100e-6)
+    assert cost.probe
+    cost.note(1, 90e-6)
+    assert not cost.probe and cost.window == pytest.approx(90e-6)
+
+
+def test_the_window_stays_within_the_launchers_longest_wait():
+    assert _cost((1, 1e6)).window == MAX_QUIET_S

@@ -617,8 +617,7 @@ def test_a_load_of_a_host_block_whose_store_waits_for_a_launch_launches_that_sto
         with stores._lock:  # no launcher thread and no launch by the submit: the store waits
             stores._launcher, stores.burst_jobs = threading.current_thread(), 10**6
             stores.launch_cost = PinnedWindow(60.0)
-        stores._last_end = fake.new_event()
-        stores._last_end.record(fake.streams[0])  # the device is busy: a submit does not launch
+        stores._last_submit = time.perf_counter()  # the next submit is part of a burst: it waits
         assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([3]))
         assert stores.waiting_for_launch()
         assert worker.submit_load(2, HostBlocks([3]), DeviceBlocks([4]))
