@@ -39,6 +39,7 @@ SETTLE_POLL_S = 0.001  # how often a drain asks an event whose wait failed wheth
 GIL_YIELD_S = 20e-6
 LAUNCH_CREEP = 1.0625  # a launch of one job's least time may rise this much a launch: the host may slow
 JOIN_PAYS = 0.2  # submits join a burst where joining saves the host at least this part of a job's time
+BACKLOG = 2  # launches of a lane the device has yet to run, from which a submit's job waits to join
 PROBE_EVERY = 16  # launches of several jobs in a row, after which the launcher sends one alone, to time it
 
 
@@ -144,6 +145,7 @@ class TransferQueue:
         self._launched = threading.Condition(self._lock)  # notified after each launch, and on new pending jobs
         self._launcher: threading.Thread | None = None
         self._last_submit = float("-inf")  # perf_counter when the last submit returned
+        self._ends: deque[tuple[int, Event]] = deque(maxlen=BACKLOG)  # (last seq, end) of the last launches
         self._lent: dict[int, Event] = {}  # ends handed out by `end_of`, by id: never pooled
         self.added_seq = 0  # the submit order of the last job added
         self.reported_seq = 0  # the submit order of the last job `poll` reported: every earlier one has been
@@ -162,8 +164,9 @@ class TransferQueue:
         the worker's submit order; `waits`, the ends of other lanes' launches it must follow.
 
         Returns:
-            The jobs the caller must launch now (`launch`): this submit is not part of a burst,
-            or a burst's worth waits. Else None: the launcher thread will.
+            The jobs the caller must launch now (`launch`): this submit is not part of a burst
+            nor behind a backlog on the device, or a burst's worth waits. Else None: the
+            launcher thread will.
 
         Raises:
             OffloadError: the queue is closed, or its launcher thread cannot be started.
@@ -183,11 +186,12 @@ class TransferQueue:
             self._pending.append(_Pending(job_id, job, prepared, ready, compute, seq, waits))
             self.added_seq = seq
             self._pending_bytes += job.nbytes
-            # In a burst (`LaunchCost.window`) jobs wait for the launcher or a full burst, and go
-            # as one, which saves the host launches. Other jobs go at once, the device busy or
-            # not: the launcher may not get the GIL for a while.
+            # In a burst (`LaunchCost.window`), or behind a backlog on the device, jobs wait for
+            # the launcher or a full burst, and go as one: that saves the host launches, and the
+            # device its cost per launch. Other jobs go at once, as the launcher may not get the
+            # GIL for a while.
             burst = time.perf_counter() - self._last_submit < self.launch_cost.window
-            if not self._launching and (self._burst_full() or not burst):
+            if not self._launching and (self._burst_full() or not (burst or self._backlog())):
                 return self._take()
             self._last_submit = time.perf_counter()
             if len(self._pending) == 1:  # the launcher takes it; with more, it already knows of some
@@ -397,6 +401,16 @@ class TransferQueue:
             self._launching, self._batch, self._enqueued = _NOTHING, None, None
             self._launched.notify_all()
 
+    def _backlog(self) -> bool:
+        """Whether the device has yet to run `BACKLOG` launches of this lane."""
+        if len(self._ends) < BACKLOG:
+            return False
+        seq, end = self._ends[0]
+        try:  # a reported launch has passed (its events may be pooled since)
+            return seq > self.reported_seq and not end.query()
+        except Exception:  # a fault: reported with its jobs; new work may go
+            return False
+
     def _burst_full(self) -> bool:
         """Whether enough waits to launch now, burst or not: its device time covers a launch."""
         return len(self._pending) >= self.burst_jobs or self._pending_bytes >= self.burst_bytes
@@ -474,6 +488,7 @@ class TransferQueue:
                     ]
                     self._launching, self._batch, self._enqueued = _NOTHING, None, None
                     self._launched.notify_all()
+                    self._ends.append((batch[-1].seq, end))
                     self.stats.launches += 1
                     self.stats.jobs += len(batch)
                     self.stats.bytes += nbytes
@@ -568,11 +583,23 @@ def _launch_until_done(queue_ref: weakref.ref[TransferQueue]) -> None:
             # let go of the GIL (a submitter keeps it a switch interval). It goes once submits pause.
             quiet = time.perf_counter() - queue._last_submit
             wait = min(queue.launch_cost.window, MAX_QUIET_S) - quiet
-            if wait > 0 and not queue._closed and not exiting and not queue._burst_full():
+            hold = not queue._closed and not exiting and not queue._burst_full()
+            if wait > 0 and hold:
                 queue._launched.wait(min(wait, IDLE_POLL_S))  # still looking whether the interpreter exits
                 del queue
                 continue
-            batch = queue._take()
+            # Behind a backlog the jobs wait, to go as one, until the device is a launch from done.
+            backlog = queue._ends[0][1] if hold and queue._backlog() else None
+            if backlog is None:
+                batch = queue._take()
+        if backlog is not None:
+            del queue
+            try:
+                backlog.synchronize()  # lets go of the GIL; pooled and recorded again meanwhile, it passes later
+            except Exception:  # a fault: reported with its jobs
+                pass
+            del backlog
+            continue
         try:
             queue._run(batch, background=True)
         except BaseException:

@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import compiled_or_skip, small_kv
+from helpers import PinnedWindow, compiled_or_skip, small_kv
 from hypothesis import given
 from hypothesis import strategies as st
 
 from offload_core import DeviceBlocks, Direction, HostBlocks, InvalidSpecError, OffloadError, OffloadWorker
-from offload_core.queue import JOIN_PAYS, MAX_QUIET_S, PROBE_EVERY, LaunchCost, TransferQueue, _first_clash
+from offload_core.queue import BACKLOG, JOIN_PAYS, MAX_QUIET_S, PROBE_EVERY, LaunchCost, TransferQueue, _first_clash
 from offload_core.testing.fake import FakeBackend
 
 
@@ -561,3 +561,46 @@ def test_after_probe_every_joined_launches_the_next_launch_carries_one_job():
 
 def test_the_window_stays_within_the_launchers_longest_wait():
     assert _cost((1, 1e6)).window == MAX_QUIET_S
+
+
+def _no_launcher(worker, window: float):
+    """Jobs go only with a submit or a wait; submits closer than `window` form a burst."""
+    for lane in worker._lanes:
+        lane._launcher = object()
+        lane.launch_cost = PinnedWindow(window)
+    return worker._queues[Direction.STORE]
+
+
+def test_a_submit_not_in_a_burst_launches_at_once_until_the_device_is_backlog_launches_behind(fake):
+    with OffloadWorker(small_kv(), 8, backend=fake) as worker:
+        lane = _no_launcher(worker, 0.0)
+        for j in range(BACKLOG):  # the device busy with each, the next launches all the same
+            assert store(worker, j, block=j, host=j) and not lane.waiting_for_launch()
+        assert lane.stats.launches == BACKLOG
+        store(worker, 5, block=5, host=5)
+        store(worker, 6, block=6, host=6)
+        assert lane.waiting_for_launch()  # behind the backlog: they wait, to go as one
+        fake.complete_all()
+        store(worker, 7, block=7, host=7)  # the device has caught up: this one launches them all
+        assert not lane.waiting_for_launch() and lane.stats.launches == BACKLOG + 1
+        fake.complete_all()
+        worker.wait([7])
+        assert [r.job_id for r in worker.get_finished()] == [*range(BACKLOG), 5, 6, 7]
+
+
+def test_a_probe_launch_carries_one_job(fake):
+    with OffloadWorker(small_kv(), 8, backend=fake) as worker:
+        lane = _no_launcher(worker, 60.0)  # every submit after the first part of a burst
+        store(worker, 0)
+        for j in (1, 2, 3):
+            store(worker, j, block=j, host=j)
+        lane.launch_cost.probe = True
+        fake.complete_all()
+        worker.wait([3])  # launches what waits: one job, then (the pinned probe still asking) one
+        assert lane.stats.launches == 4
+        lane.launch_cost.probe = False
+        for j in (4, 5, 6):
+            store(worker, j, block=j, host=j)
+        fake.complete_all()
+        worker.wait([6])
+        assert lane.stats.launches == 5
