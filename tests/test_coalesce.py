@@ -465,12 +465,12 @@ def test_a_burst_on_an_idle_device_waits_for_the_launcher():
 
 def test_a_launch_slower_than_the_gap_between_submits_makes_them_a_burst(monkeypatch):
     """The queue learns a launch's host time from its launches (`LaunchCost`): after one that
-    took 200 ms, submits a few ms apart wait for the launcher instead of launching one by one."""
+    took 500 ms, submits a few ms apart wait for the launcher instead of launching one by one."""
     monkeypatch.setattr(queue_module, "MAX_QUIET_S", 30.0)  # a window as long as the launch
 
     class Slow(_Who):
         def copy_blocks(self, job, prepared, stream, after):
-            time.sleep(0.2)
+            time.sleep(0.5)  # longer than a loaded machine takes from one submit to the next
             return super().copy_blocks(job, prepared, stream, after)
 
     backend = Slow()
