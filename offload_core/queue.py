@@ -512,9 +512,10 @@ class LaunchCost:
 
     A launch of one job gives its time (the least lately: it may rise by `LAUNCH_CREEP` a launch
     of one); a launch of k jobs bounds it from above and, where a launch of one measured it, gives
-    the fixed part: (k x one - its time) / (k - 1), averaged. Where no launch of one came for
-    `PROBE_EVERY` launches, `probe` asks for one: a slow host's measure would otherwise hold the
-    window wide, every launch then joining jobs."""
+    the fixed part: (k x one - its time) / (k - 1), averaged. Until it is known, submits closer
+    together than a launch of one job form a burst, so that launches of several jobs tell it.
+    Where no launch of one came for `PROBE_EVERY` launches, `probe` asks for one: a slow host's
+    measure would otherwise hold the window wide, every launch then joining jobs."""
 
     def __init__(self) -> None:
         self.one = 0.0  # seconds a launch of one job takes; 0 until a launch is seen
@@ -527,7 +528,7 @@ class LaunchCost:
     def note(self, jobs: int, seconds: float) -> None:
         """A launch of `jobs` jobs took `seconds` of host time."""
         if jobs == 1:
-            if self.one and seconds < self.one:  # the fixed part came from a slower host's
+            if self.fixed is not None and seconds < self.fixed:  # it came from a slower host's
                 self.fixed = None
             self.one = min(self.one * LAUNCH_CREEP, seconds) if self.one else seconds
             self.measured, self._since_one = True, 0
@@ -541,12 +542,15 @@ class LaunchCost:
             self.fixed = min(max(self.fixed, 0.0), self.one)
         self._since_one += jobs > 1
         self.probe = self._since_one >= PROBE_EVERY
-        self.window = self.one
-        if self.fixed is not None:
+        if self.fixed is None:  # until joined launches tell: submits faster than a launch of one join
+            self.window = self.one
+        else:
             # Joining a job saves the fixed part; it pays where that is `JOIN_PAYS` of the job's
-            # host time: the gap to the next submit, the fixed part and the part per job.
+            # host time: the gap to the next submit, the fixed part and the part per job. (Where
+            # submits launch their own jobs, their gaps leave the launch out: a gap shorter than
+            # a launch does not mean the host falls behind.)
             per_job = self.one - self.fixed
-            self.window = max(self.one, self.fixed * (1 / JOIN_PAYS - 1) - per_job)
+            self.window = max(0.0, self.fixed * (1 / JOIN_PAYS - 1) - per_job)
         self.window = min(self.window, MAX_QUIET_S)
 
 

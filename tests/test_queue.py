@@ -514,11 +514,15 @@ def test_launches_of_one_job_set_the_window_until_larger_ones_measure_the_fixed_
     assert cost.fixed is None
 
 
-def test_where_joining_saves_little_a_burst_is_what_a_launch_of_one_outruns():
-    # 20 us fixed, 70 a job: a job's submit 90 us after the last would save 20 of 180 by joining
+def test_where_joining_saves_little_only_submits_closer_than_that_join():
+    # 20 us fixed, 70 a job: joining saves a fifth of a job's time only up to a 10 us gap, though
+    # submits that launch their own jobs come closer together than a launch of one takes
     cost = _cost((1, 90), (4, 300))
     assert cost.fixed == pytest.approx(20e-6)
-    assert cost.window == pytest.approx(90e-6)
+    assert cost.window == pytest.approx(10e-6)
+    cost.note(1, 85e-6)  # a little faster: the fixed part still holds
+    assert cost.fixed == pytest.approx(20e-6)
+    assert _cost((1, 90), (2, 180)).window == 0.0  # nothing fixed: nothing to save
 
 
 def test_where_joining_saves_much_submits_further_apart_still_join():
