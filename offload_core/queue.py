@@ -40,7 +40,7 @@ GIL_YIELD_S = 20e-6
 LAUNCH_CREEP = 1.0625  # a launch of one job's least time may rise this much a launch: the host may slow
 JOIN_PAYS = 0.2  # submits join a burst where joining saves the host at least this part of a job's time
 BACKLOG = 2  # launches of a lane the device has yet to run, from which a submit's job waits to join
-PROBE_EVERY = 16  # launches of several jobs in a row, after which the launcher sends one alone, to time it
+PROBE_EVERY = 16  # launches of several jobs in a row, after which the next carries one job, to time it
 
 
 @dataclass(frozen=True, init=False)
