@@ -191,7 +191,7 @@ class TransferQueue:
             # device its cost per launch. Other jobs go at once, as the launcher may not get the
             # GIL for a while.
             burst = time.perf_counter() - self._last_submit < self.launch_cost.window
-            if not self._launching and (self._burst_full() or not (burst or self._backlog())):
+            if not self._launching and (self._burst_full() or not (burst or self._backlog() is not None)):
                 return self._take()
             self._last_submit = time.perf_counter()
             if len(self._pending) == 1:  # the launcher takes it; with more, it already knows of some
@@ -401,15 +401,15 @@ class TransferQueue:
             self._launching, self._batch, self._enqueued = _NOTHING, None, None
             self._launched.notify_all()
 
-    def _backlog(self) -> bool:
-        """Whether the device has yet to run `BACKLOG` launches of this lane."""
+    def _backlog(self) -> Event | None:
+        """Where the device has yet to run `BACKLOG` launches of this lane, the end of the first."""
         if len(self._ends) < BACKLOG:
-            return False
+            return None
         seq, end = self._ends[0]
         try:  # a reported launch has passed (its events may be pooled since)
-            return seq > self.reported_seq and not end.query()
+            return end if seq > self.reported_seq and not end.query() else None
         except Exception:  # a fault: reported with its jobs; new work may go
-            return False
+            return None
 
     def _burst_full(self) -> bool:
         """Whether enough waits to launch now, burst or not: its device time covers a launch."""
@@ -593,7 +593,7 @@ def _launch_until_done(queue_ref: weakref.ref[TransferQueue]) -> None:
                 del queue
                 continue
             # Behind a backlog the jobs wait, to go as one, until the device is a launch from done.
-            backlog = queue._ends[0][1] if hold and queue._backlog() else None
+            backlog = queue._backlog() if hold else None
             if backlog is None:
                 batch = queue._take()
         if backlog is not None:

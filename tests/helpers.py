@@ -245,7 +245,7 @@ def ctrl_c_inside_calls(backend, device: str, store: bool) -> None:
             host_row = torch.cat([v.view(torch.uint8)[j] for v in host])
             assert torch.equal(device_row, host_row), f"job {j}: wrong bytes"
 
-    lane.launch_cost = PinnedWindow(0.0)  # no burst: the device idle, a submit launches its job itself
+    lane.launch_cost = PinnedWindow(0.0)  # no burst: a submit launches its job itself
     copy.arm()
     with pytest.raises(KeyboardInterrupt):
         submit(1)

@@ -212,7 +212,7 @@ def test_wait_for_a_job_not_yet_launched_returns_once_it_has_landed(held):
 
 
 def test_wait_launches_the_named_job_with_those_before_it_and_none_after(monkeypatch):
-    """Job 0 launches at once (the device idle), jobs 1-7 wait for a launch in a burst;
+    """Job 0 launches at once (no burst yet), jobs 1-7 wait for a launch in a burst;
     `wait([3])` launches jobs 1-3 at once, by itself, and leaves 4-7 to the launcher, which
     waits for the submits to pause."""
     import offload_core.queue as queue_module
@@ -455,7 +455,7 @@ def test_a_burst_on_an_idle_device_waits_for_the_launcher():
         for j in range(1, 4):
             store(worker, j, [j], [j])
         until(lambda: not queue.waiting_for_launch())
-        assert backend.by[0] is threading.current_thread()  # the first found the device idle
+        assert backend.by[0] is threading.current_thread()  # the first was no burst
         assert threading.current_thread() not in backend.by[1:]
         worker.wait(range(4))
         assert [r.job_id for r in worker.get_finished()] == [0, 1, 2, 3]
