@@ -40,7 +40,7 @@ GIL_YIELD_S = 20e-6
 LAUNCH_CREEP = 1.0625  # a launch of one job's least time may rise this much a launch: the host may slow
 JOIN_PAYS = 0.2  # submits join a burst where joining saves the host at least this part of a job's time
 BACKLOG = 2  # launches of a lane the device has yet to run, from which a submit's job waits to join
-PROBE_EVERY = 16  # launches of several jobs in a row, after which the next carries one job, to time it
+PROBE_EVERY = 16  # launches of one kind in a row (of one job, of several), after which the other kind is measured again
 
 
 @dataclass(frozen=True, init=False)
@@ -515,7 +515,10 @@ class LaunchCost:
     the fixed part: (k x one - its time) / (k - 1), averaged. Until it is known, submits closer
     together than a launch of one job form a burst, so that launches of several jobs tell it.
     Where no launch of one came for `PROBE_EVERY` launches, `probe` asks for one: a slow host's
-    measure would otherwise hold the window wide, every launch then joining jobs."""
+    measure would otherwise hold the window wide, every launch then joining jobs. Where only
+    launches of one came for as long, the fixed part is forgotten, so that a burst measures it
+    again: one measured too small (launches of a slower mechanism joined, as `auto` tries them)
+    would otherwise keep every launch at one job."""
 
     def __init__(self) -> None:
         self.one = 0.0  # seconds a launch of one job takes; 0 until a launch is seen
@@ -524,6 +527,7 @@ class LaunchCost:
         self.window = 0.0  # submits closer together than this form a burst
         self.probe = False  # the next launch should carry one job
         self._since_one = 0  # launches since the last launch of one job
+        self._since_joined = 0  # launches since the last launch of several
 
     def note(self, jobs: int, seconds: float) -> None:
         """A launch of `jobs` jobs took `seconds` of host time."""
@@ -541,7 +545,10 @@ class LaunchCost:
             self.fixed = fixed if self.fixed is None else self.fixed + 0.25 * (fixed - self.fixed)
             self.fixed = min(max(self.fixed, 0.0), self.one)
         self._since_one += jobs > 1
+        self._since_joined = self._since_joined + 1 if jobs == 1 else 0
         self.probe = self._since_one >= PROBE_EVERY
+        if self._since_joined >= PROBE_EVERY:
+            self.fixed, self._since_joined = None, 0
         if self.fixed is None:  # until joined launches tell: submits faster than a launch of one join
             self.window = self.one
         else:

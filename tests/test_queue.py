@@ -563,6 +563,19 @@ def test_after_probe_every_joined_launches_the_next_launch_carries_one_job():
     assert not cost.probe and cost.window == pytest.approx(90e-6)
 
 
+def test_after_probe_every_launches_of_one_job_the_fixed_part_is_measured_again():
+    # auto's trial of a slower mechanism, joined: a fixed part of nothing, no burst after it
+    cost = _cost((1, 100), (4, 4000))
+    assert cost.fixed == 0.0 and cost.window == 0.0
+    for _ in range(PROBE_EVERY - 1):
+        cost.note(1, 100e-6)
+        assert cost.window == 0.0
+    cost.note(1, 100e-6)
+    assert cost.fixed is None and cost.window == pytest.approx(100e-6)  # submits this close join again
+    cost.note(4, 160e-6)  # and the joined launch measures it: 80 us fixed, 20 a job
+    assert cost.fixed == pytest.approx(80e-6) and cost.window == pytest.approx(80e-6 * (1 / JOIN_PAYS - 1) - 20e-6)
+
+
 def test_the_window_stays_within_the_launchers_longest_wait():
     assert _cost((1, 1e6)).window == MAX_QUIET_S
 
