@@ -423,12 +423,13 @@ def main() -> None:
     parser.add_argument(
         "--log-decisions",
         action="store_true",
-        help="cuda: print each shape class auto decides, with its candidates' measured seconds per GiB",
+        help="cuda: print each shape class auto decides, with its candidates' measured seconds per GiB, and each "
+        "timed launch (its host time and its device time, weighed as auto weighs it)",
     )
     args = parser.parse_args()
     if args.log_decisions:
         logging.basicConfig(format="%(message)s")
-        logging.getLogger("offload_core.backends.cuda.tuning").setLevel(logging.INFO)
+        logging.getLogger("offload_core.backends.cuda.tuning").setLevel(logging.DEBUG)
     if args.no_host_order:
         from offload_core.compact import CompactJob
 

@@ -41,6 +41,8 @@ if [ "$phase" = grid ]; then
   grid auto,auto-sm1,expand_staged,expand_direct,ce_batch all
   python3 benchmarks/auto_vs_best.py "$out"/grid-all-*.json | tee "$out/auto_vs_best.md"
   cp "${OFFLOAD_CORE_PROFILE_DIR:-$HOME/.cache/offload-core}"/*-tuned.json "$out/" 2>/dev/null
+  # the logs (each class's decision and timed launches) as one file: few files come back from a device
+  (cd "$out" && tar czf "grid-logs-$(echo "${PARTS:-all}" | tr , -).tgz" grid-all-*.log && rm -f grid-all-*.log)
   exit 0
 fi
 if [ "$phase" = ab ]; then

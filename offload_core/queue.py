@@ -412,8 +412,10 @@ class TransferQueue:
             return None
 
     def _burst_full(self) -> bool:
-        """Whether enough waits to launch now, burst or not: its device time covers a launch."""
-        return len(self._pending) >= self.burst_jobs or self._pending_bytes >= self.burst_bytes
+        """Whether enough waits to launch now, burst or not: its device time covers a launch, or
+        two jobs measure the fixed part (`LaunchCost.pair`)."""
+        jobs = min(2, self.burst_jobs) if self.launch_cost.pair else self.burst_jobs
+        return len(self._pending) >= jobs or self._pending_bytes >= self.burst_bytes
 
     def _take(self, limit: int = MAX_LAUNCH) -> list[_Pending] | None:
         """The jobs of the next launch, marked as launching: the first `limit` waiting (at most
@@ -513,12 +515,12 @@ class LaunchCost:
     A launch of one job gives its time (the least lately: it may rise by `LAUNCH_CREEP` a launch
     of one); a launch of k jobs bounds it from above and, where a launch of one measured it, gives
     the fixed part: (k x one - its time) / (k - 1), averaged. Until it is known, submits closer
-    together than a launch of one job form a burst, so that launches of several jobs tell it.
-    Where no launch of one came for `PROBE_EVERY` launches, `probe` asks for one: a slow host's
-    measure would otherwise hold the window wide, every launch then joining jobs. Where only
-    launches of one came for as long, the fixed part is forgotten, so that a burst measures it
-    again: one measured too small (launches of a slower mechanism joined, as `auto` tries them)
-    would otherwise keep every launch at one job."""
+    together than a launch of one job form a burst, and `pair` asks that two of them go as one
+    launch then, which tells it (a burst's last job waits for no more). Where no launch of one
+    came for `PROBE_EVERY` launches, `probe` asks for one: a slow host's measure would otherwise
+    hold the window wide, every launch then joining jobs. Where only launches of one came for as
+    long, the fixed part is forgotten, to be measured again: one measured too small (a slower
+    mechanism's launch joined, as `auto` tries them) would otherwise keep every launch at one job."""
 
     def __init__(self) -> None:
         self.one = 0.0  # seconds a launch of one job takes; 0 until a launch is seen
@@ -526,6 +528,7 @@ class LaunchCost:
         self.fixed: float | None = None  # the fixed part, once launches of both kinds measured it
         self.window = 0.0  # submits closer together than this form a burst
         self.probe = False  # the next launch should carry one job
+        self.pair = False  # two jobs waiting should go as one launch now: it measures the fixed part
         self._since_one = 0  # launches since the last launch of one job
         self._since_joined = 0  # launches since the last launch of several
 
@@ -549,6 +552,7 @@ class LaunchCost:
         self.probe = self._since_one >= PROBE_EVERY
         if self._since_joined >= PROBE_EVERY:
             self.fixed, self._since_joined = None, 0
+        self.pair = self.fixed is None and self.measured
         if self.fixed is None:  # until joined launches tell: submits faster than a launch of one join
             self.window = self.one
         else:

@@ -21,7 +21,7 @@ class PinnedWindow:
     whatever the launches take: 0 launches every submit on an idle device, 60 makes any two
     submits a burst."""
 
-    probe = False
+    probe = pair = False
 
     def __init__(self, window: float):
         self.window = window

@@ -465,7 +465,9 @@ def test_a_burst_on_an_idle_device_waits_for_the_launcher():
 
 def test_a_launch_slower_than_the_gap_between_submits_makes_them_a_burst(monkeypatch):
     """The queue learns a launch's host time from its launches (`LaunchCost`): after one that
-    took 500 ms, submits a few ms apart wait for the launcher instead of launching one by one."""
+    took 500 ms, submits a few ms apart form a burst. Its first two go as one launch, by the
+    second submit (`LaunchCost.pair`: that measures the fixed part); the later ones wait for the
+    launcher and go as one."""
     monkeypatch.setattr(queue_module, "MAX_QUIET_S", 30.0)  # a window as long as the launch
 
     class Slow(_Who):
@@ -477,12 +479,12 @@ def test_a_launch_slower_than_the_gap_between_submits_makes_them_a_burst(monkeyp
     with OffloadWorker(small_kv(pages=(64,), blocks=16), 16, backend=backend) as worker:
         store(worker, 0, [0], [0])
         worker.wait([0])  # the device is idle for each of the next ones
-        for j in range(1, 4):
+        for j in range(1, 6):
             store(worker, j, [j], [j])
-        assert len(backend.by) == 1  # the others wait to go as one
-        worker.wait(range(4))
-        assert len(backend.by) == 2
-        assert [r.job_id for r in worker.get_finished()] == [0, 1, 2, 3]
+        assert backend.by == [threading.current_thread()] * 2  # job 0, then 1 and 2 as one
+        worker.wait(range(6))
+        assert len(backend.by) == 3  # 3 to 5 as one
+        assert [r.job_id for r in worker.get_finished()] == list(range(6))
 
 
 def test_a_burst_of_burst_jobs_is_launched_by_the_submit():

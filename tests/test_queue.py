@@ -511,7 +511,11 @@ def _cost(*launches):
 def test_launches_of_one_job_set_the_window_until_larger_ones_measure_the_fixed_part():
     cost = _cost((1, 90), (1, 100))
     assert cost.window == pytest.approx(90e-6 * 1.0625)  # the least lately, rising a sixteenth a launch
-    assert cost.fixed is None
+    assert cost.fixed is None and cost.pair  # two jobs of a burst go as one, to measure it
+    cost = _cost((1, 90), (2, 130))
+    assert cost.fixed == pytest.approx(50e-6) and not cost.pair
+    cost.note(4, 80e-6)  # faster than a launch of one: it bounds it, and no pair measures against a bound
+    assert cost.fixed is None and not cost.pair
 
 
 def test_where_joining_saves_little_only_submits_closer_than_that_join():

@@ -193,6 +193,14 @@ class Tuner:
         and `device_s` on the stream. Once every candidate left has `TRIALS`, the class goes to
         the fastest by median, or to the prior (the cost model's first pick, if still in) unless
         another is `MARGIN` faster."""
+        log.debug(
+            "cuda auto: %s timed %s: %d bytes, host %.0f us, device %.0f us",
+            key.name(),
+            name,
+            nbytes,
+            host_s * 1e6,
+            device_s * 1e6,
+        )
         with self._lock:
             trial = self._trials.get(key)
             if trial is None or name not in trial.costs:
