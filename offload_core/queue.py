@@ -528,9 +528,13 @@ class LaunchCost:
         self.fixed: float | None = None  # the fixed part, once launches of both kinds measured it
         self.window = 0.0  # submits closer together than this form a burst
         self.probe = False  # the next launch should carry one job
-        self.pair = False  # two jobs waiting should go as one launch now: it measures the fixed part
         self._since_one = 0  # launches since the last launch of one job
         self._since_joined = 0  # launches since the last launch of several
+
+    @property
+    def pair(self) -> bool:
+        """Whether two jobs waiting should go as one launch now: it measures the fixed part."""
+        return self.fixed is None and self.measured
 
     def note(self, jobs: int, seconds: float) -> None:
         """A launch of `jobs` jobs took `seconds` of host time."""
@@ -552,7 +556,6 @@ class LaunchCost:
         self.probe = self._since_one >= PROBE_EVERY
         if self._since_joined >= PROBE_EVERY:
             self.fixed, self._since_joined = None, 0
-        self.pair = self.fixed is None and self.measured
         if self.fixed is None:  # until joined launches tell: submits faster than a launch of one join
             self.window = self.one
         else:
