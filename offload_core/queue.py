@@ -527,9 +527,13 @@ class LaunchCost:
         self.measured = False  # `one` is a launch of one job's, not a larger launch's bound
         self.fixed: float | None = None  # the fixed part, once launches of both kinds measured it
         self.window = 0.0  # submits closer together than this form a burst
-        self.probe = False  # the next launch should carry one job
         self._since_one = 0  # launches since the last launch of one job
         self._since_joined = 0  # launches since the last launch of several
+
+    @property
+    def probe(self) -> bool:
+        """Whether the next launch should carry one job, to time it again."""
+        return self._since_one >= PROBE_EVERY
 
     @property
     def pair(self) -> bool:
@@ -553,7 +557,6 @@ class LaunchCost:
             self.fixed = min(max(self.fixed, 0.0), self.one)
         self._since_one += jobs > 1
         self._since_joined = self._since_joined + 1 if jobs == 1 else 0
-        self.probe = self._since_one >= PROBE_EVERY
         if self._since_joined >= PROBE_EVERY:
             self.fixed, self._since_joined = None, 0
         if self.fixed is None:  # until joined launches tell: submits faster than a launch of one join
