@@ -7,13 +7,16 @@ import json
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from offload_core import DeviceBlocks, Direction, HostBlocks
 from offload_core.backends.cuda import tuning
 from offload_core.backends.cuda.tuning import ShapeClass, Timings, Tuner, candidates, shape_class
 
-KEY = shape_class("store", 4096, 4096 * 64, 4 << 20, rows=1024, segments=1000, launch_bytes=4 << 20)
+SCATTERED = np.random.default_rng(0).permutation(1 << 16)[:1024]
+RUN = np.arange(1000, 1064)
+KEY = shape_class("store", 4096, 4096 * 64, 4 << 20, SCATTERED, launch_bytes=4 << 20)
 
 
 def run_trial(tuner: Tuner, key: ShapeClass, names: list[str], seconds: dict[str, float], nbytes: int = 1 << 20):
@@ -202,13 +205,25 @@ def test_candidates_are_those_the_cost_model_rates_near_its_pick():
 
 
 def test_shape_classes_bucket_what_decides():
-    a = shape_class("load", 4096, 1 << 18, 4 << 20, rows=64, segments=64, launch_bytes=16 << 20)
+    a = shape_class("load", 4096, 1 << 18, 4 << 20, SCATTERED[:64], launch_bytes=16 << 20)
     assert a == ShapeClass("load", 12, 18, 11, False, 12)
-    assert shape_class("load", 4096, 1 << 18, 5 << 20, rows=64, segments=64, launch_bytes=20 << 20) == a  # powers of 4
-    assert shape_class("load", 4096, 1 << 18, 4 << 20, rows=64, segments=8, launch_bytes=16 << 20).runs
+    assert shape_class("load", 4096, 1 << 18, 5 << 20, SCATTERED[:64], launch_bytes=20 << 20) == a  # powers of 4
+    assert shape_class("load", 4096, 1 << 18, 4 << 20, RUN, launch_bytes=16 << 20).runs
     # launches of one job and of four joined are timed apart: their fixed costs weigh differently
-    assert shape_class("load", 4096, 1 << 18, 4 << 20, rows=64, segments=64, launch_bytes=4 << 20) != a
+    assert shape_class("load", 4096, 1 << 18, 4 << 20, SCATTERED[:64], launch_bytes=4 << 20) != a
     assert ShapeClass.parse(a.name()) == a
+
+
+def test_a_class_reads_only_the_first_host_ids():
+    # looked up every launch: the ids past the sample cannot change the class (nor cost its time)
+    ids = np.concatenate([RUN, SCATTERED])
+    assert shape_class("store", 4096, 1 << 12, 1 << 20, ids, 1 << 20).runs
+    # runs of two blocks break every other id: half, not fewer
+    pairs = (np.arange(32)[:, None] * 10 + np.arange(2)).ravel()
+    assert not shape_class("store", 4096, 1 << 12, 1 << 20, pairs, 1 << 20).runs
+    threes = (np.arange(32)[:, None] * 10 + np.arange(3)).ravel()
+    assert shape_class("store", 4096, 1 << 12, 1 << 20, threes, 1 << 20).runs
+    assert not shape_class("store", 4096, 1 << 12, 1 << 20, RUN[:1], 1 << 20).runs
 
 
 class Event:

@@ -201,12 +201,12 @@ class BlockCopier:
         among `tuning.candidates`."""
         self.timings.collect()
         layout = prepared.layout
-        count, small = layout.segment_summary(job, self._small_limit(job.direction))
         per_job, d = job.nbytes // max(1, job.jobs), job.direction.value
-        key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids.size, count, job.nbytes)
+        key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids, job.nbytes)
         winner = self.tuner.decided(key)
-        if winner is not None and self._runs_here(winner, prepared):  # no cost model on the launch's host time
+        if winner is not None and self._runs_here(winner, prepared):  # no pass over the job: O(1) a launch
             return TABLE[winner], key, False
+        count, small = layout.segment_summary(job, self._small_limit(job.direction))
         estimates = self._estimates(job, prepared, count, small)
         name, timed = self.tuner.pick(key, tuning.candidates(estimates, cheapest(estimates)), self.timings.room())
         return TABLE[name], key, timed

@@ -21,6 +21,8 @@ from contextlib import suppress
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 TRIALS = 3  # timed launches per candidate; the median decides
@@ -31,10 +33,13 @@ WITHIN = 8.0
 STRIKE = 2.0  # a candidate whose best of two launches is this many times the class's best leaves
 MARGIN = 0.05  # another candidate replaces the cost model's pick only if this much faster
 MAX_PENDING = 64  # timed launches whose events have not passed yet, at most (more go untimed)
+# A launch's first host ids that tell its class whether they run on (a class is looked up every
+# launch: reading every id would cost a launch of 262,144 blocks about 200 us)
+RUNS_SAMPLE = 64
 # The rules a saved winner was measured under (its name's prefix): raised where what decides
 # a class changes (its fields, the candidates, how timings are weighed), so that winners saved
 # under other rules are neither read nor lost (another version may still use them).
-RULES = 2
+RULES = 3
 _SAVING = threading.Lock()  # one file write at a time in this process (`Tuner._record`)
 
 
@@ -47,7 +52,7 @@ class ShapeClass(NamedTuple):
     entry: int  # log2 of the layout's smallest entry (page or head fragment)
     row: int  # log2 of a host row
     job: int  # log4 of the bytes per job
-    runs: bool  # host rows mostly in runs (fewer segments than half the rows)
+    runs: bool  # host blocks mostly in runs (of the first `RUNS_SAMPLE`, fewer breaks than half)
     launch: int  # log4 of the launch's bytes
 
     def name(self) -> str:
@@ -68,16 +73,18 @@ class ShapeClass(NamedTuple):
 
 
 def shape_class(
-    direction: str, smallest: int, row_bytes: int, job_bytes: int, rows: int, segments: int, launch_bytes: int
+    direction: str, smallest: int, row_bytes: int, job_bytes: int, host_ids: np.ndarray, launch_bytes: int
 ) -> ShapeClass:
-    """The class of a launch of `launch_bytes`, `job_bytes` per job, whose `rows` host rows
-    merge into `segments` host-contiguous segments."""
+    """The class of a launch of `launch_bytes`, `job_bytes` per job, over host blocks
+    `host_ids` (of which it reads the first `RUNS_SAMPLE` and one)."""
+    head = host_ids[: RUNS_SAMPLE + 1]
+    runs = 2 * (int(np.count_nonzero(np.diff(head) != 1)) + 1) < head.size
     return ShapeClass(
         direction,
         max(0, int(math.log2(max(1, smallest)))),
         max(0, int(math.log2(max(1, row_bytes)))),
         max(0, int(math.log(max(1, job_bytes), 4))),
-        2 * segments < rows,
+        runs,
         max(0, int(math.log(max(1, launch_bytes), 4))),
     )
 
