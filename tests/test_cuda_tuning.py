@@ -16,7 +16,7 @@ from offload_core.backends.cuda.tuning import ShapeClass, Timings, Tuner, candid
 
 SCATTERED = np.random.default_rng(0).permutation(1 << 16)[:1024]
 RUN = np.arange(1000, 1064)
-KEY = shape_class("store", 4096, 4096 * 64, 4 << 20, SCATTERED, launch_bytes=4 << 20)
+KEY = shape_class("store", 4096, 4096 * 64, 4 << 20, SCATTERED)
 
 
 def run_trial(tuner: Tuner, key: ShapeClass, names: list[str], seconds: dict[str, float], nbytes: int = 1 << 20):
@@ -205,25 +205,23 @@ def test_candidates_are_those_the_cost_model_rates_near_its_pick():
 
 
 def test_shape_classes_bucket_what_decides():
-    a = shape_class("load", 4096, 1 << 18, 4 << 20, SCATTERED[:64], launch_bytes=16 << 20)
-    assert a == ShapeClass("load", 12, 18, 11, False, 12)
-    assert shape_class("load", 4096, 1 << 18, 5 << 20, SCATTERED[:64], launch_bytes=20 << 20) == a  # powers of 4
-    assert shape_class("load", 4096, 1 << 18, 4 << 20, RUN, launch_bytes=16 << 20).runs
-    # launches of one job and of four joined are timed apart: their fixed costs weigh differently
-    assert shape_class("load", 4096, 1 << 18, 4 << 20, SCATTERED[:64], launch_bytes=4 << 20) != a
+    a = shape_class("load", 4096, 1 << 18, 4 << 20, SCATTERED[:64])
+    assert a == ShapeClass("load", 12, 18, 11, False)
+    assert shape_class("load", 4096, 1 << 18, 5 << 20, SCATTERED[:64]) == a  # powers of 4
+    assert shape_class("load", 4096, 1 << 18, 4 << 20, RUN).runs
     assert ShapeClass.parse(a.name()) == a
 
 
 def test_a_class_reads_only_the_first_host_ids():
     # looked up every launch: the ids past the sample cannot change the class (nor cost its time)
     ids = np.concatenate([RUN, SCATTERED])
-    assert shape_class("store", 4096, 1 << 12, 1 << 20, ids, 1 << 20).runs
+    assert shape_class("store", 4096, 1 << 12, 1 << 20, ids).runs
     # runs of two blocks break every other id: half, not fewer
     pairs = (np.arange(32)[:, None] * 10 + np.arange(2)).ravel()
-    assert not shape_class("store", 4096, 1 << 12, 1 << 20, pairs, 1 << 20).runs
+    assert not shape_class("store", 4096, 1 << 12, 1 << 20, pairs).runs
     threes = (np.arange(32)[:, None] * 10 + np.arange(3)).ravel()
-    assert shape_class("store", 4096, 1 << 12, 1 << 20, threes, 1 << 20).runs
-    assert not shape_class("store", 4096, 1 << 12, 1 << 20, RUN[:1], 1 << 20).runs
+    assert shape_class("store", 4096, 1 << 12, 1 << 20, threes).runs
+    assert not shape_class("store", 4096, 1 << 12, 1 << 20, RUN[:1]).runs
 
 
 class Event:
@@ -352,6 +350,23 @@ def test_auto_runs_the_trials_then_the_winner(monkeypatch, fast, unit, winner):
     # each timed expand_staged launch made its side stream wait for its start; no other did
     assert "expand_staged" in tried and len(copier.side.waited) == tuning.TRIALS
     assert copier.tuner.winners() == {next(iter(copier.tuner._saved)).name(): winner}
+
+
+def test_a_launch_of_one_job_and_one_of_several_are_one_class(monkeypatch):
+    """Launches join however many jobs wait: launches of one job and of four joined share one
+    trial and one winner, so one shape's jobs never go two ways, nor meet a new trial late."""
+    from offload_core.compact import CompactJob
+
+    seconds = {"expand_staged": 1e-5, "expand_direct": 1.5e-5, "ce_batch": 1.8e-5}
+    copier, layout, prepared, ran, worker = copier_over_stubs(monkeypatch, seconds)
+    with worker:
+        blocks = [range(16 * i, 16 * i + 16) for i in range(4)]
+        jobs = [layout.job(Direction.STORE, DeviceBlocks(b), HostBlocks(b)) for b in blocks]
+        joined = CompactJob.concat(jobs)
+        for i in range(4 * tuning.TRIALS):
+            copier.copy(jobs[0] if i % 2 else joined, prepared, "stream", [], [])
+    assert copier.tuner.undecided() == 0 and len(copier.tuner.winners()) == 1
+    assert len(set(ran[-4:])) == 1  # one mechanism for both kinds of launch
 
 
 def test_a_class_with_one_candidate_is_decided_at_once_but_not_saved(tmp_path):

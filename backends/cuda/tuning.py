@@ -4,6 +4,11 @@ and Triton's autotune do). The cost model stays the prior: it names the candidat
 ties, so its sparing of the SMs holds where measurements cannot tell the candidates apart.
 Winners persist per GPU model (`winners_path`).
 
+A class is a job's shape, not its launch's: launches join however many jobs wait, so a class
+per launch size would split one shape's jobs between mechanisms and meet new classes, with
+their trials, long after the first launches. Costs are per byte, and a class's candidates take
+turns launch by launch, so each meets the launch sizes the others meet.
+
 A launch's cost is the larger, per byte, of its host time around the enqueue and its device
 time between two events on the copy stream (the host prepares the next launch while the device
 moves this one), the device time weighed for the SMs the launch held (`Timings`' `weigh`).
@@ -39,24 +44,22 @@ RUNS_SAMPLE = 64
 # The rules a saved winner was measured under (its name's prefix): raised where what decides
 # a class changes (its fields, the candidates, how timings are weighed), so that winners saved
 # under other rules are neither read nor lost (another version may still use them).
-RULES = 3
+RULES = 4
 _SAVING = threading.Lock()  # one file write at a time in this process (`Tuner._record`)
 
 
 class ShapeClass(NamedTuple):
-    """What decides between the mechanisms and stays put over an engine's life. Bytes go in
-    powers of four: jobs submitted back to back share launches, whose fixed costs weigh less
-    the larger they are."""
+    """What decides between the mechanisms and stays put over an engine's life, bytes in powers
+    of four."""
 
     direction: str  # "store" or "load"
     entry: int  # log2 of the layout's smallest entry (page or head fragment)
     row: int  # log2 of a host row
     job: int  # log4 of the bytes per job
     runs: bool  # host blocks mostly in runs (of the first `RUNS_SAMPLE`, fewer breaks than half)
-    launch: int  # log4 of the launch's bytes
 
     def name(self) -> str:
-        return f"{RULES}/{self.direction}:{self.entry}:{self.row}:{self.job}:{int(self.runs)}:{self.launch}"
+        return f"{RULES}/{self.direction}:{self.entry}:{self.row}:{self.job}:{int(self.runs)}"
 
     @classmethod
     def parse(cls, text: str) -> ShapeClass:
@@ -68,19 +71,17 @@ class ShapeClass(NamedTuple):
         rules, _, fields = text.partition("/")
         if rules != str(RULES):
             raise ValueError(f"a class of rules {rules!r}, not {RULES}")
-        d, e, r, j, runs, launch = fields.split(":")
-        return cls(d, int(e), int(r), int(j), runs == "1", int(launch))
+        d, e, r, j, runs = fields.split(":")
+        return cls(d, int(e), int(r), int(j), runs == "1")
 
 
-def shape_class(
-    direction: str, smallest: int, row_bytes: int, job_bytes: int, host_ids: np.ndarray, launch_bytes: int
-) -> ShapeClass:
-    """The class of a launch of `launch_bytes`, `job_bytes` per job, over host blocks
-    `host_ids` (of which it reads the first `RUNS_SAMPLE` and one)."""
+def shape_class(direction: str, smallest: int, row_bytes: int, job_bytes: int, host_ids: np.ndarray) -> ShapeClass:
+    """The class of a launch of jobs of `job_bytes` over host blocks `host_ids` (of which it
+    reads the first `RUNS_SAMPLE` and one)."""
     head = host_ids[: RUNS_SAMPLE + 1]  # looked up every launch: a microsecond or two, no pass over the ids
     runs = 2 * (int(np.count_nonzero(head[1:] - head[:-1] != 1)) + 1) < head.size
     log2 = lambda n: max(1, int(n)).bit_length() - 1  # noqa: E731 (exact, where math.log2 of a float may not be)
-    return ShapeClass(direction, log2(smallest), log2(row_bytes), log2(job_bytes) // 2, runs, log2(launch_bytes) // 2)
+    return ShapeClass(direction, log2(smallest), log2(row_bytes), log2(job_bytes) // 2, runs)
 
 
 def winners_path(device_name: str, sm_penalty: float) -> Path:
