@@ -203,9 +203,8 @@ def _shape_steps(backend, page, per_job, count, jobs, seed, host_runs, passes, o
         def schedule():  # True: a pass to warm up; False: a measured one
             seen = timed()
             yield True  # pools, rings, compiled kernels
-            # while `auto` still measures its candidates (cuda): until a pass timed no launch (a
-            # pass may meet a class the one before did not: launches join however many jobs
-            # wait), as an engine's launches run once its first have decided. A class still on
+            # while `auto` still measures its candidates (cuda): until a pass timed no launch, as
+            # an engine's launches run once its first have decided. A class still on
             # trial then is one this pass did not meet (a rare one, or an earlier shape's): it
             # holds nothing up, and `trial_launches_measured` tells if a measured pass meets it.
             for _ in range(24):
