@@ -216,12 +216,29 @@ def test_a_class_reads_only_the_first_host_ids():
     # looked up every launch: the ids past the sample cannot change the class (nor cost its time)
     ids = np.concatenate([RUN, SCATTERED])
     assert shape_class("store", 4096, 1 << 12, 1 << 20, ids).runs
-    # runs of two blocks break every other id: half, not fewer
+    # runs of two blocks: as many runs as half the ids, not fewer
     pairs = (np.arange(32)[:, None] * 10 + np.arange(2)).ravel()
     assert not shape_class("store", 4096, 1 << 12, 1 << 20, pairs).runs
+    # the sample is RUNS_SAMPLE ids and one: the 65th continuing the last pair tips it
+    assert shape_class("store", 4096, 1 << 12, 1 << 20, np.append(pairs, pairs[-1] + 1)).runs
     threes = (np.arange(32)[:, None] * 10 + np.arange(3)).ravel()
     assert shape_class("store", 4096, 1 << 12, 1 << 20, threes).runs
     assert not shape_class("store", 4096, 1 << 12, 1 << 20, RUN[:1]).runs
+
+
+def test_small_jobs_joined_are_the_class_of_one_alone():
+    # one block a job, the engine handing out consecutive host blocks: four joined run on, one
+    # alone cannot; the sample reads one job's worth, so both are one class
+    alone = shape_class("store", 4096, 1 << 12, 4096, RUN[:1])
+    assert shape_class("store", 4096, 1 << 12, 4096, RUN[:4], jobs=4) == alone
+    assert shape_class("store", 4096, 1 << 12, 1 << 20, RUN, jobs=2).runs  # 32 a job: read
+
+
+def test_names_of_other_rules_are_refused():
+    with pytest.raises(ValueError, match="rules"):
+        ShapeClass.parse(f"{tuning.RULES - 1}/store:12:18:11:0:12")  # the older fields, launch size last
+    with pytest.raises(ValueError):
+        ShapeClass.parse(f"{tuning.RULES}/store:12:18:11:0:12")  # this rule, a field too many
 
 
 class Event:
@@ -352,21 +369,29 @@ def test_auto_runs_the_trials_then_the_winner(monkeypatch, fast, unit, winner):
     assert copier.tuner.winners() == {next(iter(copier.tuner._saved)).name(): winner}
 
 
-def test_a_launch_of_one_job_and_one_of_several_are_one_class(monkeypatch):
+@pytest.mark.parametrize("per_job", [16, 1])
+def test_a_launch_of_one_job_and_one_of_several_are_one_class(monkeypatch, per_job):
     """Launches join however many jobs wait: launches of one job and of four joined share one
-    trial and one winner, so one shape's jobs never go two ways, nor meet a new trial late."""
+    trial and one winner, so one shape's jobs never go two ways, nor meet a new trial late;
+    also where one-block jobs' host blocks, joined, run on (an engine handing them out in turn)."""
     from offload_core.compact import CompactJob
 
     seconds = {"expand_staged": 1e-5, "expand_direct": 1.5e-5, "ce_batch": 1.8e-5}
     copier, layout, prepared, ran, worker = copier_over_stubs(monkeypatch, seconds)
     with worker:
-        blocks = [range(16 * i, 16 * i + 16) for i in range(4)]
+        blocks = [range(per_job * i, per_job * i + per_job) for i in range(4)]
         jobs = [layout.job(Direction.STORE, DeviceBlocks(b), HostBlocks(b)) for b in blocks]
         joined = CompactJob.concat(jobs)
         for i in range(4 * tuning.TRIALS):
             copier.copy(jobs[0] if i % 2 else joined, prepared, "stream", [], [])
-    assert copier.tuner.undecided() == 0 and len(copier.tuner.winners()) == 1
-    assert len(set(ran[-4:])) == 1  # one mechanism for both kinds of launch
+        assert copier.tuner.undecided() == 0 and len(copier.tuner.winners()) == 1
+        assert len(set(ran[-4:])) == 1  # one mechanism for both kinds of launch
+
+        def no_pass(*args):
+            raise AssertionError("a decided launch passed over its blocks")
+
+        monkeypatch.setattr(layout, "segment_summary", no_pass)  # a decided class needs no estimate
+        assert copier.copy(joined, prepared, "stream", [], []) == ran[-1]
 
 
 def test_a_class_with_one_candidate_is_decided_at_once_but_not_saved(tmp_path):

@@ -202,7 +202,7 @@ class BlockCopier:
         self.timings.collect()
         layout = prepared.layout
         per_job, d = job.nbytes // max(1, job.jobs), job.direction.value
-        key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids)
+        key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids, job.jobs)
         winner = self.tuner.decided(key)
         if winner is not None and self._runs_here(winner, prepared):  # no pass over the job: O(1) a launch
             return TABLE[winner], key, False

@@ -56,7 +56,7 @@ class ShapeClass(NamedTuple):
     entry: int  # log2 of the layout's smallest entry (page or head fragment)
     row: int  # log2 of a host row
     job: int  # log4 of the bytes per job
-    runs: bool  # host blocks mostly in runs (of the first `RUNS_SAMPLE`, fewer breaks than half)
+    runs: bool  # host blocks mostly in runs (`shape_class`: fewer runs than half the ids read)
 
     def name(self) -> str:
         return f"{RULES}/{self.direction}:{self.entry}:{self.row}:{self.job}:{int(self.runs)}"
@@ -75,10 +75,14 @@ class ShapeClass(NamedTuple):
         return cls(d, int(e), int(r), int(j), runs == "1")
 
 
-def shape_class(direction: str, smallest: int, row_bytes: int, job_bytes: int, host_ids: np.ndarray) -> ShapeClass:
-    """The class of a launch of jobs of `job_bytes` over host blocks `host_ids` (of which it
-    reads the first `RUNS_SAMPLE` and one)."""
-    head = host_ids[: RUNS_SAMPLE + 1]  # looked up every launch: a microsecond or two, no pass over the ids
+def shape_class(
+    direction: str, smallest: int, row_bytes: int, job_bytes: int, host_ids: np.ndarray, jobs: int = 1
+) -> ShapeClass:
+    """The class of a launch of `jobs` jobs of `job_bytes` over host blocks `host_ids`, of which
+    it reads the first `RUNS_SAMPLE` and one, at most one job's worth: ids of several small jobs
+    joined may run on where one job's alone cannot, and one shape must be one class."""
+    per_job = max(1, host_ids.size // max(1, jobs))
+    head = host_ids[: min(RUNS_SAMPLE + 1, per_job)]  # looked up every launch: a microsecond or two
     runs = 2 * (int(np.count_nonzero(head[1:] - head[:-1] != 1)) + 1) < head.size
     log2 = lambda n: max(1, int(n)).bit_length() - 1  # noqa: E731 (exact, where math.log2 of a float may not be)
     return ShapeClass(direction, log2(smallest), log2(row_bytes), log2(job_bytes) // 2, runs)
