@@ -11,7 +11,7 @@
 # the next, then `python3 benchmarks/auto_vs_best.py grid-all-*.json` over both calls' files;
 # "regions" (not part of "all"): the region soak alone, RUNS times (about 10 s a run);
 # "ab" (not part of "all"): `auto` with FILE as it is against FILE replaced by ALT (an untracked
-# copy, which travels with the tree), in turn twice, over the engine's shapes (about 6 minutes):
+# copy, which travels with the tree), in turn twice, over the engine's shapes (about 7 minutes):
 # FILE=offload_core/queue.py ALT=queue_alt.py bash benchmarks/gpu_check.sh OUT ab
 set +e
 out=${1:-${OUT:-gpu-check}}
@@ -55,8 +55,10 @@ if [ "$phase" = ab ]; then
     B="env OFFLOAD_CORE_PROFILE_DIR=$(mktemp -d) python3 benchmarks/engine_bench.py --backend cuda --mechanisms auto"
     timeout 100 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64 > "$out/ab-$arm-64t.log" 2>&1
     timeout 60 $B --tensors 1 --pages 256,4096 --job-mib 4 --jobs 32 > "$out/ab-$arm-1t.log" 2>&1
-    echo "== $arm"; grep -h "^cuda " "$out/ab-$arm-64t.log" "$out/ab-$arm-1t.log" | cut -c1-150
-    cat "$out/ab-$arm-64t.log" "$out/ab-$arm-1t.log" >> "$out/ab-$arm.log"; rm -f "$out/ab-$arm-64t.log" "$out/ab-$arm-1t.log"
+    timeout 60 $B --layers 32 --pages 1024 --blocks-per-job 16 --jobs 64 --host-runs > "$out/ab-$arm-runs.log" 2>&1
+    logs="$out/ab-$arm-64t.log $out/ab-$arm-1t.log $out/ab-$arm-runs.log"
+    echo "== $arm"; grep -h "^cuda " $logs | cut -c1-150
+    cat $logs >> "$out/ab-$arm.log"; rm -f $logs
   done | tee "$out/ab.md"
   cp "$out/ab-base.txt" "$FILE"; rm -f "$out/ab-base.txt"
   exit 0
