@@ -33,7 +33,7 @@ class BackendUnavailableError(OffloadError, RuntimeError):
         origin = f" (from {source})" if source else ""
         super().__init__(
             f"offload backend {name!r}{origin} is unavailable: {reason}{hint}; the host-memory reference backend is "
-            "'cpu' (backend='cpu', --backend cpu, or OFFLOAD_CORE_BACKEND=cpu where no name is given)"
+            "'cpu': pass backend='cpu' or --backend cpu, or set OFFLOAD_CORE_BACKEND=cpu where code names none"
         )
 
 
