@@ -93,6 +93,20 @@ def cells(rows: list[dict]) -> list[tuple]:
     return out
 
 
+def miss_kind(cell: tuple) -> str:
+    """Why a cell of `cells` falls short, as docs/performance.md sorts the misses: "spared" (auto
+    took the copy engines where the best holds SMs), "two" (its measured passes took more than one
+    mechanism, or timed trial launches), "own" (it took the best's own mechanism: the gap is
+    between two runs of one mechanism), else "other"."""
+    chose, best = cell[3], cell[4]
+    took = chose.split(",")[0].split("/")
+    if "SMs spared" in chose:
+        return "spared"
+    if len(took) > 1 or "still on trial" in chose:
+        return "two"
+    return "own" if took == [best] else "other"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="+")
@@ -127,6 +141,11 @@ def main() -> None:
             else ""
         )
         + f"; auto's choice forced below: {sum(c < args.target for c in chosen)} of {len(chosen)}"
+    )
+    kinds = [miss_kind(c) for c in below]
+    print(
+        f"misses: SMs spared {kinds.count('spared')} / on the best's own mechanism {kinds.count('own')} / "
+        f"two mechanisms {kinds.count('two')} / other {kinds.count('other')}"
     )
     raise SystemExit(1 if below else 0)
 

@@ -244,6 +244,19 @@ def test_auto_vs_best_compares_auto_with_the_best_forced_mechanism_per_shape_and
     assert load[7] == "0.96 (expand_direct)" and load[4] == "expand_direct"
 
 
+def test_auto_vs_best_sorts_the_misses_as_the_docs_do():
+    from auto_vs_best import miss_kind
+
+    def cell(chose, best="expand_direct"):
+        return (None, "store", 0.5, chose, best, 0.9, 0.5, "-", None)
+
+    assert miss_kind(cell("expand_staged, SMs spared: expand_direct holds them 0.45 ms a launch")) == "spared"
+    assert miss_kind(cell("expand_direct/expand_staged")) == "two"
+    assert miss_kind(cell("expand_direct, still on trial")) == "two"
+    assert miss_kind(cell("expand_direct")) == "own"
+    assert miss_kind(cell("ce_batch")) == "other"
+
+
 def test_serve_times_the_decode_steps_while_stores_run_against_those_after():
     """benchmarks/vllm/serve.py's decode figure: the first steps that decode only (after the
     longer prefill steps) against the last ones, from the times each engine step returned."""
