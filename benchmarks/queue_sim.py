@@ -16,18 +16,29 @@ compute (the GIL free) until `--step-ms` has passed.
 
 The rate is of the simulated device (``--gbps`` is its limit): below it, the host or the policy
 left the device idle (``idle ms``).
+
+`--candidates` gives the device several ways to move a launch (``name:launch_us:per_job_us:gbps``
+each, comma-separated) and lets the cuda backend's tuner (`tuning.Tuner`, the real one) choose
+among them per shape class, timing each trial on the simulated clock, as `auto` does; with
+`--class-per-launch`, its classes hold the launch's size too (as before `c697dea`). Each pass
+prints the launches per mechanism:
+
+    python benchmarks/queue_sim.py --tensors 64 --page 256 --blocks-per-job 128 --jobs 64 \
+        --candidates fast_host:20:2:50,fast_device:60:8:55
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 
 import numpy as np
 import torch
 from submit_overhead import NullExpandingBackend
 
 from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
+from offload_core.backends.cuda import tuning
 
 now = time.perf_counter
 
@@ -74,6 +85,10 @@ class SimulatedDevice(NullExpandingBackend):
         self.slow_launches, self.slow_s = slow_launches, slow_s  # the first launches this much slower (trials)
         self.idle_s, self.since = 0.0, 0.0  # the device's idle time since `since` (a pass's start)
         self.ends: list[float] = []  # when the device is done with each job, in launch order
+        self.candidates: dict[str, tuple[float, float, float]] = {}  # name: (launch s, per job s, s per byte)
+        self.tuner = self.timings = None
+        self.class_per_launch = False
+        self.used: Counter = Counter()  # launches per mechanism
 
     def new_event(self):
         return _Event()
@@ -87,12 +102,32 @@ class SimulatedDevice(NullExpandingBackend):
     def copy_blocks(self, job, prepared, stream, after):
         slow = self.slow_launches > 0
         self.slow_launches -= slow
-        _busy(self.slow_s * slow + self.launch_s + self.per_job_s * max(1, job.jobs))
-        start = max(now(), stream.t)
-        self.idle_s += start - max(stream.t, self.since)
-        stream.t = start + self.device_launch_s + job.nbytes * self.s_per_byte
+        name, (launch_s, per_job_s, s_per_byte) = "simulated", (self.launch_s, self.per_job_s, self.s_per_byte)
+        key = timed = None
+        if self.tuner is not None:
+            self.timings.collect()
+            per_job = job.nbytes if self.class_per_launch else job.nbytes // max(1, job.jobs)
+            key = tuning.shape_class(
+                "store", job.layout.smallest, job.layout.row_bytes, per_job, job.host_ids, job.jobs
+            )
+            name = self.tuner.decided(key) or list(self.candidates)[0]
+            if self.tuner.decided(key) is None:
+                name, timed = self.tuner.pick(key, list(self.candidates), self.timings.room())
+            launch_s, per_job_s, s_per_byte = self.candidates[name]
+        self.used[name] += 1
+        t0 = now()
+        _busy(self.slow_s * slow + launch_s + per_job_s * max(1, job.jobs))
+        host_s = now() - t0
+        first = _Event()
+        first.t = max(now(), stream.t)
+        self.idle_s += first.t - max(stream.t, self.since)
+        stream.t = first.t + self.device_launch_s + job.nbytes * s_per_byte
+        if timed:  # as the cuda backend times a trial: its host time and its span on the device
+            last = _Event()
+            last.t = stream.t
+            self.timings.add(key, name, job.nbytes, host_s, first, last)
         self.ends += [stream.t] * max(1, job.jobs)
-        return "simulated"
+        return name
 
 
 def main() -> None:
@@ -111,6 +146,8 @@ def main() -> None:
     ap.add_argument("--per-step", type=int, default=0, help="jobs an engine step (default: all back to back)")
     ap.add_argument("--step-ms", type=float, default=3.0, help="an engine step, its compute included")
     ap.add_argument("--gap-us", type=float, default=0.0, help="host time between two submits of a step")
+    ap.add_argument("--candidates", default="", help="name:launch_us:per_job_us:gbps,... for the tuner to choose")
+    ap.add_argument("--class-per-launch", action="store_true", help="the tuner's classes hold the launch's size")
     args = ap.parse_args()
     per, jobs = args.blocks_per_job, args.jobs
     blocks = per * jobs if per * jobs <= 1 << 20 else 2 * per  # jobs that clash only where blocks run out
@@ -129,9 +166,18 @@ def main() -> None:
         args.slow_launches,
         args.slow_us * us,
     )
+    for spec in filter(None, args.candidates.split(",")):
+        name, launch_us, job_us, gbps = spec.split(":")
+        backend.candidates[name] = (float(launch_us) * us, float(job_us) * us, 1 / (float(gbps) * 1e9))
+    limit = max([1 / c[2] / 1e9 for c in backend.candidates.values()], default=args.gbps)  # the fastest device
+    if backend.candidates:
+        backend.tuner = tuning.Tuner()
+        backend.timings = tuning.Timings(backend.tuner)
+        backend.class_per_launch = args.class_per_launch
     with OffloadWorker(kv, blocks, backend=backend) as worker:
         for n in range(args.passes):
             launches, backend.idle_s, backend.ends = worker.stats()["store"].launches, 0.0, []
+            backend.used.clear()
             submitted = []
             t0 = backend.since = step = now()
             for j, (d, h) in enumerate(specs):
@@ -149,10 +195,13 @@ def main() -> None:
             per_launch = jobs / (worker.stats()["store"].launches - launches)
             latency = (np.array(backend.ends) - np.array(submitted)) * 1e3  # a submit to its bytes moved
             print(
-                f"pass {n}: {rate:.2f} GB/s of {args.gbps:g}; jobs per launch {per_launch:.2f}; "
+                f"pass {n}: {rate:.2f} GB/s of {limit:g}; jobs per launch {per_launch:.2f}; "
                 f"idle {backend.idle_s * 1e3:.2f} ms of {wall * 1e3:.2f}; "
                 f"latency {latency.mean():.2f} ms mean, {latency.max():.2f} ms at most"
+                + (f"; launches {dict(backend.used)}" if backend.candidates else "")
             )
+        if backend.tuner is not None:
+            print("classes:", backend.tuner.winners(), "still on trial:", backend.tuner.undecided())
 
 
 def _busy(seconds: float) -> None:

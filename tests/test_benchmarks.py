@@ -307,3 +307,20 @@ def test_the_queue_simulation_runs_its_passes_within_its_devices_rate(monkeypatc
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["pass 0", "pass 1"]
     assert all(float(line.split("latency ")[1].split()[0]) > 0 for line in lines)
+
+
+def test_the_queue_simulation_lets_the_tuner_choose_among_simulated_mechanisms(monkeypatch, capsys):
+    import queue_sim
+
+    from offload_core.backends.cuda import tuning
+
+    args = ["queue_sim.py", "--blocks-per-job", "64", "--jobs", "16", "--passes", "4", "--launch-us", "1"]
+    # "slow" is slower on the host and on the device: it is tried, and the shape's class goes to
+    # "fast" (launches that join a larger share of the small pool may sort into runs: a class of
+    # their own, on trial a while)
+    monkeypatch.setattr(sys, "argv", [*args, "--candidates", "slow:200:20:1,fast:5:1:2"])
+    queue_sim.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert "GB/s of 2;" in lines[0] and "'slow'" in lines[0]  # against the fastest device; a trial
+    winners = eval(lines[-1].split("classes: ")[1].split(" still")[0])  # noqa: S307 (the script's own dict)
+    assert f"{tuning.RULES}/store:8:8:7:0" in winners and set(winners.values()) == {"fast"}
