@@ -199,7 +199,7 @@ class CudaBackend(TorchDeviceBackend):
         if self._driver_events:
             self.driver.check(self.driver.memcpy_in(self._ctx, dst, src, nbytes, stream), "cuMemcpyAsync")
         else:
-            self.driver.memcpy_async(dst, src, nbytes, stream)
+            self.driver.check(self.driver.memcpy(dst, src, nbytes, stream), "cuMemcpyAsync")
 
     def new_event(self):
         """A driver event (`events.DriverEvent`), where the driver has them all."""

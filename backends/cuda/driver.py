@@ -311,14 +311,6 @@ class Driver:
                 raise CudaDriverError(f"cuMemcpyBatchAsync failed {where}: {self.error_name(code)}", code)
         return keep
 
-    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        """One ``cuMemcpyAsync``.
-
-        Raises:
-            CudaDriverError: the driver refused.
-        """
-        self.check(self.memcpy(dst, src, nbytes, stream), "cuMemcpyAsync")
-
     def memcpy_loop_async(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         """One ``cuMemcpyAsync`` per descriptor: the fallback without the batch API.
 
