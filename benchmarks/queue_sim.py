@@ -110,8 +110,8 @@ class SimulatedDevice(NullExpandingBackend):
             key = tuning.shape_class(
                 "store", job.layout.smallest, job.layout.row_bytes, per_job, job.host_ids, job.jobs
             )
-            name = self.tuner.decided(key) or list(self.candidates)[0]
-            if self.tuner.decided(key) is None:
+            name = self.tuner.decided(key)
+            if name is None:
                 name, timed = self.tuner.pick(key, list(self.candidates), self.timings.room())
             launch_s, per_job_s, s_per_byte = self.candidates[name]
         self.used[name] += 1

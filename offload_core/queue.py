@@ -615,10 +615,8 @@ def _launch_until_done(queue_ref: weakref.ref[TransferQueue]) -> None:
                 batch = queue._take()
         if backlog is not None:
             del queue
-            try:
+            with contextlib.suppress(Exception):  # a fault: reported with its jobs
                 backlog.synchronize()  # lets go of the GIL; pooled and recorded again meanwhile, it passes later
-            except Exception:  # a fault: reported with its jobs
-                pass
             del backlog
             continue
         try:

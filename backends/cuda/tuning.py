@@ -82,10 +82,15 @@ def shape_class(
     it reads the first `RUNS_SAMPLE` and one, at most one job's worth: ids of several small jobs
     joined may run on where one job's alone cannot, and one shape must be one class."""
     per_job = max(1, host_ids.size // max(1, jobs))
-    head = host_ids[: min(RUNS_SAMPLE + 1, per_job)]  # looked up every launch: a microsecond or two
+    head = host_ids[: min(RUNS_SAMPLE + 1, per_job)]
+    # the runs as `runs.run_starts` counts them, in half its time: this is asked every launch
     runs = 2 * (int(np.count_nonzero(head[1:] - head[:-1] != 1)) + 1) < head.size
-    log2 = lambda n: max(1, int(n)).bit_length() - 1  # noqa: E731 (exact, where math.log2 of a float may not be)
-    return ShapeClass(direction, log2(smallest), log2(row_bytes), log2(job_bytes) // 2, runs)
+    return ShapeClass(direction, _log2(smallest), _log2(row_bytes), _log2(job_bytes) // 2, runs)
+
+
+def _log2(n: int) -> int:
+    """The floor of log2 of `n` (at least 1), exact where `math.log2` of a float may not be."""
+    return max(1, int(n)).bit_length() - 1
 
 
 def winners_path(device_name: str, sm_penalty: float) -> Path:
