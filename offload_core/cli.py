@@ -4,6 +4,7 @@ report)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -42,12 +43,10 @@ def _table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]])
 
 def _progress(enabled: bool):
     if enabled:
-        try:
+        with contextlib.suppress(ImportError):
             from rich.progress import track
 
             return lambda it: track(it, description="offloading", transient=True)
-        except ImportError:
-            pass
     return lambda it: it
 
 
@@ -221,10 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         return status
     except _OutputError as exc:
-        try:  # what is still buffered would fail again at exit, with a traceback
+        # what is still buffered would fail again at exit, with a traceback
+        with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
-        except (OSError, ValueError):
-            pass
         print(f"offload-core: cannot write the output: {exc}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:  # Ctrl-C during a long bench is an answer, not a crash

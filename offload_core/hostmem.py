@@ -3,6 +3,7 @@ instead of ending in the out-of-memory killer (zero-filled and pinned memory is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
@@ -29,10 +30,8 @@ def available_host_bytes(root: str = "/") -> int | None:
             machine = None if kib is None else kib * 1024
             break
     if machine is None:
-        try:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, AttributeError):
-            machine = None
     group = _cgroup_headroom(os.path.join(root, "proc/self/cgroup"), os.path.join(root, "sys/fs/cgroup"))
     return min((n for n in (machine, group) if n is not None), default=None)
 

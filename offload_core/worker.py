@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -429,11 +430,9 @@ def _dropped(pid: int, *held) -> None:
     # launched jobs; otherwise a thread of its own waits, holding the memory.
     unlaunched = any(q.waiting_for_launch() for q in queues)
     if pending and (unlaunched or threading.current_thread() is not threading.main_thread()):
-        try:
+        with contextlib.suppress(RuntimeError):  # an exiting interpreter starts no threads: drained here
             # not a daemon: the interpreter waits for it rather than kill it inside a torch call
             threading.Thread(target=_drain, args=held, name="offload-core-drain").start()
             return
-        except RuntimeError:  # the interpreter is exiting and starts no threads
-            pass
     with deferred():  # on the main thread: a Ctrl-C must not end the drain, which lets the memory go
         _drain(*held)
