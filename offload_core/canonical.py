@@ -185,13 +185,7 @@ MAX_PAGE_SLOTS = 1 << 24  # (kv, token, head) slots of one page that `attention_
 
 
 def attention_mappings(
-    *,
-    total_kv_heads: int,
-    tp_size: int,
-    block_tokens: int,
-    head_bytes: int,
-    order: str = "NHD",
-    kv: str | None = None,
+    *, total_kv_heads: int, tp_size: int, block_tokens: int, head_bytes: int, order: str = "NHD", kv: str | None = None
 ) -> list[CanonicalPageMapping]:
     """Mappings of every TP rank for a GQA/MHA KV tensor whose heads are sharded over TP.
 

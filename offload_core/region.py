@@ -22,6 +22,7 @@ only the parent's close counts.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import gc
@@ -158,12 +159,7 @@ class SharedHostRegion:
         self.canonical = slot_bytes is None
         self.row_stride = -(-sum(slots) // mmap.PAGESIZE) * mmap.PAGESIZE
         self._slots = slots
-        self.layout = {
-            "num_blocks": self.num_blocks,
-            "row_stride": self.row_stride,
-            "canonical": self.canonical,
-            "slots": slots,
-        }
+        self.layout = dict(num_blocks=num_blocks, row_stride=self.row_stride, canonical=self.canonical, slots=slots)
         if len(_MAGIC) + len(_header_body(self.layout, "0" * 32)) + 1 > _HEADER:
             raise InvalidSpecError(
                 f"{len(slots)} slots do not fit the region's {_HEADER}-byte header; use fewer ranks per region"
@@ -299,10 +295,8 @@ class SharedHostRegion:
         except OSError as exc:
             raise RegionError(f"cannot create the region {self.path}: {exc.strerror}") from None
         finally:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
             if not published:
                 os.close(fd)
         st = os.fstat(fd)

@@ -303,8 +303,8 @@ class DeviceBlocks:
 
     Raises:
         InvalidSpecError: non-integer (a bool among them, or a bytes-like object) or non-1-D ids,
-            negative sizes or indices, sizes that
-            do not add up to the number of ids, or lengths of sizes and indices that differ.
+            negative sizes or indices, sizes that do not add up to the number of ids, or lengths
+            of sizes and indices that differ.
     """
 
     block_ids: np.ndarray
