@@ -166,9 +166,8 @@ class NpuBackend(TorchDeviceBackend):
                 where = f"at index {fail.value}" if fail.value < len(sizes) else "(no single copy)"
                 raise RuntimeError(f"aclrtMemcpyBatchAsync failed {where} of {len(sizes)}: aclError {code}")
         elif self.mechanism == "swap_blocks_batch":
-            torch = self._torch
             with self.runtime.stream(stream):  # the operator issues on the current stream
-                self._swap_op(*(torch.from_numpy(a) for a in (src, dst, sizes)), SWAP_D2H if store else SWAP_H2D)
+                self._swap_op(*(self._torch.from_numpy(a) for a in (src, dst, sizes)), SWAP_D2H if store else SWAP_H2D)
         else:
             kind = ACL_MEMCPY_DEVICE_TO_HOST if store else ACL_MEMCPY_HOST_TO_DEVICE
             handle = stream.npu_stream

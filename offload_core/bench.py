@@ -256,8 +256,7 @@ def run(
         "limit_copies": LIMIT_COPIES,
     }
     for d in ("store", "load"):
-        best_wall = min(walls[d])
-        out[f"{d}_gbps"] = total / best_wall / 1e9
+        out[f"{d}_gbps"] = total / min(walls[d]) / 1e9
         out[f"{d}_device_gbps"] = total / max(min(device_secs[d]), 1e-12) / 1e9
         out[f"{d}_limit_gbps"] = limit[d]
         out[f"{d}_ratio"] = out[f"{d}_gbps"] / limit[d]
