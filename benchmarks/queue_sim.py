@@ -107,9 +107,8 @@ class SimulatedDevice(NullExpandingBackend):
         if self.tuner is not None:
             self.timings.collect()
             per_job = job.nbytes if self.class_per_launch else job.nbytes // max(1, job.jobs)
-            key = tuning.shape_class(
-                "store", job.layout.smallest, job.layout.row_bytes, per_job, job.host_ids, job.jobs
-            )
+            runs = tuning.in_runs(job.host_ids, 1 if self.class_per_launch else job.jobs)
+            key = tuning.shape_class("store", job.layout.smallest, job.layout.row_bytes, per_job, runs)
             name = self.tuner.decided(key)
             if name is None:
                 name, timed = self.tuner.pick(key, list(self.candidates), self.timings.room())

@@ -6,17 +6,18 @@ from __future__ import annotations
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from offload_core import DeviceBlocks, Direction, HostBlocks
 from offload_core.backends.cuda import tuning
-from offload_core.backends.cuda.tuning import ShapeClass, Timings, Tuner, candidates, shape_class
+from offload_core.backends.cuda.tuning import ShapeClass, Timings, Tuner, candidates, in_runs, shape_class
 
 SCATTERED = np.random.default_rng(0).permutation(1 << 16)[:1024]
 RUN = np.arange(1000, 1064)
-KEY = shape_class("store", 4096, 4096 * 64, 4 << 20, SCATTERED)
+KEY = shape_class("store", 4096, 4096 * 64, 4 << 20, False)
 
 
 def run_trial(tuner: Tuner, key: ShapeClass, names: list[str], seconds: dict[str, float], nbytes: int = 1 << 20):
@@ -205,33 +206,31 @@ def test_candidates_are_those_the_cost_model_rates_near_its_pick():
 
 
 def test_shape_classes_bucket_what_decides():
-    a = shape_class("load", 4096, 1 << 18, 4 << 20, SCATTERED[:64])
+    a = shape_class("load", 4096, 1 << 18, 4 << 20, False)
     assert a == ShapeClass("load", 12, 18, 11, False)
-    assert shape_class("load", 4096, 1 << 18, 5 << 20, SCATTERED[:64]) == a  # powers of 4
-    assert shape_class("load", 4096, 1 << 18, 4 << 20, RUN).runs
+    assert shape_class("load", 4096, 1 << 18, 5 << 20, False) == a  # powers of 4
     assert ShapeClass.parse(a.name()) == a
+    assert in_runs(RUN) and not in_runs(SCATTERED)
 
 
-def test_a_class_reads_only_the_first_host_ids():
+def test_runs_are_read_from_the_first_host_ids_only():
     # looked up every launch: the ids past the sample cannot change the class (nor cost its time)
-    ids = np.concatenate([RUN, SCATTERED])
-    assert shape_class("store", 4096, 1 << 12, 1 << 20, ids).runs
+    assert in_runs(np.concatenate([RUN, SCATTERED]))
     # runs of two blocks: as many runs as half the ids, not fewer
     pairs = (np.arange(32)[:, None] * 10 + np.arange(2)).ravel()
-    assert not shape_class("store", 4096, 1 << 12, 1 << 20, pairs).runs
+    assert not in_runs(pairs)
     # the sample is RUNS_SAMPLE ids and one: the 65th continuing the last pair tips it
-    assert shape_class("store", 4096, 1 << 12, 1 << 20, np.append(pairs, pairs[-1] + 1)).runs
+    assert in_runs(np.append(pairs, pairs[-1] + 1))
     threes = (np.arange(32)[:, None] * 10 + np.arange(3)).ravel()
-    assert shape_class("store", 4096, 1 << 12, 1 << 20, threes).runs
-    assert not shape_class("store", 4096, 1 << 12, 1 << 20, RUN[:1]).runs
+    assert in_runs(threes)
+    assert not in_runs(RUN[:1])
 
 
-def test_small_jobs_joined_are_the_class_of_one_alone():
+def test_small_jobs_joined_are_read_as_one_alone():
     # one block a job, the engine handing out consecutive host blocks: four joined run on, one
     # alone cannot; the sample reads one job's worth, so both are one class
-    alone = shape_class("store", 4096, 1 << 12, 4096, RUN[:1])
-    assert shape_class("store", 4096, 1 << 12, 4096, RUN[:4], jobs=4) == alone
-    assert shape_class("store", 4096, 1 << 12, 1 << 20, RUN, jobs=2).runs  # 32 a job: read
+    assert in_runs(RUN[:4]) and not in_runs(RUN[:4], jobs=4) and not in_runs(RUN[:1])
+    assert in_runs(RUN, jobs=2)  # 32 a job: read
 
 
 def test_names_of_other_rules_are_refused():
@@ -312,7 +311,6 @@ class TimedEvent:
 def copier_over_stubs(monkeypatch, seconds: dict[str, float]):
     """A BlockCopier whose mechanisms note their name and take `seconds[name]` of device time,
     over a real worker layout (8 tensors of 4 KiB pages, host rows addressable)."""
-    from types import SimpleNamespace
 
     from helpers import small_kv
 
@@ -338,7 +336,7 @@ def copier_over_stubs(monkeypatch, seconds: dict[str, float]):
     copier.side = side
     worker = OffloadWorker(small_kv(pages=(4096,) * 8, blocks=64), 64, backend="cpu")
     layout = worker._layout
-    prepared = SimpleNamespace(layout=layout, direct_ok=True, whole_rows={d: True for d in Direction})
+    prepared = SimpleNamespace(layout=layout, direct_ok=True, whole_rows={d: True for d in Direction}, decided={})
     return copier, layout, prepared, ran, worker
 
 
@@ -392,6 +390,26 @@ def test_a_launch_of_one_job_and_one_of_several_are_one_class(monkeypatch, per_j
 
         monkeypatch.setattr(layout, "segment_summary", no_pass)  # a decided class needs no estimate
         assert copier.copy(joined, prepared, "stream", [], []) == ran[-1]
+        monkeypatch.setattr(tuning, "shape_class", no_pass)  # nor its class, once seen on this layout
+        assert copier.copy(jobs[0], prepared, "stream", [], []) == ran[-1]
+
+
+def test_each_launch_takes_its_own_classs_winner(monkeypatch):
+    """Decided classes that differ in direction, job size or host runs alone keep their own
+    winners, launch after launch, whatever came before on the layout."""
+    names = ["expand_staged", "expand_direct", "ce_batch", "expand_staged"]
+    copier, layout, prepared, ran, worker = copier_over_stubs(monkeypatch, dict.fromkeys(names, 1e-5))
+    shapes = [(Direction.STORE, 8, False), (Direction.STORE, 8, True), (Direction.LOAD, 8, False)]
+    with worker:
+        jobs = []
+        for (d, n, runs), name in zip(shapes + [(Direction.STORE, 32, False)], names):
+            host = range(n) if runs else range(0, 2 * n, 2)
+            jobs.append(layout.job(d, DeviceBlocks(list(range(n))), HostBlocks(list(host))))
+            key = shape_class(d.value, layout.smallest, layout.row_bytes, jobs[-1].nbytes, runs)
+            copier.tuner._saved[key] = name
+        for _ in range(2):  # once to look each up, once from what was seen
+            assert [copier.copy(job, prepared, "stream", [], []) for job in jobs] == names
+        assert len(prepared.decided) == len(jobs)
 
 
 def test_a_class_with_one_candidate_is_decided_at_once_but_not_saved(tmp_path):
@@ -490,8 +508,9 @@ def test_a_decided_winner_that_cannot_run_here_is_not_used(monkeypatch):
         for _ in range(12):
             copier.copy(job, prepared, "stream", [], [])
         assert ran[-1] == "expand_direct"
-        prepared.direct_ok = False
-        copier.copy(job, prepared, "stream", [], [])
+        # another worker's layout of this shape, whose host rows the kernel cannot address
+        elsewhere = SimpleNamespace(**{**vars(prepared), "direct_ok": False, "decided": {}})
+        copier.copy(job, elsewhere, "stream", [], [])
     assert ran[-1] != "expand_direct"
 
 

@@ -62,6 +62,7 @@ class Prepared:
         self.direct_ok: bool | None = None  # the host rows are device-addressable; known at the first job
         self.narrow = narrow_ids(layout)
         self.whole_rows = {d: layout.whole_rows(d) for d in Direction}  # each block writes its whole host row
+        self.decided: dict[tuple, Mechanism] = {}  # auto's decided mechanisms, by `BlockCopier._tuned`
 
 
 def narrow_ids(layout: CompactLayout) -> bool:
@@ -195,16 +196,22 @@ class BlockCopier:
         self.timings.add(key, mechanism.name, job.nbytes, host_s, start, end)
         return mechanism.name
 
-    def _tuned(self, job: CompactJob, prepared: Prepared) -> tuple[Mechanism, tuning.ShapeClass, bool]:
-        """Auto's mechanism for `job` by measurement, its shape class, and whether to time the
-        launch: the class's winner where one is decided and can run here, else the tuner's pick
-        among `tuning.candidates`."""
+    def _tuned(self, job: CompactJob, prepared: Prepared) -> tuple[Mechanism, tuning.ShapeClass | None, bool]:
+        """Auto's mechanism for `job` by measurement, its shape class (None where decided before
+        for this layout), and whether to time the launch: the class's winner where one is decided
+        and can run here, else the tuner's pick among `tuning.candidates`."""
         self.timings.collect()
         layout = prepared.layout
-        per_job, d = job.nbytes // max(1, job.jobs), job.direction.value
-        key = tuning.shape_class(d, layout.smallest, layout.row_bytes, per_job, job.host_ids, job.jobs)
+        per_job, runs = job.nbytes // max(1, job.jobs), tuning.in_runs(job.host_ids, job.jobs)
+        # Within a layout these tell the class: a decided class's launch makes no pass over its
+        # job, nor the class itself (half of this lookup's time).
+        seen = (job.direction, per_job.bit_length(), runs)
+        if seen in prepared.decided:
+            return prepared.decided[seen], None, False
+        key = tuning.shape_class(job.direction.value, layout.smallest, layout.row_bytes, per_job, runs)
         winner = self.tuner.decided(key)
-        if winner is not None and self._runs_here(winner, prepared):  # no pass over the job: O(1) a launch
+        if winner is not None and self._runs_here(winner, prepared):
+            prepared.decided[seen] = TABLE[winner]
             return TABLE[winner], key, False
         count, small = layout.segment_summary(job, self._small_limit(job.direction))
         estimates = self._estimates(job, prepared, count, small)

@@ -75,17 +75,19 @@ class ShapeClass(NamedTuple):
         return cls(d, int(e), int(r), int(j), runs == "1")
 
 
-def shape_class(
-    direction: str, smallest: int, row_bytes: int, job_bytes: int, host_ids: np.ndarray, jobs: int = 1
-) -> ShapeClass:
-    """The class of a launch of `jobs` jobs of `job_bytes` over host blocks `host_ids`, of which
-    it reads the first `RUNS_SAMPLE` and one, at most one job's worth: ids of several small jobs
-    joined may run on where one job's alone cannot, and one shape must be one class."""
-    per_job = max(1, host_ids.size // max(1, jobs))
-    head = host_ids[: min(RUNS_SAMPLE + 1, per_job)]
-    # the runs as `runs.run_starts` counts them, in half its time: this is asked every launch
-    runs = 2 * (int(np.count_nonzero(head[1:] - head[:-1] != 1)) + 1) < head.size
+def shape_class(direction: str, smallest: int, row_bytes: int, job_bytes: int, runs: bool) -> ShapeClass:
+    """The class of jobs of `job_bytes` over a layout whose smallest entry is `smallest` bytes
+    and host row `row_bytes`, their host blocks in runs or not (`in_runs`)."""
     return ShapeClass(direction, _log2(smallest), _log2(row_bytes), _log2(job_bytes) // 2, runs)
+
+
+def in_runs(host_ids: np.ndarray, jobs: int = 1) -> bool:
+    """Whether the host blocks `host_ids` of a launch of `jobs` jobs mostly run on, from their
+    first `RUNS_SAMPLE` and one, at most one job's worth: ids of several small jobs joined may
+    run on where one job's alone cannot, and one shape must be one class."""
+    head = host_ids[: min(RUNS_SAMPLE + 1, max(1, host_ids.size // max(1, jobs)))]
+    # the runs as `runs.run_starts` counts them, in half its time: this is asked every launch
+    return 2 * (int(np.count_nonzero(head[1:] - head[:-1] != 1)) + 1) < head.size
 
 
 def _log2(n: int) -> int:
