@@ -21,14 +21,15 @@ settings.register_profile("ci", max_examples=60, deadline=None)
 settings.register_profile("thorough", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-_simulations = contextlib.ExitStack()
+_teardown = contextlib.ExitStack()
 
 
 def pytest_configure(config):
     import simulated
 
     # the cuda backend's tuned choices: the suite's own, not the user's
-    os.environ["OFFLOAD_CORE_PROFILE_DIR"] = tempfile.mkdtemp(prefix="offload-core-test-profiles-")
+    profiles = tempfile.TemporaryDirectory(prefix="offload-core-test-profiles-")
+    os.environ["OFFLOAD_CORE_PROFILE_DIR"] = _teardown.enter_context(profiles)  # removed at the end
 
     real = registry.availability()
     listed = _listed("OFFLOAD_CORE_SIMULATE") or set()
@@ -37,11 +38,11 @@ def pytest_configure(config):
         raise pytest.UsageError(f"OFFLOAD_CORE_SIMULATE lists {', '.join(unknown)}: only npu and xpu have simulations")
     for name in sorted(listed):
         if real.get(name) is not None:  # never hide a real device behind its simulation
-            _simulations.enter_context(getattr(simulated, name)())
+            _teardown.enter_context(getattr(simulated, name)())
 
 
 def pytest_unconfigure(config):
-    _simulations.close()
+    _teardown.close()
 
 
 def _listed(var: str) -> set[str] | None:
