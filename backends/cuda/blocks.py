@@ -206,8 +206,9 @@ class BlockCopier:
         # Within a layout these tell the class: a decided class's launch makes no pass over its
         # job, nor the class itself (half of this lookup's time).
         seen = (job.direction, per_job.bit_length(), runs)
-        if seen in prepared.decided:
-            return prepared.decided[seen], None, False
+        mechanism = prepared.decided.get(seen)
+        if mechanism is not None:
+            return mechanism, None, False
         key = tuning.shape_class(job.direction.value, layout.smallest, layout.row_bytes, per_job, runs)
         winner = self.tuner.decided(key)
         if winner is not None and self._runs_here(winner, prepared):
