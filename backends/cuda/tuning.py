@@ -56,7 +56,7 @@ class ShapeClass(NamedTuple):
     entry: int  # log2 of the layout's smallest entry (page or head fragment)
     row: int  # log2 of a host row
     job: int  # log4 of the bytes per job
-    runs: bool  # host blocks mostly in runs (`shape_class`: fewer runs than half the ids read)
+    runs: bool  # host blocks mostly in runs (`in_runs`: fewer runs than half the ids read)
 
     def name(self) -> str:
         return f"{RULES}/{self.direction}:{self.entry}:{self.row}:{self.job}:{int(self.runs)}"
