@@ -11,7 +11,8 @@
 # the next, then `python3 benchmarks/auto_vs_best.py grid-all-*.json` over both calls' files;
 # "regions" (not part of "all"): the region soak alone, RUNS times (about 10 s a run);
 # "ab" (not part of "all"): `auto` with FILE as it is against FILE replaced by ALT (an untracked
-# copy, which travels with the tree), in turn twice, over the engine's shapes (about 7 minutes):
+# copy, which travels with the tree), in turn twice, over the engine's shapes (about 7 minutes),
+# JOBS jobs back to back (default 64 over 64 tensors, 32 over one; JOBS=4: jobs that come few at a time):
 # FILE=offload_core/queue.py ALT=queue_alt.py bash benchmarks/gpu_check.sh OUT ab
 set +e
 out=${1:-${OUT:-gpu-check}}
@@ -53,9 +54,9 @@ if [ "$phase" = ab ]; then
     python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | grep -v WARNING | tail -2
     # each run decides its own winners, as a new engine does (none saved by the other arm)
     B="env OFFLOAD_CORE_PROFILE_DIR=$(mktemp -d) python3 benchmarks/engine_bench.py --backend cuda --mechanisms auto"
-    timeout 100 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64 > "$out/ab-$arm-64t.log" 2>&1
-    timeout 60 $B --tensors 1 --pages 256,4096 --job-mib 4 --jobs 32 > "$out/ab-$arm-1t.log" 2>&1
-    timeout 60 $B --layers 32 --pages 1024 --blocks-per-job 16 --jobs 64 --host-runs > "$out/ab-$arm-runs.log" 2>&1
+    timeout 100 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs "${JOBS:-64}" > "$out/ab-$arm-64t.log" 2>&1
+    timeout 60 $B --tensors 1 --pages 256,4096 --job-mib 4 --jobs "${JOBS:-32}" > "$out/ab-$arm-1t.log" 2>&1
+    timeout 60 $B --layers 32 --pages 1024 --blocks-per-job 16 --jobs "${JOBS:-64}" --host-runs > "$out/ab-$arm-runs.log" 2>&1
     logs="$out/ab-$arm-64t.log $out/ab-$arm-1t.log $out/ab-$arm-runs.log"
     echo "== $arm"; grep -h "^cuda " $logs | cut -c1-150
     cat $logs >> "$out/ab-$arm.log"; rm -f $logs
