@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import defaultdict
 
 from offload_core.backends.cuda.select import SM_HOLD_S, CostModel
@@ -119,10 +120,14 @@ def main() -> None:
         "| auto-sm1/best | auto's choice forced/best |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def floor3(x: float) -> str:  # rounded down, so that a cell under the target never prints as on it
+        return f"{math.floor(x * 1000) / 1000:.3f}"
+
     for (tensors, page, job, runs), d, a, chose, best, b, w, fast, choice in found:
         print(
             f"| {tensors} | {page} | {job / 2**20:.2f} | {runs} | {d} | {a:.2f} ({chose}) | {b:.2f} {best} "
-            f"| {a / b:.2f} | {w:.2f} | {fast} | {'-' if choice is None else f'{choice:.2f}'} |"
+            f"| {floor3(a / b)} | {floor3(w)} | {fast} | {'-' if choice is None else f'{choice:.2f}'} |"
         )
     if not found:
         raise SystemExit("no shape measured with auto and a forced mechanism")
