@@ -332,8 +332,9 @@ def copier_over_stubs(monkeypatch, seconds: dict[str, float]):
     copier = blocks.BlockCopier(backend, 16 << 20, Tuner())
     side = SimpleNamespace(waited=[])
     side.wait_event = side.waited.append  # a staged trial's side stream waits for its start event
-    copier.staging = SimpleNamespace(for_stream=lambda stream: SimpleNamespace(side=side))
-    copier.side = side
+    mark = SimpleNamespace(record=lambda stream: side.waited.append(("mark on", stream)))
+    copier.staging = SimpleNamespace(for_stream=lambda stream: SimpleNamespace(side=side, mark=mark))
+    copier.side, copier.mark = side, mark
     worker = OffloadWorker(small_kv(pages=(4096,) * 8, blocks=64), 64, backend="cpu")
     layout = worker._layout
     prepared = SimpleNamespace(layout=layout, direct_ok=True, whole_rows={d: True for d in Direction}, decided={})
@@ -365,6 +366,30 @@ def test_auto_runs_the_trials_then_the_winner(monkeypatch, fast, unit, winner):
     # each timed expand_staged launch made its side stream wait for its start; no other did
     assert "expand_staged" in tried and len(copier.side.waited) == tuning.TRIALS
     assert copier.tuner.winners() == {next(iter(copier.tuner._saved)).name(): winner}
+
+
+@pytest.mark.parametrize("mechanism", ["expand_staged", "expand_direct"])
+def test_while_a_launch_is_timed_a_staged_ones_side_stream_starts_after_it(monkeypatch, mechanism):
+    """An untimed expand_staged launch whose side stream started beside a timed launch still
+    running would share the link with it and slow its timing: while a timing is in flight, the
+    side stream waits for where the queue's stream stands; otherwise it pipelines, and the
+    launches that use no side stream are left alone."""
+    from offload_core.backends.cuda import blocks
+
+    copier, layout, prepared, ran, worker = copier_over_stubs(
+        monkeypatch, dict.fromkeys(["expand_staged", "expand_direct", "ce_batch"], 1e-5)
+    )
+    monkeypatch.setattr(copier, "_tuned", lambda job, prepared: (blocks.TABLE[mechanism], None, False))
+    with worker:
+        job = layout.job(Direction.LOAD, DeviceBlocks(list(range(16))), HostBlocks(list(range(16))))
+        copier.copy(job, prepared, "stream", [], [])
+        assert copier.side.waited == []  # nothing timed: the side stream pipelines
+        never = SimpleNamespace(query=lambda: False)
+        copier.timings.add(KEY, "expand_direct", 1 << 20, 1e-5, never, never)
+        copier.copy(job, prepared, "stream", [], [])
+    staged = mechanism == "expand_staged"
+    assert copier.side.waited == ([("mark on", "stream"), copier.mark] if staged else [])
+    assert ran == [mechanism] * 2
 
 
 @pytest.mark.parametrize("per_job", [16, 1])

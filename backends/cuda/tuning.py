@@ -277,6 +277,10 @@ class Timings:
     def room(self) -> bool:
         return len(self._pending) < MAX_PENDING
 
+    def in_flight(self) -> bool:
+        """Whether a timed launch may still run (not handed to the tuner yet)."""
+        return bool(self._pending)
+
     def add(self, key, name, nbytes, host_s, start, end) -> None:
         self._pending.append((key, name, nbytes, host_s, start, end))
 
