@@ -427,7 +427,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.log_decisions:
-        logging.basicConfig(format="%(message)s")
+        # the time of day, to set beside the GPU's clocks (gpu_check.sh grid logs them)
+        logging.basicConfig(format="%(asctime)s.%(msecs)03d %(message)s", datefmt="%H:%M:%S")
         logging.getLogger("offload_core.backends.cuda.tuning").setLevel(logging.DEBUG)
     if args.no_host_order:
         from offload_core.compact import CompactJob

@@ -38,8 +38,12 @@ if [ "$phase" = grid ]; then
     part 1t && timeout 150 $B --tensors 1 --pages 256,4096,65536,2097152 --job-mib 4 --jobs 32 --json "$out/grid-$2-1t-4m.json" > "$out/grid-$2-1t-4m.log" 2>&1
     part 1t && timeout 200 $B --tensors 1 --pages 1024,65536,2097152 --job-mib 256 --jobs 4 --json "$out/grid-$2-1t-256m.json" > "$out/grid-$2-1t-256m.log" 2>&1
   }
+  # the SMs' clock beside the grid (a kernel of few programs runs at it), into the logs' archive
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv -lms 100 > "$out/grid-all-clocks.log" 2>&1 &
+  clocks=$!
   # auto-sm1: auto choosing by speed alone, to tell its measuring from its sparing of the SMs
   grid auto,auto-sm1,expand_staged,expand_direct,ce_batch all
+  kill $clocks 2>/dev/null
   python3 benchmarks/auto_vs_best.py "$out"/grid-all-*.json | tee "$out/auto_vs_best.md"
   cp "${OFFLOAD_CORE_PROFILE_DIR:-$HOME/.cache/offload-core}"/*-tuned.json "$out/" 2>/dev/null
   # the logs (each class's decision and timed launches) as one file: few files come back from a device
