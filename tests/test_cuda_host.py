@@ -847,8 +847,8 @@ def test_staging_halves_hand_over_through_driver_markers_after_the_hazards_ends(
         backend._blocks, job, prepared, layout.segments(job), stream, [hazard], Held()
     )
     halves = backend._blocks.staging.for_stream(stream)
-    assert all(isinstance(e, DriverEvent) for e in (*halves.free, halves.ready, halves.mark))
-    assert [c for c in lib.calls if c[0] == "event_create"] == [("event_create", 2)] * 4  # untimed markers
+    assert all(isinstance(e, DriverEvent) for e in (*halves.free, halves.ready))
+    assert [c for c in lib.calls if c[0] == "event_create"] == [("event_create", 2)] * 3  # untimed markers
     names = {halves.free[0].handle: "free0", halves.free[1].handle: "free1", halves.ready.handle: "ready"}
     names[hazard.handle] = "hazard"
     steps = [

@@ -172,14 +172,6 @@ class BlockCopier:
         else:
             mechanism = self.choose(job, prepared)
         if not timed:
-            if mechanism is EXPAND_STAGED and self.timings is not None and self.timings.in_flight():
-                # Its side stream would start beside the launches before it (its pipelining), its
-                # copies sharing the link with a timed one and slowing that one's timing (an H100's
-                # trials timed expand_direct 1.8x slower where the launches between went staged):
-                # while any is timed, it starts after them.
-                st = self.staging.for_stream(stream)
-                st.mark.record(stream)
-                st.side.wait_event(st.mark)
             segments = prepared.layout.segments(job) if mechanism.needs_segments else None
             mechanism.enqueue_job(self, job, prepared, segments, stream, after, held)
             return mechanism.name

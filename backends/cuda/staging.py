@@ -56,5 +56,4 @@ class StagingHalves:
         self.halves = (self.buffer.data_ptr(), self.buffer.data_ptr() + half_bytes)
         self.free = [new_event(), new_event()]  # a half may be overwritten once passed
         self.ready = new_event()  # the side stream's step is done
-        self.mark = new_event()  # where the queue's stream stood, for the side stream to start after
         self.next = 0  # the half the next piece uses

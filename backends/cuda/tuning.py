@@ -203,17 +203,9 @@ class Tuner:
 
     def observe(self, key: ShapeClass, name: str, nbytes: int, host_s: float, device_s: float) -> None:
         """Record a timed launch of class `key` by `name`: `nbytes` moved, `host_s` of enqueue
-        and `device_s` on the stream. Once every candidate left has `TRIALS`, the class goes to
+        and `device_s` on the stream (as the SMs' weight counts it). Once every candidate left has `TRIALS`, the class goes to
         the fastest by median, or to the prior (the cost model's first pick, if still in) unless
         another is `MARGIN` faster."""
-        log.debug(
-            "cuda auto: %s timed %s: %d bytes, host %.0f us, device %.0f us",
-            key.name(),
-            name,
-            nbytes,
-            host_s * 1e6,
-            device_s * 1e6,
-        )
         with self._lock:
             trial = self._trials.get(key)
             if trial is None or name not in trial.costs:
@@ -277,10 +269,6 @@ class Timings:
     def room(self) -> bool:
         return len(self._pending) < MAX_PENDING
 
-    def in_flight(self) -> bool:
-        """Whether a timed launch may still run (not handed to the tuner yet)."""
-        return bool(self._pending)
-
     def add(self, key, name, nbytes, host_s, start, end) -> None:
         self._pending.append((key, name, nbytes, host_s, start, end))
 
@@ -295,7 +283,17 @@ class Timings:
             except Exception:  # a fault: the queue reports it with the jobs; no timing from it
                 self.tuner.dropped(key, name)
             else:
-                self.tuner.observe(key, name, nbytes, host_s, self.weigh(name, device_s))
+                counted = self.weigh(name, device_s)
+                log.debug(
+                    "cuda auto: %s timed %s: %d bytes, host %.0f us, device %.0f us (counted as %.0f us)",
+                    key.name(),
+                    name,
+                    nbytes,
+                    host_s * 1e6,
+                    device_s * 1e6,
+                    counted * 1e6,
+                )
+                self.tuner.observe(key, name, nbytes, host_s, counted)
             done += 1
         del self._pending[:done]
 
