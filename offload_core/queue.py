@@ -235,7 +235,9 @@ class TransferQueue:
                         passed = (job.end, job.start.elapsed_time(job.end) / 1e3)
                     elapsed = passed[1] * job.share if ok else 0.0
                 except Exception as exc:  # a device fault fails this job, not the caller's loop
-                    log.error("%s job %s failed on the device: %r", self.direction.value, job.job_id, exc)
+                    log.error(
+                        "%s job %s (%s) failed on the device: %r", self.direction.value, job.job_id, job.mechanism, exc
+                    )
                     ok, elapsed = False, 0.0
                 results.append(TransferResult(job.job_id, ok, job.nbytes, elapsed, self.direction.value, job.mechanism))
                 self._ids.discard(job.job_id)
