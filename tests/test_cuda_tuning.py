@@ -67,35 +67,6 @@ def test_the_host_time_counts_where_it_exceeds_the_device_time():
     assert tuner.pick(KEY, names) == ("expand_direct", False)
 
 
-def test_candidates_are_compared_on_launches_of_like_size():
-    """Small launches (a pass's lone first job) cost more per byte: the timings of launches under
-    1/`SPAN` of the largest met no longer count, and those under it are not timed."""
-    tuner = Tuner()
-    names = ["expand_staged", "expand_direct"]
-    small, large = 1 << 20, 2 * tuning.SPAN << 20
-    per_byte = {  # seconds per byte: expand_direct pays more per launch, less per byte
-        (small, "expand_staged"): 1.0,
-        (small, "expand_direct"): 1.8,  # not struck off (`STRIKE`)
-        (large, "expand_staged"): 1.5,
-        (large, "expand_direct"): 1.0,
-    }
-
-    def launch(nbytes: int) -> tuple[str, bool]:
-        name, timed = tuner.pick(KEY, names, nbytes=nbytes)
-        if timed:
-            cost = per_byte[nbytes, name] * nbytes
-            tuner.observe(KEY, name, nbytes, 0.0, cost)
-        return name, timed
-
-    for _ in range(2 * tuning.TRIALS - 1):  # small launches only: one timing short of a decision
-        assert launch(small)[1]
-    assert launch(large)[1]  # the small ones' timings no longer count
-    assert launch(small) == ("expand_staged", False)  # nor is a small one timed now
-    while tuner.undecided():
-        assert launch(large)[1]
-    assert tuner.pick(KEY, names, nbytes=small) == ("expand_direct", False)
-
-
 @pytest.mark.parametrize(
     "costs, winner",
     [

@@ -216,8 +216,7 @@ class BlockCopier:
             return TABLE[winner], key, False
         count, small = layout.segment_summary(job, self._small_limit(job.direction))
         estimates = self._estimates(job, prepared, count, small)
-        offer = tuning.candidates(estimates, cheapest(estimates))
-        name, timed = self.tuner.pick(key, offer, self.timings.room(), job.nbytes)
+        name, timed = self.tuner.pick(key, tuning.candidates(estimates, cheapest(estimates)), self.timings.room())
         return TABLE[name], key, timed
 
     @property

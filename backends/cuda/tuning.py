@@ -6,11 +6,8 @@ Winners persist per GPU model (`winners_path`).
 
 A class is a job's shape, not its launch's: launches join however many jobs wait, so a class
 per launch size would split one shape's jobs between mechanisms and meet new classes, with
-their trials, long after the first launches. Costs are per byte, compared between launches of
-like size: a launch's fixed costs weigh more in a small one, and candidates taking turns may
-meet different sizes (the lone first launch of each pass, say). So only launches of at least
-1/`SPAN` of the largest the trial met count; an engine's traffic, once it flows, is its larger
-launches.
+their trials, long after the first launches. Costs are per byte, and a class's candidates take
+turns launch by launch, so each meets the launch sizes the others meet.
 
 A launch's cost is the larger, per byte, of its host time around the enqueue and its device
 time between two events on the copy stream (the host prepares the next launch while the device
@@ -40,7 +37,6 @@ TRIALS = 3  # timed launches per candidate; the median decides
 WITHIN = 8.0
 STRIKE = 2.0  # a candidate whose best of two launches is this many times the class's best leaves
 MARGIN = 0.05  # another candidate replaces the cost model's pick only if this much faster
-SPAN = 4  # a timed launch counts if at least 1/SPAN of the largest launch its class's trial met
 MAX_PENDING = 64  # timed launches whose events have not passed yet, at most (more go untimed)
 # A launch's first host ids that tell its class whether they run on (a class is looked up every
 # launch: reading every id would cost a launch of 262,144 blocks about 200 us)
@@ -119,25 +115,19 @@ class _Trial:
     """A class's trial. Candidates may differ between launches of one class (the cost model
     weighs each launch's bytes), so costs per byte are kept per name; `pending` counts timed
     launches not observed yet. A candidate is struck off once the faster of two of its launches
-    is `STRIKE` times the best of any (two: a launch that compiles a kernel is slow once). Only
-    launches of at least 1/`SPAN` of the `largest` met count (`counted`)."""
+    is `STRIKE` times the best of any (two: a launch that compiles a kernel is slow once)."""
 
-    __slots__ = ("prior", "offered", "costs", "pending", "struck", "largest")
+    __slots__ = ("prior", "offered", "costs", "pending", "struck")
 
     def __init__(self, prior: str):
         self.prior = prior
         self.offered: list[str] = [prior]
-        self.costs: dict[str, list[tuple[int, float]]] = {}  # (bytes, seconds per byte) per launch
+        self.costs: dict[str, list[float]] = {}
         self.pending: dict[str, int] = {}
         self.struck: set[str] = set()
-        self.largest = 0  # bytes of the largest launch of the class met so far
-
-    def counted(self, name: str) -> list[float]:
-        """`name`'s costs per byte from launches of like size to the largest met."""
-        return [cost for nbytes, cost in self.costs[name] if nbytes * SPAN >= self.largest]
 
     def tried(self, name: str) -> int:
-        return len(self.counted(name)) + self.pending[name]
+        return len(self.costs[name]) + self.pending[name]
 
     def left(self) -> list[str]:
         """The candidates offered and not struck off (all offered where every one was: the best
@@ -163,13 +153,12 @@ class Tuner:
             with suppress(ValueError, TypeError):  # another version's name
                 self._saved[ShapeClass.parse(name)] = winner
 
-    def pick(self, key: ShapeClass, names: list[str], can_time: bool = True, nbytes: int = 1) -> tuple[str, bool]:
-        """The mechanism for a launch of class `key` and `nbytes` among `names` (`candidates`),
-        and whether to time it (then `observe` or `dropped` must follow). A class with one
-        candidate is decided at once, in memory only. Without `can_time`, for a launch under
-        1/`SPAN` of the largest the trial met, or where every candidate has `TRIALS` timed
-        launches in flight or done, the launch goes untimed to the cost model's pick, or to the
-        winner where those launches, all observed, decide the class now."""
+    def pick(self, key: ShapeClass, names: list[str], can_time: bool = True) -> tuple[str, bool]:
+        """The mechanism for a launch of class `key` among `names` (`candidates`), and whether to
+        time it (then `observe` or `dropped` must follow). A class with one candidate is decided
+        at once, in memory only. Without `can_time`, or where every candidate has `TRIALS`
+        timed launches in flight or done, the launch goes untimed to the cost model's pick, or
+        to the winner where those launches, all observed, decide the class now."""
         with self._lock:
             saved = self._saved.get(key)
             if saved is not None and saved in names:
@@ -183,12 +172,11 @@ class Tuner:
             if trial is None:
                 trial = self._trials[key] = _Trial(names[0])
             trial.offered = names
-            trial.largest = max(trial.largest, nbytes)
             for n in names:
                 trial.costs.setdefault(n, [])
                 trial.pending.setdefault(n, 0)
             need = [n for n in trial.left() if trial.tried(n) < TRIALS]
-            if need and can_time and nbytes * SPAN >= trial.largest:
+            if need and can_time:
                 name = min(need, key=trial.tried)  # the least tried, the prior first
                 trial.pending[name] += 1
                 self.timed += 1
@@ -215,19 +203,17 @@ class Tuner:
 
     def observe(self, key: ShapeClass, name: str, nbytes: int, host_s: float, device_s: float) -> None:
         """Record a timed launch of class `key` by `name`: `nbytes` moved, `host_s` of enqueue
-        and `device_s` on the stream (as the SMs' weight counts it). Once every candidate left
-        has `TRIALS` that count (`_Trial.counted`), the class goes to the fastest by median, or
-        to the prior (the cost model's first pick, if still in) unless another is `MARGIN`
-        faster."""
+        and `device_s` on the stream (as the SMs' weight counts it). Once every candidate left has `TRIALS`, the class goes to
+        the fastest by median, or to the prior (the cost model's first pick, if still in) unless
+        another is `MARGIN` faster."""
         with self._lock:
             trial = self._trials.get(key)
             if trial is None or name not in trial.costs:
                 return
             trial.pending[name] = max(0, trial.pending[name] - 1)
-            trial.costs[name].append((nbytes, max(host_s, device_s) / max(1, nbytes)))
-            counted = {n: trial.counted(n) for n in trial.costs}
-            best = min((min(c) for c in counted.values() if c), default=math.inf)
-            trial.struck.update(n for n, c in counted.items() if len(c) >= 2 and min(c) > STRIKE * best)
+            trial.costs[name].append(max(host_s, device_s) / max(1, nbytes))
+            best = min(min(c) for c in trial.costs.values() if c)
+            trial.struck.update(n for n, c in trial.costs.items() if len(c) >= 2 and min(c) > STRIKE * best)
             decision = self._decide(key, trial)
         if decision is not None:
             self._record(key, *decision)
@@ -237,10 +223,9 @@ class Tuner:
         fastest by median, or the prior unless another is `MARGIN` faster), the medians, and the
         winners to save; else None."""
         left = trial.left()
-        counted = {n: sorted(trial.counted(n)) for n in left}
-        if any(len(c) < TRIALS for c in counted.values()):
+        if any(len(trial.costs[n]) < TRIALS for n in left):
             return None
-        medians = {n: c[len(c) // 2] for n, c in counted.items()}
+        medians = {n: sorted(trial.costs[n])[len(trial.costs[n]) // 2] for n in left}
         best = min(medians, key=medians.get)
         prior = trial.prior if trial.prior in medians else best
         winner = best if medians[best] < (1 - MARGIN) * medians[prior] else prior
