@@ -423,7 +423,7 @@ def main() -> None:
         "--log-decisions",
         action="store_true",
         help="cuda: print each shape class auto decides, with its candidates' measured seconds per GiB, and each "
-        "timed launch (its host time and its device time, weighed as auto weighs it)",
+        "timed launch (its host time, and its device time as measured and as auto counts it)",
     )
     args = parser.parse_args()
     if args.log_decisions:
