@@ -203,9 +203,9 @@ class Tuner:
 
     def observe(self, key: ShapeClass, name: str, nbytes: int, host_s: float, device_s: float) -> None:
         """Record a timed launch of class `key` by `name`: `nbytes` moved, `host_s` of enqueue
-        and `device_s` on the stream (as the SMs' weight counts it). Once every candidate left has `TRIALS`, the class goes to
-        the fastest by median, or to the prior (the cost model's first pick, if still in) unless
-        another is `MARGIN` faster."""
+        and `device_s` on the stream (as the SMs' weight counts it). Once every candidate left
+        has `TRIALS`, the class goes to the fastest by median, or to the prior (the cost model's
+        first pick, if still in) unless another is `MARGIN` faster."""
         with self._lock:
             trial = self._trials.get(key)
             if trial is None or name not in trial.costs:
