@@ -223,6 +223,25 @@ def test_a_load_lands_after_pending_work_on_its_block(forced):
         assert (kv.tensors[0].tensor[6] == 5).all()
 
 
+def test_a_load_reads_what_a_store_still_queued_behind_the_model_writes(forced):
+    """A load of a host block whose store still waits behind the model (its compute stream busy)
+    waits for that store on the device and reads its bytes, not the row's old ones: the batch
+    call could read small host rows through the CPU at once, out of stream order."""
+    import torch
+
+    kv = small_kv(pages=(4096,) * 4, blocks=8, device=forced.device)
+    with OffloadWorker(kv, 4, backend=forced) as worker:
+        torch.cuda._sleep(50_000_000)
+        for t in kv.tensors:
+            t.tensor[3].fill_(7)  # the model writes the block after the sleep
+        assert worker.submit_store(1, DeviceBlocks([3]), HostBlocks([2]))
+        assert worker.submit_load(2, HostBlocks([2]), DeviceBlocks([6]))
+        worker.wait([1, 2])
+        torch.cuda.synchronize()
+        assert all(r.success for r in worker.get_finished())
+        assert all((t.tensor[6] == 7).all() for t in kv.tensors)
+
+
 def test_copies_run_on_a_non_default_current_stream(forced):
     import torch
 

@@ -779,6 +779,42 @@ def test_staged_jobs_cut_into_pieces_move_the_reference_bytes(monkeypatch, bpc, 
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("mechanism", ["ce_batch", "expand_staged"])
+@pytest.mark.parametrize("direction", list(Direction))
+def test_batched_copies_read_in_stream_order_what_may_still_be_written(monkeypatch, mechanism, direction):
+    """The batch call may read a load's host rows out of stream order (small ones through the
+    CPU, during the call), past the stream's wait for a store still writing them: where a load
+    waits for one (`host_after`), and for every store, its copies read in stream order."""
+    model = Model([16, 8], [[(0, 16), (1, 8)]], 1, 32, 24, seed=1)
+    layout = model.layout()
+    orders = []
+    backend = SimpleNamespace(
+        _ring=None,
+        device_index=0,
+        gather_programs=4,
+        max_batch=0,
+        driver=SimpleNamespace(
+            memcpy_batch_async=lambda dst, src, sizes, order, handle, max_batch=0, held=None: orders.append(order)
+        ),
+    )
+    monkeypatch.setattr(cuda_blocks.kernels, "expand", lambda *args: None)
+    event = SimpleNamespace(record=lambda stream: None)
+    side = SimpleNamespace(cuda_stream=8, wait_event=lambda event: None)
+    st = SimpleNamespace(halves=[0, 1 << 20], free=[event, event], next=0, side=side, ready=event)
+    copier = SimpleNamespace(
+        backend=backend, half_bytes=1 << 20, staging=SimpleNamespace(for_stream=lambda s: st), expand=lambda *a: None
+    )
+    stream = SimpleNamespace(cuda_stream=7, wait_event=lambda event: None)
+    for hazard in (False, True):
+        job = layout.job(direction, DeviceBlocks([5, 9, 2]), HostBlocks([3, 4, 20]))
+        job.host_after = (event,) if hazard else ()
+        segments = layout.segments(job) if TABLE[mechanism].needs_segments else None
+        orders.clear()
+        TABLE[mechanism].enqueue_job(copier, job, host_prepared(layout), segments, stream, [], Held())
+        in_order = direction is Direction.STORE or hazard
+        assert orders and set(orders) == {drv.SRC_ACCESS_ORDER_STREAM if in_order else drv.SRC_ACCESS_ORDER_ANY}
+
+
 @given(
     st.lists(st.tuples(st.integers(0, 5), st.integers(1, 9)), min_size=1, max_size=12),
     st.lists(st.integers(1, 120), max_size=5),

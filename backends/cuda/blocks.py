@@ -302,6 +302,14 @@ class Mechanism(abc.ABC):
         """
 
 
+def source_order(direction: Direction, waits: bool) -> int:
+    """How a batched copy may read its sources. A store's are the live KV cache: in stream order.
+    A load's are host rows, which the driver may read out of stream order (small ones through the
+    CPU during the call), unless the stream `waits` for a store that may still write them (a
+    hazard, `CompactJob.host_after`)."""
+    return SRC_ACCESS_ORDER_STREAM if direction is Direction.STORE or waits else SRC_ACCESS_ORDER_ANY
+
+
 class HostExpanded(Mechanism):
     """Copies on the copy engines, a job's expanded on the host (`CompactLayout.copies`):
     ``ce_batch`` (`batched`: one ``cuMemcpyBatchAsync``) or ``ce_loop`` (one ``cuMemcpyAsync``
@@ -317,20 +325,20 @@ class HostExpanded(Mechanism):
             return "the driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)"
         return None
 
-    def enqueue(self, backend, src, dst, sizes, direction: Direction, stream, held: list) -> None:
-        """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes on `stream`; what the device may
-        still read afterwards goes to `held`."""
+    def enqueue(self, backend, src, dst, sizes, direction: Direction, stream, held: list, waits: bool = True) -> None:
+        """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes on `stream`, after what it waits
+        for where `waits` (`source_order`); what the device may still read afterwards goes to
+        `held`."""
         if not self.batched:
             backend.driver.memcpy_loop_async(dst, src, sizes, stream.cuda_stream)
             return
-        # stores read the live KV cache in stream order; loads read stable host memory
-        order = SRC_ACCESS_ORDER_STREAM if direction is Direction.STORE else SRC_ACCESS_ORDER_ANY
+        order = source_order(direction, waits)
         backend.driver.memcpy_batch_async(dst, src, sizes, order, stream.cuda_stream, backend.max_batch, held)
 
     def enqueue_job(self, copier, job, prepared, segments, stream, after, held) -> None:
         src, dst, sizes = prepared.layout.copies(job)
         if sizes.size:
-            self.enqueue(copier.backend, src, dst, sizes, job.direction, stream, held)
+            self.enqueue(copier.backend, src, dst, sizes, job.direction, stream, held, bool(job.host_after))
 
 
 class ExpandDirect(Mechanism):
@@ -388,7 +396,7 @@ class ExpandStaged(Mechanism):
         for event in after if store else job.host_after:
             st.side.wait_event(event)
         held.sides.append(st.side)  # each piece joins it; `_enqueued` does if a failure cuts a piece short
-        batch = b.driver.memcpy_batch_async
+        batch, order = b.driver.memcpy_batch_async, source_order(job.direction, bool(job.host_after))
         for j0, j1 in zip(cuts[:-1], cuts[1:]):
             half = st.halves[st.next]
             free = st.free[st.next]
@@ -412,7 +420,7 @@ class ExpandStaged(Mechanism):
             else:
                 st.side.wait_event(free)  # the scatter that last read this half is done
                 if s1 > s0:
-                    batch(staged, host, sizes, SRC_ACCESS_ORDER_ANY, st.side.cuda_stream, 0, held)
+                    batch(staged, host, sizes, order, st.side.cuda_stream, 0, held)
                 st.ready.record(st.side)
                 stream.wait_event(st.ready)
                 if b1 > b0:
