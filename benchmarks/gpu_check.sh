@@ -9,6 +9,7 @@
 # "grid" (not part of "all"): auto against the forced mechanisms (benchmarks/auto_vs_best.py);
 # about 10 minutes on an H200, over one call's limit: PARTS=64t,runs in one call and PARTS=1t in
 # the next, then `python3 benchmarks/auto_vs_best.py grid-all-*.json` over both calls' files;
+# "faults" (not part of "all"): one tensor's 4 MiB jobs RUNS times, failed jobs by mechanism (about 50 s a run);
 # "regions" (not part of "all"): the region soak alone, RUNS times (about 10 s a run);
 # "ab" (not part of "all"): `auto` with FILE as it is against FILE replaced by ALT (an untracked
 # copy, which travels with the tree), in turn twice, over the engine's shapes (about 7 minutes),
@@ -66,6 +67,20 @@ if [ "$phase" = ab ]; then
     cat $logs >> "$out/ab-$arm.log"; rm -f $logs
   done | tee "$out/ab.md"
   cp "$out/ab-base.txt" "$FILE"; rm -f "$out/ab-base.txt"
+  exit 0
+fi
+if [ "$phase" = faults ]; then
+  # one tensor's 256 B and 4 KiB x 1,024 jobs (where a device fault showed twice in five runs,
+  # intermittently), RUNS times (default 3), each deciding its own winners: which jobs failed on
+  # the device, and by which mechanism; CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1 names the kernel
+  for i in $(seq 1 "${RUNS:-3}"); do
+    OFFLOAD_CORE_PROFILE_DIR=$(mktemp -d) timeout 150 python3 -X faulthandler benchmarks/engine_bench.py \
+      --backend cuda --log-decisions --mechanisms auto,auto-sm1,expand_staged,expand_direct,ce_batch \
+      --tensors 1 --pages 256,4096 --job-mib 4 --jobs 32 > "$out/faults-$i.log" 2>&1
+    echo "run $i rc=$? failed jobs: $(grep -c 'failed on the device' "$out/faults-$i.log")"
+    grep -m3 -E "failed on the device|Fatal Python error|Segmentation" "$out/faults-$i.log"
+  done | tee "$out/faults.md"
+  (cd "$out" && tar czf faults-logs.tgz faults-*.log && rm -f faults-*.log)
   exit 0
 fi
 if [ "$phase" = regions ]; then
