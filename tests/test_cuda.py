@@ -229,7 +229,7 @@ def test_a_load_reads_what_a_store_still_queued_behind_the_model_writes(forced):
     call could read small host rows through the CPU at once, out of stream order."""
     import torch
 
-    kv = small_kv(pages=(4096,) * 4, blocks=8, device=forced.device)
+    kv = small_kv(pages=(1024,) * 4, blocks=8, device=forced.device)  # 4 KiB host rows: small copies
     with OffloadWorker(kv, 4, backend=forced) as worker:
         torch.cuda._sleep(50_000_000)
         for t in kv.tensors:

@@ -696,6 +696,26 @@ def test_a_layouts_warm_up_launches_are_of_its_jobs_kinds(monkeypatch, ring):
         assert launched and set(launched) <= warmed, "a job's launch that prepare did not warm up"
 
 
+def test_loads_expanded_on_the_host_read_in_stream_order_unless_nothing_may_still_write_them(monkeypatch):
+    """A bare batch's caller does not say what its stream waits for: its loads read their host
+    rows in stream order. A job expanded on the host (a forced batch mechanism) says: out of
+    stream order only where it waits for no other lane's job (`host_after`)."""
+    lib = FakeLib()
+    backend = host_only_backend(monkeypatch, lib, mechanism="ce_batch")
+    dst, src, sizes = arrays(3)
+    stream = SimpleNamespace(cuda_stream=9)
+    assert backend.copy_batch(src, dst, sizes, Direction.LOAD, stream) == "ce_batch"
+    assert {c[4] for c in copies(lib)} == {drv.SRC_ACCESS_ORDER_STREAM}
+    layout = Model([16, 8], [[(0, 16), (1, 8)]], 1, 32, 24, seed=1).layout()
+    for hazard in (False, True):
+        lib.calls.clear()
+        job = layout.job(Direction.LOAD, DeviceBlocks([5, 9, 2]), HostBlocks([3, 4, 20]))
+        job.host_after = (object(),) if hazard else ()
+        assert backend.copy_blocks(job, None, stream, []) == "ce_batch"
+        order = drv.SRC_ACCESS_ORDER_STREAM if hazard else drv.SRC_ACCESS_ORDER_ANY
+        assert {c[4] for c in copies(lib)} == {order}
+
+
 @pytest.mark.parametrize(
     "bpc, backwards", [(1, False), (2, False), (1, True)], ids=["simple", "chunks of two", "simple, rows backwards"]
 )

@@ -267,8 +267,11 @@ class CudaBackend(TorchDeviceBackend):
         return self._blocks.prepare(layout)
 
     def copy_blocks(self, job, prepared, stream, after) -> str:
-        if prepared is None:  # expanded on the host (`prepare_layout`)
-            return super().copy_blocks(job, prepared, stream, after)
+        if prepared is None:  # expanded on the host (`prepare_layout`), as the contract's default
+            src, dst, sizes = job.layout.copies(job)
+            if not sizes.size:
+                return None
+            return self.enqueue_with(self.mechanism, src, dst, sizes, job.direction, stream, bool(job.host_after))
         forced = TABLE.get(self.mechanism)
         if forced is not None and forced.takes_batches:
             forced = None  # a layout was prepared under another mechanism: its jobs go as auto
@@ -320,7 +323,14 @@ class CudaBackend(TorchDeviceBackend):
         return self.enqueue_with(self.mechanism, src, dst, sizes, direction, stream)
 
     def enqueue_with(
-        self, mechanism: str, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream
+        self,
+        mechanism: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        sizes: np.ndarray,
+        direction: Direction,
+        stream,
+        waits: bool = True,
     ) -> str:
         """`copy_batch` by `mechanism` instead of this backend's own, which stays as it is
         (measurements run one mechanism after another while other threads may copy).
@@ -329,6 +339,8 @@ class CudaBackend(TorchDeviceBackend):
             mechanism: ``"auto"`` (``ce_batch``, or ``ce_loop`` where the driver lacks the batch
                 call), a batch mechanism (`MECHANISMS`), or a compact-job one (`BLOCK_MECHANISMS`:
                 a bare batch then goes as auto).
+            waits: whether `stream` may wait for another lane's job on the host rows a load
+                reads (`blocks.source_order`); a bare batch's caller does not say, so it may.
 
         Returns:
             The mechanism that carried the copies.
@@ -344,7 +356,7 @@ class CudaBackend(TorchDeviceBackend):
         elif mechanism not in self.available_mechanisms:  # unknown, or not here
             raise ConfigError(f"cuda mechanism {mechanism!r} cannot be used: {self.why_unavailable(mechanism)}")
         with deferred(), self._enqueued(stream) as held:
-            chosen.enqueue(self, src, dst, sizes, direction, stream, held)
+            chosen.enqueue(self, src, dst, sizes, direction, stream, held, waits)
         return chosen.name
 
     # ---- choosing ----------------------------------------------------------

@@ -325,7 +325,7 @@ class HostExpanded(Mechanism):
             return "the driver has no cuMemcpyBatchAsync (CUDA 12.8 or later)"
         return None
 
-    def enqueue(self, backend, src, dst, sizes, direction: Direction, stream, held: list, waits: bool = True) -> None:
+    def enqueue(self, backend, src, dst, sizes, direction: Direction, stream, held: list, waits: bool) -> None:
         """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes on `stream`, after what it waits
         for where `waits` (`source_order`); what the device may still read afterwards goes to
         `held`."""
