@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from offload_core import hostmem
-from offload_core.backend import Backend, Direction
+from offload_core.backend import Backend, Direction, enqueue_lock
 from offload_core.errors import InvalidSpecError, OffloadError
 from offload_core.registry import get_backend
 from offload_core.spec import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, positive_int
@@ -148,7 +148,8 @@ def _limit_gbps(backend: Backend, nbytes: int, host, device) -> dict[str, float]
             start, end = backend.new_event(), backend.new_event()
             t0 = time.perf_counter()
             start.record(stream)
-            backend.copy_batch(one * src.data_ptr(), one * dst.data_ptr(), one * nbytes, direction, stream)
+            with enqueue_lock(backend):  # the contract's promise: never beside a worker's enqueue
+                backend.copy_batch(one * src.data_ptr(), one * dst.data_ptr(), one * nbytes, direction, stream)
             end.record(stream)
             end.synchronize()
             if i:  # the first copy warms caches, TLBs and the stream's thread

@@ -158,6 +158,25 @@ def test_bench_json_verifies_every_byte(capsys, chunk):
     assert data["store_descriptors_per_job"] >= 1 and data["bytes_per_job"] == 4 * 64 * 32 * 1024
 
 
+def test_the_links_measure_enqueues_under_the_lock_the_core_holds():
+    """The contract: `copy_batch` is never called beside a worker's enqueue on one backend, so
+    the link's measure, run while its worker is open, takes the same lock."""
+    import torch
+
+    from offload_core.backend import enqueue_lock
+    from offload_core.backends.cpu import CpuBackend
+
+    class Watched(CpuBackend):
+        def copy_batch(self, *args):
+            held.append(enqueue_lock(self).locked())
+            return super().copy_batch(*args)
+
+    held: list[bool] = []
+    backend = Watched()
+    bench._limit_gbps(backend, 4096, backend.alloc_host(4096), torch.empty(4096, dtype=torch.uint8))
+    assert held and all(held)
+
+
 def test_bench_cross_layer_preset(capsys):
     assert main(["bench", "--backend", "cpu", "--preset", "llama-8b-cross-layer", "--json"] + SMALL) == 0
     data = json.loads(capsys.readouterr().out)
