@@ -277,9 +277,10 @@ class TransferQueue:
 
     def end_of(self, seq: int) -> Event | None:
         """The end event of the launch carrying this lane's last unreported job of submit order up
-        to `seq`, launching it first on this thread where it still waits; None where there is no
-        such job or its launch recorded no end (the device is lost). The lane runs in order, so
-        this covers every earlier job, whatever became of job `seq` itself."""
+        to `seq` that recorded one, launching it first on this thread where it still waits; None
+        where there is none. The lane runs in order, so this covers every earlier job, whatever
+        became of job `seq` itself (a launch that failed before enqueuing recorded no end, and
+        moved no byte: the end before it is the one to wait for)."""
 
         def through() -> tuple:
             if self._batch is not None and self._batch[0].seq <= seq:
@@ -288,9 +289,8 @@ class TransferQueue:
             if waiting:
                 return waiting, None
             for job in reversed(self._jobs):  # launched: the recent end, usually
-                if job.seq <= seq:
-                    if job.end is not None:
-                        self._lent[id(job.end)] = job.end
+                if job.seq <= seq and job.end is not None:
+                    self._lent[id(job.end)] = job.end
                     return None, job.end
             return None, None
 

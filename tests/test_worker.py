@@ -714,3 +714,42 @@ def test_a_refused_store_hides_no_earlier_store_from_a_load(monkeypatch):
         worker.wait([1, 3])
         assert all(r.success for r in worker.get_finished())
         assert torch.equal(kv.tensors[0].tensor[5], kv.tensors[0].tensor[0])  # store 1's bytes, not the old
+
+
+@pytest.mark.parametrize("first", [Direction.STORE, Direction.LOAD])
+def test_a_launch_that_failed_before_enqueuing_hides_no_earlier_job_from_the_other_lane(monkeypatch, first):
+    """Job 1 of host block 2 is still running; job 2, of its lane and block, fails to launch
+    before it enqueued anything (no event for its start, so it records no end): job 3, of the
+    other lane and the same block, must still wait for job 1."""
+    kv = small_kv(pages=(64,), blocks=8)
+    backend = _SlowLane(first, seconds=0.2)
+    dev = kv.tensors[0].tensor
+    with OffloadWorker(kv, 4, backend=backend) as worker:
+        host = worker.host_tensors[0]
+        before = host[2].clone()
+        assert not torch.equal(dev[0], before)
+        store = lambda job, block: worker.submit_store(job, DeviceBlocks([block]), HostBlocks([2]))  # noqa: E731
+        load = lambda job, block: worker.submit_load(job, HostBlocks([2]), DeviceBlocks([block]))  # noqa: E731
+        same, other = (store, load) if first is Direction.STORE else (load, store)
+        assert same(1, 0 if first is Direction.STORE else 4)
+        made = backend.new_event
+        queue = worker._queues[first]
+        monkeypatch.setattr(queue, "_free_events", [])
+        ready = [made()]  # job 2's ready event, made at its submit; then none for its launch
+
+        def new_event():
+            if ready:
+                return ready.pop()
+            monkeypatch.setattr(backend, "new_event", made)
+            raise RuntimeError("no event now")
+
+        monkeypatch.setattr(backend, "new_event", new_event)
+        same(2, 1 if first is Direction.STORE else 5)
+        assert other(3, 5 if first is Direction.STORE else 0)
+        worker.wait([1, 2, 3])
+        assert {r.job_id: r.success for r in worker.get_finished()} == {1: True, 2: False, 3: True}
+        if first is Direction.STORE:
+            assert torch.equal(dev[5], dev[0])  # store 1's bytes, not the block's old ones
+        else:
+            assert torch.equal(dev[4], before)  # what load 1 was to read, not store 3's bytes
+            assert torch.equal(host[2], dev[0])
