@@ -5,9 +5,10 @@ or one area every rank writes into (canonical layout). A header records the layo
 joiner expecting another fails loudly.
 
 Only the user who made it may open it: the file lives in ``/dev/shm/offload-core-<euid>/`` (0700,
-this user's, not a symlink), no open follows a symlink, and only a regular file of this user,
-without group or other permissions and of its header's size, is used; anything else is a
-`RegionError`.
+this user's, not a symlink; a directory given instead must be this user's or root's, writable by
+others only with the sticky bit), no open follows a symlink, and only a regular file of this
+user, without group or other permissions, with one name (no hard link) and of its header's
+size, is used; anything else is a `RegionError`.
 
 Liveness: every process that has the region open holds a shared `flock` on it, which the kernel
 drops when the process dies, so a file that can be locked exclusively has no live user and is
@@ -35,6 +36,7 @@ import pathlib
 import re
 import secrets
 import stat
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -102,7 +104,8 @@ class SharedHostRegion:
         slot_bytes: per rank, the bytes of its slot in a row (direct layout); or
         canonical_bytes: the bytes of the one area all ranks share (canonical layout).
         timeout: seconds a joiner waits for the creator to finish.
-        directory: where the file lives, used as given; by default `default_directory()`,
+        directory: where the file lives: this user's or root's, and writable by others only
+            with the sticky bit (as /dev/shm); by default `default_directory()`,
             ``/dev/shm/offload-core-<euid>`` (memory, not disk; only this user may enter).
 
     Attributes:
@@ -115,7 +118,8 @@ class SharedHostRegion:
             of slot_bytes and canonical_bytes, a rank out of range, or an existing region in use
             laid out differently.
         RegionError: the directory or the file is not safe to use (a symlink, another user's, with
-            group or other permissions), the file is corrupt or truncated, or there is no room for it.
+            group or other permissions, a file with a second name), the file is corrupt or
+            truncated, or there is no room for it.
         OffloadError: the region needs more host memory than is available, or the creator did not
             finish within `timeout`.
     """
@@ -133,6 +137,7 @@ class SharedHostRegion:
     ):
         self._mmap: mmap.mmap | None = None
         self._closer: weakref.finalize | None = None
+        self._closing = threading.Lock()  # one close at a time: a worker's thread may close it beside the caller's
         self._fd = -1
         self.tensor = None
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -148,9 +153,14 @@ class SharedHostRegion:
         if slot_bytes is None:
             slots = [integer(canonical_bytes, "canonical_bytes", 1)]
         else:
-            if isinstance(slot_bytes, (str, bytes)) or not hasattr(slot_bytes, "__iter__"):
-                raise InvalidSpecError(f"slot_bytes must be a sequence of sizes, one per rank, got {slot_bytes!r}")
-            slots = [integer(b, f"slot_bytes[{i}]", 1) for i, b in enumerate(slot_bytes)]
+            try:
+                if isinstance(slot_bytes, (str, bytes)):
+                    raise TypeError
+                slots = [integer(b, f"slot_bytes[{i}]", 1) for i, b in enumerate(slot_bytes)]
+            except TypeError:  # not iterable (a 0-d array among them)
+                raise InvalidSpecError(
+                    f"slot_bytes must be a sequence of sizes, one per rank, got {slot_bytes!r}"
+                ) from None
             if not slots:
                 raise InvalidSpecError("slot_bytes must give one size per rank, got none")
             if rank >= len(slots):
@@ -214,24 +224,25 @@ class SharedHostRegion:
             ResourceInUseError: tensors or memoryviews made from this region (a worker's, say)
                 are still alive; the region stays open and usable.
         """
-        if self._mmap is None:
-            return
-        self.tensor = None
-        try:
-            self._mmap.close()
-        except BufferError:
-            gc.collect()  # views kept alive only by reference cycles (a traceback's frames) go now
+        with self._closing:
+            if self._mmap is None:
+                return
+            self.tensor = None
             try:
                 self._mmap.close()
             except BufferError:
-                self.tensor = self._tensor()
-                raise ResourceInUseError(
-                    f"region {self.path} is still in use by tensors or memoryviews made from it (or a worker "
-                    "using it): shut the worker down and drop those views before closing the region"
-                ) from None
-        self._closer.detach()  # before the mapping goes: this close releases the fd itself
-        self._mmap = None
-        self._release()
+                gc.collect()  # views kept alive only by reference cycles (a traceback's frames) go now
+                try:
+                    self._mmap.close()
+                except BufferError:
+                    self.tensor = self._tensor()
+                    raise ResourceInUseError(
+                        f"region {self.path} is still in use by tensors or memoryviews made from it (or a worker "
+                        "using it): shut the worker down and drop those views before closing the region"
+                    ) from None
+            self._closer.detach()  # before the mapping goes: this close releases the fd itself
+            self._mmap = None
+            self._release()
 
     def __enter__(self) -> SharedHostRegion:
         return self
@@ -295,10 +306,20 @@ class SharedHostRegion:
         except OSError as exc:
             raise RegionError(f"cannot create the region {self.path}: {exc.strerror}") from None
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            if not published:
-                os.close(fd)
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            except OSError as exc:
+                # the file would keep a second name, which joiners refuse: withdraw it (no rank
+                # joins before the header)
+                if published and _open_at(self.path, fd):
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.path)
+                published = False
+                raise RegionError(f"cannot remove {tmp} while creating {self.path}: {exc.strerror}") from None
+            finally:
+                if not published:
+                    os.close(fd)
         st = os.fstat(fd)
         self._fd, self._identity, self.is_creator = fd, (st.st_dev, st.st_ino), True
         try:
@@ -354,6 +375,12 @@ class SharedHostRegion:
                 time.sleep(_POLL_S)
             if not _open_at(self.path, fd):
                 return False  # removed (its last user left) or replaced since we opened it
+            links = os.fstat(fd).st_nlink  # the creator unlinked its temporary name before the magic
+            if links != 1:
+                raise RegionError(
+                    f"{self.path} has {links} names (hard links): under another one, another engine could "
+                    "share these bytes; remove them all and restart every rank"
+                )
             header = _parse_header(os.pread(fd, _HEADER, 0))
             if header is None:  # the creator's stores of body and magic may reach this CPU out of order
                 time.sleep(_POLL_S)
@@ -462,7 +489,7 @@ def _open_at(path: pathlib.Path, fd: int) -> bool:
     """Whether `path` is (still) the file open at `fd`."""
     try:
         st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
+    except OSError:  # gone, or its directory is (moved, unreadable): not ours to remove or join
         return False
     mine = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
@@ -516,6 +543,16 @@ def _given_directory(directory: Any) -> pathlib.Path:
         raise RegionError(f"cannot use the region directory {path}: {exc.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise RegionError(f"the region directory {path} is not a directory; pass another directory=")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise RegionError(
+            f"the region directory {path} is owned by uid {st.st_uid}, neither this user (uid {os.geteuid()}) nor "
+            "root: its owner could replace the region's file; pass another directory="
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise RegionError(
+            f"the region directory {path} has mode {st.st_mode & 0o7777:#o}: other users may rename or replace "
+            "files in it (group or other writable without the sticky bit); pass another directory="
+        )
     return path
 
 

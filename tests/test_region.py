@@ -155,6 +155,77 @@ def test_an_explicit_directory_must_exist(tmp_path):
         small("x", tmp_path / "plain")
 
 
+def test_an_explicit_directory_others_may_change_is_refused_unless_sticky(tmp_path):
+    """In a directory others may write without the sticky bit, another user could rename one
+    engine's live region to another's name, which would then join it."""
+    shared_dir = tmp_path / "open"
+    shared_dir.mkdir()
+    os.chmod(shared_dir, 0o777)
+    with pytest.raises(RegionError, match="0o777: other users may rename or replace"):
+        small("x", shared_dir)
+    os.chmod(shared_dir, 0o1777)  # as /dev/shm and /tmp: only a file's owner may rename it
+    with small("x", shared_dir) as reg:
+        assert reg.is_creator
+
+
+def test_a_file_with_a_second_name_is_refused(tmp_path):
+    """A hard link would let an engine of another name share this one's bytes."""
+    with small("a", tmp_path) as reg:
+        os.link(reg.path, tmp_path / "b.shm")
+        with pytest.raises(RegionError, match="2 names"):
+            small("b", tmp_path, timeout=1)
+        os.unlink(tmp_path / "b.shm")
+
+
+def test_a_temporary_name_that_cannot_be_removed_leaves_no_region(monkeypatch, tmp_path):
+    unlink = os.unlink
+
+    def refuse_temporary(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.EIO, "Input/output error")
+        return unlink(path, *args, **kwargs)
+
+    fds = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(shared.os, "unlink", refuse_temporary)
+    with pytest.raises(RegionError, match="cannot remove .*tmp while creating"):
+        small("u", tmp_path)
+    monkeypatch.setattr(shared.os, "unlink", unlink)
+    assert not (tmp_path / "u.shm").exists() and len(os.listdir("/proc/self/fd")) == fds
+    with small("u", tmp_path, timeout=1) as reg:  # nothing of it blocks the next try
+        assert reg.is_creator
+
+
+def test_closing_after_the_directory_was_moved_is_no_error(tmp_path):
+    directory = tmp_path / "d"
+    directory.mkdir()
+    reg = small("m", directory)
+    os.rename(directory, tmp_path / "moved")
+    write_file(directory)  # a plain file where the directory was: the path cannot be looked at
+    reg.close()
+    assert (tmp_path / "moved" / "m.shm").exists()  # not the closer's to remove any more
+
+
+def test_two_threads_closing_one_region_both_return(tmp_path):
+    errors = []
+    for i in range(30):
+        reg = small(f"c{i}", tmp_path)
+        barrier = threading.Barrier(4)
+
+        def close():
+            barrier.wait()
+            try:
+                reg.close()
+            except Exception as exc:  # noqa: BLE001 - any is the failure
+                errors.append(exc)
+
+        threads = [threading.Thread(target=close) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(JOIN_S)
+    assert errors == [] and list(tmp_path.iterdir()) == []
+
+
 def test_another_users_file_is_refused_and_left_alone(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("giving a file to another user needs root")
@@ -592,6 +663,12 @@ def test_bad_sizes_name_the_value_and_the_rule(tmp_path, kw, message):
     with pytest.raises(InvalidSpecError, match=message):
         small("x", tmp_path, **kw)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_slot_sizes_that_are_not_a_sequence_are_refused_by_name(tmp_path):
+    np = pytest.importorskip("numpy")
+    with pytest.raises(InvalidSpecError, match="slot_bytes must be a sequence of sizes"):
+        small("s", tmp_path, canonical_bytes=None, slot_bytes=np.array(64))
 
 
 def test_numpy_integers_are_integers(tmp_path):
