@@ -350,7 +350,7 @@ class CompactLayout:
             keys = [shared[g] for g in gs if g in shared]
             if keys:  # a group's own duplicates too
                 if store:
-                    _check_unique(np.concatenate(keys), "host sub-page", self.host_blocks * bpc)
+                    _check_unique(np.concatenate(keys), "host block", self.host_blocks * bpc, bpc)
                 else:
                     _check_unique(np.concatenate(keys), "device block id", self.device_limit)
         return CompactJob(self, direction, blocks, host_ids, tuple(groups), nbytes, items)
@@ -609,12 +609,14 @@ def _check_range(side: str, ids: np.ndarray, limit: int, counts: list[int] | Non
         )
 
 
-def _check_unique(ids: np.ndarray, side: str, limit: int) -> None:
-    """Two copies into the same destination would race: reject them (ids lie in ``[0, limit)``)."""
+def _check_unique(ids: np.ndarray, side: str, limit: int, per: int = 1) -> None:
+    """Two copies into the same destination would race: reject them (ids lie in ``[0, limit)``;
+    `per` sub-pages to a host block where ids are sub-pages)."""
     if has_duplicates(ids, limit):
         s = np.sort(ids)
-        dup = s[1:] == s[:-1]
-        raise InvalidSpecError(f"{side} {int(s[1:][dup][0])} is the destination of two copies in one transfer")
+        k = int(s[1:][s[1:] == s[:-1]][0])
+        what = f"{side} {k}" if per == 1 else f"{side} {k // per} (sub-page {k % per} of it)"
+        raise InvalidSpecError(f"{what} is the destination of two copies in one transfer")
 
 
 def has_duplicates(ids: np.ndarray, limit: int) -> bool:

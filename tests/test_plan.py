@@ -318,7 +318,7 @@ def test_groups_collide_only_through_a_shared_tensor():
         host_copies(shared, Direction.LOAD, DeviceBlocks([3, 3], [1, 1]), HostBlocks([0, 1]))
     # the same host block, different sub-pages: no collision
     host_copies(shared, Direction.STORE, DeviceBlocks([3, 4], [1, 1], [0, 1]), HostBlocks([0, 0]))
-    with pytest.raises(InvalidSpecError, match="host sub-page 2 is the destination of two copies"):
+    with pytest.raises(InvalidSpecError, match=r"host block 1 \(sub-page 0 of it\) is the destination of two copies"):
         host_copies(shared, Direction.STORE, DeviceBlocks([3, 4], [1, 1], [0, 0]), HostBlocks([1, 1]))
 
 
@@ -330,7 +330,7 @@ def test_groups_that_share_no_tensor_stay_apart_when_others_do():
     with pytest.raises(InvalidSpecError, match="device block id 5 is the destination of two copies"):
         host_copies(layout, Direction.LOAD, DeviceBlocks([5, 5], [1, 0, 1]), HostBlocks([1, 2]))
     host_copies(layout, Direction.STORE, DeviceBlocks([3, 4], [1, 1, 0]), HostBlocks([0, 0]))
-    with pytest.raises(InvalidSpecError, match="host sub-page 0 is the destination of two copies"):
+    with pytest.raises(InvalidSpecError, match=r"host block 0 \(sub-page 0 of it\) is the destination of two copies"):
         host_copies(layout, Direction.STORE, DeviceBlocks([3, 4], [1, 0, 1]), HostBlocks([0, 0]))
     with pytest.raises(InvalidSpecError, match="device block id 5 is the destination of two copies"):
         host_copies(layout, Direction.LOAD, DeviceBlocks([5, 5, 6], [2, 0, 1]), HostBlocks([1, 3]))  # within a group
