@@ -202,6 +202,9 @@ class CompactLayout:
         host_blocks: how many host blocks there are.
         compiled: take the compiled steps (`offload_core.native`) where they were built; False:
             numpy, the reference.
+        elect_writers: ranks that hold a page alike take turns writing it (`CanonicalPageMapping`'s
+            writers), as they share the host memory; False: this rank writes every page it
+            holds (its memory is its own).
 
     Attributes:
         entries: int64 ``(8, E)``, rows named by `ENTRY_COLUMNS`, group by group.
@@ -224,6 +227,7 @@ class CompactLayout:
         row_stride: int,
         host_blocks: int,
         compiled: bool = True,
+        elect_writers: bool = True,
     ):
         self.row_bytes, self.host_base, self.host_blocks = row_stride, host_base, host_blocks
         self.blocks_per_chunk = host.blocks_per_chunk
@@ -249,7 +253,7 @@ class CompactLayout:
                     local, canon, sizes, writers, writer = [0], [0], [size], 1, 0
                 else:
                     local, canon, sizes = mapping.fragments
-                    writers, writer = mapping.num_writers, mapping.writer_index
+                    writers, writer = (mapping.num_writers, mapping.writer_index) if elect_writers else (1, 0)
                 dev_base, host_off = tensors[t].tensor.data_ptr(), np.add(canon, host.offsets[t])
                 fields = np.broadcast_arrays(dev_base, dev_page, local, host_off, host_page, sizes, writers, writer)
                 rows.append(np.array(fields, dtype=np.int64))

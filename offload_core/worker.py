@@ -119,7 +119,14 @@ class OffloadWorker:
         self.host_tensors = layout.views(rows.view(torch.int8), slot)
         self.host_row_bytes = stride  # bytes from one host block to the next: every tensor's chunk, back to back
         # Jobs go to the backend as block ids against this table (offload_core.compact).
-        self._layout = CompactLayout(kv_caches, layout, self._host.data_ptr() + slot, stride, self.num_host_blocks)
+        self._layout = CompactLayout(
+            kv_caches,
+            layout,
+            self._host.data_ptr() + slot,
+            stride,
+            self.num_host_blocks,
+            elect_writers=host_region is not None,  # in private memory no other rank writes a page
+        )
         self._queues = {d: TransferQueue(backend, d) for d in Direction}
         # Loads the engine waits for at once go on their own stream, never behind regular loads.
         self._expedited = TransferQueue(backend, Direction.LOAD)

@@ -20,11 +20,14 @@ from offload_core import (
     Direction,
     HostBlocks,
     InvalidSpecError,
+    KVCacheRef,
+    KVCaches,
+    KVCacheTensor,
     OffloadWorker,
     SharedHostRegion,
     verify_tiling,
 )
-from offload_core.canonical import attention_mappings
+from offload_core.canonical import attention_mappings, replicated_mappings
 
 # ---- mappings ---------------------------------------------------------------
 
@@ -249,6 +252,20 @@ def test_private_host_memory_uses_the_canonical_page_too():
         rows = w.host_tensors[0].view(torch.uint8).numpy()[1].reshape(tp.TOKENS, 4, tp.HEAD_BYTES)
         np.testing.assert_array_equal(rows[:, 2:], full[0][3][:, 2:])  # rank 1 holds heads 2 and 3
         assert not rows[:, :2].any()
+
+
+def test_private_host_memory_keeps_every_page_a_rank_holds_alike_with_others():
+    """Ranks holding the same bytes (an MLA latent) take turns writing a shared region's pages;
+    in a rank's private memory nobody else writes them: it stores every page itself."""
+    latent = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (8, 64), dtype=np.uint8))
+    mapping = replicated_mappings(page_size_bytes=64, tp_size=2)[1]  # rank 1 of two
+    kv = KVCaches([KVCacheTensor(latent, 64)], [[KVCacheRef(0, 64, mapping=mapping)]])
+    with OffloadWorker(kv, 4, backend="cpu", canonical_layout=True) as w:
+        w.submit_store(1, DeviceBlocks([0, 1, 2, 3]), HostBlocks([0, 1, 2, 3]))
+        w.submit_load(2, HostBlocks([0, 1, 2, 3]), DeviceBlocks([4, 5, 6, 7]))
+        w.wait([1, 2])
+        assert [(r.success, r.transfer_size) for r in w.get_finished()] == [(True, 256), (True, 256)]
+        assert torch.equal(latent[4:], latent[:4])
 
 
 # ---- workers on a shared region (the region on its own: test_region.py) ---------------------
