@@ -157,6 +157,14 @@ def test_a_canonical_layout_needs_vllm_certified_refs():
     )
     with pytest.raises(InvalidSpecError, match="could not certify .* remove canonical_layout"):
         OffloadingSpecFactory.create_spec(cfg).get_worker(CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 256)]]))
+    # a mapping vLLM gives a layout it cannot place the same at every TP size (its opaque fallback)
+    from vllm.v1.kv_offload.base import CanonicalPageMapping, CopyRun
+
+    opaque = CanonicalPageMapping(256, 256, (CopyRun(0, 0, 256, 1, 256, 256),), 1, 0, False)
+    with pytest.raises(InvalidSpecError, match="pages differ by TP size.* remove canonical_layout"):
+        OffloadingSpecFactory.create_spec(cfg).get_worker(
+            CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 256, opaque)]])
+        )
 
 
 def test_replicated_ranks_share_one_region_rank_0_stores_all_load(device):

@@ -171,8 +171,8 @@ def to_kv_caches(kv_caches: Any, canonical: bool = False) -> KVCaches:
 
     Raises:
         InvalidSpecError: a tensor or ref that breaks `KVCacheTensor`'s or `KVCaches`' rules, or,
-            where `canonical`, a ref vLLM could not certify (no mapping); an object that lacks
-            the fields read here.
+            where `canonical`, a ref vLLM could not certify (no mapping, or one that is not
+            ``parallelism_agnostic``); an object that lacks the fields read here.
     """
     # vLLM's names: a tensor's page_size_bytes is its row (the padded page), a ref's the prefix
     # of it that the layer uses and a copy moves
@@ -182,10 +182,11 @@ def to_kv_caches(kv_caches: Any, canonical: bool = False) -> KVCaches:
         for g, refs in enumerate(kv_caches.group_data_refs):
             kept: dict[int, Any] = {}
             for ref in refs:
-                if canonical and ref.mapping is None:
+                if canonical and (ref.mapping is None or getattr(ref.mapping, "parallelism_agnostic", True) is False):
+                    why = "no canonical mapping" if ref.mapping is None else "its pages differ by TP size"
                     raise InvalidSpecError(
                         f"canonical_layout was requested, but vLLM could not certify the layout of group {g}'s ref "
-                        f"to tensor {ref.tensor_idx} (no canonical mapping): remove canonical_layout from "
+                        f"to tensor {ref.tensor_idx} ({why}): remove canonical_layout from "
                         "kv_connector_extra_config"
                     )
                 if ref.tensor_idx not in kept or ref.page_size_bytes > kept[ref.tensor_idx].page_size_bytes:
@@ -205,8 +206,8 @@ def to_kv_caches(kv_caches: Any, canonical: bool = False) -> KVCaches:
 
 
 def to_mapping(mapping: Any) -> CanonicalPageMapping:
-    """vLLM's ``CanonicalPageMapping`` as offload-core's. ``parallelism_agnostic`` (whether the
-    pages come out the same at every TP size) needs no field: the runs say where each byte goes."""
+    """vLLM's ``CanonicalPageMapping`` as offload-core's (`to_kv_caches` refuses one that is not
+    ``parallelism_agnostic``: its pages would land elsewhere at another TP size)."""
     runs = tuple(
         CopyRun(
             r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments, r.local_stride, r.canonical_stride
