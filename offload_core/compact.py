@@ -233,11 +233,11 @@ class CompactLayout:
         self.blocks_per_chunk = host.blocks_per_chunk
         tensors = kv_caches.tensors
         columns, self._device_limits = [], []  # per group: its entries, and one above its device ids
-        users: dict[int, list[int]] = {}  # tensor -> the groups that copy it
+        users: dict[int, list[int]] = {}  # a tensor's memory -> the groups that copy it
         for g, refs in enumerate(kv_caches.group_refs):
             self._device_limits.append(min(tensors[r.tensor_idx].num_blocks for r in refs))
             for r in refs:
-                users.setdefault(r.tensor_idx, []).append(g)
+                users.setdefault(kv_caches.memory[r.tensor_idx], []).append(g)
             # Refs of one page geometry go together, so that whole pages of one size are one run
             # of entries (`copies`).
             shapes = [

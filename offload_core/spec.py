@@ -121,11 +121,16 @@ class KVCaches:
         tensors: the device KV tensors.
         group_refs: ``group_refs[g]`` lists the refs of KV-cache group ``g``.
 
+    Attributes:
+        memory: per tensor, the first tensor over the same bytes (itself where none is): the
+            same memory wrapped twice is one tensor to the checks of where copies land.
+
     Raises:
-        InvalidSpecError: no tensors, a group without refs, a tensor named twice in one group
-            (both refs would copy into the same host page), a ref to a missing tensor, a ref
-            larger than its tensor's page, tensors on different devices, or a mapping of
-            another page size.
+        InvalidSpecError: no tensors, a group without refs, a tensor (or its memory) named
+            twice in one group (both refs would copy into the same host page), a ref to a
+            missing tensor, a ref larger than its tensor's page, tensors on different devices,
+            tensors whose rows overlap other than as the same memory, or a mapping of another
+            page size.
     """
 
     tensors: Sequence[KVCacheTensor]
@@ -150,6 +155,7 @@ class KVCaches:
         devices = {t.tensor.device for t in self.tensors}
         if len(devices) != 1:
             raise InvalidSpecError(f"KV tensors live on several devices: {sorted(map(str, devices))}")
+        object.__setattr__(self, "memory", _memory(self.tensors))
         for g, refs in enumerate(self.group_refs):
             if not refs:
                 raise InvalidSpecError(f"KV-cache group {g} has no refs; every group needs at least one")
@@ -157,16 +163,16 @@ class KVCaches:
             for ref in refs:
                 if not isinstance(ref, KVCacheRef):
                     raise InvalidSpecError(f"group {g}: refs must be KVCacheRef, got {type(ref).__name__}")
-                if ref.tensor_idx in seen:
-                    raise InvalidSpecError(
-                        f"group {g} names tensor {ref.tensor_idx} twice: both refs would copy into the same "
-                        f"host page; list each tensor once per group"
-                    )
-                seen.add(ref.tensor_idx)
                 if not 0 <= ref.tensor_idx < len(self.tensors):
                     raise InvalidSpecError(
                         f"group {g}: ref to tensor {ref.tensor_idx}, but there are {len(self.tensors)}"
                     )
+                if self.memory[ref.tensor_idx] in seen:
+                    raise InvalidSpecError(
+                        f"group {g} names tensor {ref.tensor_idx} (or its memory) twice: both refs would copy "
+                        f"into the same host page; list each tensor once per group"
+                    )
+                seen.add(self.memory[ref.tensor_idx])
                 page = self.tensors[ref.tensor_idx].page_size_bytes
                 if not 0 < ref.page_size_bytes <= page:
                     raise InvalidSpecError(
@@ -185,6 +191,32 @@ class KVCaches:
     @property
     def device(self) -> torch.device:
         return self.tensors[0].tensor.device
+
+
+def _memory(tensors: tuple[KVCacheTensor, ...]) -> tuple[int, ...]:
+    """`KVCaches.memory`; raises `InvalidSpecError` where two tensors' rows overlap otherwise (a
+    copy into one would change the other's pages unseen). Rows one pitch apart in both, at
+    offsets whose pages do not meet, interleave without overlapping (vLLM's K and V views)."""
+    memory = list(range(len(tensors)))
+    spans = sorted(
+        (t.tensor.data_ptr(), t.tensor.data_ptr() + (t.num_blocks - 1) * t.pitch_bytes + t.page_size_bytes, i)
+        for i, t in enumerate(tensors)
+    )
+    for k, (start, end, i) in enumerate(spans):
+        a = tensors[i]
+        for start_b, _, j in spans[k + 1 :]:
+            if start_b >= end:
+                break
+            b = tensors[j]
+            pitch, offset = a.pitch_bytes, start_b - start
+            if (offset, pitch, a.page_size_bytes, a.num_blocks) == (0, b.pitch_bytes, b.page_size_bytes, b.num_blocks):
+                memory[j] = memory[i]
+            elif not (pitch == b.pitch_bytes and a.page_size_bytes <= offset % pitch <= pitch - b.page_size_bytes):
+                raise InvalidSpecError(
+                    f"KV tensors {min(i, j)} and {max(i, j)} share memory without being the same rows: a copy into "
+                    "one would change the other's pages; give each tensor its own memory, or the same tensor once"
+                )
+    return tuple(memory)
 
 
 def _tuple(values: Any, what: str) -> tuple:

@@ -243,11 +243,11 @@ def test_ids_may_come_as_lists_arrays_or_tensors():
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 32)], []]), "group 1 has no refs"),
         (
             lambda: KVCaches([KVCacheTensor(torch.zeros(2, 16), 64)], [[KVCacheRef(0, 64), KVCacheRef(0, 64)]]),
-            "names tensor 0 twice",
+            r"names tensor 0 \(or its memory\) twice",
         ),
         (
             lambda: KVCaches([KVCacheTensor(torch.zeros(2, 16), 64)], [[KVCacheRef(0, 64), KVCacheRef(0, 32)]]),
-            "names tensor 0 twice",
+            r"names tensor 0 \(or its memory\) twice",
         ),
         (lambda: KVCaches([torch.zeros(2, 8)], [[KVCacheRef(0, 32)]]), "must be a KVCacheTensor"),
         (lambda: KVCaches(5, [[KVCacheRef(0, 32)]]), "KVCaches.tensors must be a sequence"),
@@ -264,6 +264,41 @@ def test_ids_may_come_as_lists_arrays_or_tensors():
 def test_invalid_layouts_are_rejected(make, message):
     with pytest.raises(InvalidSpecError, match=message):
         make()
+
+
+_BACK = torch.zeros(9, 64, dtype=torch.int8)  # one buffer that tensors below wrap
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        [(_BACK[0:8], 64), (_BACK[1:9], 64)],  # rows shifted by one block
+        [(_BACK[:, 0:48], 48), (_BACK[:, 16:64], 48)],  # rows overlapping within each block
+        [(_BACK[0:8], 64), (_BACK.view(-1)[:256].view(8, 32), 32)],  # another pitch
+    ],
+)
+def test_tensors_whose_rows_overlap_are_rejected(tensors):
+    """A copy into one would change the other's pages unseen (checks of where copies land go by
+    tensor)."""
+    kv_tensors = [KVCacheTensor(t, page) for t, page in tensors]
+    with pytest.raises(InvalidSpecError, match="KV tensors 0 and 1 share memory without being the same rows"):
+        KVCaches(kv_tensors, [[KVCacheRef(0, tensors[0][1])], [KVCacheRef(1, tensors[1][1])]])
+
+
+def test_the_same_memory_wrapped_twice_is_one_tensor_to_the_checks():
+    buf = torch.zeros(8, 16, dtype=torch.int8)
+    twice = [KVCacheTensor(buf, 16), KVCacheTensor(buf, 16)]
+    with pytest.raises(InvalidSpecError, match="names tensor 1 \\(or its memory\\) twice"):
+        KVCaches(twice, [[KVCacheRef(0, 16), KVCacheRef(1, 16)]])
+    kv = KVCaches(twice, [[KVCacheRef(0, 16)], [KVCacheRef(1, 16)]])
+    with OffloadWorker(kv, 4, backend="cpu") as worker:
+        with pytest.raises(InvalidSpecError, match="device block id 3 is the destination of two copies"):
+            worker.submit_load(1, HostBlocks([0, 1]), DeviceBlocks([3, 3], [1, 1]))
+    # K and V interleaved in one buffer, rows a pitch apart: they do not meet
+    kv_rows = torch.zeros(8, 2, 16, dtype=torch.int8)
+    KVCaches(
+        [KVCacheTensor(kv_rows[:, 0], 16), KVCacheTensor(kv_rows[:, 1], 16)], [[KVCacheRef(0, 16), KVCacheRef(1, 16)]]
+    )
 
 
 def test_bf16_tensors_are_viewed_as_bytes(backend):
