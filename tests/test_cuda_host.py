@@ -328,6 +328,8 @@ def test_auto_is_measured_by_default_and_the_conf_can_turn_it_off(monkeypatch, t
         ("ring_mb", "0", "a positive integer"),
         ("max_batch", "-1", "a non-negative integer"),
         ("max_batch", "many", "a non-negative integer"),
+        *[("staging_mb", t, "a positive integer") for t in ("\u0663", "\uff18", "1_000")],  # int() takes them
+        ("sm_penalty", "1_0", "a positive number"),
     ],
 )
 def test_a_setting_outside_its_values_is_refused_by_name(monkeypatch, key, text, rule):

@@ -3,6 +3,7 @@ timings. No GPU: the tuner sees only names, bytes and seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -199,6 +200,65 @@ def test_an_unreadable_file_is_ignored(tmp_path, caplog):
     tuner = Tuner(path)
     assert tuner.pick(KEY, ["expand_staged", "expand_direct"]) == ("expand_staged", True)
     assert "unreadable" in caplog.text
+
+
+@pytest.mark.parametrize("make", ["deep", "fifo"])
+def test_a_profile_that_is_no_winners_file_is_ignored(tmp_path, caplog, make):
+    """Nesting too deep for the parser, or a FIFO (whose read would block): measured again."""
+    import os
+
+    path = tmp_path / "tuned.json"
+    if make == "deep":
+        path.write_text("[" * 100_000)
+    else:
+        os.mkfifo(path)
+    tuner = Tuner(path)
+    assert tuner.pick(KEY, ["expand_staged", "expand_direct"]) == ("expand_staged", True)
+    assert "unreadable" in caplog.text
+
+
+def test_a_measured_winner_outlives_a_launch_that_offers_one_other_candidate(tmp_path):
+    path = tmp_path / "tuned.json"
+    tuner = Tuner(path)
+    run_trial(tuner, KEY, ["expand_staged", "expand_direct"], {"expand_staged": 2.0, "expand_direct": 1.0})
+    assert tuner.pick(KEY, ["ce_batch"]) == ("ce_batch", False)  # this launch cannot take the winner
+    assert tuner.pick(KEY, ["expand_staged", "expand_direct"]) == ("expand_direct", False)
+    other = KEY._replace(job=KEY.job + 1)
+    run_trial(tuner, other, ["expand_staged", "ce_batch"], {"expand_staged": 1.0, "ce_batch": 3.0})
+    assert json.loads(path.read_text())["winners"] == {KEY.name(): "expand_direct", other.name(): "expand_staged"}
+
+
+def test_a_class_measured_after_a_one_candidate_launch_is_saved(tmp_path):
+    path = tmp_path / "tuned.json"
+    tuner = Tuner(path)
+    assert tuner.pick(KEY, ["expand_direct"]) == ("expand_direct", False)
+    run_trial(tuner, KEY, ["expand_staged", "ce_batch"], {"expand_staged": 1.0, "ce_batch": 3.0})
+    assert json.loads(path.read_text())["winners"] == {KEY.name(): "expand_staged"}
+
+
+def test_decisions_of_two_processes_at_once_both_reach_the_file(tmp_path, monkeypatch):
+    """Two tuners that share no lock in memory (as in two processes) merge into one file: the
+    second's read must wait for the first's write."""
+    read, reads = tuning._read, []
+
+    def slow_read(path):  # the first merge's read grows stale while the other one saves
+        found = read(path)
+        reads.append(path)
+        if len(reads) == 1:
+            time.sleep(0.05)
+        return found
+
+    seconds = {"expand_staged": 2.0, "expand_direct": 1.0}
+    keys = [KEY, KEY._replace(job=KEY.job + 1)]
+    tuners = [Tuner(tmp_path / "tuned.json") for _ in keys]
+    monkeypatch.setattr(tuning, "_read", slow_read)
+    monkeypatch.setattr(tuning, "_SAVING", contextlib.nullcontext())  # no lock in memory between the two
+    threads = [threading.Thread(target=run_trial, args=(t, k, list(seconds), seconds)) for t, k in zip(tuners, keys)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert json.loads((tmp_path / "tuned.json").read_text())["winners"] == {k.name(): "expand_direct" for k in keys}
 
 
 def test_candidates_are_those_the_cost_model_rates_near_its_pick():

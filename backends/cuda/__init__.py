@@ -471,8 +471,8 @@ def _setting(settings: dict, key: str, default, *, given=None, argument=""):
         text = settings.get(key, "")
         if not text:
             return default
-        try:
-            value = kind(text)
+        try:  # ASCII digits only: int() and float() also take other scripts' digits and "1_000"
+            value = kind(text) if text.isascii() and "_" not in text else None
         except ValueError:
             value = None
         what, shown = f"{ENV_CONF} {key}", repr(text)

@@ -17,10 +17,12 @@ Every setting of the search is a module constant here; tests inject timings, not
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
 import os
+import stat
 import threading
 from contextlib import suppress
 from pathlib import Path
@@ -46,6 +48,7 @@ RUNS_SAMPLE = 64
 # under other rules are neither read nor lost (another version may still use them).
 RULES = 4
 _SAVING = threading.Lock()  # one file write at a time in this process (`Tuner._record`)
+_MOST_BYTES = 1 << 20  # a winners file larger than this is not one
 
 
 class ShapeClass(NamedTuple):
@@ -164,9 +167,10 @@ class Tuner:
             if saved is not None and saved in names:
                 return saved, False
             if len(names) == 1:
-                self._saved[key] = names[0]
-                self._single.add(key)
-                self._trials.pop(key, None)
+                if saved is None:  # a measured winner stays: only this launch cannot take it
+                    self._saved[key] = names[0]
+                    self._single.add(key)
+                    self._trials.pop(key, None)
                 return names[0], False
             trial = self._trials.get(key)
             if trial is None:
@@ -231,6 +235,7 @@ class Tuner:
         winner = best if medians[best] < (1 - MARGIN) * medians[prior] else prior
         del self._trials[key]
         self._saved[key] = winner
+        self._single.discard(key)  # measured: saved with the others
         return winner, medians, {k: v for k, v in self._saved.items() if k not in self._single}
 
     def _record(self, key: ShapeClass, winner: str, medians: dict, measured: dict) -> None:
@@ -300,24 +305,29 @@ class Timings:
 
 def _read(path: Path) -> dict[str, str]:
     try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MOST_BYTES:  # a FIFO would block the read
+            raise ValueError(f"not a regular file of at most {_MOST_BYTES} bytes")
         raw = json.loads(path.read_text())
         return {str(k): str(v) for k, v in raw["winners"].items()}
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
+    except (OSError, ValueError, TypeError, AttributeError, KeyError, RecursionError) as exc:
         log.warning("ignoring unreadable cuda tuning file %s: %s", path, exc)
         return {}
 
 
 def _save(path: Path, winners: dict[ShapeClass, str]) -> None:
-    """Merge `winners` into the file (other processes, maybe of another version, write it too)
-    through a new file renamed over it."""
-    merged = _read(path)
-    merged.update({k.name(): v for k, v in winners.items()})
+    """Merge `winners` into the file through a new file renamed over it, under a lock file beside
+    it: other processes, maybe of another version, merge theirs too, and none may lose another's."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-        tmp.write_text(json.dumps({"winners": merged}, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # let go with the file
+            merged = _read(path)
+            merged.update({k.name(): v for k, v in winners.items()})
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(json.dumps({"winners": merged}, indent=1, sort_keys=True))
+            os.replace(tmp, path)
     except OSError as exc:
         log.warning("cannot save cuda tuning to %s: %s", path, exc)
