@@ -122,7 +122,7 @@ class KVCaches:
         group_refs: ``group_refs[g]`` lists the refs of KV-cache group ``g``.
 
     Attributes:
-        memory: per tensor, the first tensor over the same bytes (itself where none is): the
+        memory: per tensor, the first tensor over the same blocks (itself where none is): the
             same memory wrapped twice is one tensor to the checks of where copies land.
 
     Raises:
@@ -194,14 +194,17 @@ class KVCaches:
 
 
 def _memory(tensors: tuple[KVCacheTensor, ...]) -> tuple[int, ...]:
-    """`KVCaches.memory`; raises `InvalidSpecError` where two tensors' rows overlap otherwise (a
-    copy into one would change the other's pages unseen). Rows one pitch apart in both, at
-    offsets whose pages do not meet, interleave without overlapping (vLLM's K and V views)."""
+    """`KVCaches.memory`: tensors from one address with one pitch are one memory (vLLM overlays
+    KV-cache groups so, their views' pages of any size); raises `InvalidSpecError` where two
+    tensors' rows overlap otherwise (a copy into one would change the other's pages unseen).
+    Rows one pitch apart in both, at offsets whose pages do not meet, interleave without
+    overlapping (vLLM's K and V views)."""
     memory = list(range(len(tensors)))
-    spans = sorted(
+    spans = [
         (t.tensor.data_ptr(), t.tensor.data_ptr() + (t.num_blocks - 1) * t.pitch_bytes + t.page_size_bytes, i)
         for i, t in enumerate(tensors)
-    )
+    ]
+    spans.sort(key=lambda span: (span[0], span[2]))  # from one address, the first tensor first
     for k, (start, end, i) in enumerate(spans):
         a = tensors[i]
         for start_b, _, j in spans[k + 1 :]:
@@ -209,7 +212,7 @@ def _memory(tensors: tuple[KVCacheTensor, ...]) -> tuple[int, ...]:
                 break
             b = tensors[j]
             pitch, offset = a.pitch_bytes, start_b - start
-            if (offset, pitch, a.page_size_bytes, a.num_blocks) == (0, b.pitch_bytes, b.page_size_bytes, b.num_blocks):
+            if offset == 0 and pitch == b.pitch_bytes:  # block k of one is block k of the other
                 memory[j] = memory[i]
             elif not (pitch == b.pitch_bytes and a.page_size_bytes <= offset % pitch <= pitch - b.page_size_bytes):
                 raise InvalidSpecError(

@@ -294,6 +294,9 @@ def test_the_same_memory_wrapped_twice_is_one_tensor_to_the_checks():
     with OffloadWorker(kv, 4, backend="cpu") as worker:
         with pytest.raises(InvalidSpecError, match="device block id 3 is the destination of two copies"):
             worker.submit_load(1, HostBlocks([0, 1]), DeviceBlocks([3, 3], [1, 1]))
+    # groups overlaid on one memory with pages of other sizes (vLLM's hybrid caches) are one too
+    overlaid = [KVCacheTensor(buf, 16), KVCacheTensor(buf.view(8, 2, 8)[:, 0], 8)]
+    assert KVCaches(overlaid, [[KVCacheRef(0, 16)], [KVCacheRef(1, 8)]]).memory == (0, 0)
     # K and V interleaved in one buffer, rows a pitch apart: they do not meet
     kv_rows = torch.zeros(8, 2, 16, dtype=torch.int8)
     KVCaches(
