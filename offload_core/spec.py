@@ -237,7 +237,7 @@ def integer(value: Any, what: str, minimum: int | None = None) -> int:
     if type(value) is int and (minimum is None or value >= minimum):  # the usual: once per submit
         return value
     rule = "an integer" if minimum is None else "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-    if isinstance(value, bool):
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):  # numpy's, torch's
         raise InvalidSpecError(f"{what} must be {rule}, got {value!r}")
     try:
         number = operator.index(value)

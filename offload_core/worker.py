@@ -100,7 +100,12 @@ class OffloadWorker:
         self._region = host_region
         if host_region is None:
             nbytes = self.num_host_blocks * layout.row_bytes
-            check_host_bytes(nbytes, "the worker's host buffer (num_host_blocks x host_row_bytes)")
+            # with the hazard bookkeeping's 24 bytes a host block (`_written_by`, `_read_by`),
+            # which outweighs rows of a few bytes
+            check_host_bytes(
+                nbytes + 24 * self.num_host_blocks,
+                "the worker's host buffer (num_host_blocks x host_row_bytes, and 24 bytes a block)",
+            )
             try:
                 self._host = backend.alloc_host(nbytes)
             except Exception as exc:  # torch reports an allocation failure as RuntimeError

@@ -239,6 +239,8 @@ def test_ids_may_come_as_lists_arrays_or_tensors():
         (lambda: KVCacheRef(0, 8.5), "page_size_bytes must be a positive integer, got 8.5"),
         (lambda: KVCacheRef(None, 8), "tensor_idx must be an integer >= 0, got None"),
         (lambda: KVCacheRef(-1, 8), "tensor_idx must be an integer >= 0, got -1"),
+        (lambda: KVCacheRef(torch.tensor(True), 8), r"tensor_idx must be an integer >= 0, got tensor\(True\)"),
+        (lambda: OffloadWorker(small_kv(), np.array(True)), r"num_host_blocks must be a positive integer, got array"),
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[]]), "group 0 has no refs"),
         (lambda: KVCaches([KVCacheTensor(torch.zeros(2, 8), 32)], [[KVCacheRef(0, 32)], []]), "group 1 has no refs"),
         (
@@ -335,6 +337,16 @@ def test_an_absurd_host_buffer_is_refused_before_allocating():
     too_many = 2 * available_host_bytes() // 192 + 1  # small_kv's host row is 64 + 128 bytes
     with pytest.raises(OffloadError, match="host buffer .* needs .* only .* available"):
         OffloadWorker(small_kv(), too_many, backend="cpu")
+
+
+def test_the_bookkeeping_of_host_blocks_counts_with_their_rows(monkeypatch):
+    """Rows of a few bytes weigh less than the 24 bytes a block the worker keeps for hazards."""
+    from offload_core import hostmem
+
+    kv = small_kv(pages=(8,), blocks=4)
+    monkeypatch.setattr(hostmem, "available_host_bytes", lambda root="/": 16 * 1000)  # the rows fit
+    with pytest.raises(OffloadError, match="host buffer .* needs .* only .* available"):
+        OffloadWorker(kv, 1000, backend="cpu")
 
 
 @pytest.mark.parametrize("job_id", ["7", None, 1.0, (1,), True, object()])
