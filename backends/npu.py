@@ -90,7 +90,7 @@ class NpuBackend(TorchDeviceBackend):
     name = "npu"
     module_name = "npu"
     priority = 100
-    install_hint = "pip install 'offload-core[npu]' (torch_npu matching your torch and CANN)"
+    install_hint = "torch_npu matching your torch and CANN: pip install -e '.[npu]' in offload-core's clone"
 
     @classmethod
     def probe(cls) -> str | None:

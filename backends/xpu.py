@@ -54,7 +54,7 @@ class XpuBackend(TorchDeviceBackend):
     name = "xpu"
     module_name = "xpu"
     priority = 100
-    install_hint = "pip install 'offload-core[xpu]' with an XPU build of torch (2.5 or later)"
+    install_hint = "an XPU build of torch (2.5 or later); then pip install -e '.[xpu]' in offload-core's clone"
 
     @classmethod
     def probe(cls) -> str | None:

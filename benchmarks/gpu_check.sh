@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the cuda backend needs checked on a GPU (how docs/performance.md's H200 figures were
-# made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|reliability|grid|regions|all]   (default ./gpu-check, all)
+# made). Usage: bash benchmarks/gpu_check.sh [OUTDIR] [checks|bench|reliability|grid|faults|regions|ab|all]   (default ./gpu-check, all)
 # "checks": tests, compute-sanitizer, the canonical benchmark per mechanism (about 5 minutes);
 # "bench": offload-core bench, benchmarks/transfer_bench.py, canonical layouts with jobs back to back,
 # benchmarks/engine_bench.py (about 7 minutes);
