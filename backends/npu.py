@@ -28,6 +28,7 @@ from offload_core.spec import KVCacheRef, KVCaches, KVCacheTensor
 ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST = 1, 2
 # aclrtMemLocationType
 ACL_MEM_LOCATION_TYPE_HOST, ACL_MEM_LOCATION_TYPE_DEVICE = 0, 1
+ACL_HOST_REG_PINNED = 0x10000000  # aclrtHostRegisterV2's flag for page-locked memory (0 is refused)
 # vllm-ascend's swap_blocks_batch direction argument (its own codes, not aclrtMemcpyKind)
 SWAP_H2D, SWAP_D2H = 0, 1
 
@@ -133,7 +134,8 @@ class NpuBackend(TorchDeviceBackend):
     def pin_host_memory(self, tensor) -> bool:
         npurt = getattr(self.runtime, "npurt", None)
         register = getattr(npurt() if npurt else None, "npuHostRegister", None)
-        return register is not None and int(register(tensor.data_ptr(), tensor.nbytes, 0)) == 0
+        # torch_npu hands the flags to aclrtHostRegisterV2 as they are
+        return register is not None and int(register(tensor.data_ptr(), tensor.nbytes, ACL_HOST_REG_PINNED)) == 0
 
     def unpin_host_memory(self, tensor) -> None:
         npurt = getattr(self.runtime, "npurt", None)

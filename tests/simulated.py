@@ -143,12 +143,15 @@ class SimRuntime:
         return self  # torch.npu.npurt(): host registration lives here
 
     def npuHostRegister(self, address: int, size: int, flags: int) -> int:
+        # aclrtHostRegisterV2, which it calls with `flags` as they are: ACL_HOST_REG_MAPPED (0x2)
+        # and or ACL_HOST_REG_PINNED (0x10000000), a 4 KiB-aligned address (CANN's reference)
+        if not flags or flags & ~(0x2 | 0x10000000) or address % 4096:
+            return ACL_ERROR_INVALID_PARAM
         self.pinned[address] = (address + size, None)
         return 0
 
     def npuHostUnregister(self, address: int) -> int:
-        self.pinned.pop(address, None)
-        return 0
+        return 0 if self.pinned.pop(address, None) else ACL_ERROR_INVALID_PARAM
 
     def page_locked(self, address: int, size: int) -> bool:
         """Whether ``[address, address + size)`` lies in memory from `alloc_pinned` or `npuHostRegister`."""
