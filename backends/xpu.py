@@ -1,5 +1,5 @@
-"""The xpu backend: Intel GPUs through upstream torch.xpu (torch 2.5+; no
-intel-extension-for-pytorch).
+"""The xpu backend: Intel GPUs through upstream torch.xpu (torch 2.6+, whose events time copies;
+no intel-extension-for-pytorch).
 
 SYCL offers no batched copy, so each coalesced run is one ``copy_`` between tensor views of
 the memory the worker registered (its KV tensors and host buffer), on the copy stream. Host
@@ -8,6 +8,7 @@ memory that is not pinned is staged through pinned memory, so the copy stays asy
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from collections.abc import Sequence
@@ -54,15 +55,16 @@ class XpuBackend(TorchDeviceBackend):
     name = "xpu"
     module_name = "xpu"
     priority = 100
-    install_hint = "an XPU build of torch (2.5 or later); then pip install -e '.[xpu]' in offload-core's clone"
+    install_hint = "an XPU build of torch (2.6 or later); then pip install -e '.[xpu]' in offload-core's clone"
 
     @classmethod
     def probe(cls) -> str | None:
         import torch
 
         xpu = getattr(torch, "xpu", None)
-        if xpu is None:
-            return f"torch {torch.__version__} has no torch.xpu (needs 2.5 or later)"
+        if xpu is None or tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < (2, 6):
+            # before 2.6 an xpu event's elapsed_time raised NotImplementedError: every job would fail
+            return f"torch {torch.__version__} has no usable torch.xpu (needs 2.6 or later)"
         try:
             if not xpu.is_available():
                 return "torch.xpu.is_available() is False: no usable Intel GPU or driver"
@@ -119,6 +121,14 @@ class XpuBackend(TorchDeviceBackend):
         for j in range(1, len(entries)):
             reach[j] = j if ends[j] >= ends[reach[j - 1]] else reach[j - 1]
         self._table = (entries, starts, ends, reach)
+
+    def copy_blocks(self, job, prepared, stream, after) -> str:
+        if job.direction is Direction.LOAD:
+            # Pageable host rows are staged during the call (`copy_batch`), out of stream order:
+            # rows a store may still write (`job.host_after`) are read once it is done.
+            for event in job.host_after:
+                event.synchronize()
+        return super().copy_blocks(job, prepared, stream, after)
 
     def copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream) -> str:
         self._bind_thread()

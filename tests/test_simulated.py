@@ -219,6 +219,36 @@ def test_xpu_with_one_queue_refuses_rather_than_spin():
 
 
 @pytest.mark.xpu
+def test_xpu_loads_pageable_host_rows_a_store_still_writes_after_it(tmp_path):
+    """A shared region is pageable on xpu, which stages such rows during the enqueue, out of
+    stream order: a load of a host block behind a store into it must still read the store's bytes."""
+    from offload_core import SharedHostRegion
+    from offload_core.backends.xpu import XpuBackend
+
+    class Truthful(simulated.SimRuntime):  # the region's mmap is pageable, as torch.xpu says
+        def is_pinned(self, tensor):
+            return self.page_locked(tensor.data_ptr(), max(tensor.nbytes, 1))
+
+    backend = XpuBackend(runtime=Truthful("xpu", pool=4), copier=simulated.SimCopier())
+    kv = small_kv(blocks=8)
+    with SharedHostRegion("r", num_blocks=4, slot_bytes=[192], directory=tmp_path) as region:
+        with OffloadWorker(kv, 4, backend=backend, host_region=region) as worker:
+            backend.current_stream().launch(lambda: time.sleep(0.2))  # the model still runs: the store waits
+            assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([0]))
+            assert worker.submit_load(2, HostBlocks([0]), DeviceBlocks([5]))
+            worker.wait([1, 2])
+            assert all(r.success for r in worker.get_finished())
+        assert all(torch.equal(t.tensor[5], t.tensor[1]) for t in kv.tensors)
+
+
+def test_xpu_before_torch_2_6_is_refused(monkeypatch):
+    """Its events could not time copies (elapsed_time raised): every job would fail."""
+    from offload_core.backends.xpu import XpuBackend
+
+    monkeypatch.setattr(torch, "__version__", "2.5.1+xpu")
+    assert "needs 2.6 or later" in XpuBackend.probe()
+
+
 def test_xpu_needs_registered_memory(sim_xpu):
     backend, _ = sim_xpu
     stray = torch.zeros(64, dtype=torch.uint8)
