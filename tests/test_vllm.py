@@ -148,6 +148,13 @@ def test_canonical_blocks_stored_at_tp2_load_at_tp1(device):
     )
 
 
+def test_a_backend_key_that_is_no_name_is_refused_naming_the_key():
+    tensors, _, _ = kv("cpu", [256], 16)
+    cfg = offloading_config(kv_bytes_per_block=256, extra={"offload_core_backend": 5})
+    with pytest.raises(InvalidSpecError, match="offload_core_backend in kv_connector_extra_config must be"):
+        OffloadingSpecFactory.create_spec(cfg).get_worker(CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(0, 256)]]))
+
+
 def test_a_canonical_layout_needs_vllm_certified_refs():
     from offload_core import InvalidSpecError
 

@@ -87,11 +87,16 @@ class OffloadCoreOffloadingSpec(CPUOffloadingSpec):
                 budget = getattr(self, "kv_bytes_per_chunk", None)  # the whole (shared) chunk
             else:
                 budget = getattr(self, "cpu_page_size_per_worker", None)  # this rank's part of a chunk
+            backend = self.extra_config.get(BACKEND_KEY)
+            if backend is not None and not isinstance(backend, str):
+                raise InvalidSpecError(
+                    f"{BACKEND_KEY} in kv_connector_extra_config must be a backend's name, got {backend!r}"
+                )
             self._offload_core_worker = OffloadCoreWorker(
                 kv_caches,
                 int(chunks),
                 int(self.blocks_per_chunk),
-                backend=self.extra_config.get(BACKEND_KEY),
+                backend=backend,
                 shared_region=shared,
                 canonical=canonical,
                 rank=rank,
