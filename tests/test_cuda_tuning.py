@@ -236,31 +236,6 @@ def test_a_class_measured_after_a_one_candidate_launch_is_saved(tmp_path):
     assert json.loads(path.read_text())["winners"] == {KEY.name(): "expand_staged"}
 
 
-def test_decisions_of_two_processes_at_once_both_reach_the_file(tmp_path, monkeypatch):
-    """Two tuners that share no lock in memory (as in two processes) merge into one file: the
-    second's read must wait for the first's write."""
-    read, reads = tuning._read, []
-
-    def slow_read(path):  # the first merge's read grows stale while the other one saves
-        found = read(path)
-        reads.append(path)
-        if len(reads) == 1:
-            time.sleep(0.05)
-        return found
-
-    seconds = {"expand_staged": 2.0, "expand_direct": 1.0}
-    keys = [KEY, KEY._replace(job=KEY.job + 1)]
-    tuners = [Tuner(tmp_path / "tuned.json") for _ in keys]
-    monkeypatch.setattr(tuning, "_read", slow_read)
-    monkeypatch.setattr(tuning, "_SAVING", contextlib.nullcontext())  # no lock in memory between the two
-    threads = [threading.Thread(target=run_trial, args=(t, k, list(seconds), seconds)) for t, k in zip(tuners, keys)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert json.loads((tmp_path / "tuned.json").read_text())["winners"] == {k.name(): "expand_direct" for k in keys}
-
-
 def test_candidates_are_those_the_cost_model_rates_near_its_pick():
     estimates = {"expand_staged": 1.0, "expand_direct": 1.5, "ce_batch": tuning.WITHIN * 1.01, "ce_loop": 0.9}
     assert candidates(estimates, "expand_staged") == ["expand_staged", "ce_loop", "expand_direct"]
@@ -552,9 +527,11 @@ def test_a_class_is_decided_by_a_launch_that_offers_only_measured_candidates(tmp
     assert json.loads((tmp_path / "tuned.json").read_text())["winners"] == {KEY.name(): "expand_direct"}
 
 
-def test_decisions_at_once_in_one_process_both_reach_the_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_decisions_at_once_both_reach_the_file(tmp_path, monkeypatch, processes):
     """Each decision merges into the file (read, merge, write): two at once, one read before
-    the other's write, would drop one."""
+    the other's write, would drop one; in one process, or in two (tuners sharing no lock in
+    memory: the lock file orders them)."""
     read, reads = tuning._read, []
 
     def slow_read(path):  # the first decision's read grows stale while the second one saves
@@ -564,10 +541,13 @@ def test_decisions_at_once_in_one_process_both_reach_the_file(tmp_path, monkeypa
             time.sleep(0.05)
         return found
 
-    tuner, seconds = Tuner(tmp_path / "tuned.json"), {"expand_staged": 2.0, "expand_direct": 1.0}
-    monkeypatch.setattr(tuning, "_read", slow_read)
+    seconds = {"expand_staged": 2.0, "expand_direct": 1.0}
     keys = [KEY, KEY._replace(job=KEY.job + 1)]
-    threads = [threading.Thread(target=run_trial, args=(tuner, k, list(seconds), seconds)) for k in keys]
+    tuners = [Tuner(tmp_path / "tuned.json") for _ in range(processes)] * (3 - processes)
+    monkeypatch.setattr(tuning, "_read", slow_read)
+    if processes == 2:
+        monkeypatch.setattr(tuning, "_SAVING", contextlib.nullcontext())
+    threads = [threading.Thread(target=run_trial, args=(t, k, list(seconds), seconds)) for t, k in zip(tuners, keys)]
     for t in threads:
         t.start()
     for t in threads:
