@@ -2,7 +2,8 @@
 
 Batched copies, best available first:
 
-* ``acl_batch``: ``aclrtMemcpyBatchAsync`` (CANN 8.5+), through ctypes;
+* ``acl_batch``: ``aclrtMemcpyBatchAsync`` (CANN 8.5+), through ctypes, where the product
+  supports it (else its first call says so and every later batch goes by ``acl_loop``);
 * ``swap_blocks_batch``: vllm-ascend's operator, when it is registered;
 * ``acl_loop``: one ``aclrtMemcpyAsync`` per copy.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,11 +26,15 @@ from offload_core.backends.torch_device import Runtime, TorchDeviceBackend
 from offload_core.errors import InvalidSpecError
 from offload_core.spec import KVCacheRef, KVCaches, KVCacheTensor
 
+log = logging.getLogger(__name__)
+
 # aclrtMemcpyKind
 ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST = 1, 2
 # aclrtMemLocationType
 ACL_MEM_LOCATION_TYPE_HOST, ACL_MEM_LOCATION_TYPE_DEVICE = 0, 1
 ACL_HOST_REG_PINNED = 0x10000000  # aclrtHostRegisterV2's flag for page-locked memory (0 is refused)
+# what a product without the batch call answers it (CANN lists no 310P, no first Atlas training series)
+ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
 # vllm-ascend's swap_blocks_batch direction argument (its own codes, not aclrtMemcpyKind)
 SWAP_H2D, SWAP_D2H = 0, 1
 
@@ -164,6 +170,10 @@ class NpuBackend(TorchDeviceBackend):
                 ctypes.byref(fail),
                 stream.npu_stream,
             )
+            if code == ACL_ERROR_RT_FEATURE_NOT_SUPPORT:  # nothing enqueued: every copy goes one by one
+                log.warning("npu: aclrtMemcpyBatchAsync is not supported on this device; copying with aclrtMemcpyAsync")
+                self.mechanism = "acl_loop"
+                return self.copy_batch(src, dst, sizes, direction, stream)
             if code != 0:
                 where = f"at index {fail.value}" if fail.value < len(sizes) else "(no single copy)"
                 raise RuntimeError(f"aclrtMemcpyBatchAsync failed {where} of {len(sizes)}: aclError {code}")

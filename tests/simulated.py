@@ -30,6 +30,7 @@ from offload_core.backends.xpu import XpuBackend
 ACL_ERROR_INVALID_PARAM = 100000
 ACL_ERROR_RT_STREAM_INVALID = 107003
 ACL_ERROR_RT_MEMORY_LOCATION = 507899  # the simulation's code for a host/device location mismatch
+ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000  # acl_base.h's, for a call the product lacks
 
 
 class SimStream(CpuStream):
@@ -169,11 +170,12 @@ class SimCopier:
 class SimAcl:
     """``aclrtMemcpyBatchAsync`` and ``aclrtMemcpyAsync`` as C function pointers over a SimRuntime."""
 
-    def __init__(self, runtime: SimRuntime, with_batch: bool = True):
+    def __init__(self, runtime: SimRuntime, with_batch: bool = True, batch_supported: bool = True):
         from offload_core.backends import npu
 
         self.runtime = runtime
         self.calls: list[tuple] = []
+        self.batch_supported = batch_supported  # False: the entry point exists, the product lacks it (310P)
         if with_batch:
             self.aclrtMemcpyBatchAsync = npu.ACL_MEMCPY_BATCH(self._batch)
         self.aclrtMemcpyAsync = npu.ACL_MEMCPY(self._memcpy)
@@ -186,6 +188,8 @@ class SimAcl:
         from offload_core.backends import npu
 
         self.calls.append(("batch", n, handle))
+        if not self.batch_supported:
+            return ACL_ERROR_RT_FEATURE_NOT_SUPPORT
         stream = self.runtime.streams.get(handle or 0)
         if stream is None:
             return ACL_ERROR_RT_STREAM_INVALID
@@ -293,11 +297,12 @@ def _registered(name: str, cls: type) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def npu(with_batch: bool = True, with_operator: bool = False) -> Iterator[SimAcl]:
-    """Register a simulated npu backend (optionally without ACL's batch entry point, optionally with
-    vllm-ascend's operator) until exit. Yields the `SimAcl`; its ``runtime`` is the `SimRuntime`."""
+def npu(with_batch: bool = True, with_operator: bool = False, batch_supported: bool = True) -> Iterator[SimAcl]:
+    """Register a simulated npu backend (optionally without ACL's batch entry point, or with one
+    the product does not support, optionally with vllm-ascend's operator) until exit. Yields the
+    `SimAcl`; its ``runtime`` is the `SimRuntime`."""
     runtime = SimRuntime("npu")
-    acl = SimAcl(runtime, with_batch)
+    acl = SimAcl(runtime, with_batch, batch_supported)
     bound = type("SimulatedNpuBackend", (SimulatedNpuBackend,), {"sim_acl": acl})
     library = _swap_blocks_batch_library(runtime, acl) if with_operator else None
     try:

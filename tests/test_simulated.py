@@ -83,6 +83,26 @@ def test_npu_reads_the_stream_handle_at_each_call(sim_npu):
 
 
 @pytest.mark.npu
+def test_npu_whose_product_lacks_the_batch_call_copies_one_by_one():
+    """CANN's batch call exists on products that do not support it (310P): its first call
+    answers ACL_ERROR_RT_FEATURE_NOT_SUPPORT, enqueuing nothing; that job and every later one go
+    by aclrtMemcpyAsync, bytes intact."""
+    with simulated.npu(batch_supported=False) as acl:
+        backend = get_backend("npu")
+        assert backend.mechanism == "acl_batch"
+        kv = small_kv(blocks=8)
+        with OffloadWorker(kv, 4, backend=backend) as worker:
+            for job, (dev, host) in enumerate([([1, 2], [0, 1]), ([3], [2])], start=1):
+                worker.submit_store(job, DeviceBlocks(dev), HostBlocks(host))
+                worker.wait([job])
+                (result,) = worker.get_finished()
+                assert result.success and result.mechanism == "acl_loop"
+            for dev, host in ((1, 0), (2, 1), (3, 2)):
+                assert torch.equal(worker.host_tensors[0][host], kv.tensors[0].tensor[dev])
+    assert [c[0] for c in acl.calls].count("batch") == 1 and "memcpy" in [c[0] for c in acl.calls]
+
+
+@pytest.mark.npu
 def test_npu_refuses_pageable_host_memory(sim_npu):
     backend, _ = sim_npu
     device = torch.zeros(4096, dtype=torch.uint8)
