@@ -289,6 +289,7 @@ def test_the_soak_times_how_long_a_file_left_behind_stays_locked(tmp_path):
 def test_the_gpu_only_benchmarks_import_on_any_machine():
     """They run only on a GPU (gpu_check.sh): a broken import would first show there."""
     import canonical_bench  # noqa: F401
+    import launch_steps  # noqa: F401
     import transfer_bench  # noqa: F401
 
 
