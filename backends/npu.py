@@ -170,7 +170,9 @@ class NpuBackend(TorchDeviceBackend):
                 ctypes.byref(fail),
                 stream.npu_stream,
             )
-            if code == ACL_ERROR_RT_FEATURE_NOT_SUPPORT:  # nothing enqueued: every copy goes one by one
+            # Nothing enqueued: from now on every copy goes one by one (not by vllm-ascend's
+            # operator, which calls the same batch function where it was built with it).
+            if code == ACL_ERROR_RT_FEATURE_NOT_SUPPORT:
                 log.warning("npu: aclrtMemcpyBatchAsync is not supported on this device; copying with aclrtMemcpyAsync")
                 self.mechanism = "acl_loop"
                 return self.copy_batch(src, dst, sizes, direction, stream)
