@@ -16,6 +16,7 @@ import numpy as np
 
 # For a backend's enqueues that user code may call directly: one step for Ctrl-C (docs/architecture.md §9).
 from offload_core.interrupts import deferred  # noqa: F401
+from offload_core.spec import integer
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +76,11 @@ class Backend(abc.ABC):
         """
 
     def __init__(self, device_index: int = 0):
-        self.device_index = device_index
+        """
+        Raises:
+            InvalidSpecError: `device_index` is not an integer >= 0.
+        """
+        self.device_index = integer(device_index, "device_index", 0)
 
     @property
     @abc.abstractmethod

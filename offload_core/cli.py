@@ -189,13 +189,14 @@ class _Output:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        return self._guarded(self._stream.write, text)
+        return self._guarded(lambda: self._stream.write(text))
 
     def flush(self) -> None:
-        self._guarded(self._stream.flush)
+        self._guarded(lambda: self._stream.flush())
 
-    @staticmethod
-    def _guarded(call, *args):
+    def _guarded(self, call, *args):
+        if self._stream is None:  # started with its standard output closed
+            raise _OutputError("the standard output is closed")
         try:
             return call(*args)
         except OSError as exc:
@@ -221,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     except _OutputError as exc:
         # what is still buffered would fail again at exit, with a traceback
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # AttributeError: no stdout at all
             os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
         print(f"offload-core: cannot write the output: {exc}", file=sys.stderr)
         return 3

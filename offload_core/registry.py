@@ -8,11 +8,12 @@ through the entry-point group ``offload_core.backends`` (set
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import logging
 import os
+import re
 import threading
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 from offload_core.backend import Backend
 from offload_core.errors import (
@@ -22,12 +23,14 @@ from offload_core.errors import (
     OffloadError,
     UnknownBackendError,
 )
+from offload_core.spec import flag, integer
 
 log = logging.getLogger(__name__)
 
 ENV_BACKEND = "OFFLOAD_CORE_BACKEND"
 ENV_PLUGINS = "OFFLOAD_CORE_PLUGINS"
 ENTRY_POINT_GROUP = "offload_core.backends"
+_NAME = re.compile(r"[a-z][a-z0-9_]*")  # as torch names device types
 
 _BUILTIN: dict[str, str] = {
     "cpu": "offload_core.backends.cpu:CpuBackend",
@@ -47,20 +50,27 @@ def register_backend(name: str, target: str | type[Backend], *, clobber: bool = 
     """Register a backend under `name`.
 
     Args:
-        name: registry key; by convention the torch device type it copies to.
-        target: a `Backend` subclass, or a lazy ``"package.module:Class"`` string.
+        name: registry key, lower-case letters, digits and ``_``, the first a letter; by
+            convention the torch device type it copies to.
+        target: a `Backend` subclass that implements every abstract method, or a lazy
+            ``"package.module:Class"`` string (an entry point's value).
         clobber: replace an existing registration of the same name.
 
     Raises:
-        InvalidSpecError: `name` is taken and `clobber` is False, or `target` is malformed
-            (a `ValueError` too).
+        InvalidSpecError: `name` is malformed, or taken and `clobber` is False, `clobber` is
+            not a bool, or `target` is malformed or an abstract class.
     """
-    if not isinstance(name, str) or not name:
-        raise InvalidSpecError(f"a backend name must be a non-empty string, got {name!r}")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidSpecError(
+            f"a backend name must be lower-case letters, digits and _, the first a letter, got {name!r}"
+        )
+    clobber = flag(clobber, "clobber")
     if isinstance(target, str) and ":" not in target:
         raise InvalidSpecError(f"lazy backend target must look like 'module:Class', got {target!r}")
     if not isinstance(target, str) and not (isinstance(target, type) and issubclass(target, Backend)):
         raise InvalidSpecError(f"backend target must be a Backend subclass or 'module:Class', got {target!r}")
+    if isinstance(target, type) and inspect.isabstract(target):
+        raise InvalidSpecError(f"backend {target.__name__} does not implement {_missing(target)}")
     with _lock:
         _load_plugins()
         if name in _targets and not clobber:
@@ -95,13 +105,16 @@ def backend_class(name: str) -> type[Backend]:
         target = _targets[name]
     if not isinstance(target, str):
         return target
-    module_name, _, attr = target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (Exception, SystemExit) as exc:  # a broken plugin must not break the others, nor end the process
+    try:  # as the entry point would load it: "module:Outer.Inner", extras ignored
+        cls = EntryPoint(name, target, ENTRY_POINT_GROUP).load()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a broken plugin must not break the others, nor end the process
         raise BackendUnavailableError(name, f"cannot import {target}: {exc!r}") from exc
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise BackendUnavailableError(name, f"{target} is {cls!r}, not a Backend subclass")
+    if inspect.isabstract(cls):
+        raise BackendUnavailableError(name, f"{target} does not implement {_missing(cls)}")
     if type(cls.priority) is not int:
         raise BackendUnavailableError(name, f"{target}.priority must be an int, got {cls.priority!r}")
     with _lock:
@@ -121,6 +134,11 @@ def availability() -> dict[str, str | None]:
     return {name: _probe(name, strict=False) for name in backend_names()}
 
 
+def _missing(cls: type) -> str:
+    """The abstract methods `cls` leaves unimplemented, for a message."""
+    return "the abstract method(s) " + ", ".join(sorted(cls.__abstractmethods__))
+
+
 def _probe(name: str, strict: bool = True) -> str | None:
     try:
         reason = backend_class(name).probe()
@@ -130,8 +148,12 @@ def _probe(name: str, strict: bool = True) -> str | None:
         if strict:  # selecting it: the user's own setting is wrong, said rather than passed by
             raise
         reason = f"misconfigured: {exc}"
-    except (Exception, SystemExit) as exc:  # a probe must never take the registry down, nor end the process
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a probe must never take the registry down, nor end the process
         reason = f"probe raised {exc!r}"
+    if reason is not None and (not isinstance(reason, str) or not reason):
+        reason = f"its probe() returned {reason!r}, not None (usable) or a reason"
     if reason is not None:
         log.debug("offload backend %s unavailable: %s", name, reason)
     return reason
@@ -150,8 +172,8 @@ def select_backend_name(name: str | None = None, *, device_type: str | None = No
     if name is not None and (not isinstance(name, str) or not name):
         raise UnknownBackendError(name, backend_names())
     source = ""
-    if not name and os.environ.get(ENV_BACKEND):
-        name, source = os.environ[ENV_BACKEND], f"${ENV_BACKEND}"
+    if not name and os.environ.get(ENV_BACKEND, "").strip():
+        name, source = os.environ[ENV_BACKEND].strip(), f"${ENV_BACKEND}"
     name = name or device_type or None
     if name is not None:
         try:
@@ -179,12 +201,14 @@ def get_backend(name: str | None = None, *, device_index: int = 0, device_type: 
     """Return the backend instance `select_backend_name` chooses, for `device_index` (cached).
 
     Raises:
+        InvalidSpecError: `device_index` is not an integer >= 0.
         UnknownBackendError: the name is not registered.
         BackendUnavailableError: the backend cannot run here; the message carries the
             probe's reason and an install hint.
         ConfigError: it could run, but its own setting is malformed (its probe says so).
     """
     global _instances_pid
+    device_index = integer(device_index, "device_index", 0)
     chosen = select_backend_name(name, device_type=device_type)
     with _lock:
         if _instances_pid != os.getpid():
@@ -196,7 +220,7 @@ def get_backend(name: str | None = None, *, device_index: int = 0, device_type: 
     cls = backend_class(chosen)
     reason = _probe(chosen)
     if reason is not None:
-        source = f"${ENV_BACKEND}" if name is None and os.environ.get(ENV_BACKEND) == chosen else ""
+        source = f"${ENV_BACKEND}" if name is None and os.environ.get(ENV_BACKEND, "").strip() == chosen else ""
         raise BackendUnavailableError(chosen, reason, cls.install_hint, source)
     with _lock:
         try:
@@ -220,7 +244,10 @@ def _load_plugins() -> None:
     if setting == "0":
         return
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in _targets:
+        if not _NAME.fullmatch(ep.name):
+            rule = "names are lower-case letters, digits and _"
+            log.warning("ignoring plugin backend %r from %s: %s", ep.name, ep.value, rule)
+        elif ep.name in _targets:
             log.warning("ignoring plugin backend %r from %s: the name is taken", ep.name, ep.value)
-            continue
-        _targets[ep.name] = ep.value
+        else:
+            _targets[ep.name] = ep.value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -476,6 +477,20 @@ def test_output_that_cannot_be_written_is_one_line_and_status_3(args):
         )
     assert out.returncode == 3, out.stderr
     assert out.stderr == "offload-core: cannot write the output: No space left on device\n"
+
+
+@pytest.mark.parametrize("args", [["backends"], ["backends", "--json"]])
+def test_a_command_started_with_its_output_closed_says_so_with_status_3(args):
+    out = subprocess.run(
+        [sys.executable, "-m", "offload_core", *args],
+        stdout=None,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: os.close(1),  # as `offload-core backends >&-`
+    )
+    assert out.returncode == 3, out.stderr
+    assert out.stderr == "offload-core: cannot write the output: the standard output is closed\n"
 
 
 def test_a_plugin_that_exits_or_fails_to_construct_is_unavailable_not_fatal():

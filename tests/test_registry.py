@@ -167,8 +167,98 @@ def test_bad_names_and_targets_are_offload_errors():
         registry.get_backend(["cpu"])
     with pytest.raises(InvalidSpecError, match="Backend subclass"):
         registry.register_backend("x", 5)
-    with pytest.raises(InvalidSpecError, match="non-empty string"):
-        registry.register_backend(None, "a:B")
+    for name in (None, "", "My NPU", "Cuda", "2x"):
+        with pytest.raises(InvalidSpecError, match="lower-case letters"):
+            registry.register_backend(name, "a:B")
+    with pytest.raises(InvalidSpecError, match="clobber must be"):
+        registry.register_backend("cpu", Fast, clobber="no")
+    assert registry.backend_class("cpu") is CpuBackend
+
+
+@pytest.mark.parametrize("index", [-1, True, 0.5, float("nan"), "0", None, [0]])
+def test_a_device_index_that_is_no_integer_from_zero_is_refused_naming_it(index):
+    from offload_core import InvalidSpecError
+
+    with pytest.raises(InvalidSpecError, match="device_index must be an integer >= 0"):
+        registry.get_backend("cpu", device_index=index)
+    with pytest.raises(InvalidSpecError, match="device_index must be an integer >= 0"):
+        CpuBackend(index)
+
+
+def test_a_backend_class_that_leaves_the_contract_unimplemented_is_refused_or_unavailable(monkeypatch):
+    from offload_core import InvalidSpecError
+    from offload_core.backend import Backend
+
+    class Incomplete(Backend):  # forgot copy_batch and the rest
+        name = "incomplete"
+        priority = 900
+
+        @classmethod
+        def probe(cls):
+            return None
+
+    with pytest.raises(InvalidSpecError, match="does not implement the abstract method"):
+        registry.register_backend("incomplete", Incomplete)
+    with pytest.raises(InvalidSpecError, match="does not implement"):
+        registry.register_backend("abs", Backend)
+    module = types.ModuleType("incomplete_plugin")
+    module.Incomplete = Incomplete
+    monkeypatch.setitem(sys.modules, "incomplete_plugin", module)
+    registry.register_backend("incomplete", "incomplete_plugin:Incomplete")  # lazy: found out when loaded
+    assert "does not implement" in registry.availability()["incomplete"]
+    assert registry.select_backend_name() != "incomplete"
+
+
+def test_entry_points_load_as_importlib_loads_them(monkeypatch):
+    """A nested attribute and extras are entry-point syntax: the backend loads; a module alone
+    is no Backend subclass, and a malformed name is ignored."""
+    module = types.ModuleType("nested_plugin")
+    module.Outer = types.SimpleNamespace(Inner=Fast)
+    monkeypatch.setitem(sys.modules, "nested_plugin", module)
+    eps = [
+        EntryPoint("nested", "nested_plugin:Outer.Inner", registry.ENTRY_POINT_GROUP),
+        EntryPoint("extras", "nested_plugin:Outer.Inner [gpu]", registry.ENTRY_POINT_GROUP),
+        EntryPoint("modonly", "nested_plugin", registry.ENTRY_POINT_GROUP),
+        EntryPoint("", "nested_plugin:Outer.Inner", registry.ENTRY_POINT_GROUP),
+        EntryPoint("Upper", "nested_plugin:Outer.Inner", registry.ENTRY_POINT_GROUP),
+    ]
+    monkeypatch.setattr(registry, "entry_points", lambda group: eps if group == registry.ENTRY_POINT_GROUP else [])
+    with fresh_registry():
+        assert registry.backend_class("nested") is Fast and registry.backend_class("extras") is Fast
+        assert "not a Backend subclass" in registry.availability()["modonly"]
+        assert "" not in registry.backend_names() and "Upper" not in registry.backend_names()
+
+
+@pytest.mark.parametrize("answer", [False, "", 0])
+def test_a_probe_that_answers_neither_none_nor_a_reason_is_named(answer):
+    class Odd(FakeBackend):
+        name = "odd"
+
+        @classmethod
+        def probe(cls):
+            return answer
+
+    registry.register_backend("odd", Odd)
+    assert "probe() returned" in registry.availability()["odd"]
+
+
+@pytest.mark.parametrize("raised", [GeneratorExit, SystemExit])
+def test_a_probe_raising_a_base_exception_is_a_reason_not_the_registrys_end(raised):
+    class Raises(FakeBackend):
+        name = "raises"
+
+        @classmethod
+        def probe(cls):
+            raise raised()
+
+    registry.register_backend("raises", Raises)
+    assert "probe raised" in registry.availability()["raises"]
+    assert registry.select_backend_name() != "raises"
+
+
+def test_the_environment_names_a_backend_with_the_spaces_a_config_file_leaves(monkeypatch):
+    monkeypatch.setenv(registry.ENV_BACKEND, " cpu\n")
+    assert registry.select_backend_name() == "cpu"
 
 
 def test_a_workers_device_type_comes_after_name_and_environment(monkeypatch):
