@@ -22,7 +22,7 @@ class HostLayout:
     Attributes:
         pages: per KV tensor, the bytes of one page on the host: the tensor's own page in the
             direct layout; in the canonical one, the largest canonical page among the refs into
-            the tensor (its own page where no ref has a mapping).
+            the tensor (0 where no ref reads it).
         offsets: per KV tensor, where its chunk starts in a row.
         row_bytes: the bytes of every tensor's chunk: what one host block needs.
         blocks_per_chunk: device blocks (pages) per host block.
@@ -44,8 +44,8 @@ class HostLayout:
                 for r in refs:
                     size = r.mapping.canonical_page_size_bytes if r.mapping is not None else r.page_size_bytes
                     pages[r.tensor_idx] = max(pages[r.tensor_idx], size)
-            # never a tensor's padded page: that depends on the TP size, the canonical row must not
-            pages = [p or t.page_size_bytes for p, t in zip(pages, kv_caches.tensors)]
+            # A tensor no ref reads keeps 0: nothing of it is copied, and its own (padded) page
+            # depends on the TP size, which would move every later tensor in the canonical row.
         else:
             pages = [t.page_size_bytes for t in kv_caches.tensors]
         offsets = [sum(pages[:i]) * blocks_per_chunk for i in range(len(pages))]

@@ -426,6 +426,46 @@ def test_ranks_in_separate_processes_share_the_region(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
+def test_a_tensor_no_group_reads_takes_no_room_in_the_canonical_row(tmp_path):
+    """Its own page depends on the TP size: with room in the row, every later tensor's place
+    would too, and TP=1 would load from where TP=2 did not store (found by a probe)."""
+    heads, tokens, head_bytes = 2, 4, 8
+    full = np.random.default_rng(0).integers(1, 256, (4, tokens, heads, head_bytes), dtype=np.uint8)
+
+    def kv(tp_size, rank, empty=False):
+        mapping = attention_mappings(total_kv_heads=heads, tp_size=tp_size, block_tokens=tokens, head_bytes=head_bytes)[
+            rank
+        ]
+        local = heads // tp_size
+        pages = np.ascontiguousarray(full[:, :, rank * local : (rank + 1) * local]).reshape(4, -1)
+        read = torch.zeros(pages.shape, dtype=torch.uint8) if empty else torch.from_numpy(pages)
+        unread = torch.zeros(pages.shape, dtype=torch.uint8)  # a layer's tensor no group lists
+        return KVCaches(
+            [KVCacheTensor(unread, pages.shape[1]), KVCacheTensor(read, pages.shape[1])],
+            [[KVCacheRef(1, pages.shape[1], mapping=mapping)]],
+        )
+
+    rows = 2 * full[0].nbytes  # room for the unread tensor too, as a caller sizing for it would give
+    regions = [
+        SharedHostRegion("unread", num_blocks=2, canonical_bytes=rows, rank=r, directory=tmp_path) for r in range(2)
+    ]
+    try:
+        for r in range(2):
+            with OffloadWorker(kv(2, r), 2, backend="cpu", canonical_layout=True, host_region=regions[r]) as w:
+                w.submit_store(1, DeviceBlocks([3]), HostBlocks([1]))
+                w.wait({1})
+                assert all(res.success for res in w.get_finished())
+        reader = kv(1, 0, empty=True)
+        with OffloadWorker(reader, 2, backend="cpu", canonical_layout=True, host_region=regions[0]) as w:
+            w.submit_load(2, HostBlocks([1]), DeviceBlocks([0]))
+            w.wait({2})
+            assert all(res.success for res in w.get_finished())
+        assert np.array_equal(reader.tensors[1].tensor[0].numpy(), full[3].ravel())
+    finally:
+        for region in regions[::-1]:
+            region.close()
+
+
 def test_padded_pages_do_not_change_the_canonical_host_page():
     """A rank's padded page depends on its TP size; the canonical host page must not."""
     from offload_core import KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
