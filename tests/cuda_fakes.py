@@ -181,7 +181,7 @@ class FakeCudaRuntime:
         return "Fake GPU"
 
     def get_device_properties(self, device):
-        return SimpleNamespace(multi_processor_count=132)
+        return SimpleNamespace(multi_processor_count=132, total_memory=80 << 30)
 
     def current_device(self):
         return 0

@@ -403,6 +403,16 @@ def test_a_constructor_setting_outside_its_values_is_refused_by_name(monkeypatch
         CudaBackend(driver=drv.Driver(FakeLib()), runtime=FakeCudaRuntime(), **{argument: value})
 
 
+@pytest.mark.parametrize("conf, what", [("ring_mb:100000000", "ring_mb"), ("staging_mb:50000", "staging_mb")])
+def test_staging_or_a_ring_larger_than_the_gpu_is_refused_at_once(monkeypatch, conf, what):
+    """A size in bytes where MiB were meant would fail every job that needs the memory later."""
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", conf)
+    with pytest.raises(ConfigError, match=f"{what} .* more than the GPU has"):
+        host_only_backend(monkeypatch, FakeLib())
+    monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", conf.replace("100000000", "40000").replace("50000", "40000"))
+    host_only_backend(monkeypatch, FakeLib())  # within the fake GPU's 80 GiB
+
+
 def test_a_constructor_setting_wins_over_the_environment(monkeypatch):
     monkeypatch.setenv("OFFLOAD_CORE_CUDA_CONF", "sm_programs:4,max_batch:9,ring_mb:4")
     backend = CudaBackend(

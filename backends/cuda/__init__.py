@@ -93,8 +93,9 @@ class CudaBackend(TorchDeviceBackend):
 
     Raises:
         ConfigError: an unknown or unavailable forced mechanism, an argument or a conf value
-            outside its values (programs, staging and ring: positive integers; batch: a
-            non-negative integer; SM penalty: a positive number; tune: 0, 1 or a bool), a
+            outside its values (programs, staging and ring: positive integers, the staging's two
+            halves and the ring within the GPU's memory; batch: a non-negative integer; SM
+            penalty: a positive number; tune: 0, 1 or a bool), a
             malformed conf or one with an unknown key, or a variable this backend no longer reads.
         OSError: no NVIDIA driver library.
     """
@@ -169,8 +170,15 @@ class CudaBackend(TorchDeviceBackend):
         # auto's choices measured per shape class, kept per GPU model
         tuner = Tuner(winners_path(runtime.get_device_name(self._device), self.cost.sm_penalty)) if tune else None
         self._blocks = BlockCopier(self, self.staging_bytes, tuner)
-        sms = runtime.get_device_properties(self._device).multi_processor_count
-        self.gather_programs = 4 * sms  # the device-side gather is short: it may use every SM
+        props = runtime.get_device_properties(self._device)
+        memory = getattr(props, "total_memory", 0)
+        for what, nbytes in (
+            ("staging_mb (staging_bytes)", 2 * self.staging_bytes),
+            ("ring_mb (ring_bytes)", ring_bytes),
+        ):
+            if memory and nbytes > memory:  # a typo (bytes for MiB, say): refused now, not as failed jobs later
+                raise ConfigError(f"{what} asks for {nbytes} bytes of device memory, more than the GPU has ({memory})")
+        self.gather_programs = 4 * props.multi_processor_count  # the device-side gather is short: it may use every SM
         # the hot path's events and compute stream through the driver, where it has them all
         self._driver_events = self.driver.has_events
         table_launch = None
