@@ -14,6 +14,9 @@ Every check compares against host memory and the reference model, byte for byte.
 
 from __future__ import annotations
 
+import gc
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -25,6 +28,23 @@ from offload_core.testing.reference import reference_transfer
 
 def _random_bytes(rng: np.random.Generator, n: int) -> torch.Tensor:
     return torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8))
+
+
+BUSY = 64 << 20  # a copy long enough that work ordered after it, and not waiting, shows
+
+
+def _one(value: int) -> np.ndarray:
+    return np.array([value], dtype=np.int64)
+
+
+def _busy(backend: Backend, stream, fill: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """`BUSY` bytes of `fill` loaded into a device buffer on `stream`; the buffers, to keep."""
+    host = backend.alloc_host(BUSY)
+    host.fill_(fill)
+    device = torch.zeros(BUSY, dtype=torch.uint8, device=backend.device)
+    backend.register_buffer(device)
+    backend.copy_batch(_one(host.data_ptr()), _one(device.data_ptr()), _one(BUSY), Direction.LOAD, stream)
+    return host, device
 
 
 def _disjoint_descriptors(rng: np.random.Generator, count: int, max_size: int, space: int):
@@ -101,6 +121,134 @@ class BackendConformance:
         assert start.query() and mid.query() and end.query()
         assert torch.equal(host[n:], host[:n])
         assert start.elapsed_time(mid) >= 0
+
+    def test_streams_are_the_callers_own_and_new_ones_apart(self, backend: Backend) -> None:
+        """`current_stream` is the caller's compute stream, the same each call; every
+        `new_stream` is a stream of its own (lanes that shared one would serialize)."""
+        compute, a, b = backend.current_stream(), backend.new_stream(), backend.new_stream()
+        assert backend.current_stream() == compute
+        assert a != b and compute not in (a, b)
+
+    def test_alloc_host_gives_each_call_memory_of_its_own(self, backend: Backend) -> None:
+        a, b = backend.alloc_host(4096), backend.alloc_host(4096)
+        a.fill_(1)
+        assert a.is_contiguous() and b.is_contiguous() and not b.any()
+
+    def test_pin_host_memory_says_what_it_did(self, backend: Backend) -> None:
+        tensor = torch.zeros(1 << 16, dtype=torch.uint8)
+        if backend.pin_host_memory(tensor):
+            assert tensor.is_pinned()
+            backend.unpin_host_memory(tensor)
+            assert not tensor.is_pinned()
+        else:
+            assert not tensor.is_pinned()
+
+    def test_large_batches_and_copies_arrive_whole(self, backend: Backend) -> None:
+        """20,000 copies of 1-32 bytes in one batch, and copies of 1, 3 and 16 MiB and odd bytes:
+        engines send batches and merged runs that large."""
+        rng = np.random.default_rng(5)
+        sizes = np.concatenate([rng.integers(1, 33, 20000), [(1 << 20) + 3, (16 << 20) + 5, 3 << 20]])
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        host = backend.alloc_host(int(sizes.sum()))
+        host.copy_(_random_bytes(rng, host.numel()))
+        device = torch.zeros(host.numel(), dtype=torch.uint8, device=backend.device)
+        backend.register_buffer(device)
+        order = rng.permutation(sizes.size)
+        stream, done = backend.new_stream(), backend.new_event()
+        at = offsets[order]
+        backend.copy_batch(
+            host.data_ptr() + at, device.data_ptr() + at, sizes[order].astype(np.int64), Direction.LOAD, stream
+        )
+        done.record(stream)
+        done.synchronize()
+        assert torch.equal(device.cpu(), host)
+
+    def test_query_true_means_the_work_is_done(self, backend: Backend) -> None:
+        """The queue reports a job, and the engine reuses its blocks, once `query` says True,
+        without a `synchronize` (a backend whose work waits for one may keep saying False)."""
+        stream, done = backend.new_stream(), backend.new_event()
+        _, device = _busy(backend, stream)
+        done.record(stream)
+        deadline = time.monotonic() + 2
+        while not done.query() and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        if done.query():
+            assert bool(device[:4096].eq(7).all()) and bool(device[-4096:].eq(7).all())
+        done.synchronize()
+        assert bool(device.eq(7).all())
+
+    def test_an_event_recorded_again_marks_the_new_position(self, backend: Backend) -> None:
+        """The queue records pooled events again for later launches."""
+        stream, event = backend.new_stream(), backend.new_event()
+        event.record(stream)
+        event.synchronize()
+        _, device = _busy(backend, stream)
+        event.record(stream)
+        event.synchronize()
+        assert bool(device.eq(7).all())
+
+    @pytest.mark.parametrize("by", ["wait_event", "wait_stream"])
+    def test_a_stream_waits_for_a_long_copy_on_another(self, backend: Backend, by: str) -> None:
+        a, b, mark, done = backend.new_stream(), backend.new_stream(), backend.new_event(), backend.new_event()
+        out = backend.alloc_host(BUSY)
+        _, device = _busy(backend, a)
+        if by == "wait_event":
+            mark.record(a)
+            b.wait_event(mark)
+        else:
+            b.wait_stream(a)
+        backend.copy_batch(_one(device.data_ptr()), _one(out.data_ptr()), _one(BUSY), Direction.STORE, b)
+        done.record(b)
+        done.synchronize()
+        assert bool(out.eq(7).all())
+
+    def _one_tensor_worker(self, backend: Backend, blocks: int = 64, page: int = 1 << 16):
+        kv = torch.zeros(blocks, page, dtype=torch.uint8, device=backend.device)
+        return kv, OffloadWorker(KVCaches([KVCacheTensor(kv, page)], [[KVCacheRef(0, page)]]), blocks, backend=backend)
+
+    def test_a_store_reads_what_the_compute_stream_wrote_before_it(self, backend: Backend) -> None:
+        """The model writes blocks on the compute stream (here a copy, behind a long one) and
+        submits their store at once: the store must read the new bytes."""
+        kv, worker = self._one_tensor_worker(backend)
+        with worker:
+            compute = backend.current_stream()
+            kept = _busy(backend, compute)
+            new = backend.alloc_host(8 * kv.shape[1])
+            new.fill_(9)
+            backend.copy_batch(_one(new.data_ptr()), _one(kv.data_ptr()), _one(new.numel()), Direction.LOAD, compute)
+            assert worker.submit_store(1, DeviceBlocks(np.arange(8)), HostBlocks(np.arange(8)))
+            worker.wait([1])
+            assert all(r.success for r in worker.get_finished())
+            assert bool(torch.cat(worker.host_tensors, dim=1).view(torch.uint8)[:8].eq(9).all())
+        del kept
+
+    def test_a_load_of_rows_a_store_still_writes_reads_the_stored_bytes(self, backend: Backend) -> None:
+        kv, worker = self._one_tensor_worker(backend)
+        with worker:
+            compute = backend.current_stream()
+            kept = _busy(backend, compute)
+            new = backend.alloc_host(32 * kv.shape[1])
+            new.fill_(9)
+            backend.copy_batch(_one(new.data_ptr()), _one(kv.data_ptr()), _one(new.numel()), Direction.LOAD, compute)
+            assert worker.submit_store(1, DeviceBlocks(np.arange(32)), HostBlocks(np.arange(32)))
+            assert worker.submit_load(2, HostBlocks(np.arange(32)), DeviceBlocks(np.arange(32, 64)))
+            worker.wait([1, 2])
+            assert all(r.success for r in worker.get_finished())
+            assert bool(kv[32:].eq(9).all())
+        del kept
+
+    def test_a_shut_down_worker_leaves_nothing_of_the_callers_alive(self, backend: Backend) -> None:
+        """The registry keeps a backend for the life of the process: what it holds of a
+        worker's KV tensors (a view is the memory too) it must hold weakly."""
+        kv, worker = self._one_tensor_worker(backend, blocks=8, page=256)
+        assert worker.submit_store(1, DeviceBlocks([1]), HostBlocks([0]))
+        worker.shutdown()
+        memory = kv.data_ptr()
+        del kv, worker
+        gc.collect()
+        # type(), not isinstance: that asks some modules in the heap for `__class__`, which warns
+        alive = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.data_ptr() == memory]
+        assert not alive, "something keeps a shut-down worker's KV memory alive"
 
     @pytest.mark.parametrize("blocks_per_chunk, gap, expedited", [(1, 0, False), (3, 0, False), (3, 40, True)])
     def test_worker_round_trip(self, backend: Backend, blocks_per_chunk: int, gap: int, expedited: bool) -> None:
