@@ -45,7 +45,7 @@ def status() -> str:
 
 
 def _switched_off() -> bool:
-    setting = os.environ.get(ENV_NATIVE, "1").strip()
+    setting = os.environ.get(ENV_NATIVE, "").strip() or "1"  # empty: unset, as every variable here
     if setting not in ("0", "1"):
         raise ConfigError(
             f"{ENV_NATIVE} must be 0 (numpy's steps) or 1 (the compiled ones, where built), got {setting!r}"

@@ -237,7 +237,7 @@ def _load_plugins() -> None:
     global _plugins_loaded
     if _plugins_loaded:
         return
-    setting = os.environ.get(ENV_PLUGINS, "1").strip()
+    setting = os.environ.get(ENV_PLUGINS, "").strip() or "1"  # empty: unset, as every variable here
     if setting not in ("0", "1"):  # raised on every call until it is set right
         raise ConfigError(f"{ENV_PLUGINS} must be 0 (ignore third-party backends) or 1, got {setting!r}")
     _plugins_loaded = True

@@ -114,6 +114,11 @@ def test_a_native_switch_other_than_0_or_1_is_one_line(capsys, monkeypatch, valu
     assert err.count("\n") == 1 and "OFFLOAD_CORE_NATIVE must be 0 (numpy's steps) or 1" in err and repr(value) in err
 
 
+def test_an_empty_native_switch_is_as_unset(capsys, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CORE_NATIVE", "")
+    assert main(["backends"]) == 0
+
+
 @pytest.mark.parametrize(
     "conf, named",
     [

@@ -317,6 +317,9 @@ def test_the_plugins_switch_takes_0_or_1(monkeypatch, setting):
     monkeypatch.setenv(registry.ENV_PLUGINS, " 0 ")
     with fresh_registry():
         assert "cpu" in registry.backend_names()
+    monkeypatch.setenv(registry.ENV_PLUGINS, " ")  # empty, as unset: as every variable of offload-core
+    with fresh_registry():
+        assert "cpu" in registry.backend_names()
 
 
 def test_an_empty_backend_name_is_refused(monkeypatch):
