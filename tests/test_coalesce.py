@@ -13,7 +13,7 @@ from helpers import PinnedWindow, compiled_or_skip, small_kv
 
 import offload_core.queue as queue_module
 from offload_core import DeviceBlocks, HostBlocks, OffloadWorker
-from offload_core.backend import enqueue_lock
+from offload_core.backend import Direction, enqueue_lock
 from offload_core.backends.cpu import CpuEvent
 from offload_core.testing.expanding import ExpandingCpuBackend
 
@@ -82,6 +82,8 @@ def test_jobs_waiting_for_a_launch_go_as_one_with_results_per_job(held):
         results = worker.get_finished()
         assert [r.job_id for r in results] == list(range(9))
         assert [r.transfer_size for r in results] == [96] + [192] * 8
+        pool = worker._queues[Direction.STORE]._free_events
+        assert len({id(e) for e in pool}) == len(pool)  # a launch's shared events go back once, not per job
         assert all(r.success for r in results)
         stats = worker.stats()["store"]
         assert (stats.jobs, stats.launches, backend.jobs) == (9, 2, 2)
@@ -188,8 +190,9 @@ def test_submit_waits_when_too_many_jobs_wait_for_a_launch(held):
         blocked = threading.Thread(target=lambda: (store(worker, 4, [4], [4]), done.set()))
         blocked.start()
         time.sleep(0.05)
-        assert not done.is_set()  # three jobs wait for a launch: the fourth waits for room
-        lock.release()
+        waited = not done.is_set()  # three jobs wait for a launch: the fourth waits for room
+        lock.release()  # before any assertion: the worker's shutdown would wait for it forever
+        assert waited
         first.join()
         blocked.join(10)
         assert done.is_set()

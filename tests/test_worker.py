@@ -643,6 +643,43 @@ def test_a_load_of_a_host_block_waits_for_the_store_into_it(expedited):
         assert torch.equal(kv.tensors[0].tensor[5], kv.tensors[0].tensor[0])  # the stored ones, not the old
 
 
+def test_a_load_of_several_host_blocks_waits_for_the_newest_store_into_any():
+    """Host block 0 never stored, block 2 stored just now: the load waits for that store, the
+    newest of its blocks' stores (found by mutating the lookup to the oldest)."""
+    kv = small_kv(pages=(64,), blocks=8)
+    with OffloadWorker(kv, 4, backend=_SlowLane(Direction.STORE)) as worker:
+        assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([2]))
+        assert worker.submit_load(2, HostBlocks([0, 2]), DeviceBlocks([4, 5]))
+        worker.wait([1, 2])
+        assert all(r.success for r in worker.get_finished())
+        assert torch.equal(kv.tensors[0].tensor[5], kv.tensors[0].tensor[0])
+
+
+def test_an_end_a_load_waits_for_is_never_pooled_for_another_launch():
+    """A store's end event that a load waits for on the device (`end_of` lends it) must not be
+    recorded again under a later store once the first is reported: the load would wait for that."""
+    kv = small_kv(pages=(64,), blocks=8)
+    with OffloadWorker(kv, 4, backend=_SlowLane(Direction.STORE)) as worker:
+        stores = worker._queues[Direction.STORE]
+        assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([2]))
+        assert worker.submit_load(2, HostBlocks([2]), DeviceBlocks([5]))
+        lent = list(stores._lent.values())
+        assert lent  # the load waits for the store's end
+        worker.wait([1, 2])
+        assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
+        assert not any(e is end for e in stores._free_events for end in lent)
+
+
+def test_a_result_is_handed_out_once():
+    kv = small_kv(pages=(64,), blocks=8)
+    with OffloadWorker(kv, 4, backend="cpu") as worker:
+        assert worker.submit_store(1, DeviceBlocks([0]), HostBlocks([2]))
+        assert worker.submit_load(2, HostBlocks([1]), DeviceBlocks([5]))
+        worker.wait([1, 2])
+        assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
+        assert worker.get_finished() == []
+
+
 @pytest.mark.parametrize("expedited", [False, True])
 def test_a_store_into_a_host_block_waits_for_the_load_that_reads_it(expedited):
     kv = small_kv(pages=(64,), blocks=8)
