@@ -24,6 +24,7 @@ from offload_core import (
     OffloadWorker,
     get_backend,
 )
+from offload_core.backend import enqueue_lock
 from offload_core.errors import ConfigError
 from offload_core.testing.reference import reference_transfer
 
@@ -668,6 +669,33 @@ def test_an_end_a_load_waits_for_is_never_pooled_for_another_launch():
         worker.wait([1, 2])
         assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
         assert not any(e is end for e in stores._free_events for end in lent)
+
+
+def test_a_load_waits_for_a_store_whose_launch_is_under_way_on_another_thread():
+    """The store's launch has taken its job and waits for the enqueue lock on another thread:
+    the load of its host block waits for that launch's end, not for an older one or none."""
+    kv = small_kv(pages=(64,), blocks=8)
+    backend = _SlowLane(Direction.STORE)
+    lock = enqueue_lock(backend)
+    with OffloadWorker(kv, 4, backend=backend) as worker:
+        stores = worker._queues[Direction.STORE]
+        lock.acquire()
+        try:
+            storing = threading.Thread(target=worker.submit_store, args=(1, DeviceBlocks([0]), HostBlocks([2])))
+            storing.start()
+            deadline = time.monotonic() + 10
+            while stores._batch is None and time.monotonic() < deadline:  # its launch is under way
+                time.sleep(0.001)
+            loading = threading.Thread(target=worker.submit_load, args=(2, HostBlocks([2]), DeviceBlocks([5])))
+            loading.start()
+            time.sleep(0.05)
+        finally:
+            lock.release()
+        storing.join(10)
+        loading.join(10)
+        worker.wait([1, 2])
+        assert all(r.success for r in worker.get_finished())
+        assert torch.equal(kv.tensors[0].tensor[5], kv.tensors[0].tensor[0])
 
 
 def test_a_result_is_handed_out_once():
