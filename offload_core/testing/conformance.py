@@ -206,16 +206,22 @@ class BackendConformance:
         kv = torch.zeros(blocks, page, dtype=torch.uint8, device=backend.device)
         return kv, OffloadWorker(KVCaches([KVCacheTensor(kv, page)], [[KVCacheRef(0, page)]]), blocks, backend=backend)
 
+    def _model_writes(self, backend: Backend, kv: torch.Tensor, blocks: int) -> tuple:
+        """The model's write of 9s into the first `blocks` blocks, on the compute stream behind
+        a long copy; the buffers, to keep until the copies have run."""
+        compute = backend.current_stream()
+        new = backend.alloc_host(blocks * kv.shape[1])
+        new.fill_(9)
+        kept = _busy(backend, compute)
+        backend.copy_batch(_one(new.data_ptr()), _one(kv.data_ptr()), _one(new.numel()), Direction.LOAD, compute)
+        return (*kept, new)
+
     def test_a_store_reads_what_the_compute_stream_wrote_before_it(self, backend: Backend) -> None:
-        """The model writes blocks on the compute stream (here a copy, behind a long one) and
-        submits their store at once: the store must read the new bytes."""
+        """The model writes blocks on the compute stream and submits their store at once: the
+        store must read the new bytes."""
         kv, worker = self._one_tensor_worker(backend)
         with worker:
-            compute = backend.current_stream()
-            kept = _busy(backend, compute)
-            new = backend.alloc_host(8 * kv.shape[1])
-            new.fill_(9)
-            backend.copy_batch(_one(new.data_ptr()), _one(kv.data_ptr()), _one(new.numel()), Direction.LOAD, compute)
+            kept = self._model_writes(backend, kv, 8)
             assert worker.submit_store(1, DeviceBlocks(np.arange(8)), HostBlocks(np.arange(8)))
             worker.wait([1])
             assert all(r.success for r in worker.get_finished())
@@ -225,11 +231,7 @@ class BackendConformance:
     def test_a_load_of_rows_a_store_still_writes_reads_the_stored_bytes(self, backend: Backend) -> None:
         kv, worker = self._one_tensor_worker(backend)
         with worker:
-            compute = backend.current_stream()
-            kept = _busy(backend, compute)
-            new = backend.alloc_host(32 * kv.shape[1])
-            new.fill_(9)
-            backend.copy_batch(_one(new.data_ptr()), _one(kv.data_ptr()), _one(new.numel()), Direction.LOAD, compute)
+            kept = self._model_writes(backend, kv, 32)
             assert worker.submit_store(1, DeviceBlocks(np.arange(32)), HostBlocks(np.arange(32)))
             assert worker.submit_load(2, HostBlocks(np.arange(32)), DeviceBlocks(np.arange(32, 64)))
             worker.wait([1, 2])
