@@ -194,11 +194,11 @@ class _Output:
     def flush(self) -> None:
         self._guarded(lambda: self._stream.flush())
 
-    def _guarded(self, call, *args):
+    def _guarded(self, call):
         if self._stream is None:  # started with its standard output closed
             raise _OutputError("the standard output is closed")
         try:
-            return call(*args)
+            return call()
         except OSError as exc:
             raise _OutputError(exc.strerror or str(exc)) from exc
 
