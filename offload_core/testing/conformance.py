@@ -207,13 +207,16 @@ class BackendConformance:
         return kv, OffloadWorker(KVCaches([KVCacheTensor(kv, page)], [[KVCacheRef(0, page)]]), blocks, backend=backend)
 
     def _model_writes(self, backend: Backend, kv: torch.Tensor, blocks: int) -> tuple:
-        """The model's write of 9s into the first `blocks` blocks, on the compute stream behind
-        a long copy; the buffers, to keep until the copies have run."""
-        compute = backend.current_stream()
+        """The model's write of 9s into the first `blocks` blocks behind a long copy, ordered
+        before the compute stream's next work; the buffers, to keep until the copies have run.
+        (On a stream of its own that the compute stream waits for: `copy_batch` is given lane
+        streams only, and cuda's batch call refuses the legacy default stream.)"""
+        model = backend.new_stream()
         new = backend.alloc_host(blocks * kv.shape[1])
         new.fill_(9)
-        kept = _busy(backend, compute)
-        backend.copy_batch(_one(new.data_ptr()), _one(kv.data_ptr()), _one(new.numel()), Direction.LOAD, compute)
+        kept = _busy(backend, model)
+        backend.copy_batch(_one(new.data_ptr()), _one(kv.data_ptr()), _one(new.numel()), Direction.LOAD, model)
+        backend.current_stream().wait_stream(model)
         return (*kept, new)
 
     def test_a_store_reads_what_the_compute_stream_wrote_before_it(self, backend: Backend) -> None:
