@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
+from offload_core.errors import integer
+
 # For a backend's enqueues that user code may call directly: one step for Ctrl-C (docs/architecture.md §9).
 from offload_core.interrupts import deferred  # noqa: F401
-from offload_core.spec import integer
 
 if TYPE_CHECKING:
     import torch

@@ -13,9 +13,9 @@ import numpy as np
 
 from offload_core import hostmem
 from offload_core.backend import Backend, Direction, enqueue_lock
-from offload_core.errors import InvalidSpecError, OffloadError
+from offload_core.errors import InvalidSpecError, OffloadError, positive_int
 from offload_core.registry import get_backend
-from offload_core.spec import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, positive_int
+from offload_core.spec import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
 from offload_core.worker import OffloadWorker
 
 

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from offload_core.errors import InvalidSpecError
+from offload_core.errors import InvalidSpecError, integer, positive_int
 from offload_core.runs import merge_runs
-from offload_core.spec import integer, positive_int
 
 MAX_FRAGMENTS = 1 << 22  # fragments of one mapping: far more than any page has (a head per token)
 MAX_PAGE = 1 << 48  # bytes of a page, either side: any offset within it stays far inside int64

@@ -42,9 +42,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from offload_core.errors import InvalidSpecError, OffloadError, RegionError, ResourceInUseError
+from offload_core.errors import InvalidSpecError, OffloadError, RegionError, ResourceInUseError, integer
 from offload_core.hostmem import check_host_bytes
-from offload_core.spec import integer
 
 SHM_ROOT = pathlib.Path("/dev/shm")  # memory, not disk; the per-user directory goes here
 

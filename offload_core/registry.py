@@ -22,8 +22,9 @@ from offload_core.errors import (
     InvalidSpecError,
     OffloadError,
     UnknownBackendError,
+    flag,
+    integer,
 )
-from offload_core.spec import flag, integer
 
 log = logging.getLogger(__name__)
 

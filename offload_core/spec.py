@@ -8,19 +8,17 @@ A KV cache is a list of device tensors whose first dimension is the block index
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from offload_core.errors import InvalidSpecError
+from offload_core.canonical import CanonicalPageMapping
+from offload_core.errors import InvalidSpecError, integer, positive_int
 
 if TYPE_CHECKING:
     import torch
-
-    from offload_core.canonical import CanonicalPageMapping
 
 
 @dataclass(frozen=True)
@@ -147,8 +145,6 @@ class KVCaches:
             raise InvalidSpecError("KVCaches needs at least one tensor")
         if not self.group_refs:
             raise InvalidSpecError("KVCaches needs at least one KV-cache group")
-        from offload_core.canonical import CanonicalPageMapping  # it builds on this module's checks
-
         for i, t in enumerate(self.tensors):
             if not isinstance(t, KVCacheTensor):
                 raise InvalidSpecError(f"KVCaches.tensors[{i}] must be a KVCacheTensor, got {type(t).__name__}")
@@ -226,44 +222,6 @@ def _tuple(values: Any, what: str) -> tuple:
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise InvalidSpecError(f"{what} must be a sequence, got {values!r}")
     return tuple(values)
-
-
-def integer(value: Any, what: str, minimum: int | None = None) -> int:
-    """`value` as an int if it is an integer (not bool, float or str), at least `minimum` if given.
-
-    Raises:
-        InvalidSpecError: naming `what`, the value and the rule.
-    """
-    if type(value) is int and (minimum is None or value >= minimum):  # the usual: once per submit
-        return value
-    rule = "an integer" if minimum is None else "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):  # numpy's, torch's
-        raise InvalidSpecError(f"{what} must be {rule}, got {value!r}")
-    try:
-        number = operator.index(value)
-    except Exception:  # TypeError; a tensor on a device without data raises others
-        raise InvalidSpecError(f"{what} must be {rule}, got {value!r} ({type(value).__name__})") from None
-    if minimum is not None and number < minimum:
-        raise InvalidSpecError(f"{what} must be {rule}, got {number}")
-    return number
-
-
-def flag(value: Any, what: str) -> bool:
-    """`value` as a bool: True or False (Python's or numpy's), or 0 or 1.
-
-    Raises:
-        InvalidSpecError: naming `what` and the value, for anything else (an array, say).
-    """
-    if type(value) is bool:
-        return value
-    if isinstance(value, np.bool_) or (type(value) is int and value in (0, 1)):
-        return bool(value)
-    raise InvalidSpecError(f"{what} must be True or False, got {value!r}")
-
-
-def positive_int(value: Any, what: str) -> int:
-    """`value` as an int if it is an integer >= 1 (see `integer`)."""
-    return integer(value, what, 1)
 
 
 def _ids(values: Any, what: str) -> np.ndarray:

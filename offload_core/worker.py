@@ -15,14 +15,14 @@ import numpy as np
 from offload_core import native
 from offload_core.backend import Backend, Direction
 from offload_core.compact import CompactLayout
-from offload_core.errors import InvalidSpecError, OffloadError, RegionError
+from offload_core.errors import InvalidSpecError, OffloadError, RegionError, flag, integer, positive_int
 from offload_core.host_layout import HostLayout
 from offload_core.hostmem import check_host_bytes
 from offload_core.interrupts import deferred
 from offload_core.queue import QueueStats, TransferQueue, TransferResult
 from offload_core.region import SharedHostRegion
 from offload_core.registry import get_backend
-from offload_core.spec import DeviceBlocks, HostBlocks, KVCaches, flag, integer, positive_int
+from offload_core.spec import DeviceBlocks, HostBlocks, KVCaches
 
 log = logging.getLogger(__name__)
 

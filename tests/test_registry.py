@@ -326,3 +326,64 @@ def test_an_empty_backend_name_is_refused(monkeypatch):
     monkeypatch.setenv(registry.ENV_BACKEND, "cpu")
     with pytest.raises(UnknownBackendError, match="unknown offload backend ''"):
         registry.get_backend("")
+
+
+def _imports() -> dict[str, set[str]]:
+    """Each module of offload_core/ and backends/ (as installed: offload_core.backends) and the
+    modules of both that it imports when it runs: every import statement, those under ``if
+    TYPE_CHECKING:`` aside."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = {}
+    for path in [*root.joinpath("offload_core").rglob("*.py"), *root.joinpath("backends").rglob("*.py")]:
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[0] == "backends":
+            parts.insert(0, "offload_core")
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    graph = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                named = (f"{node.module}.{a.name}" for a in node.names)
+                found |= {m if m in files else node.module for m in named}  # a submodule, or a name of one
+        graph[name] = {m for m in found if m in files and m != name}
+    return graph
+
+
+def test_the_modules_import_each_other_without_a_circle():
+    """Every import of one module by another points one way (docs/architecture.md §11): no
+    module is reached again from the modules it imports, and the core imports no backend."""
+    graph = _imports()
+    core = [n for n in graph if not n.startswith(("offload_core.backends", "offload_core.testing"))]
+    backends = {n: sorted(d for d in graph[n] if d.startswith("offload_core.backends")) for n in core}
+    assert not {n: found for n, found in backends.items() if found}, "the core imports a backend"
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                raise AssertionError("an import circle: " + " -> ".join([*path[path.index(dep) :], dep]))
+            if dep not in state:
+                visit(dep, [*path, dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
