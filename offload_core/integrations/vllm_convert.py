@@ -12,19 +12,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from offload_core.canonical import CanonicalPageMapping, CopyRun
-from offload_core.errors import InvalidSpecError
+from offload_core.errors import InvalidSpecError, flag, integer, positive_int
 from offload_core.host_layout import HostLayout
 from offload_core.region import SharedHostRegion
-from offload_core.spec import (
-    DeviceBlocks,
-    HostBlocks,
-    KVCacheRef,
-    KVCaches,
-    KVCacheTensor,
-    flag,
-    integer,
-    positive_int,
-)
+from offload_core.spec import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor
 from offload_core.worker import OffloadWorker
 
 log = logging.getLogger("offload_core.integrations.vllm")
