@@ -141,7 +141,8 @@ class Backend(abc.ABC):
     def copy_batch(
         self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream: Stream
     ) -> str | None:
-        """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes, for every i, on `stream`.
+        """Enqueue ``dst[i] <- src[i]`` for ``sizes[i]`` bytes, for every i, on `stream` (one of
+        `new_stream`'s, never the compute stream: cuda's batch call refuses the legacy default stream).
 
         Enqueue only: never wait for the copies. The arrays are int64 addresses and byte
         counts, at least one descriptor, validated by the caller to lie inside registered

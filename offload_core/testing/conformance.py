@@ -220,8 +220,8 @@ class BackendConformance:
         return (*kept, new)
 
     def test_a_store_reads_what_the_compute_stream_wrote_before_it(self, backend: Backend) -> None:
-        """The model writes blocks on the compute stream and submits their store at once: the
-        store must read the new bytes."""
+        """The model writes blocks (work the compute stream is ordered behind) and submits their
+        store at once: the store must read the new bytes."""
         kv, worker = self._one_tensor_worker(backend)
         with worker:
             kept = self._model_writes(backend, kv, 8)
