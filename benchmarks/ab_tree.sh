@@ -5,7 +5,8 @@
 #        bash benchmarks/ab_tree.sh OUT OLD      (OLD travels to a GPU machine as an untracked folder)
 # Each tree is installed apart (pip --target) and runs its own engine_bench.py, each run from a
 # fresh profile directory (as a new engine: no winners saved by the other arm). ARMS=old,new,...
-# sets the order; an arm starts only while fewer than BUDGET_S (default 330) seconds have passed.
+# sets the order; an arm starts only while fewer than BUDGET_S (default 330) seconds have passed;
+# MECHANISMS (default auto) what each arm runs, e.g. auto,ce_batch (names both trees know).
 set +e
 out=${1:?OUT}
 old=$(cd "${2:?OLD tree}" && pwd)
@@ -25,7 +26,7 @@ for arm in $(echo "${ARMS:-old,new,old,new}" | tr , ' '); do
   [ $(( $(date +%s) - t0 )) -lt "${BUDGET_S:-330}" ] || { echo "== $arm: not started (budget)"; continue; }
   src=.; [ $arm = old ] && src=$old
   prof=$(mktemp -d)
-  B="env PYTHONPATH=/tmp/site-$arm OFFLOAD_CORE_PROFILE_DIR=$prof XDG_CACHE_HOME=$prof python3 $src/benchmarks/engine_bench.py --backend cuda --mechanisms auto"
+  B="env PYTHONPATH=/tmp/site-$arm OFFLOAD_CORE_PROFILE_DIR=$prof XDG_CACHE_HOME=$prof python3 $src/benchmarks/engine_bench.py --backend cuda --mechanisms ${MECHANISMS:-auto}"
   {
     echo "== $arm"
     timeout 100 $B --layers 32 --pages 256,4096,32768 --blocks-per-job 16,128 --jobs 64
