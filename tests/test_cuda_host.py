@@ -500,13 +500,14 @@ def chosen(copier, job_and_prepared, smallest=None):
 @pytest.mark.parametrize(
     "seconds, direct_ok, expected",
     [
-        ({}, True, "expand_staged"),  # a tie: the copy engines, staging first
-        (dict(ce_batch=0.5), True, "ce_batch"),
+        ({}, True, "ce_batch"),  # a tie: the copy engines alone, then staging
+        (dict(expand_staged=0.97), True, "expand_staged"),
+        (dict(expand_staged=0.99), True, "ce_batch"),  # within 2%: a tie
         (dict(expand_direct=0.5), True, "expand_direct"),
-        (dict(expand_direct=0.99), True, "expand_staged"),  # within 2%: a tie
-        (dict(expand_direct=0.97, ce_batch=0.99), True, "expand_direct"),
-        (dict(expand_direct=0.975, ce_batch=0.99), True, "expand_staged"),  # 2% below every earlier one
-        (dict(expand_direct=0.5), False, "expand_staged"),  # the rows are not addressable
+        (dict(expand_direct=0.99), True, "ce_batch"),
+        (dict(expand_direct=0.97, expand_staged=0.99), True, "expand_direct"),
+        (dict(expand_direct=0.975, expand_staged=0.99), True, "ce_batch"),  # 2% below every earlier one
+        (dict(expand_direct=0.5), False, "ce_batch"),  # the rows are not addressable
     ],
 )
 def test_the_prior_is_the_cost_models_cheapest_ties_to_the_copy_engines(rules, direction, seconds, direct_ok, expected):
@@ -514,6 +515,19 @@ def test_the_prior_is_the_cost_models_cheapest_ties_to_the_copy_engines(rules, d
     job's size or segments, the cost model decides (no rules of its own besides)."""
     for launch in (_launch(direction, 3 * rules.HOST_BOUND_BYTES), _launch(direction, rules.HOST_BOUND_BYTES, runs=1)):
         assert chosen(_copier(Costs(**seconds), direct_ok=direct_ok), launch) == expected
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("page", [256, 4096, 65536, 1 << 21])
+@pytest.mark.parametrize("copies", [1, 2, 64, 4096])
+def test_staging_that_joins_no_copies_is_never_rated_below_the_batch_call(direction, page, copies):
+    """One tensor's scattered blocks: each host segment is one of the job's copies, so staging
+    moves the same copies as ``ce_batch``, after a kernel: the model never rates it cheaper (it
+    did by a batch call's cost, and one tensor's 64 KiB pages went staged)."""
+    cost, nbytes = select.CostModel(), page * copies
+    small = nbytes if direction == "load" and page <= cost.inline_h2d_bytes else 0
+    staged = cost.estimate("expand_staged", direction, copies, nbytes, copies, small)
+    assert staged >= cost.estimate("ce_batch", direction, copies, nbytes)
 
 
 @pytest.mark.parametrize("direct_ok, expected", [(True, "expand_direct"), (False, "ce_loop")])

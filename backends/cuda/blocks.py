@@ -239,14 +239,14 @@ class BlockCopier:
 
     def _estimates(self, job: CompactJob, prepared: Prepared, count: int, small: int) -> dict[str, float]:
         """The cost model's seconds for `job` whose host bytes form `count` segments (`small`
-        bytes in those of at most `_small_limit`), by each mechanism that can move it here, the
-        copy engines' first (`select.cheapest`'s tie order)."""
+        bytes in those of at most `_small_limit`), by each mechanism that can move it here, in
+        `select.cheapest`'s tie order: the copy engines alone (no kernel, no staging), then
+        staged, then the SMs."""
         cost, d, items, nbytes = self.backend.cost, job.direction.value, job.items, job.nbytes
-        out = {}
+        host = self._host_expanded.name
+        out = {host: cost.estimate(host, d, items, nbytes)}
         if self.batch_ok and prepared.layout.row_bytes <= self.half_bytes:
             out[EXPAND_STAGED.name] = cost.estimate("expand_staged", d, items, nbytes, count, small)
-        host = self._host_expanded.name
-        out[host] = cost.estimate(host, d, items, nbytes)
         if self.direct_ok(prepared):
             out[EXPAND_DIRECT.name] = cost.estimate("expand_direct", d, items, nbytes, count)
         return out
