@@ -241,11 +241,12 @@ class BlockCopier:
         """The cost model's seconds for `job` whose host bytes form `count` segments (`small`
         bytes in those of at most `_small_limit`), by each mechanism that can move it here, in
         `select.cheapest`'s tie order: the copy engines alone (no kernel, no staging), then
-        staged, then the SMs."""
+        staged, then the SMs. Staging that would join no copies (a segment per copy: one
+        tensor's scattered blocks) moves what ``ce_batch`` moves after a kernel: not offered."""
         cost, d, items, nbytes = self.backend.cost, job.direction.value, job.items, job.nbytes
         host = self._host_expanded.name
         out = {host: cost.estimate(host, d, items, nbytes)}
-        if self.batch_ok and prepared.layout.row_bytes <= self.half_bytes:
+        if self.batch_ok and prepared.layout.row_bytes <= self.half_bytes and count < items:
             out[EXPAND_STAGED.name] = cost.estimate("expand_staged", d, items, nbytes, count, small)
         if self.direct_ok(prepared):
             out[EXPAND_DIRECT.name] = cost.estimate("expand_direct", d, items, nbytes, count)

@@ -63,10 +63,8 @@ class CostModel:
             link = segments * self._ce_per_copy(direction, nbytes / segments)
             gather = nbytes / (self.gather_gbps * 1e9) + items * self.gather_desc_s
             inline = small_bytes / (self.inline_h2d_gbps * 1e9) if direction == "load" else 0.0
-            # the gather and the link's copies pipelined through two staging halves; a batch call
-            # as `ce_batch` makes, and the kernel's launch besides
-            piped = max(link, gather) + min(link, gather) / 6
-            return piped + segments * self.ce_host_s + inline + self.launch_s
+            # the gather and the link's copies pipelined through two staging halves
+            return max(link, gather) + min(link, gather) / 6 + segments * self.ce_host_s + inline
         if mechanism == "expand_direct":
             bw = self.sm_gbps[direction] * 1e9
             per_copy = max(0.0, self.sm_desc_s[direction] - 256 / bw)  # a 256-byte copy beyond its bytes
