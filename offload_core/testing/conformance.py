@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -241,6 +242,34 @@ class BackendConformance:
             assert all(r.success for r in worker.get_finished())
             assert bool(kv[32:].eq(9).all())
         del kept
+
+    @pytest.mark.parametrize("enqueued", [False, True], ids=["before-enqueue", "after-enqueue"])
+    def test_a_launch_that_raises_fails_its_jobs_and_the_lane_goes_on(self, backend: Backend, enqueued: bool) -> None:
+        """A fault at a launch (`copy_blocks` raising as a driver's error does, before or after it
+        enqueued its copies) fails that launch's jobs, each reported once; the jobs after it, on
+        the same streams, move every byte."""
+        kv, worker = self._one_tensor_worker(backend, blocks=16, page=256)
+        kv.copy_(_random_bytes(np.random.default_rng(3), kv.numel()).view(kv.shape).to(backend.device))
+        real, faults = backend.copy_blocks, [RuntimeError("an injected device fault")]
+
+        def faulty(*args, **kwargs):
+            if not faults:
+                return real(*args, **kwargs)
+            if enqueued:
+                real(*args, **kwargs)
+            raise faults.pop()
+
+        with worker, mock.patch.object(backend, "copy_blocks", faulty):
+            assert worker.submit_store(1, DeviceBlocks([0, 1]), HostBlocks([0, 1]))
+            worker.wait([1])
+            assert not faults, "the worker never launched job 1"
+            assert worker.submit_store(2, DeviceBlocks([2, 3]), HostBlocks([4, 5]))
+            assert worker.submit_load(3, HostBlocks([4, 5]), DeviceBlocks([8, 9]))
+            worker.wait([2, 3])
+            results = worker.get_finished()
+            assert sorted((r.job_id, r.success) for r in results) == [(1, False), (2, True), (3, True)]
+            host = torch.cat(worker.host_tensors, dim=1).view(torch.uint8)
+            assert torch.equal(host[4:6], kv[2:4].cpu()) and torch.equal(kv[8:10], kv[2:4])
 
     def test_a_shut_down_worker_leaves_nothing_of_the_callers_alive(self, backend: Backend) -> None:
         """The registry keeps a backend for the life of the process: what it holds of a
