@@ -59,7 +59,8 @@ def register_backend(name: str, target: str | type[Backend], *, clobber: bool = 
 
     Raises:
         InvalidSpecError: `name` is malformed, or taken and `clobber` is False, `clobber` is
-            not a bool, or `target` is malformed or an abstract class.
+            not a bool, or `target` is malformed, an abstract class or a class whose `name`
+            is not `name`.
     """
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidSpecError(
@@ -72,6 +73,9 @@ def register_backend(name: str, target: str | type[Backend], *, clobber: bool = 
         raise InvalidSpecError(f"backend target must be a Backend subclass or 'module:Class', got {target!r}")
     if isinstance(target, type) and inspect.isabstract(target):
         raise InvalidSpecError(f"backend {target.__name__} does not implement {_missing(target)}")
+    if isinstance(target, type) and getattr(target, "name", None) != name:
+        named = getattr(target, "name", None)
+        raise InvalidSpecError(f"backend {target.__name__}.name is {named!r}, not its key {name!r}")
     with _lock:
         _load_plugins()
         if name in _targets and not clobber:
@@ -93,7 +97,8 @@ def backend_class(name: str) -> type[Backend]:
 
     Raises:
         UnknownBackendError: no backend has that name.
-        BackendUnavailableError: its module cannot be imported.
+        BackendUnavailableError: its module cannot be imported, or its class is not a
+            complete `Backend` named `name`.
     """
     with _lock:
         _load_plugins()
@@ -116,6 +121,8 @@ def backend_class(name: str) -> type[Backend]:
         raise BackendUnavailableError(name, f"{target} is {cls!r}, not a Backend subclass")
     if inspect.isabstract(cls):
         raise BackendUnavailableError(name, f"{target} does not implement {_missing(cls)}")
+    if getattr(cls, "name", None) != name:  # results, logs and the worker's messages say `name`
+        raise BackendUnavailableError(name, f"{target}.name is {getattr(cls, 'name', None)!r}, not its key {name!r}")
     if type(cls.priority) is not int:
         raise BackendUnavailableError(name, f"{target}.priority must be an int, got {cls.priority!r}")
     with _lock:

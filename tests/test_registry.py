@@ -8,7 +8,7 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from offload_core import BackendUnavailableError, UnknownBackendError, registry
+from offload_core import BackendUnavailableError, InvalidSpecError, UnknownBackendError, registry
 from offload_core.backends.cpu import CpuBackend
 from offload_core.testing.fake import FakeBackend
 from offload_core.testing.fresh_registry import fresh_registry
@@ -102,10 +102,13 @@ def test_a_backend_name_in_capitals_is_unknown_but_the_message_names_the_right_o
 
 
 def test_register_refuses_to_clobber_unless_asked():
+    class FastCpu(Fast):
+        name = "cpu"
+
     with pytest.raises(ValueError, match="already registered"):
-        registry.register_backend("cpu", Fast)
-    registry.register_backend("cpu", Fast, clobber=True)
-    assert registry.get_backend("cpu").name == "fast"
+        registry.register_backend("cpu", FastCpu)
+    registry.register_backend("cpu", FastCpu, clobber=True)
+    assert isinstance(registry.get_backend("cpu"), FastCpu)
     with pytest.raises(ValueError, match="module:Class"):
         registry.register_backend("x", "no_colon_here")
     with pytest.raises(ValueError, match="Backend subclass"):
@@ -115,9 +118,22 @@ def test_register_refuses_to_clobber_unless_asked():
 def test_lazy_string_is_imported_only_when_used(monkeypatch):
     module = types.ModuleType("lazy_plugin_mod")
     module.Plugin = Fast
-    registry.register_backend("lazy", "lazy_plugin_mod:Plugin")
+    registry.register_backend("fast", "lazy_plugin_mod:Plugin")
     monkeypatch.setitem(sys.modules, "lazy_plugin_mod", module)
-    assert registry.backend_class("lazy") is Fast
+    assert registry.backend_class("fast") is Fast
+
+
+def test_a_backend_is_named_by_its_key(monkeypatch):
+    """Results, logs and the worker's messages name a backend by its class's `name`: a class
+    under another key is refused, at registration or, for a lazy target, when loaded."""
+    with pytest.raises(InvalidSpecError, match="Fast.name is 'fast', not its key 'quick'"):
+        registry.register_backend("quick", Fast)
+    module = types.ModuleType("misnamed_plugin")
+    module.Plugin = Fast
+    monkeypatch.setitem(sys.modules, "misnamed_plugin", module)
+    registry.register_backend("quick", "misnamed_plugin:Plugin")
+    with pytest.raises(BackendUnavailableError, match="misnamed_plugin:Plugin.name is 'fast', not its key 'quick'"):
+        registry.get_backend("quick")
 
 
 def test_a_backend_that_fails_to_import_is_unavailable_not_fatal(monkeypatch):
@@ -212,19 +228,20 @@ def test_a_backend_class_that_leaves_the_contract_unimplemented_is_refused_or_un
 def test_entry_points_load_as_importlib_loads_them(monkeypatch):
     """A nested attribute and extras are entry-point syntax: the backend loads; a module alone
     is no Backend subclass, and a malformed name is ignored."""
+    nested, extras = (type(n.title(), (Fast,), {"name": n}) for n in ("nested", "extras"))
     module = types.ModuleType("nested_plugin")
-    module.Outer = types.SimpleNamespace(Inner=Fast)
+    module.Outer = types.SimpleNamespace(Inner=nested, Extras=extras)
     monkeypatch.setitem(sys.modules, "nested_plugin", module)
     eps = [
         EntryPoint("nested", "nested_plugin:Outer.Inner", registry.ENTRY_POINT_GROUP),
-        EntryPoint("extras", "nested_plugin:Outer.Inner [gpu]", registry.ENTRY_POINT_GROUP),
+        EntryPoint("extras", "nested_plugin:Outer.Extras [gpu]", registry.ENTRY_POINT_GROUP),
         EntryPoint("modonly", "nested_plugin", registry.ENTRY_POINT_GROUP),
         EntryPoint("", "nested_plugin:Outer.Inner", registry.ENTRY_POINT_GROUP),
         EntryPoint("Upper", "nested_plugin:Outer.Inner", registry.ENTRY_POINT_GROUP),
     ]
     monkeypatch.setattr(registry, "entry_points", lambda group: eps if group == registry.ENTRY_POINT_GROUP else [])
     with fresh_registry():
-        assert registry.backend_class("nested") is Fast and registry.backend_class("extras") is Fast
+        assert registry.backend_class("nested") is nested and registry.backend_class("extras") is extras
         assert "not a Backend subclass" in registry.availability()["modonly"]
         assert "" not in registry.backend_names() and "Upper" not in registry.backend_names()
 
@@ -274,7 +291,7 @@ def test_a_workers_device_type_comes_after_name_and_environment(monkeypatch):
 
 
 class BadPriority(FakeBackend):
-    name = "badprio"
+    name = "odd"
     priority = "high"
 
 
