@@ -20,6 +20,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar
+from unittest import mock
 
 import numpy as np
 
@@ -301,12 +302,22 @@ def npu(with_batch: bool = True, with_operator: bool = False, batch_supported: b
     """Register a simulated npu backend (optionally without ACL's batch entry point, or with one
     the product does not support, optionally with vllm-ascend's operator) until exit. Yields the
     `SimAcl`; its ``runtime`` is the `SimRuntime`."""
+    import torch
+
     runtime = SimRuntime("npu")
     acl = SimAcl(runtime, with_batch, batch_supported)
     bound = type("SimulatedNpuBackend", (SimulatedNpuBackend,), {"sim_acl": acl})
     library = _swap_blocks_batch_library(runtime, acl) if with_operator else None
+    real_is_pinned = torch.Tensor.is_pinned
+
+    def is_pinned(tensor, *args, **kwargs) -> bool:
+        # host memory registered through npuHostRegister reads as pinned, as memory registered
+        # through cudaHostRegister does to torch (assumed of torch_npu; not seen on an NPU)
+        registered = tensor.device.type == "cpu" and runtime.page_locked(tensor.data_ptr(), max(1, tensor.nbytes))
+        return registered or real_is_pinned(tensor, *args, **kwargs)
+
     try:
-        with _registered("npu", bound):
+        with _registered("npu", bound), mock.patch.object(torch.Tensor, "is_pinned", is_pinned):
             yield acl
     finally:
         if library is not None:

@@ -136,7 +136,8 @@ class BackendConformance:
         assert a.is_contiguous() and b.is_contiguous() and not b.any()
 
     def test_pin_host_memory_says_what_it_did(self, backend: Backend) -> None:
-        tensor = torch.zeros(1 << 16, dtype=torch.uint8)
+        raw = torch.zeros((1 << 16) + 4096, dtype=torch.uint8)
+        tensor = raw[-raw.data_ptr() % 4096 :][: 1 << 16]  # page-aligned, as some runtimes require
         if backend.pin_host_memory(tensor):
             assert tensor.is_pinned()
             backend.unpin_host_memory(tensor)
