@@ -3,7 +3,7 @@
 A job expanded as a device kernel is specified to (`expanding.descriptors`), straight into
 the host rows or into staging that mirrors them and then out by segments, must move exactly
 the bytes of the host path (`CompactLayout.copies`, itself checked against the page-at-a-time
-reference model in test_plan.py): every layout feature (blocks per chunk, partial first
+reference model in test_expansion.py): every layout feature (blocks per chunk, partial first
 chunks, several groups, groups sharing tensors, padded pages, canonical mappings with writer
 election).
 """
@@ -17,7 +17,7 @@ import pytest
 from helpers import Model, compact_layout, compiled_or_skip, host_copies
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_plan import transfers
+from test_expansion import transfers
 
 from offload_core import CanonicalPageMapping, CopyRun, DeviceBlocks, Direction, HostBlocks, InvalidSpecError
 from offload_core.canonical import attention_mappings

@@ -55,7 +55,7 @@ def inside(addr, n, spans):
 
 
 @given(transfers())
-def test_plan_moves_the_same_bytes_as_the_reference(case):
+def test_host_expansion_moves_the_same_bytes_as_the_reference(case):
     model, direction, device, host = case
     expected_dev, expected_host = model.expected(direction, device, host)
     gaps = model.gaps()
@@ -304,7 +304,7 @@ def test_specs_hold_a_read_only_copy_of_the_ids(make):
     assert device.group_sizes.tolist() == [3] and device.block_indices.tolist() == [0]
 
 
-def test_empty_transfer_plans_nothing():
+def test_an_empty_transfer_expands_to_nothing():
     model = Model([32], [[(0, 32)], [(0, 16)]], 3)
     batch = host_copies(model.layout(), Direction.STORE, DeviceBlocks([], [0, 0]), HostBlocks([]))
     assert len(batch) == 0 and batch.nbytes == 0
@@ -372,7 +372,7 @@ def canonical_transfers(draw):
 
 
 @given(canonical_transfers())
-def test_canonical_plan_matches_the_reference(case):
+def test_canonical_expansion_matches_the_reference(case):
     model, direction, device, host = case
     expected_dev, expected_host = model.expected(direction, device, host)
     gaps = model.gaps()
