@@ -136,14 +136,18 @@ class BackendConformance:
         assert a.is_contiguous() and b.is_contiguous() and not b.any()
 
     def test_pin_host_memory_says_what_it_did(self, backend: Backend) -> None:
-        raw = torch.zeros((1 << 16) + 4096, dtype=torch.uint8)
-        tensor = raw[-raw.data_ptr() % 4096 :][: 1 << 16]  # page-aligned, as some runtimes require
-        if backend.pin_host_memory(tensor):
-            assert tensor.is_pinned()
-            backend.unpin_host_memory(tensor)
-            assert not tensor.is_pinned()
-        else:
-            assert not tensor.is_pinned()
+        # Page-aligned, as some runtimes require; its storage starts there too (torch asks the
+        # storage's first byte whether a tensor is pinned).
+        raw = np.zeros((1 << 16) + 4096, dtype=np.uint8)
+        start = -raw.ctypes.data % 4096
+        tensor = torch.from_numpy(raw[start : start + (1 << 16)])
+        pinned = backend.pin_host_memory(tensor)
+        try:
+            assert tensor.is_pinned() == pinned
+        finally:
+            if pinned:  # memory still registered once freed would fail later copies into it
+                backend.unpin_host_memory(tensor)
+        assert not tensor.is_pinned()
 
     def test_large_batches_and_copies_arrive_whole(self, backend: Backend) -> None:
         """20,000 copies of 1-32 bytes in one batch, and copies of 1, 3 and 16 MiB and odd bytes:
