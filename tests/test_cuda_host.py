@@ -519,12 +519,17 @@ def test_the_prior_is_the_cost_models_cheapest_ties_to_the_copy_engines(rules, d
 
 @pytest.mark.parametrize("direction", list(Direction))
 def test_staging_that_would_join_no_copies_is_not_a_candidate(direction):
-    """One tensor's scattered blocks: a host segment per copy, so staging moves what ce_batch
-    moves, after a kernel; rated cheaper (the model lacks its batch call), it was the prior for
-    one tensor's 64 KiB pages. Where the segments join copies it stays a candidate."""
+    """One tensor's scattered blocks: a host segment per copy, or nearly (jobs joined and sorted
+    meet a few neighbours), so staging moves what ce_batch moves, after a kernel; rated cheaper
+    (the model lacks its batch call), it was the prior for one tensor's 64 KiB pages. Where the
+    segments join at least half the copies it stays a candidate."""
     staged_cheapest = Costs(expand_staged=0.5)
     apart = _launch(direction, 4 << 20, page=65536, tensors=1)  # 64 blocks, 64 segments
     assert chosen(_copier(staged_cheapest), apart) == "ce_batch"
+    neighbours = _launch(direction, 4 << 20, jobs=10, page=65536, tensors=1, runs=634)  # 640 blocks
+    assert chosen(_copier(staged_cheapest), neighbours) == "ce_batch"
+    half = _launch(direction, 4 << 20, jobs=10, page=65536, tensors=1, runs=320)
+    assert chosen(_copier(staged_cheapest), half) == "expand_staged"
     joined = _launch(direction, 4 << 20, page=65536, tensors=1, runs=16)
     assert chosen(_copier(staged_cheapest), joined) == "expand_staged"
     assert chosen(_copier(staged_cheapest), _launch(direction, 4 << 20)) == "expand_staged"  # 8 tensors a row

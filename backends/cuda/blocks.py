@@ -47,6 +47,10 @@ SMALL_PAGE_STORE_PROGRAMS = 4  # a store of smaller pages averaging more than HO
 DIRECT_STORE_BYTES = 4 << 20
 DIRECT_STORE_PAGE = 4096
 MAX_ITEMS = 1 << 30  # kernel items per piece: its indices are 32-bit
+# Staging is a candidate only where its host segments are at most this share of a launch's
+# copies: it moves them after a kernel and a batch call of its own, which saving fewer copies
+# does not repay (one tensor's scattered blocks, joined and sorted, meet a few neighbours).
+STAGED_SEGMENTS_SHARE = 0.5
 
 
 class Prepared:
@@ -241,12 +245,13 @@ class BlockCopier:
         """The cost model's seconds for `job` whose host bytes form `count` segments (`small`
         bytes in those of at most `_small_limit`), by each mechanism that can move it here, in
         `select.cheapest`'s tie order: the copy engines alone (no kernel, no staging), then
-        staged, then the SMs. Staging that would join no copies (a segment per copy: one
-        tensor's scattered blocks) moves what ``ce_batch`` moves after a kernel: not offered."""
+        staged, then the SMs. Staging that would join few copies (about a segment per copy: one
+        tensor's scattered blocks) moves what ``ce_batch`` moves after a kernel: not offered
+        (`STAGED_SEGMENTS_SHARE`)."""
         cost, d, items, nbytes = self.backend.cost, job.direction.value, job.items, job.nbytes
         host = self._host_expanded.name
         out = {host: cost.estimate(host, d, items, nbytes)}
-        if self.batch_ok and prepared.layout.row_bytes <= self.half_bytes and count < items:
+        if self.batch_ok and prepared.layout.row_bytes <= self.half_bytes and count <= STAGED_SEGMENTS_SHARE * items:
             out[EXPAND_STAGED.name] = cost.estimate("expand_staged", d, items, nbytes, count, small)
         if self.direct_ok(prepared):
             out[EXPAND_DIRECT.name] = cost.estimate("expand_direct", d, items, nbytes, count)

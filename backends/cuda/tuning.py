@@ -46,7 +46,7 @@ RUNS_SAMPLE = 64
 # The rules a saved winner was measured under (its name's prefix): raised where what decides
 # a class changes (its fields, the candidates, how timings are weighed), so that winners saved
 # under other rules are neither read nor lost (another version may still use them).
-RULES = 5
+RULES = 6
 _SAVING = threading.Lock()  # one file write at a time in this process (`Tuner._record`)
 _MOST_BYTES = 1 << 20  # a winners file larger than this is not one
 
