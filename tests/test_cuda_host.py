@@ -518,7 +518,7 @@ def test_the_prior_is_the_cost_models_cheapest_ties_to_the_copy_engines(rules, d
 
 
 @pytest.mark.parametrize("direction", list(Direction))
-def test_staging_that_would_join_no_copies_is_not_a_candidate(direction):
+def test_staging_that_would_join_few_copies_is_not_a_candidate(direction):
     """One tensor's scattered blocks: a host segment per copy, or nearly (jobs joined and sorted
     meet a few neighbours), so staging moves what ce_batch moves, after a kernel; rated cheaper
     (the model lacks its batch call), it was the prior for one tensor's 64 KiB pages. Where the
