@@ -180,17 +180,16 @@ def test_a_context_that_cannot_be_made_current_fails_the_call_not_the_process(ev
 
 def test_the_compiled_context_call_refuses_what_would_crash():
     compiled = compiled_or_skip(True, drv.COMPILED)
-    for keep_gil in (True, False):
-        with pytest.raises(TypeError, match="7 to 10 arguments"):
-            compiled.context_call(keep_gil, 1, 2, 3, 4, 5)
-        with pytest.raises(TypeError, match="7 to 10 arguments"):
-            compiled.context_call(keep_gil, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
-        with pytest.raises(ValueError, match="address is 0"):
-            compiled.context_call(keep_gil, 1, 2, 0, 4, 5, 6)
-        with pytest.raises(OverflowError):
-            compiled.context_call(keep_gil, -1, 2, 3, 4, 5, 6)  # an address, never negative
-        with pytest.raises(TypeError):
-            compiled.context_call(keep_gil, 1, 2, 3, 4, 5, "stream")
+    with pytest.raises(TypeError, match="6 to 9 arguments"):
+        compiled.context_call(1, 2, 3, 4, 5)
+    with pytest.raises(TypeError, match="6 to 9 arguments"):
+        compiled.context_call(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+    with pytest.raises(ValueError, match="address is 0"):
+        compiled.context_call(1, 2, 0, 4, 5, 6)
+    with pytest.raises(OverflowError):
+        compiled.context_call(-1, 2, 3, 4, 5, 6)  # an address, never negative
+    with pytest.raises(TypeError):
+        compiled.context_call(1, 2, 3, 4, 5, "stream")
 
 
 def test_the_compiled_context_call_takes_none_for_a_null_context_or_handle():
@@ -200,9 +199,8 @@ def test_the_compiled_context_call_takes_none_for_a_null_context_or_handle():
     lib.contexts[:] = []  # no context current: a null one is what is asked for, so nothing is pushed
     address = lambda name: ctypes.cast(lib._keep[name], ctypes.c_void_p).value  # noqa: E731
     entry = [address(n) for n in ("cuCtxGetCurrent", "cuCtxPushCurrent", "cuCtxPopCurrent", "cuEventRecord")]
-    assert compiled.context_call(True, *entry, None, 0xE5, None) == 0
-    assert compiled.context_call(False, *entry, None, 0xE6, None) == 0
-    assert lib.calls == [("record", 0xE5, None), ("record", 0xE6, None)]
+    assert compiled.context_call(*entry, None, 0xE5, None) == 0
+    assert lib.calls == [("record", 0xE5, None)]
     assert driver.record_in is not None
 
 

@@ -62,20 +62,16 @@ static void leave_context(void *pop) {
 }
 
 PyDoc_STRVAR(context_call_doc,
-             "context_call(keep_gil, get, push, pop, fn, context, a[, b[, c[, d]]]) -> int\n\n"
+             "context_call(get, push, pop, fn, context, a[, b[, c[, d]]]) -> int\n\n"
              "Call the C function at address `fn` with the arguments `a` to `d` (ints, passed as\n"
              "pointers: pointers, handles, or integers of pointer size or smaller; None for null),\n"
              "`context` current in the calling thread (through the cuCtxGetCurrent, cuCtxPushCurrent\n"
              "and cuCtxPopCurrent at `get`, `push`, `pop`; pushed and popped only where another is\n"
              "current), and return its result; -code where the push failed and `fn` was not called.\n"
-             "None stands for a null context or handle. The GIL is released around the calls unless\n"
-             "`keep_gil`.");
+             "None stands for a null context or handle. The GIL is held.");
 
 static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!offload_arity("context_call", nargs, 7, 10)) return NULL;
-    int keep_gil = PyObject_IsTrue(args[0]);
-    if (keep_gil < 0) return NULL;
-    args++, nargs--;
+    if (!offload_arity("context_call", nargs, 6, 9)) return NULL;
     void *v[9];
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (i < 4) {
@@ -88,11 +84,7 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
     }
     int code = 0, result = 0;
-    /* keep_gil for an event's record and query, once or twice a job: letting go of the GIL
-     * there handed it to the queue's launcher thread and back, 15-20 us more CPU a job at 1 MiB
-     * jobs on the H200. Such a call can still wait for the device
-     * where a stream's command queue is full; other threads then wait too, for as long. */
-    PyThreadState *saved = keep_gil ? NULL : PyEval_SaveThread();
+    /* The GIL is held: why, beside `Driver.record_in` in driver.py */
     int pushed = enter_context(v[0], v[1], v[4], &code);
     if (code == 0) {
         switch (nargs) {
@@ -103,7 +95,6 @@ static PyObject *context_call(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
         if (pushed) leave_context(v[2]);
     }
-    if (saved != NULL) PyEval_RestoreThread(saved);
     return PyLong_FromLong(code != 0 ? -(long)code : (long)result);
 }
 

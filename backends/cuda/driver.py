@@ -168,7 +168,7 @@ class Driver:
         if module is None:
             return functools.partial(self._in_context_or_code, fn)
         contexts = (self.ctx_get_current, self.ctx_push_current, self.ctx_pop_current)
-        return functools.partial(module.context_call, True, *map(self.address, contexts), self.address(fn))
+        return functools.partial(module.context_call, *map(self.address, contexts), self.address(fn))
 
     def table_launch_in(self, context: int) -> Callable[..., None] | None:
         """A descriptor table's upload and a kernel's launch in one compiled call in `context`
