@@ -84,6 +84,16 @@ def test_missing_driver_library_is_an_os_error(monkeypatch):
         drv.Driver.load()
 
 
+@pytest.mark.parametrize(
+    "symbol, name", [("cuMemcpyAsync", "memcpy"), ("cuEventRecord", "event_record"), ("cuCtxPopCurrent", "ctx_pop")]
+)
+def test_a_driver_without_an_entry_point_the_backend_calls_is_an_os_error_naming_it(symbol, name):
+    lib = FakeLib()
+    del lib._keep[symbol]
+    with pytest.raises(OSError, match=f"lacks entry points the cuda backend needs: {name}"):
+        drv.Driver(lib)
+
+
 # ---- driver events, and the compiled calls in the GPU's context ----------------------------------
 
 
@@ -106,7 +116,6 @@ def test_driver_events_run_in_their_gpus_context_and_leave_the_threads_alone(cur
     context and pops it after, also after a failure. A fault reported by a query fails the call."""
     lib = FakeLib()
     driver = drv.Driver(lib)
-    assert driver.has_events
     event = DriverEvent(driver, GPU_CONTEXT)
     lib.contexts[:] = current
     lib.calls.clear()

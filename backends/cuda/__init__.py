@@ -179,13 +179,9 @@ class CudaBackend(TorchDeviceBackend):
             if memory and nbytes > memory:  # a typo (bytes for MiB, say): refused now, not as failed jobs later
                 raise ConfigError(f"{what} asks for {nbytes} bytes of device memory, more than the GPU has ({memory})")
         self.gather_programs = 4 * props.multi_processor_count  # the device-side gather is short: it may use every SM
-        # the hot path's events and compute stream through the driver, where it has them all
-        self._driver_events = self.driver.has_events
-        table_launch = None
-        if self._driver_events:
-            with self._context():
-                self._ctx = self.driver.current_context()  # this GPU's primary context
-            table_launch = self.driver.table_launch_in(self._ctx)
+        with self._context():
+            self._ctx = self.driver.current_context()  # this GPU's primary context
+        table_launch = self.driver.table_launch_in(self._ctx)
         self._ring = DescriptorRing(
             self._torch, self._device, self._table_copy, -(-ring_bytes // 8), launch=table_launch
         )
@@ -204,27 +200,18 @@ class CudaBackend(TorchDeviceBackend):
 
     def _table_copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """A descriptor table's upload (`ring.DescriptorRing`), in the GPU's context."""
-        if self._driver_events:
-            self.driver.check(self.driver.memcpy_in(self._ctx, dst, src, nbytes, stream), "cuMemcpyAsync")
-        else:
-            self.driver.check(self.driver.memcpy(dst, src, nbytes, stream), "cuMemcpyAsync")
+        self.driver.check(self.driver.memcpy_in(self._ctx, dst, src, nbytes, stream), "cuMemcpyAsync")
 
     def new_event(self):
-        """A driver event (`events.DriverEvent`), where the driver has them all."""
-        if not self._driver_events:
-            return super().new_event()
+        """A driver event (`events.DriverEvent`)."""
         return DriverEvent(self.driver, self._ctx)
 
     def _marker(self):
         """An event that is never timed: cheaper to record."""
-        if not self._driver_events:
-            return self.runtime.Event()
         return DriverEvent(self.driver, self._ctx, timing=False)
 
     def current_stream(self):
         """The calling thread's current stream on this GPU, as its handle (`events.RawStream`)."""
-        if not self._driver_events:
-            return super().current_stream()
         if self._raw_stream is not None:
             return RawStream(self._raw_stream(self.device_index), self.new_event)
         return RawStream(self.runtime.current_stream(self.device_index).cuda_stream, self.new_event)

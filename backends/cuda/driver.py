@@ -136,8 +136,6 @@ class Driver:
         # that torch's next kernel launch reports as its own
         self.host_register = self.resolve("cuMemHostRegister", 6050, HOST_REGISTER)
         self.host_unregister = self.resolve("cuMemHostUnregister", 4000, HOST_UNREGISTER)
-        if self.memcpy is None:
-            raise OSError("libcuda has no cuMemcpyAsync")
         self.event_create = self.resolve("cuEventCreate", 2000, EVENT_CREATE)
         self.event_record = self.resolve("cuEventRecord", 2000, EVENT_RECORD)
         self.stream_wait_event = self.resolve("cuStreamWaitEvent", 3020, STREAM_WAIT_EVENT)
@@ -151,6 +149,11 @@ class Driver:
         self.ctx_get_current = self.resolve("cuCtxGetCurrent", 4000, CTX_OUT)
         self.ctx_push_current = self.resolve("cuCtxPushCurrent", 4000, CTX_IN)
         self.ctx_pop_current = self.resolve("cuCtxPopCurrent", 4000, CTX_OUT)
+        needed = ("memcpy", "event_create", "event_record", "stream_wait_event", "event_query")
+        needed += ("event_synchronize", "event_destroy", "event_elapsed_time", "ctx_get_current")
+        missing = [name for name in needed + ("ctx_push_current", "ctx_pop_current") if getattr(self, name) is None]
+        if missing:  # every driver since CUDA 12 (the first with cuGetProcAddress_v2) has them
+            raise OSError(f"libcuda lacks entry points the cuda backend needs: {', '.join(missing)}")
         # The hot path's short calls, ``(context, *args) -> CUresult`` (the negated code where
         # the context could not be made current). Compiled (`compiled`), they keep the GIL:
         # each is asynchronous or asks about work done, and handing the GIL to another thread
@@ -161,9 +164,7 @@ class Driver:
         self.elapsed_in = self._context_call(self.event_elapsed_time)
         self.memcpy_in = self._context_call(self.memcpy)
 
-    def _context_call(self, fn: Callable | None) -> Callable[..., int] | None:
-        if fn is None or not self.has_events:
-            return None
+    def _context_call(self, fn: Callable) -> Callable[..., int]:
         module = compiled()
         if module is None:
             return functools.partial(self._in_context_or_code, fn)
@@ -175,7 +176,7 @@ class Driver:
         (`DescriptorRing.upload_launch`'s `launch`), or None where the module or an entry point
         is missing. The callable raises `CudaDriverError` naming the call that failed."""
         module = compiled()
-        if module is None or self.launch_kernel is None or not self.has_events:
+        if module is None or self.launch_kernel is None:
             return None
         entry = [self.address(f) for f in (self.ctx_get_current, self.ctx_push_current, self.ctx_pop_current)]
         bound = functools.partial(
@@ -209,14 +210,6 @@ class Driver:
     def address(fn: Callable) -> int:
         """The C address of an entry point."""
         return ctypes.cast(fn, ctypes.c_void_p).value
-
-    @property
-    def has_events(self) -> bool:
-        """Whether every entry point `events.DriverEvent` calls was found."""
-        events = (self.event_create, self.event_record, self.stream_wait_event, self.event_query)
-        events += (self.event_synchronize, self.event_destroy, self.event_elapsed_time)
-        contexts = (self.ctx_get_current, self.ctx_push_current, self.ctx_pop_current)
-        return all(f is not None for f in events + contexts)
 
     def current_context(self) -> int | None:
         """The calling thread's current context (None where it has none)."""

@@ -21,7 +21,7 @@ class DriverEvent:
     """A ``CUevent`` of one GPU context, destroyed when the object is collected.
 
     Args:
-        driver: the loaded driver (`Driver.has_events` must be True).
+        driver: the loaded driver.
         context: the ``CUcontext`` of the GPU whose streams this event marks.
         timing: whether `elapsed_time` may be asked of it (such events cost more to record).
 
