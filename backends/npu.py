@@ -50,23 +50,12 @@ class AclMemcpyBatchAttr(ctypes.Structure):
 
 # aclError aclrtMemcpyBatchAsync(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes, size_t numBatches,
 #     aclrtMemcpyBatchAttr *attrs, size_t *attrsIndexes, size_t numAttrs, size_t *failIndex, aclrtStream stream)
+_PTR, _SIZE, _SIZES = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)
 ACL_MEMCPY_BATCH = ctypes.CFUNCTYPE(
-    ctypes.c_int,
-    ctypes.c_void_p,
-    ctypes.c_void_p,
-    ctypes.c_void_p,
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.POINTER(AclMemcpyBatchAttr),
-    ctypes.POINTER(ctypes.c_size_t),
-    ctypes.c_size_t,
-    ctypes.POINTER(ctypes.c_size_t),
-    ctypes.c_void_p,
+    ctypes.c_int, *[_PTR] * 4, _SIZE, ctypes.POINTER(AclMemcpyBatchAttr), _SIZES, _SIZE, _SIZES, _PTR
 )
 # aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind, aclrtStream)
-ACL_MEMCPY = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
-)
+ACL_MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, _PTR, _SIZE, _PTR, _SIZE, ctypes.c_int, _PTR)
 
 
 def _entry(lib: Any, name: str, prototype):

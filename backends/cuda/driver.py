@@ -34,20 +34,12 @@ SRC_ACCESS_ORDER_STREAM = 1  # read the source in stream order (it may still be 
 SRC_ACCESS_ORDER_ANY = 3  # the source is stable: the driver may read it whenever it likes
 POINTER_ATTRIBUTE_DEVICE_POINTER = 3
 BATCH_ABI_VERSION = 12080
+_PTR, _SIZE, _SIZES = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)
 
 # CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
 #     CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream)
 MEMCPY_BATCH = ctypes.CFUNCTYPE(
-    CUresult,
-    ctypes.c_void_p,
-    ctypes.c_void_p,
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.POINTER(CUmemcpyAttributes),
-    ctypes.POINTER(ctypes.c_size_t),
-    ctypes.c_size_t,
-    ctypes.POINTER(ctypes.c_size_t),
-    ctypes.c_void_p,
+    CUresult, *[_PTR] * 3, _SIZE, ctypes.POINTER(CUmemcpyAttributes), _SIZES, _SIZE, _SIZES, _PTR
 )
 # CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream)
 MEMCPY = ctypes.CFUNCTYPE(CUresult, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
@@ -60,12 +52,7 @@ HOST_UNREGISTER = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
 # CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
 #     CUdriverProcAddressQueryResult *symbolStatus)
 GET_PROC_ADDRESS = ctypes.CFUNCTYPE(
-    CUresult,
-    ctypes.c_char_p,
-    ctypes.POINTER(ctypes.c_void_p),
-    ctypes.c_int,
-    ctypes.c_uint64,
-    ctypes.POINTER(ctypes.c_int),
+    CUresult, ctypes.c_char_p, ctypes.POINTER(_PTR), ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)
 )
 # CUresult cuGetErrorName(CUresult error, const char **pStr)
 GET_ERROR_NAME = ctypes.CFUNCTYPE(CUresult, CUresult, ctypes.POINTER(ctypes.c_char_p))
