@@ -16,15 +16,12 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from offload_core.backend import Direction
 from offload_core.backends.torch_device import Runtime, TorchDeviceBackend
-from offload_core.errors import InvalidSpecError
-from offload_core.spec import KVCacheRef, KVCaches, KVCacheTensor
 
 log = logging.getLogger(__name__)
 
@@ -179,86 +176,3 @@ class NpuBackend(TorchDeviceBackend):
                 if code != 0:
                     raise RuntimeError(f"aclrtMemcpyAsync failed at index {i} of {len(sizes)}: aclError {code}")
         return self.mechanism
-
-
-def ascend_kv_caches(layers: Mapping[str, Sequence[Any]], groups: Sequence[Sequence[str]] | None = None) -> KVCaches:
-    """KVCaches from vllm-ascend's layout: per layer a (key, value) pair of tensors whose first
-    dimension is the block, possibly padded between blocks. Each becomes an int8 view of its
-    blocks' bytes, a pitch apart (`KVCacheTensor`): the padding is neither copied nor stored.
-
-    Args:
-        layers: layer name -> (key_cache, value_cache): a tuple or list of tensors (more than
-            two where a layer keeps more caches, an MLA layer's say), never a bare tensor.
-        groups: per KV-cache group, a list of its layer names, each a key of `layers`; default
-            one group with every layer.
-
-    Raises:
-        InvalidSpecError: `layers` not a mapping; a layer whose entry is not a tuple or list of
-            tensors, or is empty; a tensor without blocks, or whose blocks are not each contiguous
-            and evenly spaced; `groups` not a list of lists of names of `layers`.
-    """
-    import torch
-
-    if not isinstance(layers, Mapping):
-        raise InvalidSpecError(f"ascend_kv_caches: layers must map layer names to tensors, got {type(layers).__name__}")
-    tensors, refs_of = [], {}
-    for name, pair in layers.items():
-        if not isinstance(pair, (tuple, list)) or not pair:
-            got = f"a bare tensor of shape {tuple(pair.shape)}" if isinstance(pair, torch.Tensor) else _shown(pair)
-            raise InvalidSpecError(
-                f"ascend_kv_caches: layer {name!r} needs a (key, value) pair (a tuple or list of its cache "
-                f"tensors), got {got}"
-            )
-        refs_of[name] = []
-        for i, t in enumerate(pair):
-            if not isinstance(t, torch.Tensor):
-                raise InvalidSpecError(
-                    f"ascend_kv_caches: layer {name!r}: cache {i} must be a torch.Tensor, got {_shown(t)}"
-                )
-            if t.dim() < 1 or t.shape[0] < 1:
-                raise InvalidSpecError(
-                    f"ascend_kv_caches: layer {name!r}: cache {i} needs a leading block dimension, "
-                    f"got shape {tuple(t.shape)}"
-                )
-            pitch = t.stride(0) * t.element_size()
-            data = t[0].nbytes
-            if not t[0].is_contiguous() or pitch < data:
-                raise InvalidSpecError(
-                    f"ascend_kv_caches: layer {name!r}: cache {i}'s blocks must each be contiguous, evenly spaced"
-                )
-            refs_of[name].append(KVCacheRef(len(tensors), data))
-            raw = torch.empty(0, dtype=torch.int8, device=t.device)  # rows of `data` bytes, `pitch` apart
-            rows = raw.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (t.shape[0], data), (pitch, 1))
-            tensors.append(KVCacheTensor(rows, data))
-    return KVCaches(tensors, [[r for n in names for r in refs_of[n]] for names in _group_names(groups, refs_of)])
-
-
-def _group_names(groups: Any, layers: Mapping) -> list[list[Any]]:
-    """`ascend_kv_caches`' groups, checked: a list of lists of names of `layers` (all of them, if None)."""
-    if groups is None:
-        return [list(layers)]
-    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
-        raise InvalidSpecError(f"ascend_kv_caches: groups must be a list of lists of layer names, got {_shown(groups)}")
-    for g, names in enumerate(groups):
-        if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
-            raise InvalidSpecError(
-                f"ascend_kv_caches: groups[{g}] must be a list of layer names, got {_shown(names)} "
-                f"(one group of one layer is [[name]])"
-            )
-        for n in names:
-            try:
-                known = n in layers
-            except TypeError:  # unhashable
-                known = False
-            if not known:
-                raise InvalidSpecError(
-                    f"ascend_kv_caches: groups[{g}] names layer {_shown(n)}, not a layer of layers "
-                    f"(which has {len(layers)}: {list(layers)[:8]}{' ...' if len(layers) > 8 else ''})"
-                )
-    return [list(names) for names in groups]
-
-
-def _shown(value: Any) -> str:
-    """`value`'s repr for a message, or its type where the repr is long."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"a {type(value).__name__}"

@@ -14,12 +14,14 @@ from offload_core import (
     DeviceBlocks,
     Direction,
     HostBlocks,
-    InvalidSpecError,
+    KVCacheRef,
+    KVCaches,
+    KVCacheTensor,
     OffloadError,
     OffloadWorker,
     get_backend,
 )
-from offload_core.backends.npu import AclMemcpyBatchAttr, ascend_kv_caches
+from offload_core.backends.npu import AclMemcpyBatchAttr
 from offload_core.testing.conformance import BackendConformance
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -139,7 +141,9 @@ def test_vllm_ascend_padded_kv_layout(sim_npu):
     pair = [storage.as_strided((blocks, tokens, heads, dim), (pitch, heads * dim, dim, 1)) for _ in range(1)]
     value_storage = torch.randint(0, 255, (blocks * pitch,), dtype=torch.uint8)
     pair.append(value_storage.as_strided((blocks, tokens, heads, dim), (pitch, heads * dim, dim, 1)))
-    kv = ascend_kv_caches({"layer.0": tuple(pair)})
+    # vllm-ascend's layout: each block's 64 bytes of data, `pad` bytes of padding after it
+    rows = [torch.empty(0, dtype=torch.int8).set_(t.untyped_storage(), 0, (blocks, 64), (pitch, 1)) for t in pair]
+    kv = KVCaches([KVCacheTensor(r, 64) for r in rows], [[KVCacheRef(0, 64), KVCacheRef(1, 64)]])
     assert [(t.page_size_bytes, t.pitch_bytes) for t in kv.tensors] == [(64, pitch), (64, pitch)]
     assert [r.page_size_bytes for r in kv.group_refs[0]] == [64, 64]
     before = [storage.clone(), value_storage.clone()]
@@ -153,71 +157,6 @@ def test_vllm_ascend_padded_kv_layout(sim_npu):
         assert torch.equal(t[4:6], t[0:2])
         padding = t.as_strided((blocks, pad), (pitch, 1), t.storage_offset() + 64)
         assert torch.equal(padding, b.as_strided((blocks, pad), (pitch, 1), 64))  # padding never copied
-
-
-def ascend_block(blocks=8):
-    return torch.zeros(blocks, 16, 2, 4)
-
-
-@pytest.mark.parametrize(
-    "layers, groups, message",
-    [
-        (
-            {"l0": ascend_block()},
-            None,
-            r"layer 'l0' needs a \(key, value\) pair .*got a bare tensor of shape \(8, 16, 2, 4\)",
-        ),
-        ({"l0": (ascend_block(), None)}, None, r"layer 'l0': cache 1 must be a torch.Tensor, got None"),
-        ({"l0": None}, None, r"layer 'l0' needs a \(key, value\) pair .*got None"),
-        ({"l0": ()}, None, r"layer 'l0' needs a \(key, value\) pair .*got \(\)"),
-        ({"l0": (torch.tensor(1.0),)}, None, r"layer 'l0': cache 0 needs a leading block dimension, got shape \(\)"),
-        (
-            {"l0": (ascend_block(0),)},
-            None,
-            r"layer 'l0': cache 0 needs a leading block dimension, got shape \(0, 16, 2, 4\)",
-        ),
-        ({"l0": (ascend_block().transpose(0, 1),)}, None, r"layer 'l0': cache 0's blocks must each be contiguous"),
-        (
-            {"l0": (ascend_block(),)},
-            [["l1"]],
-            r"groups\[0\] names layer 'l1', not a layer of layers \(which has 1: \['l0'\]\)",
-        ),
-        (
-            {"l0": (ascend_block(),)},
-            ["l0"],
-            r"groups\[0\] must be a list of layer names, got 'l0' \(one group of one layer is \[\[name\]\]\)",
-        ),
-        ({"l0": (ascend_block(),)}, "l0", r"groups must be a list of lists of layer names, got 'l0'"),
-        ({"l0": (ascend_block(),)}, [["l0"], [["l0"]]], r"groups\[1\] names layer \['l0'\], not a layer"),
-        ([ascend_block(), ascend_block()], None, r"layers must map layer names to tensors, got list"),
-    ],
-    ids=[
-        "bare-tensor",
-        "none-tensor",
-        "none-pair",
-        "empty-pair",
-        "0-d",
-        "no-blocks",
-        "strided-blocks",
-        "unknown-layer",
-        "group-of-str",
-        "groups-str",
-        "unhashable-name",
-        "layers-list",
-    ],
-)
-def test_ascend_kv_caches_refuses_misuse_naming_the_layer_and_the_rule(layers, groups, message):
-    """A bare tensor where a (key, value) pair belongs became one KV tensor per block; a bad group
-    raised KeyError, a None tensor AttributeError."""
-    with pytest.raises(InvalidSpecError, match=r"^ascend_kv_caches: " + message):
-        ascend_kv_caches(layers, groups)
-
-
-def test_ascend_kv_caches_takes_lists_and_groups_of_its_layers():
-    k, v = ascend_block(), ascend_block()
-    kv = ascend_kv_caches({"l0": [k, v], "l1": (k, v, ascend_block())}, [("l1",), ["l0"]])
-    assert [[r.tensor_idx for r in g] for g in kv.group_refs] == [[2, 3, 4], [0, 1]]
-    assert all(t.page_size_bytes == 16 * 2 * 4 * 4 and t.num_blocks == 8 for t in kv.tensors)
 
 
 @pytest.mark.xpu
