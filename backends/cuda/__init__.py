@@ -52,7 +52,6 @@ CONF_RULES = {
     "sm_penalty": {"kind": float},
     "tune": {"zero": True, "most": 1},
 }
-CONF_KEYS = tuple(CONF_RULES)
 
 # Programs (SMs) of the kernels that copy across the link. On an H200, 8 keep the link as busy
 # with stores (posted writes) as 32 did; loads wait for every read and need more in flight.
@@ -422,7 +421,7 @@ def conf() -> dict[str, str]:
     if old:
         raise ConfigError(
             f"{', '.join(old)} {'is' if len(old) == 1 else 'are'} no longer read: set {ENV_CONF} instead "
-            f"(key:value pairs, comma-separated; keys: {', '.join(CONF_KEYS)})"
+            f"(key:value pairs, comma-separated; keys: {', '.join(CONF_RULES)})"
         )
     settings: dict[str, str] = {}
     for pair in os.environ.get(ENV_CONF, "").split(","):
@@ -431,7 +430,7 @@ def conf() -> dict[str, str]:
         key, sep, value = (part.strip() for part in pair.partition(":"))
         if not sep or key not in CONF_RULES or key in settings:
             why = "is not key:value" if not sep else "names a key twice" if key in settings else "has an unknown key"
-            raise ConfigError(f"{ENV_CONF}: {pair.strip()!r} {why}; keys: {', '.join(CONF_KEYS)}")
+            raise ConfigError(f"{ENV_CONF}: {pair.strip()!r} {why}; keys: {', '.join(CONF_RULES)}")
         settings[key] = value
     for key in settings:
         if key != "mechanism":
