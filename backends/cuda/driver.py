@@ -108,6 +108,10 @@ class Driver:
     Attributes:
         memcpy_batch: ``cuMemcpyBatchAsync`` (12.8 ABI), or None on drivers before 12.8.
         memcpy: ``cuMemcpyAsync``.
+
+    Raises:
+        OSError: the library lacks an entry point the backend always calls (copies, events,
+            contexts).
     """
 
     def __init__(self, lib: Any):
@@ -136,9 +140,9 @@ class Driver:
         self.ctx_get_current = self.resolve("cuCtxGetCurrent", 4000, CTX_OUT)
         self.ctx_push_current = self.resolve("cuCtxPushCurrent", 4000, CTX_IN)
         self.ctx_pop_current = self.resolve("cuCtxPopCurrent", 4000, CTX_OUT)
-        needed = ("memcpy", "event_create", "event_record", "stream_wait_event", "event_query")
-        needed += ("event_synchronize", "event_destroy", "event_elapsed_time", "ctx_get_current")
-        missing = [name for name in needed + ("ctx_push_current", "ctx_pop_current") if getattr(self, name) is None]
+        needed = ("memcpy", "event_create", "event_record", "stream_wait_event", "event_query", "event_synchronize")
+        needed += ("event_destroy", "event_elapsed_time", "ctx_get_current", "ctx_push_current", "ctx_pop_current")
+        missing = [name for name in needed if getattr(self, name) is None]
         if missing:  # every driver since CUDA 12 (the first with cuGetProcAddress_v2) has them
             raise OSError(f"libcuda lacks entry points the cuda backend needs: {', '.join(missing)}")
         # The hot path's short calls, ``(context, *args) -> CUresult`` (the negated code where
