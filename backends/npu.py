@@ -45,9 +45,9 @@ class AclMemcpyBatchAttr(ctypes.Structure):
     _fields_ = [("dstLoc", AclMemLocation), ("srcLoc", AclMemLocation), ("rsv", ctypes.c_uint8 * 16)]
 
 
+_PTR, _SIZE, _SIZES = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)
 # aclError aclrtMemcpyBatchAsync(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes, size_t numBatches,
 #     aclrtMemcpyBatchAttr *attrs, size_t *attrsIndexes, size_t numAttrs, size_t *failIndex, aclrtStream stream)
-_PTR, _SIZE, _SIZES = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)
 ACL_MEMCPY_BATCH = ctypes.CFUNCTYPE(
     ctypes.c_int, *[_PTR] * 4, _SIZE, ctypes.POINTER(AclMemcpyBatchAttr), _SIZES, _SIZE, _SIZES, _PTR
 )

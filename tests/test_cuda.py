@@ -125,7 +125,7 @@ def test_block_tables_are_not_reused_while_a_job_may_read_them():
     backend = CudaBackend(mechanism="expand_direct")
     n, jobs = 4096, 8
     # a simple job's table: its device and host ids, int32, one 8-byte entry per block; uploaded
-    # and launched in one compiled call where the driver has its events, as the backend's own ring
+    # and launched in one compiled call where the module was built, as the backend's own ring
     launch = backend.driver.table_launch_in(backend._ctx)
     backend._ring = DescriptorRing(torch, backend.device, backend._table_copy, entries=2 * n + 7, launch=launch)
     kv = small_kv(pages=(256,), blocks=2 * n, device=backend.device)
