@@ -20,8 +20,6 @@
 #define FEW 64
 int offload_int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name); /* _arrays.c */
 int offload_arity(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most);
-Py_ssize_t offload_runs_of(const uint64_t *h, Py_ssize_t n);
-void offload_sort_pairs(uint64_t *kh, uint64_t *kd, uint64_t *th, uint64_t *td, Py_ssize_t n);
 
 /* Whether any id lies outside [0, limit): a negative int64 read as uint64 is above any limit.
  * Blocks of ids without a branch, which the compiler vectorizes (a million ids: 0.4 of 2 ms
@@ -334,6 +332,51 @@ done:
     return result;
 }
 
+/* Runs of consecutive values: a run continues where a value is the one before plus 1. */
+static Py_ssize_t runs_of(const uint64_t *h, Py_ssize_t n) {
+    Py_ssize_t runs = n > 0;
+    for (Py_ssize_t i = 1; i < n; i++) runs += h[i] - h[i - 1] != 1;
+    return runs;
+}
+
+/* Digits of 8 bits (256 buckets) for up to SMALL_SORT ids, else of 11: the buckets' pass costs
+ * about as much as the ids' there. Two passes for ids below 64K or 4M. */
+#define DIGIT_BITS 11
+#define SMALL_SORT 1024
+
+/* Sort the pairs (kh[i], kd[i]) by kh in place, stably (an LSD radix sort ping-ponging with the
+ * scratch th, td of n values each). */
+static void sort_pairs(uint64_t *kh, uint64_t *kd, uint64_t *th, uint64_t *td, Py_ssize_t n) {
+    uint64_t *const out_h = kh, *const out_d = kd;
+    uint64_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) top |= kh[i];
+    const int bits = n <= SMALL_SORT ? 8 : DIGIT_BITS;
+    const uint64_t mask = (1u << bits) - 1;
+    for (int shift = 0; shift < 64 && (top >> shift) != 0; shift += bits) {
+        Py_ssize_t count[1 << DIGIT_BITS];
+        memset(count, 0, sizeof(Py_ssize_t) << bits);
+        for (Py_ssize_t i = 0; i < n; i++) count[(kh[i] >> shift) & mask]++;
+        Py_ssize_t at = 0;
+        for (int b = 0; b < (1 << bits); b++) {
+            Py_ssize_t c = count[b];
+            count[b] = at;
+            at += c;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t to = count[(kh[i] >> shift) & mask]++;
+            th[to] = kh[i];
+            td[to] = kd[i];
+        }
+        uint64_t *swap = kh;
+        kh = th, th = swap;
+        swap = kd, kd = td, td = swap;
+    }
+    if (kh != out_h) { /* an odd number of passes: the sorted pairs are in the scratch */
+        memcpy(out_h, kh, (size_t)n * 8);
+        memcpy(out_d, kd, (size_t)n * 8);
+    }
+}
+
 PyDoc_STRVAR(host_order_doc,
              "host_order(hosts, devs, out_hosts, out_devs) -> bool\n"
              "\n"
@@ -365,7 +408,7 @@ static PyObject *host_order(PyObject *self, PyObject *const *args, Py_ssize_t na
             }
         }
     const uint64_t *hosts = v[0].buf, *devs = v[1].buf;
-    Py_ssize_t before = offload_runs_of(hosts, n);
+    Py_ssize_t before = runs_of(hosts, n);
     if (n < 2 || before == 1) {
         result = Py_NewRef(Py_False);
         goto done;
@@ -377,8 +420,8 @@ static PyObject *host_order(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     memcpy(v[2].buf, hosts, (size_t)n * 8);
     memcpy(v[3].buf, devs, (size_t)n * 8);
-    offload_sort_pairs(v[2].buf, v[3].buf, tmp, tmp + n, n);
-    result = PyBool_FromLong(offload_runs_of(v[2].buf, n) < before);
+    sort_pairs(v[2].buf, v[3].buf, tmp, tmp + n, n);
+    result = PyBool_FromLong(runs_of(v[2].buf, n) < before);
 done:
     free(tmp);
     for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
@@ -392,10 +435,8 @@ PyDoc_STRVAR(row_runs_doc,
 
 static PyObject *row_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!offload_arity("row_runs", nargs, 2, 2)) return NULL;
-    int overflow = 0;
-    long long shortest = PyLong_AsLongLongAndOverflow(args[1], &overflow); /* saturates: no run is longer */
-    if (shortest == -1 && PyErr_Occurred()) return NULL;
-    if (overflow) shortest = overflow > 0 ? LLONG_MAX : -1;
+    int64_t shortest;
+    if (as_limit(args[1], &shortest) < 0) return NULL; /* saturates: no run is longer */
     Py_buffer view;
     if (offload_int64_buffer(args[0], &view, 0, "hosts") < 0) return NULL;
     const int64_t *h = view.buf;

@@ -69,13 +69,11 @@ def register_backend(name: str, target: str | type[Backend], *, clobber: bool = 
     clobber = flag(clobber, "clobber")
     if isinstance(target, str) and ":" not in target:
         raise InvalidSpecError(f"lazy backend target must look like 'module:Class', got {target!r}")
-    if not isinstance(target, str) and not (isinstance(target, type) and issubclass(target, Backend)):
-        raise InvalidSpecError(f"backend target must be a Backend subclass or 'module:Class', got {target!r}")
-    if isinstance(target, type) and inspect.isabstract(target):
-        raise InvalidSpecError(f"backend {target.__name__} does not implement {_missing(target)}")
-    if isinstance(target, type) and getattr(target, "name", None) != name:
-        named = getattr(target, "name", None)
-        raise InvalidSpecError(f"backend {target.__name__}.name is {named!r}, not its key {name!r}")
+    if not isinstance(target, str):
+        problem = _class_problem(target, name)
+        if problem:
+            label = f"backend {target.__name__}" if isinstance(target, type) else "a backend target ('module:Class' or a class)"
+            raise InvalidSpecError(f"{label} {problem}")
     with _lock:
         _load_plugins()
         if name in _targets and not clobber:
@@ -117,14 +115,9 @@ def backend_class(name: str) -> type[Backend]:
         raise
     except BaseException as exc:  # a broken plugin must not break the others, nor end the process
         raise BackendUnavailableError(name, f"cannot import {target}: {exc!r}") from exc
-    if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        raise BackendUnavailableError(name, f"{target} is {cls!r}, not a Backend subclass")
-    if inspect.isabstract(cls):
-        raise BackendUnavailableError(name, f"{target} does not implement {_missing(cls)}")
-    if getattr(cls, "name", None) != name:  # results, logs and the worker's messages say `name`
-        raise BackendUnavailableError(name, f"{target}.name is {getattr(cls, 'name', None)!r}, not its key {name!r}")
-    if type(cls.priority) is not int:
-        raise BackendUnavailableError(name, f"{target}.priority must be an int, got {cls.priority!r}")
+    problem = _class_problem(cls, name)
+    if problem:
+        raise BackendUnavailableError(name, f"{target} {problem}")
     with _lock:
         if _targets.get(name) == target:
             _targets[name] = cls
@@ -142,9 +135,17 @@ def availability() -> dict[str, str | None]:
     return {name: _probe(name, strict=False) for name in backend_names()}
 
 
-def _missing(cls: type) -> str:
-    """The abstract methods `cls` leaves unimplemented, for a message."""
-    return "the abstract method(s) " + ", ".join(sorted(cls.__abstractmethods__))
+def _class_problem(cls: object, name: str) -> str | None:
+    """Why `cls` cannot be the backend `name`, for a message, or None."""
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        return f"is {cls!r}, not a Backend subclass"
+    if inspect.isabstract(cls):
+        return "does not implement the abstract method(s) " + ", ".join(sorted(cls.__abstractmethods__))
+    if getattr(cls, "name", None) != name:  # results, logs and the worker's messages say `name`
+        return f"has name {getattr(cls, 'name', None)!r}, not its key {name!r}"
+    if type(cls.priority) is not int:
+        return f"has priority {cls.priority!r}, not an int"
+    return None
 
 
 def _probe(name: str, strict: bool = True) -> str | None:

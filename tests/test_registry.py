@@ -126,13 +126,13 @@ def test_lazy_string_is_imported_only_when_used(monkeypatch):
 def test_a_backend_is_named_by_its_key(monkeypatch):
     """Results, logs and the worker's messages name a backend by its class's `name`: a class
     under another key is refused, at registration or, for a lazy target, when loaded."""
-    with pytest.raises(InvalidSpecError, match="Fast.name is 'fast', not its key 'quick'"):
+    with pytest.raises(InvalidSpecError, match="backend Fast has name 'fast', not its key 'quick'"):
         registry.register_backend("quick", Fast)
     module = types.ModuleType("misnamed_plugin")
     module.Plugin = Fast
     monkeypatch.setitem(sys.modules, "misnamed_plugin", module)
     registry.register_backend("quick", "misnamed_plugin:Plugin")
-    with pytest.raises(BackendUnavailableError, match="misnamed_plugin:Plugin.name is 'fast', not its key 'quick'"):
+    with pytest.raises(BackendUnavailableError, match="misnamed_plugin:Plugin has name 'fast', not its key 'quick'"):
         registry.get_backend("quick")
 
 
@@ -299,7 +299,7 @@ class BadPriority(FakeBackend):
     "attr, body, reason",
     [
         ("NotABackend", "NotABackend = len", "not a Backend subclass"),
-        ("BadPriority", None, "priority must be an int"),
+        ("BadPriority", None, "has priority 'high', not an int"),
         ("Leaving", "import sys; sys.exit(3)", "cannot import"),
     ],
 )
