@@ -96,12 +96,7 @@ class NpuBackend(TorchDeviceBackend):
                 import torch_npu  # noqa: F401  (registers torch.npu)
             except Exception as exc:
                 return f"torch_npu failed to import: {exc}"
-        try:
-            if not torch.npu.is_available():
-                return "torch.npu.is_available() is False: no usable Ascend NPU or driver"
-        except Exception as exc:
-            return f"torch.npu.is_available() raised {exc!r}"
-        return None
+        return cls._unavailable(torch.npu, "Ascend NPU")
 
     def __init__(self, device_index: int = 0, *, runtime: Runtime | None = None, acl: Any = None):
         if runtime is None:

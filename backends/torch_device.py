@@ -138,6 +138,16 @@ class TorchDeviceBackend(Backend):
     def synchronize(self) -> None:
         self.runtime.synchronize(self.device_index)
 
+    @classmethod
+    def _unavailable(cls, module: Any, what: str) -> str | None:
+        """A probe's last step: why torch's `module` (``torch.npu``, say) has no usable `what`, or None."""
+        try:
+            if not module.is_available():
+                return f"torch.{cls.module_name}.is_available() is False: no usable {what} or driver"
+        except Exception as exc:  # a half-installed SDK raises here rather than saying False
+            return f"torch.{cls.module_name}.is_available() raised {exc!r}"
+        return None
+
     def _bind_thread(self) -> None:
         """Make this device current in the calling thread (copies may come from any thread)."""
         if self.runtime.current_device() != self.device_index:

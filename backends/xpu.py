@@ -65,12 +65,7 @@ class XpuBackend(TorchDeviceBackend):
         if xpu is None or tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) < (2, 6):
             # before 2.6 an xpu event's elapsed_time raised NotImplementedError: every job would fail
             return f"torch {torch.__version__} has no usable torch.xpu (needs 2.6 or later)"
-        try:
-            if not xpu.is_available():
-                return "torch.xpu.is_available() is False: no usable Intel GPU or driver"
-        except Exception as exc:
-            return f"torch.xpu.is_available() raised {exc!r}"
-        return None
+        return cls._unavailable(xpu, "Intel GPU")
 
     def __init__(self, device_index: int = 0, *, runtime: Runtime | None = None, copier: StreamCopier | None = None):
         super().__init__(device_index, runtime=runtime)

@@ -259,3 +259,22 @@ def test_importing_the_base_imports_no_device_sdk():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("module", ["cuda", "npu", "xpu"])
+@pytest.mark.parametrize("answer", [False, RuntimeError("driver half installed")])
+def test_a_device_module_that_says_no_or_raises_is_the_probes_reason(monkeypatch, module, answer):
+    """``torch.<module>.is_available()`` answering False, or raising (a half-installed SDK), is a
+    reason naming the module; the probe itself does not raise."""
+    from offload_core.backends.cuda import CudaBackend
+
+    def is_available():
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch, module, type(module, (), {"is_available": staticmethod(is_available)}), raising=False)
+    cls = {"cuda": CudaBackend, "npu": NpuBackend, "xpu": XpuBackend}[module]
+    expected = "is False" if answer is False else "raised RuntimeError('driver half installed')"
+    assert f"torch.{module}.is_available() {expected}" in cls.probe()

@@ -120,10 +120,10 @@ class CudaBackend(TorchDeviceBackend):
             if getattr(torch.version, "hip", None):  # ROCm builds name their devices "cuda" too
                 return f"torch {torch.__version__} is a ROCm (HIP) build: the cuda backend needs NVIDIA's CUDA driver"
             return f"torch {torch.__version__} is built without CUDA"
-        if not torch.cuda.is_available():
-            return "torch.cuda.is_available() is False: no usable NVIDIA GPU or driver"
-        conf()  # only here: a machine that cannot run it (an NPU host, say) ignores its conf
-        return None
+        reason = cls._unavailable(torch.cuda, "NVIDIA GPU")
+        if reason is None:
+            conf()  # only here: a machine that cannot run it (an NPU host, say) ignores its conf
+        return reason
 
     def __init__(
         self,
