@@ -72,7 +72,7 @@ def register_backend(name: str, target: str | type[Backend], *, clobber: bool = 
     if not isinstance(target, str):
         problem = _class_problem(target, name)
         if problem:
-            label = f"backend {target.__name__}" if isinstance(target, type) else "a backend target ('module:Class' or a class)"
+            label = f"backend {target.__name__}" if isinstance(target, type) else "a backend target (a class or 'm:Class')"
             raise InvalidSpecError(f"{label} {problem}")
     with _lock:
         _load_plugins()
