@@ -72,8 +72,8 @@ def register_backend(name: str, target: str | type[Backend], *, clobber: bool = 
     if not isinstance(target, str):
         problem = _class_problem(target, name)
         if problem:
-            label = f"backend {target.__name__}" if isinstance(target, type) else "a backend target (a class or 'm:Class')"
-            raise InvalidSpecError(f"{label} {problem}")
+            label = target.__name__ if isinstance(target, type) else "target"
+            raise InvalidSpecError(f"backend {label} {problem}")
     with _lock:
         _load_plugins()
         if name in _targets and not clobber:
