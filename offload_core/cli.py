@@ -244,7 +244,7 @@ def _run(argv: Sequence[str] | None) -> int:
             "List every registered backend (built in, or a plugin's entry point): whether it can run here and "
             "why not, and which one is selected: $OFFLOAD_CORE_BACKEND, else the available one of the highest "
             "priority, ties by name. Also says whether the compiled steps were built. Exit status 1 where the "
-            "selection names an unknown backend or one that cannot run here."
+            "selection names an unknown backend or one that cannot run here, 2 where a setting is malformed."
         ),
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
@@ -261,7 +261,9 @@ def _run(argv: Sequence[str] | None) -> int:
         epilog=(
             "Columns: GB/s of the stores and of the loads; the limit and its share; descriptors/job, the copies "
             "a job became after merging contiguous runs; mean copy, their average size. 'plan+submit' is the "
-            "median host time of a job's submit. Exit status: 0 verified, 1 a byte differs, 2 options that "
+            "median host time of a job's submit. With --json, <direction>_gbps is the table's (wall clock over the "
+            "jobs), <direction>_device_gbps over the jobs' own device time (their transfer_time). Exit status: "
+            "0 verified, 1 a byte differs, 2 options that "
             "cannot run, 3 output that cannot be written, 130 interrupted."
         ),
     )
