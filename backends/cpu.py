@@ -116,7 +116,15 @@ class CpuEvent:
     def synchronize(self) -> None:
         marker = self._marker
         if marker is not None:
-            marker.done.wait()
+            if threading.current_thread() is threading.main_thread():
+                # Polled: a KeyboardInterrupt landing inside `Event.wait`'s Python frames can leave
+                # the event's lock held, and then the stream's `set` blocks for good.
+                pause = 20e-6
+                while not marker.done.is_set():
+                    time.sleep(pause)
+                    pause = min(2 * pause, 200e-6)
+            else:  # signals reach the main thread only
+                marker.done.wait()
             self._raise_if_failed(marker)
 
     def elapsed_time(self, end: CpuEvent) -> float:

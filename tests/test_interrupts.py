@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -324,3 +327,43 @@ def test_a_child_forked_inside_a_section_gets_the_handler_back():
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+SWEEP = textwrap.dedent(
+    """
+    import faulthandler, os, signal, sys, torch
+    from offload_core import DeviceBlocks, HostBlocks, KVCacheRef, KVCaches, KVCacheTensor, OffloadWorker
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang fails the test, with the stacks
+    page = 1 << 20
+    kv = KVCaches([KVCacheTensor(torch.ones(16, page, dtype=torch.uint8), page)], [[KVCacheRef(0, page)]])
+    for call in ("wait", "shutdown"):
+        for k in range(30):
+            w = OffloadWorker(kv, 16, backend="cpu")
+            for j in range(8):
+                w.submit_store(j, DeviceBlocks([j]), HostBlocks([j]))
+            seen = [0]
+            def prof(frame, event, arg):  # a SIGINT at the k-th call into threading.py
+                if event == "call" and frame.f_code.co_filename.endswith("threading.py"):
+                    seen[0] += 1
+                    if seen[0] > k:
+                        sys.setprofile(None)
+                        os.kill(os.getpid(), signal.SIGINT)
+            sys.setprofile(prof)
+            try:
+                w.wait(range(8)) if call == "wait" else w.shutdown()
+            except KeyboardInterrupt:
+                pass
+            sys.setprofile(None)
+            w.shutdown()
+            assert sorted(r.job_id for r in w.get_finished()) == list(range(8)), (call, k)
+    print("ok")
+    """
+)
+
+
+def test_a_ctrl_c_at_any_instant_of_a_wait_or_shutdown_on_the_cpu_backend_leaves_shutdown_working():
+    """A SIGINT delivered at each of the first calls into `threading` during `wait` and during
+    `shutdown` (where one inside `threading.Event.wait` could leave the event's lock held, and the
+    cpu stream's `set` of it blocked for good): the next `shutdown` returns every result."""
+    out = subprocess.run([sys.executable, "-c", SWEEP], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
