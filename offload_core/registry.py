@@ -3,7 +3,7 @@
 Built-in backends are registered as lazy ``"module:Class"`` strings, so nothing is
 imported until a backend is probed or selected. Third-party packages add backends
 through the entry-point group ``offload_core.backends`` (set
-``OFFLOAD_CORE_PLUGINS=0`` to ignore them; any value but 0 or 1 is a `ConfigError`).
+``OFFLOAD_CORE_PLUGINS=0`` to ignore them; any value but 0, 1 or empty is a `ConfigError`).
 """
 
 from __future__ import annotations
